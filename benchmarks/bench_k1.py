@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Cold start and K1 timing on the GPU: module-load cost per cubin and K1 throughput.
+
+    python benchmarks/bench_k1.py            # prints a table; --json PATH also writes JSON
+
+Cold start is measured in this fresh process: manifest discovery + sha256 checks + every
+``cuModuleLoadData`` (``preload``), then the first K1 launch.  K1 is timed with CUDA events
+(25 warm-up, 100 timed, interquartile mean) against the bytes it must move.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+t_import = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
+import cula_aot  # noqa: E402,F401
+from cula_aot.layout import WORKSPACE_SLOT_BYTES  # noqa: E402
+from cula_aot.ops.prepare import plan_slots, prepare  # noqa: E402
+from cula_aot.runtime.loader import default_loader  # noqa: E402
+
+t_import = time.perf_counter() - t_import
+
+
+def iqm(samples):
+    s = sorted(samples)
+    q = len(s) // 4
+    return statistics.fmean(s[q : len(s) - q])
+
+
+def time_cuda(fn, warmup=25, iters=100):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return iqm(times)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)  # CUDA context up before the clock starts
+    loader = default_loader()
+    t0 = time.perf_counter()
+    n = loader.preload(device)
+    t_preload = time.perf_counter() - t0
+    results = {"import_s": t_import, "preload_s": t_preload, "kernels_loaded": n,
+               "per_module_ms": 1e3 * t_preload / n, "k1": []}
+
+    for heads, batch, seq_len in [(64, 1, 8192), (96, 1, 8192), (8, 1, 16384), (64, 8, 1024)]:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        shape = (batch, seq_len, heads, 128)
+        q, k, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(3))
+        beta = torch.randn(batch, seq_len, heads, generator=gen).to(torch.bfloat16).to(device)
+        a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1).to(device)
+        dt_bias = (0.1 * torch.randn(heads, 128, generator=gen)).to(device)
+
+        def run():
+            prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
+
+        t1 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        first_ms = 1e3 * (time.perf_counter() - t1)
+        ms = time_cuda(run)
+        slots = heads * plan_slots(batch, seq_len, None)
+        moved = 3 * q.numel() * 2 + beta.numel() * 2 + slots * sum(WORKSPACE_SLOT_BYTES.values())
+        results["k1"].append({"heads": heads, "batch": batch, "seq_len": seq_len, "ms": ms,
+                              "first_call_ms": first_ms, "GB": moved / 1e9, "TBps": moved / ms / 1e9})
+    print(f"import cula_aot + torch: {t_import * 1e3:.1f} ms; preload {n} cubins: {t_preload * 1e3:.1f} ms "
+          f"({results['per_module_ms']:.2f} ms per module)")
+    print("| H | B | T | K1 ms | first call ms | GB moved | TB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["k1"]:
+        print(f"| {r['heads']} | {r['batch']} | {r['seq_len']} | {r['ms']:.4f} | {r['first_call_ms']:.2f} | "
+              f"{r['GB']:.3f} | {r['TBps']:.2f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

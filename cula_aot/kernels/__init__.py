@@ -1,0 +1,63 @@
+"""CuTeDSL kernels. Imported only by the build (``cula_aot.build``): never by the runtime."""
+
+import glob
+import inspect
+import os
+
+from ..specs import KernelSpec, Param
+from . import k1_prepare
+
+# kernel name → (host launch function, device kernel, dynamic shared memory bytes)
+_KERNELS = {
+    "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, k1_prepare.SMEM_BYTES),
+}
+
+
+def dynamic_smem_bytes(spec: KernelSpec) -> int:
+    return _KERNELS[spec.kernel][2]
+
+
+def _fake_argument(param: Param):
+    """A placeholder argument that traces to exactly the declared parameter type."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from ..specs import POINTER_ALIGN
+
+    dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}
+    if param.kind == "pointer":
+        return make_ptr(dtypes[param.dtype], POINTER_ALIGN, cute.AddressSpace.gmem, assumed_align=POINTER_ALIGN)
+    return dtypes[param.dtype](1)
+
+
+def declared_names_match(spec: KernelSpec) -> None:
+    """The spec's parameter list must name the device kernel's runtime parameters in order."""
+    _, kernel, _ = _KERNELS[spec.kernel]
+    signature = inspect.signature(inspect.unwrap(kernel))
+    runtime = [n for n in signature.parameters if n not in spec.args]
+    declared = [p.name for p in spec.params]
+    if runtime != declared:
+        raise ValueError(f"{spec.name}: kernel parameters {runtime} != declared ABI {declared}")
+
+
+def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
+    """Compile ``spec`` for ``arch`` without a GPU; returns the (ptx, cubin) paths in ``dump_dir``."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    declared_names_match(spec)
+    launch, _, _ = _KERNELS[spec.kernel]
+    args = [_fake_argument(p) for p in spec.params]
+    cute.compile(
+        launch,
+        *args,
+        cuda.CUstream(0),
+        *spec.args.values(),
+        options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
+    )
+    ptx = glob.glob(os.path.join(dump_dir, "*.ptx"))
+    cubin = glob.glob(os.path.join(dump_dir, "*.cubin"))
+    if len(ptx) != 1 or len(cubin) != 1:
+        raise RuntimeError(f"{spec.name}: expected one PTX and one cubin in {dump_dir}, found {ptx + cubin}")
+    return ptx[0], cubin[0]

@@ -1,0 +1,64 @@
+"""Device helpers and constants shared by the KDA kernels (CuTeDSL; imported only by the build)."""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import CHUNK, D, IMAGE_BYTES, k_inter_index
+
+THREADS = 128
+
+__all__ = [
+    "CHUNK",
+    "D",
+    "IMAGE_BYTES",
+    "THREADS",
+    "k_inter_index",
+    "load_bf16x16_as_f32",
+    "sigmoid",
+    "varlen_slot_lookup",
+]
+
+
+@cute.jit
+def sigmoid(x):
+    """σ(x) = ½(tanh(x/2) + 1): exact at ±inf, no overflow."""
+    return cutlass.Float32(0.5) * (cute.math.tanh(x * cutlass.Float32(0.5)) + cutlass.Float32(1.0))
+
+
+@cute.jit
+def load_bf16x16_as_f32(base: cute.Pointer, elem_offset, valid):
+    """16 consecutive bf16 at ``base + elem_offset`` (a multiple of 16) as fp32; zeros if not valid."""
+    frag = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
+    frag.fill(0.0)
+    if valid:
+        src = cute.make_tensor(base + cute.assume(elem_offset, divby=16), cute.make_layout(16))
+        frag.store(src.load().to(cutlass.Float32))
+    return frag
+
+
+@cute.jit
+def slot_base(cu_seqlens: cute.Tensor, seq):
+    """First tile slot of varlen sequence ``seq``: (cu[seq] + 15·seq) // 16 (see K1's docstring)."""
+    return (cu_seqlens[seq] + (CHUNK - 1) * seq) // CHUNK
+
+
+@cute.jit
+def varlen_slot_lookup(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
+    """(first token, tile index, valid rows) of varlen tile slot ``slot``.
+
+    Binary search for the last sequence whose first slot is ≤ ``slot``; ``rows`` ≤ 0 marks a
+    gap slot that no tile uses.
+    """
+    cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
+    lo = cutlass.Int32(0)
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if slot_base(cu, mid) <= slot:
+            lo = mid
+        else:
+            hi = mid - 1
+    tile = slot - slot_base(cu, lo)
+    start = cu[lo]
+    rows = cutlass.min(cu[lo + 1] - start - tile * CHUNK, CHUNK)
+    return cutlass.Int64(start), tile, rows

@@ -1,0 +1,267 @@
+"""K1 "prepare": per (16-token tile, head) KDA workspaces, compiled ahead of time.
+
+What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence and one head:
+
+* ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, ``G`` its inclusive cumsum
+  over the tile's rows, ``gtot = exp(G[15])``;
+* ``q̂, k̂`` = L2-normalised q, k rounded to bf16, ``b = σ(β)``;
+* ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (bf16);
+* ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` and
+  ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` evaluated in fp32 (L is nilpotent: exact).
+
+Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
+
+Workspaces (slot = head · total_slots + tile slot; see ``slot_base`` below):
+
+* qd, kd, kr: 4096 B raw byte images of the bf16 16×128 tile in the K_INTER layout, element
+  (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``; each written with one ``cp.async.bulk``
+  shared→global copy.
+* gt: fp32[128] gtot.  inv, mqk: bf16 16×16 row-major (element (i, j) at ``i·16 + j``).
+* beta: bf16[16] raw β logits, -inf for padded rows (K2 applies σ itself, losslessly).
+
+Tile slots.  Fixed mode (B sequences of T tokens): slot = b·ceil(T/16) + tile.  Varlen mode
+(cu_seqlens, N sequences): sequence s owns slots from ``(cu[s] + 15·s) // 16``; since
+``floor((x+L+15)/16) ≥ floor(x/16) + ceil(L/16)`` the ranges never overlap, the total is
+``(T + 15·N) // 16`` and a CTA finds its sequence by binary search over cu_seqlens alone:
+no prefix scan, no extra launch, no GPU→CPU sync.  Slots in the gaps are left unwritten.
+
+Launch: grid (total_slots, H, 1), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared memory.
+Constraints: D = 128, CHUNK = 16, H compile-time; q/k/g contiguous [rows, H, 128] bf16 with
+16-byte aligned base; scale and lower_bound are runtime scalars.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+from .common import (
+    CHUNK,
+    D,
+    IMAGE_BYTES,
+    THREADS,
+    k_inter_index,
+    load_bf16x16_as_f32,
+    sigmoid,
+    varlen_slot_lookup,
+)
+
+# Phase A: 8 threads per row, 16 columns each.
+THREADS_PER_ROW = THREADS // CHUNK
+COLS_PER_THREAD = D // THREADS_PER_ROW
+
+# Shared memory plan, in allocation order (bytes): q̂, k̂, γ (fp32 16×128 each), the four bf16
+# K_INTER images (qd, kd, kr, kinv), b (fp32[16]), L and the Neumann ping-pong buffers.
+_F32_TILE = CHUNK * D * 4
+_F32_SMALL = CHUNK * CHUNK * 4
+SMEM_BYTES = 3 * _F32_TILE + 4 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 7 * 128
+
+
+@cute.jit
+def _matmul16_entry(a: cute.Tensor, b: cute.Tensor, i, j):
+    """(a·b)[i, j] for 16×16 fp32 shared-memory matrices."""
+    acc = cutlass.Float32(0.0)
+    for t in cutlass.range_constexpr(CHUNK):
+        acc += a[i, t] * b[t, j]
+    return acc
+
+
+@cute.kernel
+def k1_prepare_kernel(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    cu_seqlens: cute.Pointer,
+    ws_qd: cute.Pointer,
+    ws_kd: cute.Pointer,
+    ws_kr: cute.Pointer,
+    ws_gt: cute.Pointer,
+    ws_inv: cute.Pointer,
+    ws_mqk: cute.Pointer,
+    ws_beta: cute.Pointer,
+    seq_len: cutlass.Int32,
+    num_seqs: cutlass.Int32,
+    total_slots: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    heads: cutlass.Constexpr[int],
+    varlen: cutlass.Constexpr[bool],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    slot, head, _ = cute.arch.block_idx()
+
+    # ---- which sequence / tile this CTA owns -------------------------------------------
+    seq_start = cutlass.Int64(0)
+    tile = cutlass.Int32(0)
+    rows = cutlass.Int32(0)
+    if cutlass.const_expr(varlen):
+        seq_start, tile, rows = varlen_slot_lookup(cu_seqlens, num_seqs, slot)
+    else:
+        tiles_per_seq = (seq_len + (CHUNK - 1)) // CHUNK
+        seq = slot // tiles_per_seq
+        tile = slot - seq * tiles_per_seq
+        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+        rows = cutlass.min(seq_len - tile * CHUNK, CHUNK)
+
+    if rows > 0:
+        smem = cutlass.utils.SmemAllocator()
+        s_qhat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
+        s_khat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
+        s_gamma = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
+        image_layout = cute.make_layout(CHUNK * D)
+        s_qd = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
+        s_kd = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
+        s_kr = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
+        s_kinv = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
+        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
+        small = cute.make_layout((CHUNK, CHUNK), stride=(CHUNK, 1))
+        s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
+        s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
+        s_x1 = smem.allocate_tensor(cutlass.Float32, small, 16)
+        s_p0 = smem.allocate_tensor(cutlass.Float32, small, 16)
+        s_p1 = smem.allocate_tensor(cutlass.Float32, small, 16)
+
+        slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
+        token0 = seq_start + cutlass.Int64(tile * CHUNK)
+
+        # ---- phase A: row-wise l2norm, gate and β (8 threads per row) -------------------
+        row = tid // THREADS_PER_ROW
+        col0 = (tid % THREADS_PER_ROW) * COLS_PER_THREAD
+        row_valid = row < rows
+        elem = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(col0)
+        vq = load_bf16x16_as_f32(q, elem, row_valid)
+        vk = load_bf16x16_as_f32(k, elem, row_valid)
+        vg = load_bf16x16_as_f32(g, elem, row_valid)
+
+        ssq = cutlass.Float32(0.0)
+        ssk = cutlass.Float32(0.0)
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            ssq += vq[c] * vq[c]
+            ssk += vk[c] * vk[c]
+        for offset in cutlass.range_constexpr(3):
+            ssq += cute.arch.shuffle_sync_bfly(ssq, offset=1 << offset)
+            ssk += cute.arch.shuffle_sync_bfly(ssk, offset=1 << offset)
+        rq = cute.math.rsqrt(ssq + 1e-6)
+        rk = cute.math.rsqrt(ssk + 1e-6)
+
+        decay_rate = cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head])
+        g_bias = cute.make_tensor(dt_bias + head * D + col0, cute.make_layout(COLS_PER_THREAD))
+        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+            s_qhat[row, col0 + c] = (vq[c] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+            s_khat[row, col0 + c] = (vk[c] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+            gamma = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[c]))
+            s_gamma[row, col0 + c] = gamma if row_valid else cutlass.Float32(0.0)
+
+        if tid % THREADS_PER_ROW == 0:
+            beta_in = cute.make_tensor(beta, cute.make_layout(1))
+            logit = cutlass.Float32(-float("inf"))
+            if row_valid:
+                logit = beta_in[(token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)].to(cutlass.Float32)
+            s_b[row] = sigmoid(logit)
+            out_beta = cute.make_tensor(ws_beta + slot_index * CHUNK, cute.make_layout(CHUNK))
+            out_beta[row] = logit.to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+
+        # ---- phase B: column-wise cumsum and decayed operands (thread = column) ---------
+        col = tid
+        cum = cutlass.Float32(0.0)
+        for r in cutlass.range_constexpr(CHUNK):
+            cum += s_gamma[r, col]
+        g_total = cum
+        cum = cutlass.Float32(0.0)
+        for r in cutlass.range_constexpr(CHUNK):
+            cum += s_gamma[r, col]
+            qh = s_qhat[r, col]
+            kh = s_khat[r, col]
+            idx = k_inter_index(r, col)
+            s_qd[idx] = (qh * cute.math.exp(cum) * scale).to(cutlass.BFloat16)
+            s_kd[idx] = (kh * cute.math.exp(cum)).to(cutlass.BFloat16)
+            s_kinv[idx] = (kh * cute.math.exp(-cum)).to(cutlass.BFloat16)
+            s_kr[idx] = (kh * cute.math.exp(g_total - cum)).to(cutlass.BFloat16)
+        out_gt = cute.make_tensor(ws_gt + slot_index * D, cute.make_layout(D))
+        out_gt[col] = cute.math.exp(g_total)
+
+        # The bulk copy engine reads the images through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        bulk_s2g = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), cutlass.BFloat16, num_bits_per_copy=IMAGE_BYTES * 8)
+        if tid == 0:
+            # CuTeDSL 4.8.1 does not elect a lane for CopyBulkS2GOp: one thread issues.
+            for src, dst in ((s_qd, ws_qd), (s_kd, ws_kd), (s_kr, ws_kr)):
+                g_img = cute.make_tensor(dst + slot_index * (CHUNK * D), image_layout)
+                cute.copy(bulk_s2g, src, g_img)
+            cute.arch.cp_async_bulk_commit_group()
+
+        # ---- phase C: L and Mqk (thread → entries (i, j) and (i + 8, j)) ----------------
+        j = tid % CHUNK
+        out_mqk = cute.make_tensor(ws_mqk + slot_index * (CHUNK * CHUNK), small)
+        for half in cutlass.range_constexpr(2):
+            i = tid // CHUNK + half * (CHUNK // 2)
+            acc_k = cutlass.Float32(0.0)
+            acc_q = cutlass.Float32(0.0)
+            for cb in cutlass.range_constexpr(D // 8):
+                for e in cutlass.range_constexpr(8):
+                    kv = s_kinv[cb * 128 + j * 8 + e].to(cutlass.Float32)
+                    acc_k += s_kd[cb * 128 + i * 8 + e].to(cutlass.Float32) * kv
+                    acc_q += s_qd[cb * 128 + i * 8 + e].to(cutlass.Float32) * kv
+            s_l[i, j] = s_b[i] * acc_k if j < i else cutlass.Float32(0.0)
+            out_mqk[i, j] = (acc_q if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+
+        # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) -----------------------------
+        for half in cutlass.range_constexpr(2):
+            i = tid // CHUNK + half * (CHUNK // 2)
+            eye = cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)
+            s_p0[i, j] = eye - s_l[i, j]
+            s_x0[i, j] = _matmul16_entry(s_l, s_l, i, j)
+        cute.arch.sync_threads()
+        for step in cutlass.range_constexpr(2):
+            p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
+            p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
+            for half in cutlass.range_constexpr(2):
+                i = tid // CHUNK + half * (CHUNK // 2)
+                p_dst[i, j] = p_src[i, j] + _matmul16_entry(p_src, x_src, i, j)
+                x_dst[i, j] = _matmul16_entry(x_src, x_src, i, j)
+            cute.arch.sync_threads()
+        out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), small)
+        for half in cutlass.range_constexpr(2):
+            i = tid // CHUNK + half * (CHUNK // 2)
+            out_inv[i, j] = (s_p0[i, j] + _matmul16_entry(s_p0, s_x0, i, j)).to(cutlass.BFloat16)
+
+        if tid == 0:
+            # Shared memory must outlive the bulk reads of the images.
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def k1_prepare_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    cu_seqlens: cute.Pointer,
+    ws_qd: cute.Pointer,
+    ws_kd: cute.Pointer,
+    ws_kr: cute.Pointer,
+    ws_gt: cute.Pointer,
+    ws_inv: cute.Pointer,
+    ws_mqk: cute.Pointer,
+    ws_beta: cute.Pointer,
+    seq_len: cutlass.Int32,
+    num_seqs: cutlass.Int32,
+    total_slots: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    stream,
+    heads: cutlass.Constexpr[int],
+    varlen: cutlass.Constexpr[bool],
+):
+    k1_prepare_kernel(
+        q, k, g, beta, a_log, dt_bias, cu_seqlens,
+        ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
+        seq_len, num_seqs, total_slots, scale, lower_bound, heads, varlen,
+    ).launch(grid=[total_slots, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream)

@@ -1,0 +1,51 @@
+"""Workspace ABI shared by the kernels, the runtime and the tests (no cutlass, no GPU).
+
+The qd/kd/kr workspaces are raw byte images of a 16×128 bf16 shared-memory tile in the
+K_INTER layout: element (r, c) lives at byte ``2·((c//8)·128 + r·8 + c%8)``.  Slots are
+numbered ``head · total_slots + tile_slot`` (see ``cula_aot/kernels/k1_prepare.py``).
+"""
+
+D = 128
+CHUNK = 16
+IMAGE_BYTES = CHUNK * D * 2
+
+# Bytes per (tile, head) slot of each workspace.
+WORKSPACE_SLOT_BYTES = {
+    "qd": IMAGE_BYTES,
+    "kd": IMAGE_BYTES,
+    "kr": IMAGE_BYTES,
+    "gt": D * 4,
+    "inv": CHUNK * CHUNK * 2,
+    "mqk": CHUNK * CHUNK * 2,
+    "beta": CHUNK * 2,
+}
+
+
+def k_inter_index(row, col):
+    """Element (not byte) index of (row, col) in a K_INTER image (ints, DSL or torch values)."""
+    return (col // 8) * (CHUNK * 8) + row * 8 + col % 8
+
+
+def fixed_total_slots(batch: int, seq_len: int) -> int:
+    """Tile slots per head for B sequences of T tokens: B·ceil(T/16)."""
+    return batch * -(-seq_len // CHUNK)
+
+
+def varlen_total_slots(total_tokens: int, num_seqs: int) -> int:
+    """Tile slots per head for varlen input: (T + 15·N) // 16, an upper bound needing no sync."""
+    return (total_tokens + (CHUNK - 1) * num_seqs) // CHUNK
+
+
+def varlen_slot_base(cu_seqlens: list[int], seq: int) -> int:
+    """First tile slot of sequence ``seq`` (the host twin of the device lookup)."""
+    return (cu_seqlens[seq] + (CHUNK - 1) * seq) // CHUNK
+
+
+def decode_k_inter(images):
+    """Decode K_INTER byte images ``[..., 2048]`` (bf16 elements) into logical ``[..., 16, 128]``."""
+    import torch
+
+    rows = torch.arange(CHUNK).view(CHUNK, 1)
+    cols = torch.arange(D).view(1, D)
+    index = k_inter_index(rows, cols)
+    return images.reshape(*images.shape[:-1], CHUNK * D)[..., index.to(images.device)]

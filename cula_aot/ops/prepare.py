@@ -1,0 +1,63 @@
+"""Launch K1 (prepare) from torch tensors: slot planning, workspace carving, parameter values."""
+
+import dataclasses
+
+import torch
+
+from ..layout import CHUNK, D, fixed_total_slots, varlen_total_slots
+from ..runtime.loader import default_loader
+from .workspace import ARENA
+
+DEFAULT_SCALE = D**-0.5
+
+
+@dataclasses.dataclass
+class Workspaces:
+    """K1's outputs for H heads × ``total_slots`` tile slots (slot = head · total_slots + tile).
+
+    qd/kd/kr: bf16 ``[H·total_slots, 2048]`` raw K_INTER images; gt: fp32 ``[·, 128]``;
+    inv/mqk: bf16 ``[·, 256]`` row-major 16×16; beta: bf16 ``[·, 16]`` logits (-inf = padding).
+    """
+
+    total_slots: int
+    views: dict
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["views"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def plan_slots(batch: int, seq_len: int, cu_seqlens) -> int:
+    """Tile slots per head, from shapes alone (no GPU→CPU sync)."""
+    if cu_seqlens is None:
+        return fixed_total_slots(batch, seq_len)
+    return varlen_total_slots(seq_len, cu_seqlens.numel() - 1)
+
+
+def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
+    """Run K1 on the current stream and return its workspaces (views into the stream's arena)."""
+    batch, seq_len, heads, dim = q.shape
+    if dim != D:
+        raise ValueError(f"q must have head dim {D}, got {dim}")
+    device = q.device
+    total_slots = plan_slots(batch, seq_len, cu_seqlens)
+    views = ARENA.carve(device, heads * total_slots)
+    varlen = cu_seqlens is not None
+    kernel = default_loader().get(device, "k1_prepare", heads=heads, varlen=varlen)
+    cu32 = cu_seqlens.to(torch.int32) if varlen else None
+    values = {
+        "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
+        "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
+        "cu_seqlens": cu32.data_ptr() if varlen else 0,
+        **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
+        "seq_len": seq_len, "num_seqs": cu_seqlens.numel() - 1 if varlen else batch,
+        "total_slots": total_slots, "heads": heads,
+        "scale": DEFAULT_SCALE if scale is None else float(scale), "lower_bound": float(lower_bound),
+    }
+    kernel.launch(values, device)
+    return Workspaces(total_slots, views)
+
+
+__all__ = ["CHUNK", "Workspaces", "plan_slots", "prepare"]

@@ -1,0 +1,49 @@
+"""The runtime-owned workspace arena: one raw byte buffer per (device, stream), grow-only.
+
+Workspaces are carved from it as typed views at 256-byte aligned offsets, so after warm-up a
+prefill allocates no device memory.  Views are valid until the next call on the same stream
+(calls on one stream run in order, so reuse there is safe; other streams get other arenas).
+"""
+
+import threading
+
+import torch
+
+from ..layout import WORKSPACE_SLOT_BYTES
+
+_ALIGN = 256
+_DTYPES = {"qd": torch.bfloat16, "kd": torch.bfloat16, "kr": torch.bfloat16, "gt": torch.float32,
+           "inv": torch.bfloat16, "mqk": torch.bfloat16, "beta": torch.bfloat16}
+
+
+class WorkspaceArena:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        stream = torch.cuda.current_stream(device).cuda_stream
+        key = (device.index, stream)
+        with self._lock:
+            buf = self._buffers.get(key)
+            if buf is None or buf.numel() < nbytes:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._buffers[key] = buf
+            return buf
+
+    def carve(self, device: torch.device, slots: int) -> dict[str, torch.Tensor]:
+        """Typed views of every workspace for ``slots`` (head, tile) slots, laid out per the ABI:
+        workspace ``name`` has shape ``[slots, slot_bytes / itemsize]``."""
+        offsets, cursor = {}, 0
+        for name, per_slot in WORKSPACE_SLOT_BYTES.items():
+            offsets[name] = cursor
+            cursor += -(-per_slot * slots // _ALIGN) * _ALIGN
+        buf = self.buffer(device, max(cursor, _ALIGN))
+        views = {}
+        for name, per_slot in WORKSPACE_SLOT_BYTES.items():
+            raw = buf[offsets[name] : offsets[name] + per_slot * slots]
+            views[name] = raw.view(_DTYPES[name]).view(slots, -1)
+        return views
+
+
+ARENA = WorkspaceArena()

@@ -1,0 +1,333 @@
+"""Pure-torch float64 reference of the KDA chunked prefill (SPEC §2).
+
+This module is the ground truth the kernels are checked against (SPEC §8). It has no dependency
+beyond torch and runs on whatever device its inputs live on (CPU or CUDA).
+
+Math (per head, D = K = V = 128, CHUNK = 16), all in float64 unless the precision recipe says
+otherwise:
+
+* gate: ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, a natural-log decay:
+  the state is multiplied by ``exp(γ)`` (per key row) at every token.
+* ``q̂ = q · rsqrt(Σq² + 1e-6)``, ``k̂`` likewise, **rounded to bf16** (part of the semantics in
+  every mode, see :func:`l2norm_bf16`); ``b = σ(β)``.
+* Each sequence is cut into 16-row tiles from its start; rows past the end of a partial last tile
+  behave as ``q = k = v = 0, γ = 0, β = -inf`` (so ``b = 0`` and the row changes nothing).
+  Per tile, with ``G`` the inclusive cumsum of γ over the rows and ``gtot = exp(G[15])``::
+
+      qd = q̂·e^G·scale   kd = k̂·e^G   kinv = k̂·e^-G   kr = k̂·gtot·e^-G
+      L   = strict_lower(diag(b)·kd·kinvᵀ)      mqk = lower_incl_diag(qd·kinvᵀ)
+      INV = (I + L)^-1
+
+  and the tile recurrence on the state ``S`` ([K, V], per sequence and head)::
+
+      W = diag(b)·(V − kd·S)    U = INV·W
+      O = qd·S + mqk·U          S ← diag(gtot)·S + krᵀ·U
+
+Why the tile form equals the token recurrence of :func:`kda_recurrent` (decay, then delta rule
+``S ← S + b_t k̂_t (v_t − Sᵀk̂_t)ᵀ``, then ``o_t = scale·Sᵀq̂_t``): write the update of token r as
+``u_r = b_r (v_r − S'ᵀ k̂_r)`` where ``S'`` is the decayed state seen by token r,
+``S' = e^{G_r}⊙S_0 + Σ_{i<r} (e^{G_r−G_i}⊙k̂_i) u_iᵀ``. Then
+``u_r = b_r (v_r − kd_r S_0 − Σ_{i<r} (kd_r·kinv_i) u_i)``, i.e. ``(I + L) U = W``; the output
+``o_r = qd_r S_0 + Σ_{i≤r} (qd_r·kinv_i) u_i = (qd S_0 + mqk U)_r`` and the end state
+``diag(gtot) S_0 + Σ_i (gtot e^{−G_i}⊙k̂_i) u_iᵀ = diag(gtot) S_0 + krᵀ U``.
+
+``recipe=True`` mirrors the FlashKDA/cuLA precision recipe instead of exact math; every rounding
+point is listed in :func:`prepare_tiles` and :func:`kda_chunked`. Values are still returned as
+float64 tensors (holding the rounded values), so the two modes compare directly.
+
+Sequence layout: without ``cu_seqlens`` each of the B batch rows is one sequence of length T; with
+``cu_seqlens`` (B must be 1) the sequences are the slices ``[cu[n], cu[n+1])`` of the T axis.
+States are ``[N, H, K, V]`` (S itself, not the transposed public ``[N, H, V, K]`` layout).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "CHUNK",
+    "gate",
+    "l2norm_bf16",
+    "prepare_tiles",
+    "kda_chunked",
+    "kda_recurrent",
+    "rel_rmse",
+]
+
+CHUNK = 16
+_NORM_EPS = 1e-6
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round ``x`` to ``dtype`` (round-to-nearest-even) and hand it back as float64."""
+    return x.to(dtype).to(torch.float64)
+
+
+def gate(g, A_log, dt_bias, lower_bound):
+    """Per-token log-decay ``γ = lower_bound · σ(exp(A_log)[h] · (g + dt_bias[h]))``.
+
+    g ``[B, T, H, K]`` (bf16/fp32), A_log ``[H]``, dt_bias ``[H, K]``. Returns float64 like g.
+    """
+    a = torch.exp(A_log.to(torch.float64))[:, None]  # [H, 1], broadcast over K
+    return lower_bound * torch.sigmoid(a * (g.to(torch.float64) + dt_bias.to(torch.float64)))
+
+
+def l2norm_bf16(x):
+    """``x · rsqrt(Σx² + 1e-6)`` over the last dim, computed in float64, rounded to bf16.
+
+    The result is returned as float64 holding bf16 values: the bf16 rounding of q̂/k̂ is part of
+    the SPEC semantics, so even the exact reference uses the rounded vectors.
+    """
+    x = x.to(torch.float64)
+    y = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _NORM_EPS)
+    return _round(y, torch.bfloat16)
+
+
+class _Layout(NamedTuple):
+    """Where each sequence and tile lives on the flattened ``B·T`` token axis."""
+
+    starts: list[int]  # first flat token of each sequence
+    lengths: list[int]  # tokens per sequence
+    tile_first: list[int]  # index of each sequence's first tile
+    tile_count: list[int]  # tiles per sequence
+    tile_seq: torch.Tensor  # int64 [n_tiles]
+    tile_index: torch.Tensor  # int64 [n_tiles]
+    tile_rows: torch.Tensor  # int64 [n_tiles], valid rows 1..16
+    token: torch.Tensor  # int64 [n_tiles, 16] flat token of each row (padded rows: any valid one)
+    valid: torch.Tensor  # bool [n_tiles, 16]
+
+
+def _layout(B: int, T: int, cu_seqlens, device) -> _Layout:
+    if cu_seqlens is None:
+        starts, lengths = [b * T for b in range(B)], [T] * B
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires batch size 1, got B={B}")
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != T or any(e < s for s, e in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at T={T}: {cu}")
+        starts, lengths = cu[:-1], [e - s for s, e in zip(cu, cu[1:])]
+
+    tile_first, tile_count, seq, index, first_token = [], [], [], [], []
+    for n, (start, length) in enumerate(zip(starts, lengths)):
+        count = -(-length // CHUNK)
+        tile_first.append(len(seq))
+        tile_count.append(count)
+        for j in range(count):
+            seq.append(n)
+            index.append(j)
+            first_token.append(start + j * CHUNK)
+    rows = [min(CHUNK, lengths[n] - j * CHUNK) for n, j in zip(seq, index)]
+
+    def long(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    tile_rows = long(rows)
+    offsets = torch.arange(CHUNK, dtype=torch.int64, device=device)
+    valid = offsets[None, :] < tile_rows[:, None]
+    first = long(first_token)[:, None]
+    token = torch.where(valid, first + offsets[None, :], first)
+    return _Layout(starts, lengths, tile_first, tile_count, long(seq), long(index), tile_rows, token, valid)
+
+
+def _steps(firsts: list[int], counts: list[int], device):
+    """For each step j: (sequences with more than j items, flat id of their item j).
+
+    Lets a sequential loop run over all sequences at once, however their lengths differ.
+    """
+    out = []
+    for j in range(max(counts, default=0)):
+        seqs = [n for n, c in enumerate(counts) if c > j]
+        ids = [firsts[n] + j for n in seqs]
+        out.append((torch.tensor(seqs, dtype=torch.int64, device=device),
+                    torch.tensor(ids, dtype=torch.int64, device=device)))
+    return out
+
+
+def _to_tiles(x: torch.Tensor, lay: _Layout, fill: float) -> torch.Tensor:
+    """Gather a flat per-token tensor ``[B·T, H, ...]`` into tiles ``[n_tiles, H, 16, ...]``."""
+    t = x[lay.token]  # [n_tiles, 16, H, ...]
+    mask = lay.valid.view(*lay.valid.shape, *([1] * (t.dim() - 2)))
+    t = torch.where(mask, t, torch.full((), fill, dtype=t.dtype, device=t.device))
+    return t.transpose(1, 2)
+
+
+def _neumann_inverse_fp16(L: torch.Tensor) -> torch.Tensor:
+    """``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` with L, every power, factor and partial product in fp16.
+
+    Exact for strictly lower 16×16 L (L¹⁶ = 0); the products are taken in float64 and each result
+    rounded to fp16, modelling fp16 operands with a rounded fp16 store after every matmul.
+    """
+    def f16(x):
+        return _round(x, torch.float16)
+
+    eye = torch.eye(CHUNK, dtype=torch.float64, device=L.device)
+    L1 = f16(L)
+    L2 = f16(L1 @ L1)
+    L4 = f16(L2 @ L2)
+    L8 = f16(L4 @ L4)
+    P = f16(f16(eye - L1) @ f16(eye + L2))
+    P = f16(P @ f16(eye + L4))
+    return f16(P @ f16(eye + L8))
+
+
+def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None,
+                  recipe=False):
+    """Per-(tile, head) quantities of SPEC §2 (what kernel K1 writes), as float64 tensors.
+
+    q, k, g bf16 ``[B, T, H, K]``; beta bf16 ``[B, T, H]`` (logits); A_log fp32 ``[H]``; dt_bias fp32
+    ``[H, K]``; scale defaults to ``K ** -0.5`` (128**-0.5). Tiles are ordered sequence by
+    sequence, tile by tile. Returns a dict:
+
+    * ``qd, kd, kinv, kr``: ``[n_tiles, H, 16, K]``
+    * ``gt``: ``[n_tiles, H, K]``, ``gtot = exp(G[15])``, the decay of the whole tile
+    * ``L, inv, mqk``: ``[n_tiles, H, 16, 16]``
+    * ``b``: ``[n_tiles, H, 16]`` = σ(β) (0 on padded rows); ``beta``: the raw logits (−inf there)
+    * ``tile_seq, tile_index, tile_rows``: int64 ``[n_tiles]``: sequence, tile number in the
+      sequence, valid rows (1..16)
+
+    ``recipe=True`` rounds as the precision recipe does, and only at these points:
+    qd, kd, kinv, kr to bf16 (L and mqk are then formed in float64 from the rounded values);
+    gt to fp32; mqk to bf16; L is returned unrounded but enters the inverse as fp16, and the
+    inverse is :func:`_neumann_inverse_fp16` (every factor and partial product fp16) rounded to
+    bf16 at the end. γ, G, b and the exponentials stay float64 (the kernel's fp32 math there is
+    well below the bf16 rounding that follows).
+    """
+    B, T, H, K = q.shape
+    if scale is None:
+        scale = K ** -0.5
+    lay = _layout(B, T, cu_seqlens, q.device)
+
+    def flat(x):
+        return x.reshape(B * T, *x.shape[2:])
+
+    gam = _to_tiles(flat(gate(g, A_log, dt_bias, lower_bound)), lay, 0.0)
+    qn = _to_tiles(flat(l2norm_bf16(q)), lay, 0.0)
+    kn = _to_tiles(flat(l2norm_bf16(k)), lay, 0.0)
+    logit = _to_tiles(flat(beta.to(torch.float64)), lay, -math.inf)  # [n_tiles, H, 16]
+    b = torch.sigmoid(logit)
+
+    G = torch.cumsum(gam, dim=2)
+    G_end = G[:, :, -1:, :]
+    gt = torch.exp(G_end[:, :, 0, :])
+    qd = qn * torch.exp(G) * scale
+    kd = kn * torch.exp(G)
+    kinv = kn * torch.exp(-G)
+    kr = kn * torch.exp(G_end - G)  # = k̂·gtot·e^-G without forming e^-G·e^G_end separately
+    if recipe:
+        qd, kd, kinv, kr = (_round(x, torch.bfloat16) for x in (qd, kd, kinv, kr))
+        gt = _round(gt, torch.float32)
+
+    L = torch.tril(b[..., :, None] * (kd @ kinv.transpose(-1, -2)), diagonal=-1)
+    mqk = torch.tril(qd @ kinv.transpose(-1, -2))
+    if recipe:
+        mqk = _round(mqk, torch.bfloat16)
+        inv = _round(_neumann_inverse_fp16(L), torch.bfloat16)
+    else:
+        eye = torch.eye(CHUNK, dtype=torch.float64, device=q.device).expand_as(L)
+        inv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
+
+    return {
+        "qd": qd, "kd": kd, "kinv": kinv, "kr": kr, "gt": gt,
+        "L": L, "inv": inv, "mqk": mqk, "b": b, "beta": logit,
+        "tile_seq": lay.tile_seq, "tile_index": lay.tile_index, "tile_rows": lay.tile_rows,
+    }
+
+
+def _initial_state(initial_state, N, H, K, V, device):
+    if initial_state is None:
+        return torch.zeros(N, H, K, V, dtype=torch.float64, device=device)
+    if tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = {[N, H, K, V]}, "
+                         f"got {list(initial_state.shape)}")
+    return initial_state.to(torch.float64).clone()
+
+
+def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
+                cu_seqlens=None, recipe=False):
+    """Tile recurrence of SPEC §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
+
+    initial_state: optional ``[N, H, K, V]`` (fp32), S itself, not transposed; None = zeros.
+    All sequences and heads advance together, one tile index per step; sequences that have run
+    out of tiles simply drop out of later steps.
+
+    ``recipe=True`` uses :func:`prepare_tiles` with ``recipe=True`` and additionally rounds:
+    the state operand of ``kd·S`` and ``qd·S`` to bf16 (the state itself is carried in fp32:
+    ``diag(gtot)·S + krᵀ·U`` is rounded to fp32 after every tile); W and U to bf16 before the
+    matmuls that consume them; o to bf16 at the end. V is bf16 already.
+    """
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    tiles = prepare_tiles(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe)
+    lay = _layout(B, T, cu_seqlens, q.device)
+    N = len(lay.lengths)
+    vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)  # [n_tiles, H, 16, V]
+
+    def bf16(x):
+        return _round(x, torch.bfloat16) if recipe else x
+
+    S = _initial_state(initial_state, N, H, K, Vd, q.device)
+    if recipe:
+        S = _round(S, torch.float32)
+    o_tiles = torch.zeros_like(vt)
+    for seqs, ids in _steps(lay.tile_first, lay.tile_count, q.device):
+        qd, kd, kr = tiles["qd"][ids], tiles["kd"][ids], tiles["kr"][ids]
+        b, gt = tiles["b"][ids], tiles["gt"][ids]
+        s = S[seqs]
+        s_op = bf16(s)
+        W = bf16(b[..., None] * (vt[ids] - kd @ s_op))
+        U = bf16(tiles["inv"][ids] @ W)
+        o_tiles[ids] = qd @ s_op + tiles["mqk"][ids] @ U
+        s = gt[..., None] * s + kr.transpose(-1, -2) @ U
+        S[seqs] = _round(s, torch.float32) if recipe else s
+
+    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
+    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    return bf16(o).view(B, T, H, Vd), S
+
+
+def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
+                  cu_seqlens=None):
+    """Token-by-token float64 recurrence -> ``(o [B, T, H, V], final_state [N, H, K, V])``.
+
+    For each token: ``S ← diag(exp(γ))·S``; ``S ← S + b·k̂ (v − Sᵀk̂)ᵀ``; ``o = scale·Sᵀq̂``
+    (output after the update). Independent of the tile machinery; kda_chunked must match it.
+    """
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    lay = _layout(B, T, cu_seqlens, q.device)
+    N = len(lay.lengths)
+
+    def flat(x):
+        return x.reshape(B * T, *x.shape[2:])
+
+    alpha = torch.exp(flat(gate(g, A_log, dt_bias, lower_bound)))
+    qn, kn = flat(l2norm_bf16(q)), flat(l2norm_bf16(k))
+    vv = flat(v.to(torch.float64))
+    b = torch.sigmoid(flat(beta.to(torch.float64)))
+
+    S = _initial_state(initial_state, N, H, K, Vd, q.device)
+    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
+    for seqs, tok in _steps(lay.starts, lay.lengths, q.device):
+        kt = kn[tok]
+        s = alpha[tok][..., None] * S[seqs]
+        err = vv[tok] - torch.einsum("nhkv,nhk->nhv", s, kt)
+        s = s + b[tok][..., None, None] * kt[..., :, None] * err[..., None, :]
+        o[tok] = scale * torch.einsum("nhkv,nhk->nhv", s, qn[tok])
+        S[seqs] = s
+    return o.view(B, T, H, Vd), S
+
+
+def rel_rmse(a, b) -> float:
+    """``‖a − b‖ / ‖b‖`` over all elements in float64; inf if ``a`` has a NaN/Inf."""
+    a = a.to(torch.float64)
+    b = b.to(torch.float64)
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))

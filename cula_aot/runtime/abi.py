@@ -1,0 +1,48 @@
+"""Pack kernel parameters exactly as the manifest's ABI says (pure Python: no GPU needed).
+
+The packed bytes are handed to ``cuLaunchKernel`` through ``CU_LAUNCH_PARAM_BUFFER_POINTER``,
+so each value lands at the manifest's offset with its size: the same layout the compiler gave
+the ``.entry`` parameters (the build checked that).
+"""
+
+import struct
+
+_SCALAR_CODES = {"i32": "i", "f32": "f"}
+
+
+class ParamPacker:
+    """Packs a ``{name: value}`` mapping into the parameter buffer of one kernel."""
+
+    def __init__(self, records: list[dict], kernel_name: str):
+        self.kernel_name = kernel_name
+        self.records = records
+        fmt, cursor = "<", 0
+        for r in records:
+            if r["offset"] < cursor:
+                raise ValueError(f"{kernel_name}: parameter '{r['name']}' overlaps its predecessor")
+            fmt += "x" * (r["offset"] - cursor)
+            fmt += "Q" if r["kind"] == "pointer" else _SCALAR_CODES[r["dtype"]]
+            cursor = r["offset"] + r["size"]
+        self._struct = struct.Struct(fmt)
+        self.size = self._struct.size
+        if self.size != cursor:
+            raise ValueError(f"{kernel_name}: packed size {self.size} != ABI size {cursor}")
+        self._names = [r["name"] for r in records]
+        self._pointer_aligns = {r["name"]: r["address_align"] for r in records if r["kind"] == "pointer"}
+        self._i32 = {r["name"] for r in records if r["kind"] == "scalar" and r["dtype"] == "i32"}
+
+    def pack(self, values: dict) -> bytes:
+        missing = [n for n in self._names if n not in values]
+        if missing:
+            raise ValueError(f"{self.kernel_name}: no value for parameters {missing}")
+        ordered = [values[n] for n in self._names]
+        for name, value in zip(self._names, ordered):
+            align = self._pointer_aligns.get(name)
+            if align is not None and value % align:
+                raise ValueError(
+                    f"{self.kernel_name}: pointer '{name}' = {value:#x} is not {align}-byte aligned; "
+                    "pass tensors whose storage starts on a 16-byte boundary (e.g. call .contiguous().clone())"
+                )
+            if name in self._i32 and not -(2**31) <= value < 2**31:
+                raise ValueError(f"{self.kernel_name}: '{name}' = {value} does not fit in int32")
+        return self._struct.pack(*ordered)

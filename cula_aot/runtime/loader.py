@@ -1,0 +1,149 @@
+"""Load verified cubins with the CUDA driver and launch them on torch's current stream.
+
+No JIT and no cutlass: cubins come from the manifest (sha256-checked before loading), are
+loaded once per device into its primary context (the one torch uses), and their functions are
+cached.  Launches read ``torch.cuda.current_stream(device)`` at every call.
+"""
+
+import ctypes
+import threading
+
+import torch
+from cuda.bindings import driver as cu
+
+from .abi import ParamPacker
+from .manifest import ArtifactError, Manifest
+
+_SMEM_DEFAULT_LIMIT = 48 * 1024
+_ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message carries ``cuGetErrorName``."""
+
+
+def check(result, what: str):
+    """Unwrap a cuda-bindings ``(CUresult, *values)`` tuple, raising ``CudaError`` on failure."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        _, text = cu.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else name
+        text = text.decode() if isinstance(text, bytes) else text
+        raise CudaError(f"{what} failed: {name} ({text})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def device_arch(device: torch.device) -> str:
+    capability = torch.cuda.get_device_capability(device)
+    return _ARCH_BY_CAPABILITY.get(capability, f"sm_{capability[0]}{capability[1]}")
+
+
+class LoadedKernel:
+    """One specialization loaded on one device: function handle, launch facts, param packer."""
+
+    def __init__(self, name: str, record: dict, function):
+        self.name = name
+        self.record = record
+        self.function = function
+        self.block = tuple(record["block"])
+        self.smem = record["dynamic_smem_bytes"]
+        self.grid_rule = record["grid"]
+        self.packer = ParamPacker(record["params"], name)
+
+    def grid(self, values: dict) -> tuple:
+        """Evaluate the manifest's grid rule: each dimension an int or a named value."""
+        return tuple(d if isinstance(d, int) else int(values[d]) for d in self.grid_rule)
+
+    def launch(self, values: dict, device: torch.device) -> None:
+        """Pack ``values`` per the ABI and launch on ``torch.cuda.current_stream(device)``."""
+        grid = self.grid(values)
+        if min(grid) <= 0:
+            return  # nothing to do; an empty grid is an error for the driver
+        packed = ctypes.create_string_buffer(self.packer.pack(values), self.packer.size)
+        size = ctypes.c_size_t(self.packer.size)
+        extra = (ctypes.c_void_p * 5)(
+            cu.CU_LAUNCH_PARAM_BUFFER_POINTER,
+            ctypes.addressof(packed),
+            cu.CU_LAUNCH_PARAM_BUFFER_SIZE,
+            ctypes.addressof(size),
+            cu.CU_LAUNCH_PARAM_END,
+        )
+        stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        check(
+            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, stream, 0, ctypes.addressof(extra)),
+            f"cuLaunchKernel({self.name})",
+        )
+
+
+class KernelLoader:
+    """Loads manifest kernels lazily (or eagerly via ``preload``), once per device."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self._lock = threading.Lock()
+        self._kernels: dict[tuple[int, str], LoadedKernel] = {}
+        self._modules = []  # keep modules alive for the process lifetime
+
+    def _bind_primary_context(self, index: int) -> None:
+        # torch runs every device on its primary context; make it current on this thread so the
+        # module lands where torch's tensors and streams live.
+        torch.cuda.init()
+        device = check(cu.cuDeviceGet(index), "cuDeviceGet")
+        primary = check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+        current = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if int(current) != int(primary):
+            check(cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+    def get(self, device: torch.device, kernel: str, **args) -> LoadedKernel:
+        name, record = self.manifest.record(kernel, **args)
+        key = (device.index, name)
+        loaded = self._kernels.get(key)
+        if loaded is None:
+            with self._lock:
+                loaded = self._kernels.get(key) or self._load(device, name, record)
+                self._kernels[key] = loaded
+        return loaded
+
+    def _load(self, device: torch.device, name: str, record: dict) -> LoadedKernel:
+        self.manifest.check_arch(device_arch(device))
+        image = self.manifest.read_cubin(record)  # sha256-verified before the driver sees it
+        self._bind_primary_context(device.index)
+        module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({record['cubin']})")
+        self._modules.append(module)
+        function = check(cu.cuModuleGetFunction(module, record["entry"].encode()), f"cuModuleGetFunction({name})")
+        if record["dynamic_smem_bytes"] > _SMEM_DEFAULT_LIMIT:
+            check(
+                cu.cuFuncSetAttribute(
+                    function,
+                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    record["dynamic_smem_bytes"],
+                ),
+                f"cuFuncSetAttribute({name}, max dynamic smem)",
+            )
+        return LoadedKernel(name, record, function)
+
+    def preload(self, device: torch.device) -> int:
+        """Load every kernel of the manifest on ``device``; returns how many were loaded."""
+        for name, record in self.manifest.kernels.items():
+            self.get(device, record["kernel"], **record["args"])
+        return len(self.manifest.kernels)
+
+
+_DEFAULT: KernelLoader | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_loader() -> KernelLoader:
+    """The process-wide loader over the discovered manifest (see ``manifest.find_manifest``)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        with _DEFAULT_LOCK:
+            if _DEFAULT is None:
+                _DEFAULT = KernelLoader(Manifest.discover())
+    return _DEFAULT
+
+
+__all__ = ["ArtifactError", "CudaError", "KernelLoader", "LoadedKernel", "check", "default_loader", "device_arch"]

@@ -1,0 +1,112 @@
+"""Find, read and verify ``manifest.json`` (pure Python: no cutlass, no GPU).
+
+Discovery order, first hit wins:
+1. ``$CULA_AOT_ARTIFACTS``: a directory holding ``manifest.json`` (an explicit choice: if it has
+   no manifest that is an error, never a silent fallback);
+2. the package's bundled data, ``cula_aot/_prebuilt/manifest.json`` (wheels);
+3. the source checkout root, ``<repo>/manifest.json`` (``python build_kernels.py``).
+"""
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+ENV_ARTIFACTS = "CULA_AOT_ARTIFACTS"
+BUILD_HINT = "python build_kernels.py"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_REQUIRED_KEYS = ("schema_version", "arch", "cutedsl_version", "kernels")
+
+
+class ArtifactError(RuntimeError):
+    """A manifest or cubin is missing, foreign, stale or tampered with; the message says the fix."""
+
+
+def candidate_dirs() -> list[tuple[str, Path]]:
+    env = os.environ.get(ENV_ARTIFACTS)
+    if env:
+        return [(f"${ENV_ARTIFACTS}", Path(env))]
+    return [("package data", _PACKAGE_DIR / "_prebuilt"), ("source checkout", _PACKAGE_DIR.parent)]
+
+
+def find_manifest() -> Path:
+    tried = []
+    for origin, directory in candidate_dirs():
+        path = directory / MANIFEST_NAME
+        if path.is_file():
+            return path
+        tried.append(f"{origin}: {path}")
+    raise ArtifactError(
+        "no cula-aot manifest found (tried " + "; ".join(tried) + "). Build the kernels with "
+        f"`{BUILD_HINT}` or point ${ENV_ARTIFACTS} at a directory holding manifest.json."
+    )
+
+
+class Manifest:
+    """A parsed, schema-checked manifest; cubin paths resolve relative to its directory."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.root = self.path.parent
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"cannot read manifest {self.path}: {exc}. Rebuild with `{BUILD_HINT}`.") from exc
+        missing = [k for k in _REQUIRED_KEYS if k not in data]
+        if missing:
+            raise ArtifactError(f"manifest {self.path} lacks {missing}. Rebuild with `{BUILD_HINT}`.")
+        if data["schema_version"] != SCHEMA_VERSION:
+            raise ArtifactError(
+                f"manifest {self.path} has schema {data['schema_version']}, this cula_aot reads schema "
+                f"{SCHEMA_VERSION}. Rebuild the kernels with this version: `{BUILD_HINT}`."
+            )
+        self.data = data
+        self.arch = data["arch"]
+        self.kernels = data["kernels"]
+
+    @classmethod
+    def discover(cls) -> "Manifest":
+        return cls(find_manifest())
+
+    def built_heads(self, kernel: str) -> list[int]:
+        return sorted({r["args"]["heads"] for r in self.kernels.values() if r["kernel"] == kernel})
+
+    def record(self, kernel: str, **args) -> tuple[str, dict]:
+        """The (name, record) of ``kernel`` specialised for ``args``; a clear error if not built."""
+        for name, rec in self.kernels.items():
+            if rec["kernel"] == kernel and rec["args"] == args:
+                return name, rec
+        heads = args.get("heads")
+        built = self.built_heads(kernel)
+        if heads is not None and heads not in built:
+            raise ArtifactError(
+                f"no {kernel} kernel built for H={heads} heads (built: {built}). Add it with "
+                f"`python build_kernels.py --heads {heads}` and point {ENV_ARTIFACTS} at the output if needed."
+            )
+        raise ArtifactError(f"no {kernel} specialization for {args} in {self.path}. Rebuild with `{BUILD_HINT}`.")
+
+    def check_arch(self, device_arch: str) -> None:
+        if device_arch != self.arch:
+            raise ArtifactError(
+                f"cula_aot kernels in {self.path} are built for {self.arch}, but the tensor's device is "
+                f"{device_arch}. cula_aot supports Hopper (sm_90a: H100/H200) only."
+            )
+
+    def read_cubin(self, record: dict) -> bytes:
+        """The cubin bytes of ``record``, verified against the manifest's size and sha256."""
+        path = self.root / record["cubin"]
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise ArtifactError(f"cubin {path} is missing ({exc}). Rebuild with `{BUILD_HINT}`.") from exc
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != record["size"] or digest != record["sha256"]:
+            raise ArtifactError(
+                f"cubin {path} does not match the manifest (sha256 {digest[:16]}…, {len(data)} B; expected "
+                f"{record['sha256'][:16]}…, {record['size']} B): it was modified or truncated. Refusing to "
+                f"load it. Rebuild with `{BUILD_HINT}` or reinstall the wheel."
+            )
+        return data

@@ -1,0 +1,34 @@
+import dataclasses
+
+from cula_aot.specs import DEFAULT_HEADS, K1Spec, abi_layout, default_specs
+
+
+def test_default_heads_cover_the_spec_list():
+    assert set(DEFAULT_HEADS) >= {1, 2, 4, 8, 16, 32, 48, 64, 96, 128}
+    built = {(s.heads, s.varlen) for s in default_specs()}
+    assert built == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
+
+
+def test_names_cover_every_codegen_argument():
+    specs = default_specs()
+    assert len({s.name for s in specs}) == len(specs)
+    for spec in specs:
+        fields = [f.name for f in dataclasses.fields(spec)]
+        assert list(spec.args) == fields
+        for field in fields:
+            assert field in spec.name, f"{spec.name} does not name codegen argument {field}"
+        # changing any one argument changes the name
+        for field in fields:
+            value = getattr(spec, field)
+            other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
+            assert other.name != spec.name
+    assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
+
+
+def test_abi_layout_offsets_respect_alignment():
+    records = abi_layout(K1Spec.params)
+    cursor = 0
+    for r in records:
+        assert r["offset"] % r["align"] == 0 and r["offset"] >= cursor
+        cursor = r["offset"] + r["size"]
+    assert [r["name"] for r in records][:3] == ["q", "k", "g"]

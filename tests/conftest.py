@@ -1,0 +1,32 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _has_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_sm90():
+        return
+    skip = pytest.mark.skip(reason="needs an sm_90a (Hopper) GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def manifest_path():
+    from cula_aot.runtime.manifest import find_manifest
+
+    return find_manifest()
+
+
+@pytest.fixture(scope="session")
+def manifest(manifest_path):
+    return json.loads(manifest_path.read_text())

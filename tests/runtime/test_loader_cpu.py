@@ -1,0 +1,129 @@
+"""The loader's CPU-side refusals: each names the artifact and the remedy."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cula_aot.runtime.abi import ParamPacker
+from cula_aot.runtime.manifest import ENV_ARTIFACTS, ArtifactError, Manifest, find_manifest
+from cula_aot.specs import K1Spec, abi_layout
+
+
+@pytest.fixture
+def artifact_copy(tmp_path, manifest_path):
+    """A private copy of manifest + the cubins it names, to tamper with."""
+    data = json.loads(manifest_path.read_text())
+    for record in data["kernels"].values():
+        dst = tmp_path / record["cubin"]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(manifest_path.parent / record["cubin"], dst)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def _record(m, heads=8):
+    return m.record("k1_prepare", heads=heads, varlen=False)[1]
+
+
+def test_tampered_cubin_is_refused(artifact_copy):
+    m = Manifest(artifact_copy / "manifest.json")
+    path = artifact_copy / _record(m)["cubin"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="modified or truncated.*build_kernels.py"):
+        m.read_cubin(_record(m))
+
+
+def test_truncated_and_missing_cubins_are_refused(artifact_copy):
+    m = Manifest(artifact_copy / "manifest.json")
+    path = artifact_copy / _record(m)["cubin"]
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ArtifactError, match="truncated"):
+        m.read_cubin(_record(m))
+    path.unlink()
+    with pytest.raises(ArtifactError, match="missing.*build_kernels.py"):
+        m.read_cubin(_record(m))
+
+
+def test_verified_cubin_is_returned(artifact_copy):
+    m = Manifest(artifact_copy / "manifest.json")
+    assert m.read_cubin(_record(m))[:4] == b"\x7fELF"
+
+
+def test_foreign_arch_is_refused(manifest_path):
+    m = Manifest(manifest_path)
+    m.check_arch("sm_90a")
+    with pytest.raises(ArtifactError, match="built for sm_90a.*sm_80.*Hopper"):
+        m.check_arch("sm_80")
+
+
+def test_unbuilt_head_count_names_the_build_command(manifest_path):
+    m = Manifest(manifest_path)
+    with pytest.raises(ArtifactError, match=r"H=3 heads \(built: \[1, 2, 4.*build_kernels.py --heads 3"):
+        m.record("k1_prepare", heads=3, varlen=False)
+
+
+def test_schema_mismatch_and_garbage_are_refused(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    data["schema_version"] = 999
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="schema 999.*Rebuild"):
+        Manifest(path)
+    path.write_text("{not json")
+    with pytest.raises(ArtifactError, match="cannot read manifest"):
+        Manifest(path)
+
+
+def test_env_var_takes_priority_and_never_falls_back(artifact_copy, tmp_path_factory, monkeypatch):
+    monkeypatch.setenv(ENV_ARTIFACTS, str(artifact_copy))
+    assert find_manifest() == artifact_copy / "manifest.json"
+    empty = tmp_path_factory.mktemp("empty")
+    monkeypatch.setenv(ENV_ARTIFACTS, str(empty))
+    with pytest.raises(ArtifactError, match=f"\\${ENV_ARTIFACTS}.*build_kernels.py"):
+        find_manifest()
+
+
+def test_packer_places_values_at_abi_offsets():
+    records = abi_layout(K1Spec.params)
+    packer = ParamPacker(records, "k1")
+    values = {r["name"]: 16 * (i + 1) for i, r in enumerate(records)}
+    values.update(scale=0.5, lower_bound=-5.0)
+    blob = packer.pack(values)
+    assert len(blob) == packer.size == records[-1]["offset"] + 4
+    by_name = {r["name"]: r for r in records}
+    assert int.from_bytes(blob[by_name["k"]["offset"] :][:8], "little") == values["k"]
+    assert int.from_bytes(blob[by_name["total_slots"]["offset"] :][:4], "little") == values["total_slots"]
+    import struct
+
+    assert struct.unpack_from("<f", blob, by_name["lower_bound"]["offset"])[0] == -5.0
+
+
+def test_packer_refuses_bad_values():
+    records = abi_layout(K1Spec.params)
+    packer = ParamPacker(records, "k1")
+    good = {r["name"]: 16 for r in records}
+    with pytest.raises(ValueError, match="no value for parameters \\['q'\\]"):
+        packer.pack({k: v for k, v in good.items() if k != "q"})
+    with pytest.raises(ValueError, match="pointer 'beta'.*16-byte aligned"):
+        packer.pack({**good, "beta": 18})
+    with pytest.raises(ValueError, match="'seq_len'.*int32"):
+        packer.pack({**good, "seq_len": 2**31})
+
+
+def test_runtime_never_imports_cutlass():
+    code = (
+        "import sys, cula_aot, cula_aot.runtime.loader, cula_aot.runtime.manifest, cula_aot.ops.prepare\n"
+        "from cula_aot.runtime.manifest import Manifest\n"
+        "Manifest.discover().read_cubin(next(iter(Manifest.discover().kernels.values())))\n"
+        "bad = [m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')]\n"
+        "assert not bad, bad\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != ENV_ARTIFACTS}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).resolve().parents[2])

@@ -1,0 +1,46 @@
+"""The built manifest: schema, coverage, sha256 and ABI of every artifact (CPU only)."""
+
+import hashlib
+import importlib.metadata
+
+from cula_aot.build.cubin import check_cubin_abi
+from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
+from cula_aot.specs import ARCH, DEFAULT_HEADS, K1Spec, abi_layout
+
+
+def test_schema_and_toolchain(manifest):
+    assert manifest["schema_version"] == SCHEMA_VERSION and manifest["arch"] == ARCH
+    try:
+        installed = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None  # a runtime-only install: nothing to compare with
+    assert installed in (None, manifest["cutedsl_version"])
+    assert manifest["distributions"]["nvidia-cutlass-dsl"] == manifest["cutedsl_version"]
+    assert manifest["ptxas_version"] and manifest["source_sha256"] and manifest["package_version"]
+
+
+def test_every_default_specialization_is_built(manifest):
+    assert set(DEFAULT_HEADS) <= set(manifest["heads"])
+    for h in DEFAULT_HEADS:
+        for varlen in (False, True):
+            assert K1Spec(heads=h, varlen=varlen).name in manifest["kernels"]
+
+
+def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
+    root = manifest_path.parent
+    for name, record in manifest["kernels"].items():
+        assert K1Spec(**record["args"]).name == name
+        path = root / record["cubin"]
+        assert path.parts[-3:-1] == (manifest["cutedsl_version"], ARCH)
+        data = path.read_bytes()
+        assert hashlib.sha256(data).hexdigest() == record["sha256"] and len(data) == record["size"]
+        assert record["entry"].encode() in data
+        assert record["params"] == abi_layout(K1Spec.params)
+        check_cubin_abi(name, data, record["entry"], record["params"], record["block"])
+        assert record["grid"] == ["total_slots", "heads", 1] and record["dynamic_smem_bytes"] <= 227 * 1024
+
+
+def test_manifest_record_lookup(manifest_path):
+    m = Manifest(manifest_path)
+    name, record = m.record("k1_prepare", heads=8, varlen=True)
+    assert name == "k1_prepare_heads8_varlen1" and record["args"] == {"heads": 8, "varlen": True}

@@ -1,0 +1,227 @@
+"""Self-checks of the float64 reference (cula_aot.reference): CPU only, seconds."""
+
+import math
+
+import pytest
+import torch
+
+from cula_aot.reference import (
+    CHUNK,
+    gate,
+    kda_chunked,
+    kda_recurrent,
+    l2norm_bf16,
+    prepare_tiles,
+    rel_rmse,
+)
+
+D = 128
+VARLEN = [0, 1, 17, 40, 72]  # lengths 1, 16, 23, 32: one token, one exact tile, partial tiles
+
+
+def make_inputs(seed, B, T, H, *, decay="standard", n_states=None):
+    """SPEC §8 inputs. decay='standard': lower_bound=-5, A_log=log U(1,16); 'slow': -0.05, -4.
+
+    Returns (q, k, v, g, beta, kwargs, initial_state); initial_state ~ 0.1·N(0,1) has
+    n_states sequences (None: no initial state).
+    """
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v, g = (randn(B, T, H, D).bfloat16() for _ in range(4))
+    beta = randn(B, T, H).bfloat16()
+    if decay == "standard":
+        lower_bound = -5.0
+        A_log = torch.log(1 + 15 * torch.rand(H, generator=gen))
+    else:
+        lower_bound = -0.05
+        A_log = torch.full((H,), -4.0)
+    dt_bias = 0.1 * randn(H, D)
+    state = None if n_states is None else 0.1 * randn(n_states, H, D, D)
+    kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    return q, k, v, g, beta, kwargs, state
+
+
+def assert_close(actual, expected, tol):
+    err = rel_rmse(actual, expected)
+    assert err <= tol, f"rel_rmse {err:.3e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("decay", ["standard", "slow"])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("T", [1, 15, 16, 17, 50])
+def test_chunked_matches_recurrent_fixed(T, H, with_state, decay):
+    B = 2
+    q, k, v, g, beta, kw, s0 = make_inputs(T * 10 + H, B, T, H, decay=decay,
+                                           n_states=B if with_state else None)
+    o_c, s_c = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, **kw, initial_state=s0)
+    assert o_c.shape == (B, T, H, D) and o_c.dtype == torch.float64
+    assert s_c.shape == (B, H, D, D) and s_c.dtype == torch.float64
+    assert_close(o_c, o_r, 1e-10)
+    assert_close(s_c, s_r, 1e-10)
+
+
+@pytest.mark.parametrize("decay", ["standard", "slow"])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_chunked_matches_recurrent_varlen(index_dtype, H, with_state, decay):
+    cu = torch.tensor(VARLEN, dtype=index_dtype)
+    q, k, v, g, beta, kw, s0 = make_inputs(7 + H, 1, VARLEN[-1], H, decay=decay,
+                                           n_states=len(VARLEN) - 1 if with_state else None)
+    o_c, s_c = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
+    assert s_c.shape == (len(VARLEN) - 1, H, D, D)
+    assert_close(o_c, o_r, 1e-10)
+    assert_close(s_c, s_r, 1e-10)
+
+
+def test_long_slow_decay_carries_state():
+    # Slow decay over ten tiles: the initial state must still matter in the last tile, and the
+    # chunked form must still agree with the token recurrence.
+    q, k, v, g, beta, kw, s0 = make_inputs(3, 1, 160, 2, decay="slow", n_states=1)
+    o_c, s_c = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, **kw, initial_state=s0)
+    assert_close(o_c, o_r, 1e-10)
+    assert_close(s_c, s_r, 1e-10)
+    o_0, _ = kda_chunked(q, k, v, g, beta, **kw)
+    assert rel_rmse(o_0[:, -CHUNK:], o_c[:, -CHUNK:]) > 1e-3
+
+
+@pytest.mark.parametrize("decay", ["standard", "slow"])
+def test_recipe_close_to_exact(decay):
+    H = 2
+    cu = torch.tensor(VARLEN)
+    q, k, v, g, beta, kw, s0 = make_inputs(11, 1, VARLEN[-1], H, decay=decay,
+                                           n_states=len(VARLEN) - 1)
+    o_x, s_x = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
+    o_p, s_p = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu, recipe=True)
+    assert_close(o_p, o_x, 1e-2)
+    assert_close(s_p, s_x, 1e-2)
+    # It models rounding: results differ from exact math and o is bf16-representable.
+    assert not torch.equal(o_p, o_x) and not torch.equal(s_p, s_x)
+    assert torch.equal(o_p, o_p.bfloat16().double())
+    assert torch.equal(s_p, s_p.float().double())
+
+
+def test_recipe_tiles_rounded():
+    q, k, v, g, beta, kw, _ = make_inputs(5, 1, 40, 2)
+    t = prepare_tiles(q, k, g, beta, **kw, recipe=True)
+    for name in ("qd", "kd", "kinv", "kr", "mqk", "inv"):
+        assert torch.equal(t[name], t[name].bfloat16().double()), name
+    assert torch.equal(t["gt"], t["gt"].float().double())
+    # The fp16 Neumann inverse is still an inverse up to half-precision error.
+    eye = torch.eye(CHUNK, dtype=torch.float64)
+    assert (t["inv"] @ (eye + t["L"]) - eye).abs().max() < 2e-2
+
+
+def test_prepare_tiles_layout_and_invariants():
+    H = 3
+    cu = torch.tensor(VARLEN)
+    q, k, v, g, beta, kw, _ = make_inputs(13, 1, VARLEN[-1], H)
+    t = prepare_tiles(q, k, g, beta, **kw, cu_seqlens=cu)
+
+    # lengths 1, 16, 23, 32 -> 1, 1, 2, 2 tiles
+    assert t["tile_seq"].tolist() == [0, 1, 2, 2, 3, 3]
+    assert t["tile_index"].tolist() == [0, 0, 0, 1, 0, 1]
+    assert t["tile_rows"].tolist() == [1, 16, 16, 7, 16, 16]
+    n = 6
+    assert t["qd"].shape == (n, H, CHUNK, D) and t["gt"].shape == (n, H, D)
+    assert t["L"].shape == t["inv"].shape == t["mqk"].shape == (n, H, CHUNK, CHUNK)
+    assert t["b"].shape == t["beta"].shape == (n, H, CHUNK)
+
+    eye = torch.eye(CHUNK, dtype=torch.float64)
+    assert (t["inv"] @ (eye + t["L"]) - eye).abs().max() < 1e-12
+    assert torch.equal(t["L"], torch.tril(t["L"], -1))
+    assert torch.equal(t["mqk"], torch.tril(t["mqk"]))
+
+    for tile, rows in enumerate(t["tile_rows"].tolist()):
+        for name in ("qd", "kd", "kinv", "kr"):
+            assert torch.all(t[name][tile, :, rows:] == 0), (name, tile)
+        assert torch.all(t["b"][tile, :, rows:] == 0)
+        assert torch.all(t["beta"][tile, :, rows:] == -math.inf)
+        assert torch.all(t["b"][tile, :, :rows] > 0)
+    # gt is the decay of the whole tile: padded rows (γ = 0) do not change it.
+    gam = gate(g, **kw)[0]
+    assert torch.allclose(t["gt"][3], torch.exp(gam[33:40].sum(0)), rtol=1e-13, atol=0)
+
+
+def test_prepare_tiles_matches_spec_formulas():
+    # One full tile checked against the SPEC §2 formulas written out directly.
+    scale = 0.3
+    q, k, v, g, beta, kw, _ = make_inputs(17, 1, CHUNK, 1)
+    t = prepare_tiles(q, k, g, beta, **kw, scale=scale)
+    G = torch.cumsum(gate(g, **kw)[0, :, 0], 0)
+    qh, kh = l2norm_bf16(q)[0, :, 0], l2norm_bf16(k)[0, :, 0]
+    b = torch.sigmoid(beta[0, :, 0].double())
+    gtot = torch.exp(G[-1])
+    kinv = kh * torch.exp(-G)
+    assert torch.allclose(t["qd"][0, 0], qh * torch.exp(G) * scale, rtol=1e-13, atol=0)
+    assert torch.allclose(t["kr"][0, 0], kh * gtot * torch.exp(-G), rtol=1e-13, atol=0)
+    L = torch.tril(b[:, None] * (kh * torch.exp(G)) @ kinv.T, -1)
+    assert torch.allclose(t["L"][0, 0], L, rtol=1e-12, atol=1e-15)
+    assert torch.allclose(t["b"][0, 0], b)
+
+
+@pytest.mark.parametrize("recipe", [False, True])
+def test_sequences_independent(recipe):
+    H = 2
+    cu = torch.tensor(VARLEN)
+    q, k, v, g, beta, kw, s0 = make_inputs(19, 1, VARLEN[-1], H, n_states=len(VARLEN) - 1)
+    o, s = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu, recipe=recipe)
+    for n, (a, e) in enumerate(zip(VARLEN, VARLEN[1:])):
+        sl = slice(a, e)
+        o_n, s_n = kda_chunked(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], **kw,
+                               initial_state=s0[n:n + 1], recipe=recipe)
+        assert_close(o[:, sl], o_n, 1e-13)
+        assert_close(s[n:n + 1], s_n, 1e-13)
+
+
+def test_empty_sequence_keeps_initial_state():
+    cu = torch.tensor([0, 5, 5, 20])
+    q, k, v, g, beta, kw, s0 = make_inputs(23, 1, 20, 1, n_states=3)
+    for fn in (kda_chunked, kda_recurrent):
+        _, s = fn(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
+        assert torch.equal(s[1], s0[1].double())
+
+
+def test_bad_cu_seqlens_rejected():
+    q, k, v, g, beta, kw, _ = make_inputs(29, 1, 20, 1)
+    for cu in ([0, 5, 19], [1, 5, 20], [0, 12, 5, 20]):
+        with pytest.raises(ValueError):
+            kda_chunked(q, k, v, g, beta, **kw, cu_seqlens=torch.tensor(cu))
+    with pytest.raises(ValueError):
+        kda_chunked(q.expand(2, -1, -1, -1), k, v, g, beta, **kw,
+                    cu_seqlens=torch.tensor([0, 20]))
+
+
+@pytest.mark.parametrize("decay", ["standard", "slow"])
+def test_gate_range(decay):
+    q, k, v, g, beta, kw, _ = make_inputs(31, 2, 64, 4, decay=decay)
+    gam = gate(g, **kw)
+    assert gam.dtype == torch.float64 and gam.shape == g.shape
+    assert torch.all(gam >= kw["lower_bound"]) and torch.all(gam < 0)
+    # σ(x) = ½(tanh(x/2) + 1) as SPEC writes it
+    x = torch.exp(kw["A_log"].double())[:, None] * (g.double() + kw["dt_bias"].double())
+    assert torch.allclose(gam, kw["lower_bound"] * 0.5 * (torch.tanh(x / 2) + 1), rtol=1e-14)
+
+
+def test_l2norm_bf16():
+    x = torch.randn(4, 3, D, generator=torch.Generator().manual_seed(37)).bfloat16()
+    y = l2norm_bf16(x)
+    assert y.dtype == torch.float64
+    assert torch.equal(y, y.bfloat16().double())
+    assert torch.allclose(y.norm(dim=-1), torch.ones(4, 3, dtype=torch.float64), atol=1e-2)
+    assert torch.all(l2norm_bf16(torch.zeros(2, D, dtype=torch.bfloat16)) == 0)
+
+
+def test_rel_rmse():
+    b = torch.tensor([3.0, 4.0])
+    assert rel_rmse(b, b) == 0.0
+    assert rel_rmse(torch.tensor([3.0, 3.0]), b) == pytest.approx(0.2)
+    assert rel_rmse(torch.tensor([math.nan, 4.0]), b) == math.inf
+    assert rel_rmse(torch.tensor([math.inf, 4.0]), b) == math.inf
