@@ -155,10 +155,11 @@ def k1_prepare_kernel(
             s_gamma[row, col0 + c] = gamma if row_valid else cutlass.Float32(0.0)
 
         if tid % THREADS_PER_ROW == 0:
-            beta_in = cute.make_tensor(beta, cute.make_layout(1))
             logit = cutlass.Float32(-float("inf"))
             if row_valid:
-                logit = beta_in[(token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)].to(cutlass.Float32)
+                # A one-element view at the element itself: a size-1 layout has stride 0.
+                beta_at = beta + (token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)
+                logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             s_b[row] = sigmoid(logit)
             out_beta = cute.make_tensor(ws_beta + slot_index * CHUNK, cute.make_layout(CHUNK))
             out_beta[row] = logit.to(cutlass.BFloat16)

@@ -59,6 +59,7 @@ def _compare(ws, inputs, cu_seqlens, slots, heads, label):
     operands (the recipe's rounding points), with the bound a one-ulp operand flip allows."""
     exact, rec = _references(inputs, cu_seqlens)
     got = _gather(ws, slots, heads)
+    assert torch.equal(got["beta"], exact["beta"]), f"{label}: beta workspace differs from the input logits"
     report = {}
     for name in ("qd", "kd", "kr"):
         scale = exact[name].abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
@@ -77,7 +78,6 @@ def _compare(ws, inputs, cu_seqlens, slots, heads, label):
     propagated = inv_ref.abs() @ (BF16_ULP * l_abs.tril(-1)) @ inv_ref.abs()
     report["inv"] = _check_close_ulps("inv", got["inv"], inv_ref, 2 * propagated + 1e-6)
     report["inv_rmse"] = reference.rel_rmse(got["inv"], exact["inv"])
-    assert torch.equal(got["beta"], exact["beta"]), f"{label}: beta workspace differs from the input logits"
     print(f"K1 {label}: " + ", ".join(f"{k}={v:.3g}" for k, v in report.items()))
     return report
 
