@@ -47,6 +47,8 @@ from typing import NamedTuple
 
 import torch
 
+from .layout import CHUNK
+
 __all__ = [
     "CHUNK",
     "gate",
@@ -57,7 +59,6 @@ __all__ = [
     "rel_rmse",
 ]
 
-CHUNK = 16
 _NORM_EPS = 1e-6
 
 

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from ..layout import CHUNK, D, fixed_total_slots, varlen_total_slots
+from ..layout import D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from .workspace import ARENA
 
@@ -60,4 +60,4 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     return Workspaces(total_slots, views)
 
 
-__all__ = ["CHUNK", "Workspaces", "plan_slots", "prepare"]
+__all__ = ["Workspaces", "plan_slots", "prepare"]
