@@ -12,25 +12,31 @@ from typing import ClassVar
 DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
 
-# Parameter kinds: a global pointer (element dtype, address alignment the kernel assumes) or a
-# scalar passed by value.  Sizes and alignments are those of the PTX ``.param`` space.
+# Parameter kinds: a global pointer (element dtype, address alignment the kernel assumes), a
+# scalar passed by value, or a TMA descriptor (a CUtensorMap passed by value, with the recipe
+# the runtime encodes it from).  Sizes and alignments are those of the PTX ``.param`` space.
 POINTER_ALIGN = 16
 SCALAR_TYPES = {"i32": (4, ".u32"), "f32": (4, ".f32")}
+TMA_DESCRIPTOR_BYTES = 128
+TMA_DESCRIPTOR_ALIGN = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
     name: str
-    kind: str  # "pointer" or "scalar"
-    dtype: str  # element dtype of a pointer, value dtype of a scalar
+    kind: str  # "pointer", "scalar" or "tma_descriptor"
+    dtype: str  # element dtype of a pointer or descriptor, value dtype of a scalar
+    recipe: tuple = ()  # tma_descriptor only: sorted (key, value) pairs, see token_tma_recipe
 
     @property
     def size(self) -> int:
+        if self.kind == "tma_descriptor":
+            return TMA_DESCRIPTOR_BYTES
         return 8 if self.kind == "pointer" else SCALAR_TYPES[self.dtype][0]
 
     @property
     def align(self) -> int:
-        return self.size
+        return TMA_DESCRIPTOR_ALIGN if self.kind == "tma_descriptor" else self.size
 
 
 def pointer(name: str, dtype: str) -> Param:
@@ -41,14 +47,42 @@ def scalar(name: str, dtype: str) -> Param:
     return Param(name, "scalar", dtype)
 
 
+def token_tma(name: str, source: str) -> Param:
+    """Descriptor for 16×128 bf16 boxes of a token-major [rows, H, 128] tensor ``source``.
+
+    The recipe is written in ``cuTensorMapEncodeTiled`` order (dimension 0 innermost); each
+    entry is an int or the name of a runtime value (``rows`` = tokens, ``row_elems`` = H·128,
+    ``row_bytes`` = H·256).  It matches
+    the PTX: ``cp.async.bulk.tensor.2d`` with coordinates {head·128, first row}.
+    """
+    recipe = {
+        "source": source,
+        "dtype": "bf16",
+        "rank": 2,
+        "global_dims": ["row_elems", "rows"],
+        "global_strides_bytes": ["row_bytes"],
+        "box_dims": [128, 16],
+        "element_strides": [1, 1],
+        "interleave": "none",
+        "swizzle": "none",
+        "l2_promotion": "L2_256B",
+        "oob_fill": "zeros",
+    }
+    return Param(name, "tma_descriptor", "bf16", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                              for k, v in recipe.items())))
+
+
 def abi_layout(params) -> list[dict]:
-    """Ordered ABI records with offsets, as written to the manifest."""
+    """Ordered ABI records with naturally aligned offsets.  The build replaces the offsets with
+    the ones ptxas chose (``build.cubin.place_params``) before writing the manifest."""
     records, offset = [], 0
     for p in params:
         offset = -(-offset // p.align) * p.align
         record = {"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size, "align": p.align, "offset": offset}
         if p.kind == "pointer":
             record["address_align"] = POINTER_ALIGN
+        if p.kind == "tma_descriptor":
+            record["recipe"] = {k: list(v) if isinstance(v, tuple) else v for k, v in p.recipe}
         records.append(record)
         offset += p.size
     return records
@@ -60,6 +94,9 @@ class KernelSpec:
 
     kernel: ClassVar[str]
     params: ClassVar[tuple]
+    # Kernel arguments fixed at trace time that lower to no parameter (e.g. static TMA
+    # coordinate tensors): excluded from the ABI.
+    static_args: ClassVar[tuple] = ()
     block: ClassVar[tuple] = (128, 1, 1)
     cluster: ClassVar[tuple] = (1, 1, 1)
     # Grid dimensions: an int or the name of a scalar parameter / codegen argument.
@@ -78,9 +115,9 @@ class KernelSpec:
 
 
 K1_PARAMS = (
-    pointer("q", "bf16"),
-    pointer("k", "bf16"),
-    pointer("g", "bf16"),
+    token_tma("tma_q", "q"),
+    token_tma("tma_k", "k"),
+    token_tma("tma_g", "g"),
     pointer("beta", "bf16"),
     pointer("a_log", "f32"),
     pointer("dt_bias", "f32"),
@@ -106,6 +143,7 @@ class K1Spec(KernelSpec):
 
     kernel: ClassVar[str] = "k1_prepare"
     params: ClassVar[tuple] = K1_PARAMS
+    static_args: ClassVar[tuple] = ("token_coords",)
     grid: ClassVar[tuple] = ("total_slots", "heads", 1)
 
     heads: int

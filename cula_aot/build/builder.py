@@ -22,7 +22,7 @@ from pathlib import Path
 from .. import __version__
 from ..runtime.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from ..specs import ARCH, KernelSpec, default_specs
-from .cubin import check_cubin_abi
+from .cubin import place_params
 from .ptx import check_abi, parse_entry, ptx_toolchain
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
@@ -119,8 +119,7 @@ def _kernel_record(spec: KernelSpec, ptx: str, cubin: bytes, rel_path: str, key:
     from ..kernels import dynamic_smem_bytes
 
     entry = parse_entry(ptx)
-    abi = check_abi(spec, entry)
-    check_cubin_abi(spec.name, cubin, entry["symbol"], abi, spec.block)
+    abi, param_bytes = place_params(spec.name, cubin, entry["symbol"], check_abi(spec, entry), spec.block)
     return {
         "kernel": spec.kernel,
         "args": spec.args,
@@ -133,7 +132,7 @@ def _kernel_record(spec: KernelSpec, ptx: str, cubin: bytes, rel_path: str, key:
         "dynamic_smem_bytes": dynamic_smem_bytes(spec),
         "grid": list(spec.grid),
         "params": abi,
-        "param_bytes": abi[-1]["offset"] + abi[-1]["size"],  # the cubin's parameter block, checked
+        "param_bytes": param_bytes,
         "ptx_toolchain": ptx_toolchain(ptx),
         "build_key": key,
     }

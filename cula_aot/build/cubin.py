@@ -60,16 +60,37 @@ def kernel_params(cubin: bytes, entry: str) -> dict:
     return {"params": sorted(params), "param_bytes": cbank_size, "reqntid": reqntid}
 
 
-def check_cubin_abi(name: str, cubin: bytes, entry: str, abi: list[dict], block) -> None:
-    """Raise ``AbiMismatch`` unless the cubin's parameter table and block equal the manifest's."""
+def place_params(name: str, cubin: bytes, entry: str, abi: list[dict], block) -> tuple[list[dict], int]:
+    """The manifest ABI with each parameter at the offset ptxas gave it, and the block size.
+
+    ptxas places parameters in the constant bank, aligning each to its ``.align`` in absolute
+    constant-bank addresses: a 64-byte aligned TMA descriptor first in the list lands at offset
+    48, not 0.  The driver copies a ``CU_LAUNCH_PARAM_BUFFER_POINTER`` buffer with exactly these
+    offsets, so they, not a naive running sum, are the ABI.  Raises ``AbiMismatch`` when count,
+    order, sizes or block disagree.
+    """
     from .ptx import AbiMismatch
 
     found = kernel_params(cubin, entry)
-    declared = [(i, r["offset"], r["size"]) for i, r in enumerate(abi)]
-    if found["params"] != declared:
-        raise AbiMismatch(f"{name}: cubin parameter table {found['params']} != manifest ABI {declared}")
-    total = abi[-1]["offset"] + abi[-1]["size"] if abi else 0
-    if found["param_bytes"] != total:
-        raise AbiMismatch(f"{name}: cubin parameter block is {found['param_bytes']} B, ABI says {total} B")
+    if [(i, size) for i, _, size in found["params"]] != [(i, r["size"]) for i, r in enumerate(abi)]:
+        raise AbiMismatch(f"{name}: cubin parameter table {found['params']} does not match the declared ABI")
+    placed, end = [], 0
+    for record, (_, offset, size) in zip(abi, found["params"]):
+        if offset < end:
+            raise AbiMismatch(f"{name}: cubin places '{record['name']}' at {offset}, overlapping the previous one")
+        placed.append({**record, "offset": offset})
+        end = offset + size
+    if found["param_bytes"] is None or found["param_bytes"] < end:
+        raise AbiMismatch(f"{name}: cubin parameter block ({found['param_bytes']} B) ends before the last parameter")
     if found["reqntid"] is not None and tuple(found["reqntid"]) != tuple(block):
         raise AbiMismatch(f"{name}: cubin requires block {found['reqntid']}, manifest says {tuple(block)}")
+    return placed, found["param_bytes"]
+
+
+def check_cubin_abi(name: str, cubin: bytes, entry: str, abi: list[dict], param_bytes: int, block) -> None:
+    """Raise ``AbiMismatch`` unless a manifest ABI equals the cubin's parameter table exactly."""
+    from .ptx import AbiMismatch
+
+    placed, total = place_params(name, cubin, entry, abi, block)
+    if placed != abi or total != param_bytes:
+        raise AbiMismatch(f"{name}: manifest parameter offsets/size differ from the cubin's")

@@ -41,6 +41,7 @@ def parse_entry(ptx: str) -> dict:
     cluster = _CLUSTER.search(header)
     return {
         "symbol": symbol,
+        "tma_ranks": re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx),
         "params": params,
         "block": tuple(int(x) for x in block.groups()) if block else None,
         "cluster": tuple(int(x) for x in re.findall(r"\d+", cluster.group(1))) if cluster else (1, 1, 1),
@@ -59,6 +60,9 @@ def check_abi(spec: KernelSpec, entry: dict) -> list[dict]:
         if want["kind"] == "pointer":
             if not got["is_pointer"] or got["size"] != 8:
                 raise AbiMismatch(f"{label} is declared a pointer, PTX has {got}")
+        elif want["kind"] == "tma_descriptor":
+            if got["ptx_type"] != ".b8" or got["is_pointer"]:
+                raise AbiMismatch(f"{label} is declared a TMA descriptor, PTX has {got}")
         else:
             ptx_type = SCALAR_TYPES[want["dtype"]][1]
             if got["is_pointer"] or got["ptx_type"] != ptx_type:
@@ -67,6 +71,10 @@ def check_abi(spec: KernelSpec, entry: dict) -> list[dict]:
             raise AbiMismatch(
                 f"{label}: declared size/align {want['size']}/{want['align']}, PTX {got['size']}/{got['align']}"
             )
+    ranks = sorted({r["recipe"]["rank"] for r in declared if r["kind"] == "tma_descriptor"})
+    used = sorted({int(n) for n in entry["tma_ranks"]})
+    if used != ranks:
+        raise AbiMismatch(f"{where}: descriptors declare TMA ranks {ranks}, PTX issues {used}-d tensor copies")
     if entry["block"] != tuple(spec.block):
         raise AbiMismatch(f"{where}: declared block {spec.block}, PTX .reqntid {entry['block']}")
     if entry["cluster"] != tuple(spec.cluster):

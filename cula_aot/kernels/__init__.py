@@ -26,7 +26,7 @@ def _fake_argument(param: Param):
     from ..specs import POINTER_ALIGN
 
     dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32}
-    if param.kind == "pointer":
+    if param.kind in ("pointer", "tma_descriptor"):  # the launcher builds descriptors from pointers
         return make_ptr(dtypes[param.dtype], POINTER_ALIGN, cute.AddressSpace.gmem, assumed_align=POINTER_ALIGN)
     return dtypes[param.dtype](1)
 
@@ -35,7 +35,7 @@ def declared_names_match(spec: KernelSpec) -> None:
     """The spec's parameter list must name the device kernel's runtime parameters in order."""
     _, kernel, _ = _KERNELS[spec.kernel]
     signature = inspect.signature(inspect.unwrap(kernel))
-    runtime = [n for n in signature.parameters if n not in spec.args]
+    runtime = [n for n in signature.parameters if n not in spec.args and n not in spec.static_args]
     declared = [p.name for p in spec.params]
     if runtime != declared:
         raise ValueError(f"{spec.name}: kernel parameters {runtime} != declared ABI {declared}")

@@ -2,6 +2,7 @@
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
 
 from ..layout import CHUNK, D, IMAGE_BYTES, k_inter_index
 
@@ -13,7 +14,9 @@ __all__ = [
     "IMAGE_BYTES",
     "THREADS",
     "k_inter_index",
-    "load_bf16x16_as_f32",
+    "input_tile_layout",
+    "make_token_tma",
+    "tile_row_as_f32",
     "sigmoid",
     "varlen_slot_lookup",
 ]
@@ -25,13 +28,29 @@ def sigmoid(x):
     return cutlass.Float32(0.5) * (cute.math.tanh(x * cutlass.Float32(0.5)) + cutlass.Float32(1.0))
 
 
+# Token-major input tensors [rows, H, 128] are viewed as 2-D [rows, H·128] for TMA; the row
+# count the kernel is traced with is a placeholder (the runtime encodes the true one).
+TRACE_ROWS = 1 << 20
+
+
+def input_tile_layout():
+    """A 16×128 bf16 input tile in shared memory: row-major, unswizzled (the TMA box)."""
+    return cute.make_layout((CHUNK, D), stride=(D, 1))
+
+
+def make_token_tma(base: cute.Pointer, heads: int):
+    """(TMA load atom, coordinate tensor) for 16×128 boxes of a [rows, heads·128] bf16 tensor."""
+    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, heads * D), stride=(heads * D, 1)))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(), (CHUNK, D))
+
+
 @cute.jit
-def load_bf16x16_as_f32(base: cute.Pointer, elem_offset, valid):
-    """16 consecutive bf16 at ``base + elem_offset`` (a multiple of 16) as fp32; zeros if not valid."""
+def tile_row_as_f32(tile: cute.Tensor, row, col0, valid):
+    """Elements [row, col0 : col0 + 16] of a bf16 smem tile as fp32; zeros if not valid."""
     frag = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
     frag.fill(0.0)
     if valid:
-        src = cute.make_tensor(base + cute.assume(elem_offset, divby=16), cute.make_layout(16))
+        src = cute.make_tensor(tile.iterator + row * D + col0, cute.make_layout(16))
         frag.store(src.load().to(cutlass.Float32))
     return frag
 

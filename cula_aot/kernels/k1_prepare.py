@@ -40,8 +40,10 @@ from .common import (
     IMAGE_BYTES,
     THREADS,
     k_inter_index,
-    load_bf16x16_as_f32,
+    input_tile_layout,
+    make_token_tma,
     sigmoid,
+    tile_row_as_f32,
     varlen_slot_lookup,
 )
 
@@ -49,11 +51,12 @@ from .common import (
 THREADS_PER_ROW = THREADS // CHUNK
 COLS_PER_THREAD = D // THREADS_PER_ROW
 
-# Shared memory plan, in allocation order (bytes): q̂, k̂, γ (fp32 16×128 each), the four bf16
-# K_INTER images (qd, kd, kr, kinv), b (fp32[16]), L and the Neumann ping-pong buffers.
+# Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
+# row-major) and their mbarrier, q̂, k̂, γ (fp32 16×128 each), the four bf16 K_INTER images
+# (qd, kd, kr, kinv), b (fp32[16]), L and the Neumann ping-pong buffers.
 _F32_TILE = CHUNK * D * 4
 _F32_SMALL = CHUNK * CHUNK * 4
-SMEM_BYTES = 3 * _F32_TILE + 4 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 7 * 128
+SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 3 * _F32_TILE + 4 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 8 * 128
 
 
 @cute.jit
@@ -67,9 +70,9 @@ def _matmul16_entry(a: cute.Tensor, b: cute.Tensor, i, j):
 
 @cute.kernel
 def k1_prepare_kernel(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
+    tma_q: cute.CopyAtom,
+    tma_k: cute.CopyAtom,
+    tma_g: cute.CopyAtom,
     beta: cute.Pointer,
     a_log: cute.Pointer,
     dt_bias: cute.Pointer,
@@ -86,6 +89,7 @@ def k1_prepare_kernel(
     total_slots: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
+    token_coords: cute.Tensor,
     heads: cutlass.Constexpr[int],
     varlen: cutlass.Constexpr[bool],
 ):
@@ -107,6 +111,8 @@ def k1_prepare_kernel(
 
     if rows > 0:
         smem = cutlass.utils.SmemAllocator()
+        s_inputs = [smem.allocate_tensor(cutlass.BFloat16, input_tile_layout(), 128) for _ in range(3)]
+        load_barrier = smem.allocate_array(cutlass.Int64, 1)
         s_qhat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
         s_khat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
         s_gamma = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
@@ -126,14 +132,32 @@ def k1_prepare_kernel(
         slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
 
+        # ---- TMA: the q, k, g tiles of rows [token0, token0 + 16) of this head -------------
+        # Rows past the sequence end (the next sequence, or zero fill past the tensor) are
+        # masked below.
+        if tid == 0:
+            cute.arch.mbarrier_init(load_barrier, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(load_barrier, 3 * IMAGE_BYTES)
+        if cute.arch.warp_idx() == 0:
+            origin = (cutlass.Int32(token0), head * D)
+            g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), (CHUNK, D), (0, 0))
+            for atom, s_tile in ((tma_q, s_inputs[0]), (tma_k, s_inputs[1]), (tma_g, s_inputs[2])):
+                t_smem, t_gmem = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
+                )
+                cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=load_barrier)
+        cute.arch.mbarrier_wait(load_barrier, 0)
+
         # ---- phase A: row-wise l2norm, gate and β (8 threads per row) -------------------
         row = tid // THREADS_PER_ROW
         col0 = (tid % THREADS_PER_ROW) * COLS_PER_THREAD
         row_valid = row < rows
-        elem = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(col0)
-        vq = load_bf16x16_as_f32(q, elem, row_valid)
-        vk = load_bf16x16_as_f32(k, elem, row_valid)
-        vg = load_bf16x16_as_f32(g, elem, row_valid)
+        vq = tile_row_as_f32(s_inputs[0], row, col0, row_valid)
+        vk = tile_row_as_f32(s_inputs[1], row, col0, row_valid)
+        vg = tile_row_as_f32(s_inputs[2], row, col0, row_valid)
 
         ssq = cutlass.Float32(0.0)
         ssk = cutlass.Float32(0.0)
@@ -261,8 +285,13 @@ def k1_prepare_launch(
     heads: cutlass.Constexpr[int],
     varlen: cutlass.Constexpr[bool],
 ):
+    # The descriptors built here only fix the kernel's parameter types: the runtime encodes
+    # the real ones per call from the manifest recipe (specs.token_tma_recipe).
+    tma_q, token_coords = make_token_tma(q, heads)
+    tma_k, _ = make_token_tma(k, heads)
+    tma_g, _ = make_token_tma(g, heads)
     k1_prepare_kernel(
-        q, k, g, beta, a_log, dt_bias, cu_seqlens,
+        tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
-        seq_len, num_seqs, total_slots, scale, lower_bound, heads, varlen,
+        seq_len, num_seqs, total_slots, scale, lower_bound, token_coords, heads, varlen,
     ).launch(grid=[total_slots, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream)

@@ -54,6 +54,8 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
         **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
         "seq_len": seq_len, "num_seqs": cu_seqlens.numel() - 1 if varlen else batch,
         "total_slots": total_slots, "heads": heads,
+        # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
+        "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
         "scale": DEFAULT_SCALE if scale is None else float(scale), "lower_bound": float(lower_bound),
     }
     kernel.launch(values, device)

@@ -13,7 +13,7 @@ _SCALAR_CODES = {"i32": "i", "f32": "f"}
 class ParamPacker:
     """Packs a ``{name: value}`` mapping into the parameter buffer of one kernel."""
 
-    def __init__(self, records: list[dict], kernel_name: str):
+    def __init__(self, records: list[dict], kernel_name: str, param_bytes: int | None = None):
         self.kernel_name = kernel_name
         self.records = records
         fmt, cursor = "<", 0
@@ -21,15 +21,19 @@ class ParamPacker:
             if r["offset"] < cursor:
                 raise ValueError(f"{kernel_name}: parameter '{r['name']}' overlaps its predecessor")
             fmt += "x" * (r["offset"] - cursor)
-            fmt += "Q" if r["kind"] == "pointer" else _SCALAR_CODES[r["dtype"]]
+            if r["kind"] == "tma_descriptor":
+                fmt += f"{r['size']}s"
+            else:
+                fmt += "Q" if r["kind"] == "pointer" else _SCALAR_CODES[r["dtype"]]
             cursor = r["offset"] + r["size"]
+        # Trailing bytes up to the cubin's parameter block size stay zero.
+        fmt += "x" * max(0, (param_bytes or cursor) - cursor)
         self._struct = struct.Struct(fmt)
         self.size = self._struct.size
-        if self.size != cursor:
-            raise ValueError(f"{kernel_name}: packed size {self.size} != ABI size {cursor}")
         self._names = [r["name"] for r in records]
         self._pointer_aligns = {r["name"]: r["address_align"] for r in records if r["kind"] == "pointer"}
         self._i32 = {r["name"] for r in records if r["kind"] == "scalar" and r["dtype"] == "i32"}
+        self._descriptors = {r["name"]: r["size"] for r in records if r["kind"] == "tma_descriptor"}
 
     def pack(self, values: dict) -> bytes:
         missing = [n for n in self._names if n not in values]
@@ -43,6 +47,8 @@ class ParamPacker:
                     f"{self.kernel_name}: pointer '{name}' = {value:#x} is not {align}-byte aligned; "
                     "pass tensors whose storage starts on a 16-byte boundary (e.g. call .contiguous().clone())"
                 )
+            if name in self._descriptors and (not isinstance(value, bytes) or len(value) != self._descriptors[name]):
+                raise ValueError(f"{self.kernel_name}: descriptor '{name}' must be {self._descriptors[name]} encoded bytes")
             if name in self._i32 and not -(2**31) <= value < 2**31:
                 raise ValueError(f"{self.kernel_name}: '{name}' = {value} does not fit in int32")
         return self._struct.pack(*ordered)

@@ -12,28 +12,12 @@ import torch
 from cuda.bindings import driver as cu
 
 from .abi import ParamPacker
+from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
+from .tma import encode_tiled
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
-
-
-class CudaError(RuntimeError):
-    """A CUDA driver call failed; the message carries ``cuGetErrorName``."""
-
-
-def check(result, what: str):
-    """Unwrap a cuda-bindings ``(CUresult, *values)`` tuple, raising ``CudaError`` on failure."""
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        _, text = cu.cuGetErrorString(err)
-        name = name.decode() if isinstance(name, bytes) else name
-        text = text.decode() if isinstance(text, bytes) else text
-        raise CudaError(f"{what} failed: {name} ({text})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 def device_arch(device: torch.device) -> str:
@@ -51,7 +35,8 @@ class LoadedKernel:
         self.block = tuple(record["block"])
         self.smem = record["dynamic_smem_bytes"]
         self.grid_rule = record["grid"]
-        self.packer = ParamPacker(record["params"], name)
+        self.packer = ParamPacker(record["params"], name, record["param_bytes"])
+        self.descriptors = [(p["name"], p["recipe"]) for p in record["params"] if p["kind"] == "tma_descriptor"]
 
     def grid(self, values: dict) -> tuple:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
@@ -62,6 +47,8 @@ class LoadedKernel:
         grid = self.grid(values)
         if min(grid) <= 0:
             return  # nothing to do; an empty grid is an error for the driver
+        for name, recipe in self.descriptors:
+            values[name] = encode_tiled(recipe, values[recipe["source"]], values, f"{self.name}.{name}")
         packed = ctypes.create_string_buffer(self.packer.pack(values), self.packer.size)
         size = ctypes.c_size_t(self.packer.size)
         extra = (ctypes.c_void_p * 5)(

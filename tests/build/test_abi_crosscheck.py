@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cula_aot.build.cubin import check_cubin_abi, kernel_params
+from cula_aot.build.cubin import check_cubin_abi, kernel_params, place_params
 from cula_aot.build.ptx import AbiMismatch, check_abi, parse_entry
 from cula_aot.specs import ARCH, K1Spec, abi_layout, pointer, scalar
 
@@ -26,8 +26,13 @@ def test_declared_abi_matches_ptx_and_cubin(compiled):
     entry = parse_entry(ptx)
     abi = check_abi(spec, entry)
     assert len(entry["params"]) == len(spec.params) and entry["block"] == (128, 1, 1)
-    check_cubin_abi(spec.name, cubin, entry["symbol"], abi, spec.block)
-    assert kernel_params(cubin, entry["symbol"])["param_bytes"] == abi[-1]["offset"] + abi[-1]["size"]
+    placed, param_bytes = place_params(spec.name, cubin, entry["symbol"], abi, spec.block)
+    check_cubin_abi(spec.name, cubin, entry["symbol"], placed, param_bytes, spec.block)
+    # ptxas aligns the 64-byte descriptors in absolute constant-bank addresses: the first one
+    # sits at offset 48, so a naive running-sum layout would be wrong by 48 bytes.
+    assert [p["offset"] for p in placed[:3]] == [48, 176, 304]
+    assert param_bytes == kernel_params(cubin, entry["symbol"])["param_bytes"] == placed[-1]["offset"] + 4
+    assert entry["tma_ranks"] == ["2", "2", "2"]
 
 
 def _variant(params):
@@ -48,6 +53,8 @@ def _variant(params):
         lambda ps: [*ps[:14], scalar("seq_len", "f32"), *ps[15:]],  # i32 declared as f32
         lambda ps: [*ps[:13], scalar("ws_beta", "i32"), *ps[14:]],  # pointer declared as scalar
         lambda ps: [*ps[:14], pointer("seq_len", "i32"), *ps[15:]],  # scalar declared as pointer
+        lambda ps: [pointer("tma_q", "bf16"), *ps[1:]],  # descriptor declared as pointer
+        lambda ps: [*ps[:3], ps[0], *ps[4:]],  # pointer declared as descriptor
     ],
 )
 def test_disagreeing_abi_is_refused(compiled, mutate):
@@ -56,20 +63,26 @@ def test_disagreeing_abi_is_refused(compiled, mutate):
         check_abi(_variant(mutate(list(spec.params))), parse_entry(ptx))
 
 
-def test_cubin_check_refuses_shifted_offsets(compiled):
+def test_cubin_check_refuses_disagreeing_offsets_sizes_and_block(compiled):
     spec, ptx, cubin = compiled
     entry = parse_entry(ptx)
-    abi = abi_layout(spec.params)
-    abi[-1] = {**abi[-1], "offset": abi[-1]["offset"] + 4}
+    placed, param_bytes = place_params(spec.name, cubin, entry["symbol"], check_abi(spec, entry), spec.block)
+    with pytest.raises(AbiMismatch):  # the naive layout
+        check_cubin_abi(spec.name, cubin, entry["symbol"], abi_layout(spec.params), param_bytes, spec.block)
+    shifted = [*placed[:-1], {**placed[-1], "offset": placed[-1]["offset"] + 4}]
     with pytest.raises(AbiMismatch):
-        check_cubin_abi(spec.name, cubin, entry["symbol"], abi, spec.block)
+        check_cubin_abi(spec.name, cubin, entry["symbol"], shifted, param_bytes, spec.block)
+    resized = [*placed[:-1], {**placed[-1], "size": 8}]
     with pytest.raises(AbiMismatch):
-        check_cubin_abi(spec.name, cubin, entry["symbol"], abi_layout(spec.params), (256, 1, 1))
+        place_params(spec.name, cubin, entry["symbol"], resized, spec.block)
+    with pytest.raises(AbiMismatch):
+        place_params(spec.name, cubin, entry["symbol"], placed, (256, 1, 1))
 
 
 def test_bulk_copies_are_issued_by_one_thread(compiled):
-    # CuTeDSL 4.8.1 does not elect a lane for CopyBulkS2GOp; K1 guards the three image copies
-    # with tid == 0 itself, so no elect.sync may appear around them.
+    # CuTeDSL 4.8.1 elects a lane for TMA tensor copies but not for CopyBulkS2GOp; K1 guards
+    # its three image copies with tid == 0 itself, so the only elections are the TMA loads'.
     _, ptx, _ = compiled
     assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 3
-    assert "elect.sync" not in ptx
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3
+    assert ptx.count("elect.sync") == 3

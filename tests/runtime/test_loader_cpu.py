@@ -94,23 +94,50 @@ def test_packer_places_values_at_abi_offsets():
     records = abi_layout(K1Spec.params)
     packer = ParamPacker(records, "k1")
     values = {r["name"]: 16 * (i + 1) for i, r in enumerate(records)}
-    values.update(scale=0.5, lower_bound=-5.0)
+    values.update(scale=0.5, lower_bound=-5.0, tma_q=bytes(128), tma_k=bytes(128), tma_g=bytes(128))
     blob = packer.pack(values)
     assert len(blob) == packer.size == records[-1]["offset"] + 4
     by_name = {r["name"]: r for r in records}
-    assert int.from_bytes(blob[by_name["k"]["offset"] :][:8], "little") == values["k"]
+    assert int.from_bytes(blob[by_name["a_log"]["offset"] :][:8], "little") == values["a_log"]
     assert int.from_bytes(blob[by_name["total_slots"]["offset"] :][:4], "little") == values["total_slots"]
     import struct
 
     assert struct.unpack_from("<f", blob, by_name["lower_bound"]["offset"])[0] == -5.0
 
 
+def test_packer_places_descriptors_and_pads_to_the_cubin_block():
+    records = abi_layout(K1Spec.params)
+    records = [{**r, "offset": r["offset"] + 48} for r in records]  # as ptxas places them
+    total = records[-1]["offset"] + 4 + 8
+    packer = ParamPacker(records, "k1", total)
+    values = {r["name"]: 16 for r in records}
+    values.update(tma_q=b"\x01" * 128, tma_k=b"\x02" * 128, tma_g=b"\x03" * 128)
+    blob = packer.pack(values)
+    assert len(blob) == total and blob[:48] == bytes(48)
+    assert blob[48:176] == b"\x01" * 128 and blob[176:304] == b"\x02" * 128
+    with pytest.raises(ValueError, match="descriptor 'tma_k' must be 128 encoded bytes"):
+        packer.pack({**values, "tma_k": b"short"})
+
+
+def test_tma_recipe_validation_happens_before_the_driver():
+    from cula_aot.runtime.tma import encode_tiled
+
+    recipe = dict(abi_layout(K1Spec.params)[0]["recipe"])
+    values = {"rows": 100, "row_elems": 1024, "row_bytes": 2048}
+    with pytest.raises(ValueError, match="16-byte aligned tensor base"):
+        encode_tiled(recipe, 0x1008, values, "k1.tma_q")
+    with pytest.raises(ValueError, match="multiples of 16 bytes"):
+        encode_tiled(recipe, 0x1000, {**values, "row_bytes": 2050}, "k1.tma_q")
+    with pytest.raises(ValueError, match="must be positive"):
+        encode_tiled(recipe, 0x1000, {**values, "rows": 0}, "k1.tma_q")
+
+
 def test_packer_refuses_bad_values():
     records = abi_layout(K1Spec.params)
     packer = ParamPacker(records, "k1")
-    good = {r["name"]: 16 for r in records}
-    with pytest.raises(ValueError, match="no value for parameters \\['q'\\]"):
-        packer.pack({k: v for k, v in good.items() if k != "q"})
+    good = {r["name"]: (bytes(128) if r["kind"] == "tma_descriptor" else 16) for r in records}
+    with pytest.raises(ValueError, match="no value for parameters \\['beta'\\]"):
+        packer.pack({k: v for k, v in good.items() if k != "beta"})
     with pytest.raises(ValueError, match="pointer 'beta'.*16-byte aligned"):
         packer.pack({**good, "beta": 18})
     with pytest.raises(ValueError, match="'seq_len'.*int32"):

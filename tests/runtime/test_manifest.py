@@ -35,8 +35,12 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
         data = path.read_bytes()
         assert hashlib.sha256(data).hexdigest() == record["sha256"] and len(data) == record["size"]
         assert record["entry"].encode() in data
-        assert record["params"] == abi_layout(K1Spec.params)
-        check_cubin_abi(name, data, record["entry"], record["params"], record["block"])
+        declared = abi_layout(K1Spec.params)
+        assert [{**p, "offset": None} for p in record["params"]] == [{**p, "offset": None} for p in declared]
+        check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
+        descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
+        assert [p["recipe"]["source"] for p in descriptors] == ["q", "k", "g"]
+        assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
         assert record["grid"] == ["total_slots", "heads", 1] and record["dynamic_smem_bytes"] <= 227 * 1024
 
 

@@ -1,0 +1,54 @@
+"""Encode TMA descriptors (``CUtensorMap``) from a manifest recipe with ``cuTensorMapEncodeTiled``.
+
+A recipe (see ``cula_aot.specs.token_tma``) lists dimensions innermost first; every entry is an
+int or the name of a runtime value supplied by the caller.  The 128 encoded bytes are passed by
+value in the kernel's parameter buffer, exactly where the manifest ABI places them.
+"""
+
+import ctypes
+
+from cuda.bindings import driver as cu
+
+from .driver import check
+
+_DTYPES = {"bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+           "f32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}
+_INTERLEAVE = {"none": cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE}
+_SWIZZLE = {"none": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}
+_L2 = {"none": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+       "L2_256B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B}
+# "zeros": out-of-bounds elements read as zero (the driver's FLOAT_OOB_FILL_NONE).
+_OOB = {"zeros": cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE}
+
+
+def _resolve(entry, values: dict) -> int:
+    return entry if isinstance(entry, int) else int(values[entry])
+
+
+def encode_tiled(recipe: dict, base_address: int, values: dict, what: str) -> bytes:
+    """The 128-byte ``CUtensorMap`` for ``recipe`` over memory at ``base_address``."""
+    if base_address % 16:
+        raise ValueError(f"{what}: TMA needs a 16-byte aligned tensor base, got {base_address:#x}")
+    dims = [_resolve(d, values) for d in recipe["global_dims"]]
+    strides = [_resolve(s, values) for s in recipe["global_strides_bytes"]]
+    if min(dims) <= 0:
+        raise ValueError(f"{what}: TMA dimensions must be positive, got {dims}")
+    if any(s % 16 for s in strides):
+        raise ValueError(f"{what}: TMA strides must be multiples of 16 bytes, got {strides}")
+    tensor_map = check(
+        cu.cuTensorMapEncodeTiled(
+            _DTYPES[recipe["dtype"]],
+            recipe["rank"],
+            base_address,
+            dims,
+            strides,
+            list(recipe["box_dims"]),
+            list(recipe["element_strides"]),
+            _INTERLEAVE[recipe["interleave"]],
+            _SWIZZLE[recipe["swizzle"]],
+            _L2[recipe["l2_promotion"]],
+            _OOB[recipe["oob_fill"]],
+        ),
+        f"cuTensorMapEncodeTiled({what})",
+    )
+    return ctypes.string_at(tensor_map.getPtr(), 128)
