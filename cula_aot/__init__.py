@@ -1,1 +1,10 @@
+"""cula-aot: ahead-of-time compiled Hopper KDA prefill kernels, launched through cuda-python."""
+
 __version__ = "0.1.0"
+
+from .api import fwd, kda_prefill, preload  # noqa: E402
+from .ops.prefill import KDAInputError  # noqa: E402
+from .runtime.driver import CudaError  # noqa: E402
+from .runtime.manifest import ArtifactError  # noqa: E402
+
+__all__ = ["ArtifactError", "CudaError", "KDAInputError", "fwd", "kda_prefill", "preload"]

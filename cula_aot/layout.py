@@ -9,6 +9,10 @@ D = 128
 CHUNK = 16
 IMAGE_BYTES = CHUNK * D * 2
 
+# K2 ``flags`` bits.
+FLAG_INITIAL_STATE = 1
+FLAG_FINAL_STATE = 2
+
 # Bytes per (tile, head) slot of each workspace.
 WORKSPACE_SLOT_BYTES = {
     "qd": IMAGE_BYTES,

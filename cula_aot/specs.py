@@ -150,6 +150,54 @@ class K1Spec(KernelSpec):
     varlen: bool
 
 
+K2_PARAMS = (
+    pointer("v", "bf16"),
+    pointer("out", "bf16"),
+    pointer("initial_state", "f32"),
+    pointer("final_state", "f32"),
+    pointer("cu_seqlens", "i32"),
+    pointer("ws_qd", "bf16"),
+    pointer("ws_kd", "bf16"),
+    pointer("ws_kr", "bf16"),
+    pointer("ws_gt", "f32"),
+    pointer("ws_inv", "bf16"),
+    pointer("ws_mqk", "bf16"),
+    pointer("ws_beta", "bf16"),
+    scalar("seq_len", "i32"),
+    scalar("num_seqs", "i32"),
+    scalar("total_slots", "i32"),
+    scalar("state_stride_k", "i32"),
+    scalar("state_stride_v", "i32"),
+    scalar("flags", "i32"),
+)
+
+# V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
+# (docs/PERFORMANCE.md).
+K2_V_BLOCKS = (16, 32, 64)
+K2_DEFAULT_V_BLOCK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class K2Spec(KernelSpec):
+    """K2 recurrence: one CTA per (V block, head, sequence)."""
+
+    kernel: ClassVar[str] = "k2_recurrence"
+    params: ClassVar[tuple] = K2_PARAMS
+
+    heads: int
+    varlen: bool
+    v_block: int
+
+    @property
+    def grid(self) -> tuple:
+        return (128 // self.v_block, "heads", "num_seqs")
+
+
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
     """Every specialization the build produces for the given head counts."""
-    return [K1Spec(heads=h, varlen=v) for h in sorted(set(heads)) for v in (False, True)]
+    specs: list[KernelSpec] = []
+    for h in sorted(set(heads)):
+        for varlen in (False, True):
+            specs.append(K1Spec(heads=h, varlen=varlen))
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
+    return specs

@@ -5,16 +5,21 @@ import inspect
 import os
 
 from ..specs import KernelSpec, Param
-from . import k1_prepare
+from . import k1_prepare, k2_recurrence
 
-# kernel name → (host launch function, device kernel, dynamic shared memory bytes)
+# kernel name → (host launch function, device kernel, dynamic shared memory bytes of a spec)
 _KERNELS = {
-    "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, k1_prepare.SMEM_BYTES),
+    "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, lambda spec: k1_prepare.SMEM_BYTES),
+    "k2_recurrence": (
+        k2_recurrence.k2_recurrence_launch,
+        k2_recurrence.k2_recurrence_kernel,
+        lambda spec: k2_recurrence.smem_bytes(spec.v_block),
+    ),
 }
 
 
 def dynamic_smem_bytes(spec: KernelSpec) -> int:
-    return _KERNELS[spec.kernel][2]
+    return _KERNELS[spec.kernel][2](spec)
 
 
 def _fake_argument(param: Param):

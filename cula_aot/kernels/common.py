@@ -18,6 +18,7 @@ __all__ = [
     "make_token_tma",
     "tile_row_as_f32",
     "sigmoid",
+    "varlen_sequence",
     "varlen_slot_lookup",
 ]
 
@@ -81,3 +82,10 @@ def varlen_slot_lookup(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
     start = cu[lo]
     rows = cutlass.min(cu[lo + 1] - start - tile * CHUNK, CHUNK)
     return cutlass.Int64(start), tile, rows
+
+
+@cute.jit
+def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq):
+    """(first token, first tile slot, length) of varlen sequence ``seq``."""
+    cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
+    return cutlass.Int64(cu[seq]), slot_base(cu, seq), cu[seq + 1] - cu[seq]

@@ -36,30 +36,40 @@ def plan_slots(batch: int, seq_len: int, cu_seqlens) -> int:
     return varlen_total_slots(seq_len, cu_seqlens.numel() - 1)
 
 
-def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
-    """Run K1 on the current stream and return its workspaces (views into the stream's arena)."""
-    batch, seq_len, heads, dim = q.shape
-    if dim != D:
-        raise ValueError(f"q must have head dim {D}, got {dim}")
-    device = q.device
-    total_slots = plan_slots(batch, seq_len, cu_seqlens)
-    views = ARENA.carve(device, heads * total_slots)
-    varlen = cu_seqlens is not None
-    kernel = default_loader().get(device, "k1_prepare", heads=heads, varlen=varlen)
-    cu32 = cu_seqlens.to(torch.int32) if varlen else None
-    values = {
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device) -> None:
+    """Launch a loaded K1 with the workspace/sequence values in ``common``."""
+    batch, seq_len, heads, _ = q.shape
+    kernel.launch({
+        **common,
         "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
+        # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
+        "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
+        "scale": float(scale), "lower_bound": float(lower_bound),
+    }, device)
+
+
+def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
+    """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
+
+    For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
+    """
+    batch, seq_len, heads, _ = q.shape
+    device = q.device
+    varlen = cu_seqlens is not None
+    kernel = default_loader().get(device, "k1_prepare", heads=heads, varlen=varlen)
+    total_slots = plan_slots(batch, seq_len, cu_seqlens)
+    views = ARENA.carve(device, heads * total_slots)
+    cu32 = cu_seqlens.to(device=device, dtype=torch.int32) if varlen else None
+    common = {
         "cu_seqlens": cu32.data_ptr() if varlen else 0,
         **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
         "seq_len": seq_len, "num_seqs": cu_seqlens.numel() - 1 if varlen else batch,
         "total_slots": total_slots, "heads": heads,
-        # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
-        "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
-        "scale": DEFAULT_SCALE if scale is None else float(scale), "lower_bound": float(lower_bound),
     }
-    kernel.launch(values, device)
+    launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
+                   DEFAULT_SCALE if scale is None else scale, common, device)
     return Workspaces(total_slots, views)
 
 
-__all__ = ["Workspaces", "plan_slots", "prepare"]
+__all__ = ["DEFAULT_SCALE", "Workspaces", "launch_prepare", "plan_slots", "prepare"]

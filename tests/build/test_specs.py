@@ -1,12 +1,16 @@
 import dataclasses
 
-from cula_aot.specs import DEFAULT_HEADS, K1Spec, abi_layout, default_specs
+from cula_aot.specs import DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, K1Spec, K2Spec, abi_layout, default_specs
 
 
 def test_default_heads_cover_the_spec_list():
     assert set(DEFAULT_HEADS) >= {1, 2, 4, 8, 16, 32, 48, 64, 96, 128}
-    built = {(s.heads, s.varlen) for s in default_specs()}
-    assert built == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
+    specs = default_specs()
+    k1 = {(s.heads, s.varlen) for s in specs if isinstance(s, K1Spec)}
+    k2 = {(s.heads, s.varlen, s.v_block) for s in specs if isinstance(s, K2Spec)}
+    assert k1 == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
+    assert k2 == {(h, v, b) for h in DEFAULT_HEADS for v in (False, True) for b in K2_V_BLOCKS}
+    assert K2_DEFAULT_V_BLOCK in K2_V_BLOCKS and all(128 % b == 0 and b % 8 == 0 for b in K2_V_BLOCKS)
 
 
 def test_names_cover_every_codegen_argument():
@@ -23,12 +27,14 @@ def test_names_cover_every_codegen_argument():
             other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
             assert other.name != spec.name
     assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
+    assert K2Spec(heads=8, varlen=False, v_block=32).name == "k2_recurrence_heads8_varlen0_v_block32"
+    assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
 def test_abi_layout_offsets_respect_alignment():
-    records = abi_layout(K1Spec.params)
+    records = abi_layout(K1Spec.params + K2Spec.params)
     cursor = 0
     for r in records:
         assert r["offset"] % r["align"] == 0 and r["offset"] >= cursor
         cursor = r["offset"] + r["size"]
-    assert [r["name"] for r in records][:3] == ["q", "k", "g"]
+    assert [r["name"] for r in records][:3] == ["tma_q", "tma_k", "tma_g"]

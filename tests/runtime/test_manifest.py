@@ -5,7 +5,9 @@ import importlib.metadata
 
 from cula_aot.build.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
-from cula_aot.specs import ARCH, DEFAULT_HEADS, K1Spec, abi_layout
+from cula_aot.specs import ARCH, DEFAULT_HEADS, K1Spec, K2Spec, default_specs, abi_layout
+
+SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec)}
 
 
 def test_schema_and_toolchain(manifest):
@@ -21,27 +23,27 @@ def test_schema_and_toolchain(manifest):
 
 def test_every_default_specialization_is_built(manifest):
     assert set(DEFAULT_HEADS) <= set(manifest["heads"])
-    for h in DEFAULT_HEADS:
-        for varlen in (False, True):
-            assert K1Spec(heads=h, varlen=varlen).name in manifest["kernels"]
+    for spec in default_specs():
+        assert spec.name in manifest["kernels"]
 
 
 def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
     root = manifest_path.parent
     for name, record in manifest["kernels"].items():
-        assert K1Spec(**record["args"]).name == name
+        spec = SPEC_CLASSES[record["kernel"]](**record["args"])
+        assert spec.name == name
         path = root / record["cubin"]
         assert path.parts[-3:-1] == (manifest["cutedsl_version"], ARCH)
         data = path.read_bytes()
         assert hashlib.sha256(data).hexdigest() == record["sha256"] and len(data) == record["size"]
         assert record["entry"].encode() in data
-        declared = abi_layout(K1Spec.params)
+        declared = abi_layout(spec.params)
         assert [{**p, "offset": None} for p in record["params"]] == [{**p, "offset": None} for p in declared]
         check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
         descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
-        assert [p["recipe"]["source"] for p in descriptors] == ["q", "k", "g"]
+        assert [p["recipe"]["source"] for p in descriptors] == (["q", "k", "g"] if spec.kernel == "k1_prepare" else [])
         assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
-        assert record["grid"] == ["total_slots", "heads", 1] and record["dynamic_smem_bytes"] <= 227 * 1024
+        assert record["grid"] == list(spec.grid) and record["dynamic_smem_bytes"] <= 227 * 1024
 
 
 def test_manifest_record_lookup(manifest_path):

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Time the serial (CP-off) KDA prefill workloads of SPEC §7 on the GPU.
+
+    python benchmarks/bench_prefill.py [--json PATH]
+
+Each workload runs with initial and final state, CUDA events, 25 warm-up / 100 timed,
+interquartile mean, for every K2 V-block the build compiled (the default is chosen from these
+numbers), beside K1 alone and the published cuLA H200 figures.  (Peer runs in the same process,
+flash-linear-attention's ``chunk_kda`` among them, belong to the benchmark suite of issue 5.)
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
+from cula_aot.ops.prefill import prefill  # noqa: E402
+from cula_aot.ops.prepare import prepare  # noqa: E402
+from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS  # noqa: E402
+
+# (label, heads, batch, lengths or None for fixed, T for fixed, published cuLA H200 ms)
+WORKLOADS = [
+    ("fixed 1x8192", 64, 1, None, 8192, 1.1928),
+    ("varlen 6 seqs 8K", 64, 1, [1300, 547, 2048, 963, 271, 3063], None, 0.9287),
+    ("uniform 8x1024", 64, 1, [1024] * 8, None, 0.6629),
+    ("fixed 1x8192", 96, 1, None, 8192, 1.3495),
+    ("varlen 6 seqs 8K", 96, 1, [1300, 547, 2048, 963, 271, 3063], None, 1.2497),
+    ("uniform 8x1024", 96, 1, [1024] * 8, None, 0.9939),
+]
+
+
+def iqm(samples):
+    s = sorted(samples)
+    q = len(s) // 4
+    return statistics.fmean(s[q : len(s) - q])
+
+
+def time_cuda(fn, warmup=25, iters=100):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return iqm(times)
+
+
+def make_inputs(heads, batch, lengths, seq_len, device):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    total = sum(lengths) if lengths else seq_len
+    shape = (batch, total, heads, 128)
+    q, k, v, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(4))
+    beta = torch.randn(batch, total, heads, generator=gen).to(torch.bfloat16).to(device)
+    n = len(lengths) if lengths else batch
+    cu = None
+    if lengths:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, cu_cpu=None if cu is None else cu.cpu(),
+                A_log=torch.log(torch.rand(heads, generator=gen) * 15 + 1).to(device),
+                dt_bias=(0.1 * torch.randn(heads, 128, generator=gen)).to(device),
+                s0=(0.1 * torch.randn(n, heads, 128, 128, generator=gen)).to(device))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    rows = []
+    for label, heads, batch, lengths, seq_len, published in WORKLOADS:
+        x = make_inputs(heads, batch, lengths, seq_len, device)
+        out = torch.empty_like(x["v"])
+        final = torch.empty_like(x["s0"])
+        row = {"workload": label, "H": heads, "published_cula_ms": published}
+
+        def k1():
+            prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                    lower_bound=-5.0, cu_seqlens=x["cu"])
+
+        row["k1_ms"] = time_cuda(k1)
+        for vb in K2_V_BLOCKS:
+            def run(vb=vb):
+                prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                        lower_bound=-5.0, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
+                        out=out, final_state=final, v_block=vb)
+            row[f"prefill_ms_vb{vb}"] = time_cuda(run)
+        row["best_ms"] = min(row[f"prefill_ms_vb{vb}"] for vb in K2_V_BLOCKS)
+        rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+
+    header = "| H | workload | K1 ms | " + " | ".join(f"prefill vb={vb} ms" for vb in K2_V_BLOCKS)
+    print(header + " | best ms | cuLA published ms | best / cuLA |")
+    print("|" + "---|" * (5 + len(K2_V_BLOCKS)))
+    for r in rows:
+        cells = " | ".join(f"{r[f'prefill_ms_vb{vb}']:.4f}" for vb in K2_V_BLOCKS)
+        print(f"| {r['H']} | {r['workload']} | {r['k1_ms']:.4f} | {cells} | {r['best_ms']:.4f} | "
+              f"{r['published_cula_ms']:.4f} | {r['best_ms'] / r['published_cula_ms']:.2f}x |")
+    print(f"(runtime default v_block = {K2_DEFAULT_V_BLOCK})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Public API: ``kda_prefill`` and the FlashKDA-compatible in-place ``fwd`` (SPEC §6)."""
+
+import torch
+
+from .ops.prefill import KDAInputError, prefill
+from .runtime.loader import default_loader
+
+
+def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
+                output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
+                intracard_cp="auto", out=None, final_state=None):
+    """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
+
+    q, k, v, g: bf16 ``[B, T, H, 128]`` contiguous; beta: bf16 ``[B, T, H]`` logits; A_log: fp32
+    ``[H]``; dt_bias: fp32 ``[H, 128]``; lower_bound in [-5, 0); scale defaults to 128**-0.5.
+    Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1 (pass ``cu_seqlens_cpu`` too to
+    avoid a GPU→CPU sync for its validation).  States are fp32 ``[N, H, 128, 128]``, laid out
+    ``[N, H, V, K]`` (``state_layout="vk"``, default) or ``[N, H, K, V]`` (``"kv"``).
+    ``out`` / ``final_state`` are written in place when given.  Returns ``(o, final_state)``,
+    ``final_state`` None unless requested (``output_final_state`` or a ``final_state`` buffer).
+
+    ``intracard_cp``: "auto" and False run the serial path; True or an int ``s_split`` request
+    intracard context parallelism, which this version does not provide yet.
+    """
+    if intracard_cp not in ("auto", False):
+        raise NotImplementedError(
+            f"intracard_cp={intracard_cp!r}: intracard context parallelism is not built in this version; "
+            "use intracard_cp='auto' or False (serial)"
+        )
+    return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                   initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                   cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state)
+
+
+def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
+        cu_seqlens=None):
+    """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
+
+    States use FlashKDA's ``[N, H, V, K]`` layout.  Returns None, like FlashKDA.
+    """
+    if out is None:
+        raise KDAInputError("fwd writes in place: out must be a bf16 tensor shaped like v")
+    prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+            initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state)
+
+
+def preload(device=None) -> int:
+    """Load every kernel of the manifest on ``device`` (default: the current CUDA device) now,
+    instead of lazily at first use; returns the number of kernels loaded."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return default_loader().preload(device)

@@ -1,0 +1,83 @@
+"""Every input rule of SPEC §6 raises a clear KDAInputError before any launch (CPU only)."""
+
+import pytest
+import torch
+
+import cula_aot
+from cula_aot import KDAInputError
+from tests.helpers import cu_seqlens_of, standard_inputs
+
+
+def _call(inputs, **overrides):
+    args = {**inputs, **overrides}
+    return cula_aot.kda_prefill(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), **args)
+
+
+@pytest.fixture
+def inputs():
+    return standard_inputs(1, 40, 2, seed=0)
+
+
+def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
+    with pytest.raises(KDAInputError, match="inputs are on cpu: .*CUDA.*\\.cuda\\(\\)"):
+        _call(inputs)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (lambda x: {"q": x["q"].float()}, "q must be torch.bfloat16, got torch.float32"),
+        (lambda x: {"k": x["k"][:, :, :1]}, r"k must have shape \[1, 40, 2, 128\]"),
+        (lambda x: {"v": x["v"].transpose(1, 2).contiguous().transpose(1, 2)}, "v must be contiguous"),
+        (lambda x: {"g": x["g"].half()}, "g must be torch.bfloat16"),
+        (lambda x: {"beta": x["beta"][..., None]}, r"beta must have shape \[1, 40, 2\]"),
+        (lambda x: {"A_log": x["A_log"].double()}, "A_log must be torch.float32"),
+        (lambda x: {"dt_bias": x["dt_bias"][:, :64].contiguous()}, r"dt_bias must have shape \[2, 128\]"),
+        (lambda x: {"q": x["q"][..., :64].contiguous()}, "head dim must be 128"),
+        (lambda x: {"q": x["q"][0]}, r"q must be \[B, T, H, 128\]"),
+        (lambda x: {"q": "not a tensor"}, "q must be a torch.Tensor"),
+        (lambda x: {"lower_bound": 0.0}, r"lower_bound must be in \[-5, 0\), got 0.0"),
+        (lambda x: {"lower_bound": -5.5}, r"lower_bound must be in \[-5, 0\)"),
+        (lambda x: {"scale": float("nan")}, "scale must be a finite number"),
+        (lambda x: {"state_layout": "kvk"}, "state_layout must be one of"),
+        (lambda x: {"initial_state": torch.zeros(1, 2, 128, 128)[..., :64]}, "initial_state must have shape"),
+        (lambda x: {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16)}, "initial_state must be torch.float32"),
+        (lambda x: {"final_state": torch.zeros(2, 2, 128, 128)}, r"final_state must have shape \[1, 2, 128, 128\]"),
+        (lambda x: {"out": torch.empty(1, 40, 2, 128)}, "out must be torch.bfloat16"),
+        (lambda x: {"out": x["q"]}, "out must not alias an input"),
+        (lambda x: {"cu_seqlens": torch.tensor([0, 40.0])}, "cu_seqlens must be an int32 or int64 tensor"),
+        (lambda x: {"cu_seqlens": torch.tensor([[0, 40]], dtype=torch.int32)}, "cu_seqlens must be 1-D"),
+        (lambda x: {"cu_seqlens": torch.tensor([1, 40], dtype=torch.int32)}, "cu_seqlens must start at 0, got 1"),
+        (lambda x: {"cu_seqlens": torch.tensor([0, 30, 20, 40], dtype=torch.int32)}, "non-decreasing"),
+        (lambda x: {"cu_seqlens": torch.tensor([0, 39], dtype=torch.int64)}, r"must end at T = 40"),
+        (lambda x: {"cu_seqlens": torch.tensor([0, 20, 20, 40], dtype=torch.int32)}, "empty sequence 1"),
+        (lambda x: {"cu_seqlens": torch.tensor([0, 10, 40]), "cu_seqlens_cpu": torch.tensor([0, 40])},
+         "cu_seqlens_cpu has 2 entries"),
+        (lambda x: {"cu_seqlens_cpu": torch.tensor([0, 40])}, "cu_seqlens_cpu was given without cu_seqlens"),
+        (lambda x: {"intracard_cp": 8}, "intracard context parallelism is not built"),
+    ],
+)
+def test_rule(inputs, overrides, message):
+    exc = NotImplementedError if "intracard" in message else KDAInputError
+    with pytest.raises(exc, match=message):
+        _call(inputs, **overrides(inputs))
+
+
+def test_varlen_needs_batch_one():
+    inputs = standard_inputs(2, 20, 1, seed=1)
+    with pytest.raises(KDAInputError, match="varlen input .* needs batch size 1, got B = 2"):
+        _call(inputs, cu_seqlens=cu_seqlens_of([20]))
+
+
+def test_rejection_writes_nothing(inputs):
+    out = torch.full((1, 40, 2, 128), 7.0, dtype=torch.bfloat16)
+    final = torch.full((1, 2, 128, 128), 3.0)
+    with pytest.raises(KDAInputError):
+        _call(inputs, out=out, final_state=final, lower_bound=1.0)
+    assert bool((out == 7.0).all()) and bool((final == 3.0).all())
+
+
+def test_fwd_needs_out(inputs):
+    with pytest.raises(KDAInputError, match="out must be a bf16 tensor"):
+        cula_aot.fwd(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None, None,
+                     inputs["A_log"], inputs["dt_bias"], inputs["lower_bound"])
