@@ -174,7 +174,7 @@ K2_PARAMS = (
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
-K2_DEFAULT_V_BLOCK = 32
+K2_DEFAULT_V_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)

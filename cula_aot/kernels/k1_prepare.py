@@ -5,9 +5,10 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
 * ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, ``G`` its inclusive cumsum
   over the tile's rows, ``gtot = exp(G[15])``;
 * ``q̂, k̂`` = L2-normalised q, k rounded to bf16, ``b = σ(β)``;
-* ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (bf16);
-* ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` and
-  ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` evaluated in fp32 (L is nilpotent: exact).
+* ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
+* ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` from the fp32 operands
+  (more precise than the recipe's bf16 operands) and ``INV = (I+L)^-1 =
+  (I-L)(I+L²)(I+L⁴)(I+L⁸)`` evaluated in fp32 (L is nilpotent: exact).
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
@@ -54,9 +55,17 @@ COLS_PER_THREAD = D // THREADS_PER_ROW
 # Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
 # row-major) and their mbarrier, q̂, k̂, γ (fp32 16×128 each), the four bf16 K_INTER images
 # (qd, kd, kr, kinv), b (fp32[16]), L and the Neumann ping-pong buffers.
-_F32_TILE = CHUNK * D * 4
+# fp32 16×128 tiles with rows padded by 4 words: row-parallel 16-byte reads of 16 rows at one
+# column spread over the banks instead of hitting one.
+F32_ROW = D + 4
+_F32_TILE = CHUNK * F32_ROW * 4
 _F32_SMALL = CHUNK * CHUNK * 4
-SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 3 * _F32_TILE + 4 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 8 * 128
+SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 3 * _F32_TILE + 3 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 8 * 128
+
+
+def _row4(tile: cute.Tensor, row, c0):
+    """Four consecutive fp32 of a padded 16×128 smem tile (one 16-byte load)."""
+    return cute.make_tensor(tile.iterator + row * F32_ROW + c0, cute.make_layout(4)).load()
 
 
 @cute.jit
@@ -113,14 +122,15 @@ def k1_prepare_kernel(
         smem = cutlass.utils.SmemAllocator()
         s_inputs = [smem.allocate_tensor(cutlass.BFloat16, input_tile_layout(), 128) for _ in range(3)]
         load_barrier = smem.allocate_array(cutlass.Int64, 1)
-        s_qhat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
-        s_khat = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
-        s_gamma = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, D), stride=(D, 1)), 128)
+        # q̂, k̂, γ; phase B overwrites them in place with fp32 qd, kd, kinv for phase C.
+        f32_tile = cute.make_layout((CHUNK, D), stride=(F32_ROW, 1))
+        s_qhat = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
+        s_khat = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
+        s_gamma = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
         image_layout = cute.make_layout(CHUNK * D)
         s_qd = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
         s_kd = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
         s_kr = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
-        s_kinv = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
         s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
         small = cute.make_layout((CHUNK, CHUNK), stride=(CHUNK, 1))
         s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
@@ -190,6 +200,10 @@ def k1_prepare_kernel(
         cute.arch.sync_threads()
 
         # ---- phase B: column-wise cumsum and decayed operands (thread = column) ---------
+        # The bf16 images go to the workspaces; L and Mqk use the fp32 values (kept in place
+        # of q̂, k̂, γ: this thread alone reads and writes column ``col``), so they do not
+        # inherit the operands' bf16 rounding: with cancellation in q̂·k̂ that rounding can
+        # dominate a 16×16 entry.
         col = tid
         cum = cutlass.Float32(0.0)
         for r in cutlass.range_constexpr(CHUNK):
@@ -201,10 +215,14 @@ def k1_prepare_kernel(
             qh = s_qhat[r, col]
             kh = s_khat[r, col]
             idx = k_inter_index(r, col)
-            s_qd[idx] = (qh * cute.math.exp(cum) * scale).to(cutlass.BFloat16)
-            s_kd[idx] = (kh * cute.math.exp(cum)).to(cutlass.BFloat16)
-            s_kinv[idx] = (kh * cute.math.exp(-cum)).to(cutlass.BFloat16)
+            qd = qh * cute.math.exp(cum) * scale
+            kd = kh * cute.math.exp(cum)
+            s_qd[idx] = qd.to(cutlass.BFloat16)
+            s_kd[idx] = kd.to(cutlass.BFloat16)
             s_kr[idx] = (kh * cute.math.exp(g_total - cum)).to(cutlass.BFloat16)
+            s_qhat[r, col] = qd
+            s_khat[r, col] = kd
+            s_gamma[r, col] = kh * cute.math.exp(-cum)
         out_gt = cute.make_tensor(ws_gt + slot_index * D, cute.make_layout(D))
         out_gt[col] = cute.math.exp(g_total)
 
@@ -226,11 +244,13 @@ def k1_prepare_kernel(
             i = tid // CHUNK + half * (CHUNK // 2)
             acc_k = cutlass.Float32(0.0)
             acc_q = cutlass.Float32(0.0)
-            for cb in cutlass.range_constexpr(D // 8):
-                for e in cutlass.range_constexpr(8):
-                    kv = s_kinv[cb * 128 + j * 8 + e].to(cutlass.Float32)
-                    acc_k += s_kd[cb * 128 + i * 8 + e].to(cutlass.Float32) * kv
-                    acc_q += s_qd[cb * 128 + i * 8 + e].to(cutlass.Float32) * kv
+            for c4 in cutlass.range_constexpr(D // 4):
+                kinv4 = _row4(s_gamma, j, c4 * 4)
+                kd4 = _row4(s_khat, i, c4 * 4)
+                qd4 = _row4(s_qhat, i, c4 * 4)
+                for e in cutlass.range_constexpr(4):
+                    acc_k += kd4[e] * kinv4[e]
+                    acc_q += qd4[e] * kinv4[e]
             s_l[i, j] = s_b[i] * acc_k if j < i else cutlass.Float32(0.0)
             out_mqk[i, j] = (acc_q if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
         cute.arch.sync_threads()
