@@ -19,17 +19,16 @@ def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     ``out`` / ``final_state`` are written in place when given.  Returns ``(o, final_state)``,
     ``final_state`` None unless requested (``output_final_state`` or a ``final_state`` buffer).
 
-    ``intracard_cp``: "auto" and False run the serial path; True or an int ``s_split`` request
-    intracard context parallelism, which this version does not provide yet.
+    ``intracard_cp``: "auto" (the planner's cost model decides from lengths, H and the SM count;
+    short or many-head inputs stay serial), False (serial), True (CP with the planner's split, at
+    least 2) or an int ``s_split`` (cut each sequence into at most that many tile-aligned
+    segments).  Planning reads the sequence lengths on the host: from ``cu_seqlens_cpu`` when
+    given, else by copying ``cu_seqlens`` (a sync).
     """
-    if intracard_cp not in ("auto", False):
-        raise NotImplementedError(
-            f"intracard_cp={intracard_cp!r}: intracard context parallelism is not built in this version; "
-            "use intracard_cp='auto' or False (serial)"
-        )
     return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                   cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state)
+                   cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
+                   intracard_cp=intracard_cp)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,

@@ -9,9 +9,17 @@ D = 128
 CHUNK = 16
 IMAGE_BYTES = CHUNK * D * 2
 
-# K2 ``flags`` bits.
-FLAG_INITIAL_STATE = 1
-FLAG_FINAL_STATE = 2
+# K2 ``flags`` bits (a launch argument; per row in a segment table).
+FLAG_INITIAL_STATE = 1  # read initial_state[init_index]
+FLAG_FINAL_STATE = 2  # write final_state[final_index]
+FLAG_IDENTITY_INIT = 4  # start from S = I (pre_scan: the product of the tiles' A_t)
+FLAG_ZERO_V = 8  # treat v as 0 (pre_scan's A_t product)
+FLAG_NO_OUTPUT = 16  # do not write out (pre_scan)
+
+# A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
+# state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.
+SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS = range(7)
+SEGMENT_FIELDS = 8  # padded to 32 bytes
 
 # Bytes per (tile, head) slot of each workspace.
 WORKSPACE_SLOT_BYTES = {

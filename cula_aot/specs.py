@@ -156,6 +156,7 @@ K2_PARAMS = (
     pointer("initial_state", "f32"),
     pointer("final_state", "f32"),
     pointer("cu_seqlens", "i32"),
+    pointer("segments", "i32"),
     pointer("ws_qd", "bf16"),
     pointer("ws_kd", "bf16"),
     pointer("ws_kr", "bf16"),
@@ -166,8 +167,10 @@ K2_PARAMS = (
     scalar("seq_len", "i32"),
     scalar("num_seqs", "i32"),
     scalar("total_slots", "i32"),
-    scalar("state_stride_k", "i32"),
-    scalar("state_stride_v", "i32"),
+    scalar("init_stride_k", "i32"),
+    scalar("init_stride_v", "i32"),
+    scalar("final_stride_k", "i32"),
+    scalar("final_stride_v", "i32"),
     scalar("flags", "i32"),
 )
 
@@ -179,7 +182,7 @@ K2_DEFAULT_V_BLOCK = 16
 
 @dataclasses.dataclass(frozen=True)
 class K2Spec(KernelSpec):
-    """K2 recurrence: one CTA per (V block, head, sequence)."""
+    """K2 recurrence: one CTA per (V block, head, sequence or CP segment)."""
 
     kernel: ClassVar[str] = "k2_recurrence"
     params: ClassVar[tuple] = K2_PARAMS
@@ -187,10 +190,35 @@ class K2Spec(KernelSpec):
     heads: int
     varlen: bool
     v_block: int
+    segmented: bool = False
 
     @property
     def grid(self) -> tuple:
         return (128 // self.v_block, "heads", "num_seqs")
+
+
+MERGE_PARAMS = (
+    pointer("initial_state", "f32"),
+    pointer("prescan", "f32"),
+    pointer("carries", "f32"),
+    pointer("seq_segments", "i32"),
+    scalar("num_seqs", "i32"),
+    scalar("init_stride_k", "i32"),
+    scalar("init_stride_v", "i32"),
+    scalar("flags", "i32"),
+)
+MERGE_V_BLOCK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeSpec(KernelSpec):
+    """Intracard CP merge: one CTA per (state column block, head, sequence)."""
+
+    kernel: ClassVar[str] = "cp_merge"
+    params: ClassVar[tuple] = MERGE_PARAMS
+    grid: ClassVar[tuple] = (128 // MERGE_V_BLOCK, "heads", "num_seqs")
+
+    heads: int
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
@@ -200,4 +228,8 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
         for varlen in (False, True):
             specs.append(K1Spec(heads=h, varlen=varlen))
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
+        # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
+        # fixed and varlen input.
+        specs.append(K2Spec(heads=h, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True))
+        specs.append(MergeSpec(heads=h))
     return specs

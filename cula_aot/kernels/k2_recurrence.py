@@ -20,16 +20,39 @@ Thread layout (128 threads): thread t owns column ``t % v_block`` and key rows
 ``[kg·K_PER, (kg+1)·K_PER)`` with ``kg = t // v_block``; the kg groups reduce kd·S and qd·S
 through shared memory.
 
-Launch: grid (128 / v_block, H, N), block (128, 1, 1), ``smem_bytes(v_block)`` dynamic shared
-memory.  Runtime: lengths, cu_seqlens, state strides (``[N,H,V,K]`` or ``[N,H,K,V]``) and flags
-(bit 0: read initial_state, bit 1: write final_state).  Compile-time: H, varlen, v_block.
+Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqlens (varlen) or
+B×T (fixed) on the device.  Segmented (intracard CP, ``segmented=True``): one per row of a
+segment table built by the host planner (``cula_aot.layout.SEG_*``): first token, first tile
+slot, token count, the state rows it reads/writes and its flags.  The same kernel serves the CP
+pre_scan (flags: identity start, v = 0, no output → the segment's transition matrix; or zero
+start, real v, no output → its end state) and the segmented recurrence (start from the merged
+carry).
+
+Launch: grid (128 / v_block, H, work items), block (128, 1, 1), ``smem_bytes(v_block)`` dynamic
+shared memory.  Runtime: lengths, cu_seqlens or the segment table, initial/final state strides
+(``[N,H,V,K]``, ``[N,H,K,V]``) and flags (``cula_aot.layout.FLAG_*``).  Compile-time: H,
+varlen, v_block, segmented.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from ..layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE, WORKSPACE_SLOT_BYTES
+from ..layout import (
+    FLAG_FINAL_STATE,
+    FLAG_IDENTITY_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_NO_OUTPUT,
+    FLAG_ZERO_V,
+    SEG_FINAL_INDEX,
+    SEG_FIRST_SLOT,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_INIT_INDEX,
+    SEG_TOKENS,
+    SEGMENT_FIELDS,
+    WORKSPACE_SLOT_BYTES,
+)
 from .common import CHUNK, D, THREADS, sigmoid, varlen_sequence
 
 # One pipeline stage: the seven per-tile workspaces back to back (each 16-byte aligned), each
@@ -87,6 +110,7 @@ def k2_recurrence_kernel(
     initial_state: cute.Pointer,
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
+    segments: cute.Pointer,
     ws_qd: cute.Pointer,
     ws_kd: cute.Pointer,
     ws_kr: cute.Pointer,
@@ -97,12 +121,15 @@ def k2_recurrence_kernel(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
-    state_stride_k: cutlass.Int32,
-    state_stride_v: cutlass.Int32,
+    init_stride_k: cutlass.Int32,
+    init_stride_v: cutlass.Int32,
+    final_stride_k: cutlass.Int32,
+    final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
     heads: cutlass.Constexpr[int],
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
+    segmented: cutlass.Constexpr[bool],
 ):
     groups = THREADS // v_block
     k_per = D // groups
@@ -113,11 +140,21 @@ def k2_recurrence_kernel(
     kg = tid // v_block
     v_col = vblk * v_block + col
 
-    # ---- this sequence: first token, first tile slot, length --------------------------
+    # ---- this work item: first token, first tile slot, length, state rows, flags ----------
     seq_start = cutlass.Int64(0)
     first_slot = cutlass.Int32(0)
     length = seq_len
-    if cutlass.const_expr(varlen):
+    init_index = seq
+    final_index = seq
+    if cutlass.const_expr(segmented):
+        row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
+        seq_start = cutlass.Int64(row[SEG_FIRST_TOKEN])
+        first_slot = row[SEG_FIRST_SLOT]
+        length = row[SEG_TOKENS]
+        init_index = row[SEG_INIT_INDEX]
+        final_index = row[SEG_FINAL_INDEX]
+        flags = row[SEG_FLAGS]
+    elif cutlass.const_expr(varlen):
         seq_start, first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
     else:
         seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
@@ -135,11 +172,16 @@ def k2_recurrence_kernel(
     # ---- state slice into registers -----------------------------------------------------
     state = cute.make_rmem_tensor(cute.make_layout(k_per), cutlass.Float32)
     state.fill(0.0)
-    state_base = (cutlass.Int64(seq) * heads + cutlass.Int64(head)) * (D * D)
     if (flags & FLAG_INITIAL_STATE) != 0:
+        init_base = (cutlass.Int64(init_index) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(k_per):
-            at = state_base + cutlass.Int64((kg * k_per + i) * state_stride_k + v_col * state_stride_v)
+            at = init_base + cutlass.Int64((kg * k_per + i) * init_stride_k + v_col * init_stride_v)
             state[i] = cute.make_tensor(initial_state + at, cute.make_layout(1))[0]
+    if (flags & FLAG_IDENTITY_INIT) != 0:
+        for i in cutlass.range_constexpr(k_per):
+            state[i] = cutlass.Float32(1.0) if kg * k_per + i == v_col else cutlass.Float32(0.0)
+    zero_v = (flags & FLAG_ZERO_V) != 0
+    write_out = (flags & FLAG_NO_OUTPUT) == 0
 
     sources = (ws_qd, ws_kd, ws_kr, ws_inv, ws_mqk, ws_gt, ws_beta)
     slot0 = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
@@ -169,7 +211,7 @@ def k2_recurrence_kernel(
         for m in cutlass.range_constexpr(rows_per_thread):
             r = kg + m * groups
             v_rows[m] = cutlass.Float32(0.0)
-            if r < rows_valid:
+            if r < rows_valid and not zero_v:
                 at = ((token0 + cutlass.Int64(r)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col)
                 v_rows[m] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
         cute.arch.mbarrier_wait(full + stage, (tile // STAGES) % 2)
@@ -224,7 +266,7 @@ def k2_recurrence_kernel(
             acc = q_s[m]
             for j in cutlass.range_constexpr(CHUNK):
                 acc += mqk[r * CHUNK + j].to(cutlass.Float32) * s_u[j, col]
-            if r < rows_valid:
+            if r < rows_valid and write_out:
                 at = ((token0 + cutlass.Int64(r)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col)
                 cute.make_tensor(out + at, cute.make_layout(1))[0] = acc.to(cutlass.BFloat16)
 
@@ -247,8 +289,9 @@ def k2_recurrence_kernel(
         cute.arch.sync_threads()
 
     if (flags & FLAG_FINAL_STATE) != 0:
+        final_base = (cutlass.Int64(final_index) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(k_per):
-            at = state_base + cutlass.Int64((kg * k_per + i) * state_stride_k + v_col * state_stride_v)
+            at = final_base + cutlass.Int64((kg * k_per + i) * final_stride_k + v_col * final_stride_v)
             cute.make_tensor(final_state + at, cute.make_layout(1))[0] = state[i]
 
 
@@ -259,6 +302,7 @@ def k2_recurrence_launch(
     initial_state: cute.Pointer,
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
+    segments: cute.Pointer,
     ws_qd: cute.Pointer,
     ws_kd: cute.Pointer,
     ws_kr: cute.Pointer,
@@ -269,16 +313,21 @@ def k2_recurrence_launch(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
-    state_stride_k: cutlass.Int32,
-    state_stride_v: cutlass.Int32,
+    init_stride_k: cutlass.Int32,
+    init_stride_v: cutlass.Int32,
+    final_stride_k: cutlass.Int32,
+    final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
     stream,
     heads: cutlass.Constexpr[int],
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
+    segmented: cutlass.Constexpr[bool],
 ):
+    # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
-        v, out, initial_state, final_state, cu_seqlens,
+        v, out, initial_state, final_state, cu_seqlens, segments,
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
-        seq_len, num_seqs, total_slots, state_stride_k, state_stride_v, flags, heads, varlen, v_block,
+        seq_len, num_seqs, total_slots, init_stride_k, init_stride_v, final_stride_k, final_stride_v, flags,
+        heads, varlen, v_block, segmented,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)

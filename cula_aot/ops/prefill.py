@@ -8,9 +8,25 @@ host once, which synchronises — pass ``cu_seqlens_cpu`` to keep the serial pat
 
 import torch
 
-from ..layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE, D
+from ..layout import (
+    FLAG_FINAL_STATE,
+    FLAG_IDENTITY_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_NO_OUTPUT,
+    FLAG_ZERO_V,
+    SEG_FINAL_INDEX,
+    SEG_FIRST_SLOT,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_INIT_INDEX,
+    SEG_SEQ,
+    SEG_TOKENS,
+    SEGMENT_FIELDS,
+    D,
+)
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK
+from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, plan_slots
 from .workspace import ARENA
 
@@ -56,8 +72,8 @@ def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]
 
 
 def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-             cu_seqlens_cpu, state_layout, out, final_state):
-    """Check every argument; returns (batch, seq_len, heads, num_seqs, scale)."""
+             cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto"):
+    """Check every argument; returns (batch, seq_len, heads, num_seqs, scale, host cu_seqlens)."""
     if not isinstance(q, torch.Tensor):
         _fail(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
@@ -82,7 +98,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     if state_layout not in STATE_LAYOUTS:
         _fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
+    # Identity tests: 0 == False and 1 == True, but 0 is no s_split.
+    if not (intracard_cp is True or intracard_cp is False or (isinstance(intracard_cp, str) and intracard_cp == "auto")
+            or (type(intracard_cp) is int and intracard_cp >= 1)):
+        _fail(f"intracard_cp must be 'auto', True, False or an int s_split >= 1, got {intracard_cp!r}")
+
     num_seqs = batch
+    host_cu = None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             _fail("cu_seqlens must be an int32 or int64 tensor")
@@ -93,7 +115,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         if batch != 1:
             _fail(f"varlen input (cu_seqlens) needs batch size 1, got B = {batch}; flatten to [1, total, H, {D}]")
         num_seqs = cu_seqlens.numel() - 1
-        _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
+        host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
     elif cu_seqlens_cpu is not None:
         _fail("cu_seqlens_cpu was given without cu_seqlens")
 
@@ -110,23 +132,75 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     if device.type != "cuda":
         _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
-    return batch, seq_len, heads, num_seqs, scale
+    return batch, seq_len, heads, num_seqs, scale, host_cu
+
+
+def _resolve_split(intracard_cp, batch, seq_len, heads, host_cu, device) -> int:
+    if intracard_cp is False:
+        return 1
+    if type(intracard_cp) is int:
+        return intracard_cp
+    lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    s_split = cp_plan.auto_split(lengths, heads, sm_count, D // K2_DEFAULT_V_BLOCK)
+    return max(s_split, 2) if intracard_cp is True else s_split
+
+
+def _segment_row(seg, init_index, final_index, flags) -> list[int]:
+    row = [0] * SEGMENT_FIELDS
+    row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
+    row[SEG_TOKENS], row[SEG_INIT_INDEX], row[SEG_FINAL_INDEX], row[SEG_FLAGS] = (
+        seg.num_tokens, init_index, final_index, flags)
+    return row
+
+
+def _segment_tables(segments, want_final):
+    """Rows of the pre_scan jobs and of the segmented recurrence, and each sequence's segment
+    range.  Pre_scan job 2i (2i + 1) writes M_i (B_i) of segment i; segment i of the recurrence
+    starts from carries[i]."""
+    transition = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
+    prescan_rows, main_rows, bounds = [], [], [0]
+    for seq_segments in segments:
+        for n, seg in enumerate(seq_segments):
+            index = len(main_rows)
+            last = n + 1 == len(seq_segments)
+            if not last:
+                prescan_rows.append(_segment_row(seg, -1, 2 * index, transition))
+                prescan_rows.append(_segment_row(seg, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+            final = FLAG_FINAL_STATE if (last and want_final) else 0
+            main_rows.append(_segment_row(seg, index, seg.seq, FLAG_INITIAL_STATE | final))
+        bounds.append(len(main_rows))
+    return prescan_rows, main_rows, bounds
+
+
+def _to_device(rows, device):
+    """Small host tables to the device without a GPU→CPU sync (pinned, stream-ordered copy)."""
+    return torch.tensor(rows, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
 
 
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-            out=None, final_state=None, v_block=K2_DEFAULT_V_BLOCK):
-    """Serial prefill: K1 then K2 on ``torch.cuda.current_stream(q.device)``."""
-    batch, seq_len, heads, num_seqs, scale = validate(
+            out=None, final_state=None, intracard_cp="auto", v_block=K2_DEFAULT_V_BLOCK):
+    """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
+    ``torch.cuda.current_stream(q.device)``."""
+    batch, seq_len, heads, num_seqs, scale, host_cu = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout=state_layout, out=out, final_state=final_state)
+        state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp)
     device = q.device
     varlen = cu_seqlens is not None
+    s_split = _resolve_split(intracard_cp, batch, seq_len, heads, host_cu, device)
+    segments = cp_plan.plan(cp_plan.sequences(batch, seq_len, host_cu), s_split) if s_split > 1 else None
+    if segments is not None and all(len(s) == 1 for s in segments):
+        segments = None  # nothing long enough to split: the serial path is the same work, faster
     loader = default_loader()
-    # Resolve both kernels first: an unbuilt head count fails before anything launches.
+    # Resolve every kernel first: an unbuilt head count fails before anything launches.
     k1 = loader.get(device, "k1_prepare", heads=heads, varlen=varlen)
-    k2 = loader.get(device, "k2_recurrence", heads=heads, varlen=varlen, v_block=v_block)
+    if segments is None:
+        k2 = loader.get(device, "k2_recurrence", heads=heads, varlen=varlen, v_block=v_block)
+    else:
+        k2 = loader.get(device, "k2_recurrence", heads=heads, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True)
+        merge = loader.get(device, "cp_merge", heads=heads)
 
     if out is None:
         out = torch.empty_like(v)
@@ -147,12 +221,32 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device)
     # [N, H, V, K] ("vk", the public default) or [N, H, K, V]: S[k, v] at k·sk + v·sv.
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    k2.launch({
-        **common,
-        "v": v.data_ptr(), "out": out.data_ptr(),
-        "initial_state": initial_state.data_ptr() if initial_state is not None else 0,
-        "final_state": final_state.data_ptr() if want_final else 0,
-        "state_stride_k": stride_k, "state_stride_v": stride_v,
-        "flags": (FLAG_INITIAL_STATE if initial_state is not None else 0) | (FLAG_FINAL_STATE if want_final else 0),
-    }, device)
+    user_init = initial_state.data_ptr() if initial_state is not None else 0
+    user_final = final_state.data_ptr() if want_final else 0
+    init_flag = FLAG_INITIAL_STATE if initial_state is not None else 0
+    k2_common = {**common, "v": v.data_ptr(), "out": out.data_ptr(), "segments": 0,
+                 "init_stride_k": stride_k, "init_stride_v": stride_v,
+                 "final_stride_k": stride_k, "final_stride_v": stride_v}
+    if segments is None:
+        k2.launch({**k2_common, "initial_state": user_init, "final_state": user_final,
+                   "flags": init_flag | (FLAG_FINAL_STATE if want_final else 0)}, device)
+        return out, (final_state if want_final else None)
+
+    prescan_rows, main_rows, bounds = _segment_tables(segments, want_final)
+    n_segments = len(main_rows)
+    table = _to_device(prescan_rows + main_rows, device)
+    seq_segments = _to_device(bounds, device)
+    # Transition pairs (M_i, B_i) and merged start states, fp32 [K, V] row-major per head.
+    prescan = torch.empty(2 * n_segments, heads, D, D, dtype=torch.float32, device=device)
+    carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)
+    row_bytes = table.element_size() * table.shape[1]
+    k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": len(prescan_rows),
+               "initial_state": 0, "final_state": prescan.data_ptr(),
+               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, device)
+    merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
+                  "seq_segments": seq_segments.data_ptr(), "num_seqs": num_seqs, "heads": heads,
+                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flag}, device)
+    k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * len(prescan_rows),
+               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": user_final,
+               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, device)
     return out, (final_state if want_final else None)

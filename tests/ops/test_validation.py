@@ -54,12 +54,13 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         (lambda x: {"cu_seqlens": torch.tensor([0, 10, 40]), "cu_seqlens_cpu": torch.tensor([0, 40])},
          "cu_seqlens_cpu has 2 entries"),
         (lambda x: {"cu_seqlens_cpu": torch.tensor([0, 40])}, "cu_seqlens_cpu was given without cu_seqlens"),
-        (lambda x: {"intracard_cp": 8}, "intracard context parallelism is not built"),
+        (lambda x: {"intracard_cp": "yes"}, "intracard_cp must be 'auto', True, False or an int s_split >= 1"),
+        (lambda x: {"intracard_cp": 0}, "intracard_cp must be"),
+        (lambda x: {"intracard_cp": 2.0}, "intracard_cp must be"),
     ],
 )
 def test_rule(inputs, overrides, message):
-    exc = NotImplementedError if "intracard" in message else KDAInputError
-    with pytest.raises(exc, match=message):
+    with pytest.raises(KDAInputError, match=message):
         _call(inputs, **overrides(inputs))
 
 

@@ -1,0 +1,89 @@
+"""Intracard context-parallel planning (pure Python, no GPU): whether and how to split sequences.
+
+A plan cuts each sequence into segments of whole 16-token tiles (the last may be partial), in
+order, never across a sequence boundary.  ``auto_split`` chooses the split from the sequence
+lengths, H and the SM count with the cost model below; ``plan`` lays out the segments.
+
+Cost model (times in units of one K2 tile step of one CTA; constants calibrated on an H200, see
+docs/PERFORMANCE.md).  With W = Σ tiles × H × V-blocks (CTA-tile steps of work), P = the longest
+sequence in tiles (the serial critical path) and C = SMs × CTAS_PER_SM concurrent CTAs:
+
+    serial(1)  = max(P, W / C)
+    cp(s)      = max(P/s, 2W/C) + MERGE_STEP·s + max(P/s, W/C) + LAUNCH
+
+(pre_scan runs two chains per segment but the last, merge walks the segments, the segmented K2
+re-runs the tiles from the merged carries).  ``auto_split`` returns the s minimising the cost,
+1 (serial) unless CP wins by ``MIN_GAIN``.
+"""
+
+import dataclasses
+
+from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
+
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
+MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
+CTAS_PER_SM = 4
+MERGE_STEP = 0.6
+LAUNCH = 4.0
+MIN_GAIN = 1.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    seq: int
+    first_token: int  # absolute token index on the flattened B·T axis
+    num_tokens: int
+    first_slot: int  # K1 tile slot of the segment's first tile
+
+
+def sequences(batch: int, seq_len: int, cu_seqlens_host):
+    """(first token, length, first tile slot) of every sequence, fixed or varlen."""
+    if cu_seqlens_host is None:
+        per_seq = fixed_total_slots(1, seq_len)
+        return [(b * seq_len, seq_len, b * per_seq) for b in range(batch)]
+    cu = list(cu_seqlens_host)
+    return [(cu[s], cu[s + 1] - cu[s], varlen_slot_base(cu, s)) for s in range(len(cu) - 1)]
+
+
+def plan(seqs, s_split: int) -> list[list[Segment]]:
+    """Cut every sequence into at most ``s_split`` tile-aligned segments of ≥ MIN_SEGMENT_TILES
+    tiles (a sequence too short to split stays whole)."""
+    if s_split < 1:
+        raise ValueError(f"s_split must be >= 1, got {s_split}")
+    out = []
+    for seq, (first_token, length, first_slot) in enumerate(seqs):
+        tiles = -(-length // CHUNK)
+        parts = max(1, min(s_split, tiles // MIN_SEGMENT_TILES))
+        per = -(-tiles // parts)
+        segs, tile = [], 0
+        while tile < tiles:
+            n = min(per, tiles - tile)
+            tokens = min(n * CHUNK, length - tile * CHUNK)
+            segs.append(Segment(seq, first_token + tile * CHUNK, tokens, first_slot + tile))
+            tile += n
+        out.append(segs)
+    return out
+
+
+def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> float:
+    tiles = [-(-n // CHUNK) for n in lengths]
+    work = sum(tiles) * heads * v_blocks
+    capacity = sm_count * CTAS_PER_SM
+    longest = max(tiles)
+    if s_split == 1:
+        return max(longest, work / capacity)
+    path = max(longest / s_split, MIN_SEGMENT_TILES)
+    return max(path, 2 * work / capacity) + MERGE_STEP * s_split + max(path, work / capacity) + LAUNCH
+
+
+def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:
+    """The split the cost model prefers (1 = serial); deterministic, short inputs stay serial."""
+    serial = cost(lengths, heads, sm_count, 1, v_blocks)
+    best, best_cost = 1, serial
+    for s in SPLITS[1:]:
+        if max(lengths) < s * MIN_SEGMENT_TILES * CHUNK:
+            break
+        c = cost(lengths, heads, sm_count, s, v_blocks)
+        if c < best_cost:
+            best, best_cost = s, c
+    return best if best_cost * MIN_GAIN <= serial else 1

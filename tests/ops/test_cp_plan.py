@@ -1,0 +1,69 @@
+"""Intracard CP planner properties (CPU only)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cula_aot.layout import CHUNK, varlen_slot_base
+from cula_aot.ops import cp_plan
+from cula_aot.ops.prefill import _segment_tables
+
+
+def _cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.integers(1, 70))
+def test_segments_cover_each_sequence_once_in_order(lengths, s_split):
+    cu = _cu(lengths)
+    plan = cp_plan.plan(cp_plan.sequences(1, cu[-1], cu), s_split)
+    assert len(plan) == len(lengths)
+    for seq, segs in enumerate(plan):
+        assert 1 <= len(segs) <= s_split
+        token, slot = cu[seq], varlen_slot_base(cu, seq)
+        for n, seg in enumerate(segs):
+            assert seg.seq == seq and seg.first_token == token and seg.first_slot == slot
+            assert seg.num_tokens > 0
+            if n + 1 < len(segs):
+                # Only a sequence's last segment may hold a partial tile.
+                assert seg.num_tokens % CHUNK == 0 and seg.num_tokens >= cp_plan.MIN_SEGMENT_TILES * CHUNK
+            token += seg.num_tokens
+            slot += -(-seg.num_tokens // CHUNK)
+        assert token == cu[seq + 1], "segments must end exactly at the sequence end"
+
+
+@given(st.integers(1, 4), st.integers(1, 9000), st.integers(1, 16))
+def test_fixed_batches_split_per_row(batch, seq_len, s_split):
+    plan = cp_plan.plan(cp_plan.sequences(batch, seq_len, None), s_split)
+    per_seq = -(-seq_len // CHUNK)
+    for b, segs in enumerate(plan):
+        assert segs[0].first_token == b * seq_len and segs[0].first_slot == b * per_seq
+        assert sum(s.num_tokens for s in segs) == seq_len
+
+
+def test_auto_declines_short_and_busy_inputs():
+    assert cp_plan.auto_split([100, 300], heads=4, sm_count=132, v_blocks=8) == 1
+    assert cp_plan.auto_split([8192] * 8, heads=64, sm_count=132, v_blocks=8) == 1
+    assert cp_plan.auto_split([8192], heads=4, sm_count=132, v_blocks=8) > 1
+    assert cp_plan.auto_split([16384], heads=8, sm_count=132, v_blocks=8) > 1
+
+
+@given(st.lists(st.integers(1, 20000), min_size=1, max_size=8), st.sampled_from([1, 2, 4, 8, 64]))
+def test_auto_is_deterministic_and_a_listed_split(lengths, heads):
+    a = cp_plan.auto_split(lengths, heads, 132, 8)
+    assert a == cp_plan.auto_split(lengths, heads, 132, 8) and a in cp_plan.SPLITS
+
+
+def test_segment_tables_link_prescan_merge_and_recurrence():
+    cu = _cu([1024, 1, 300])
+    plan = cp_plan.plan(cp_plan.sequences(1, cu[-1], cu), 4)
+    prescan, main, bounds = _segment_tables(plan, want_final=True)
+    assert bounds == [0, 4, 5, 7]
+    assert len(prescan) == 2 * (len(main) - 3)  # two jobs per segment but each sequence's last
+    for i, row in enumerate(main):
+        assert row[4] == i  # every segment starts from carries[i]
+    finals = [row[5] for row in main if row[6] & 2]
+    assert finals == [0, 1, 2]  # only each sequence's last segment writes its final state
