@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Time the serial (CP-off) KDA prefill workloads of SPEC §7 on the GPU.
+"""Time the KDA prefill workloads of SPEC §7 on the GPU: serial (CP off) and intracard CP.
 
     python benchmarks/bench_prefill.py [--json PATH]
 
 Each workload runs with initial and final state, CUDA events, 25 warm-up / 100 timed,
 interquartile mean, for every K2 V-block the build compiled (the default is chosen from these
-numbers), beside K1 alone and the published cuLA H200 figures.  (Peer runs in the same process,
+numbers), beside K1 alone and the published cuLA H200 figures; then the CP workloads serial,
+with s_split ∈ {2, 4, 8, 16} and with the planner's auto choice.  (Peer runs in the same process,
 flash-linear-attention's ``chunk_kda`` among them, belong to the benchmark suite of issue 5.)
 """
 
@@ -70,6 +71,37 @@ def make_inputs(heads, batch, lengths, seq_len, device):
                 s0=(0.1 * torch.randn(n, heads, 128, 128, generator=gen)).to(device))
 
 
+# CP workloads of SPEC §7: (heads, lengths, published cuLA H200 ms with s_split 8)
+CP_WORKLOADS = [
+    (4, [8192], 0.3561), (4, [8192, 2048], 0.3638), (4, [16384], 0.6357),
+    (8, [8192], 0.3768), (8, [8192, 2048], 0.3911), (8, [16384], 0.6759),
+]
+CP_SPLITS = (False, 2, 4, 8, 16, "auto")
+
+
+def run_cp(device):
+    rows = []
+    for heads, lengths, published in CP_WORKLOADS:
+        x = make_inputs(heads, 1, lengths, None, device)
+        out = torch.empty_like(x["v"])
+        final = torch.empty_like(x["s0"])
+        row = {"H": heads, "lengths": lengths, "published_cula_ms": published}
+        for split in CP_SPLITS:
+            def run(split=split):
+                prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                        lower_bound=-5.0, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
+                        out=out, final_state=final, intracard_cp=split)
+            row[f"cp_{split}"] = time_cuda(run)
+        rows.append(row)
+    print("| H | lengths | serial ms | " + " | ".join(f"s_split={s} ms" for s in CP_SPLITS[1:])
+          + " | cuLA s_split 8 published ms |")
+    print("|" + "---|" * (3 + len(CP_SPLITS)))
+    for r in rows:
+        cells = " | ".join(f"{r[f'cp_{s}']:.4f}" for s in CP_SPLITS)
+        print(f"| {r['H']} | {r['lengths']} | {cells} | {r['published_cula_ms']:.4f} |")
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
@@ -106,8 +138,9 @@ def main():
         print(f"| {r['H']} | {r['workload']} | {r['k1_ms']:.4f} | {cells} | {r['best_ms']:.4f} | "
               f"{r['published_cula_ms']:.4f} | {r['best_ms'] / r['published_cula_ms']:.2f}x |")
     print(f"(runtime default v_block = {K2_DEFAULT_V_BLOCK})")
+    cp_rows = run_cp(device)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps({"serial": rows, "cp": cp_rows}, indent=1))
 
 
 if __name__ == "__main__":
