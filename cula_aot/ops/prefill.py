@@ -25,7 +25,7 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import K2_DEFAULT_V_BLOCK
+from ..specs import K2_DEFAULT_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, plan_slots
 from .workspace import ARENA
@@ -195,12 +195,12 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         segments = None  # nothing long enough to split: the serial path is the same work, faster
     loader = default_loader()
     # Resolve every kernel first: an unbuilt head count fails before anything launches.
-    k1 = loader.get(device, "k1_prepare", heads=heads, varlen=varlen)
+    k1 = loader.get(device, K1Spec(heads=heads, varlen=varlen))
     if segments is None:
-        k2 = loader.get(device, "k2_recurrence", heads=heads, varlen=varlen, v_block=v_block)
+        k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
     else:
-        k2 = loader.get(device, "k2_recurrence", heads=heads, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True)
-        merge = loader.get(device, "cp_merge", heads=heads)
+        k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True))
+        merge = loader.get(device, MergeSpec(heads=heads))
 
     if out is None:
         out = torch.empty_like(v)

@@ -6,6 +6,7 @@ import torch
 
 from ..layout import D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
+from ..specs import K1Spec
 from .workspace import ARENA
 
 DEFAULT_SCALE = D**-0.5
@@ -57,7 +58,7 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     batch, seq_len, heads, _ = q.shape
     device = q.device
     varlen = cu_seqlens is not None
-    kernel = default_loader().get(device, "k1_prepare", heads=heads, varlen=varlen)
+    kernel = default_loader().get(device, K1Spec(heads=heads, varlen=varlen))
     total_slots = plan_slots(batch, seq_len, cu_seqlens)
     views = ARENA.carve(device, heads * total_slots)
     cu32 = cu_seqlens.to(device=device, dtype=torch.int32) if varlen else None

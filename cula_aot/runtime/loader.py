@@ -84,8 +84,12 @@ class KernelLoader:
         if int(current) != int(primary):
             check(cu.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
 
-    def get(self, device: torch.device, kernel: str, **args) -> LoadedKernel:
-        name, record = self.manifest.record(kernel, **args)
+    def get(self, device: torch.device, spec) -> LoadedKernel:
+        """The loaded kernel of specialization ``spec`` (``cula_aot.specs``) on ``device``."""
+        name, record = self.manifest.record(spec)
+        return self._get(device, name, record)
+
+    def _get(self, device: torch.device, name: str, record: dict) -> LoadedKernel:
         key = (device.index, name)
         loaded = self._kernels.get(key)
         if loaded is None:
@@ -115,7 +119,7 @@ class KernelLoader:
     def preload(self, device: torch.device) -> int:
         """Load every kernel of the manifest on ``device``; returns how many were loaded."""
         for name, record in self.manifest.kernels.items():
-            self.get(device, record["kernel"], **record["args"])
+            self._get(device, name, record)
         return len(self.manifest.kernels)
 
 

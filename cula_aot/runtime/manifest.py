@@ -74,11 +74,12 @@ class Manifest:
     def built_heads(self, kernel: str) -> list[int]:
         return sorted({r["args"]["heads"] for r in self.kernels.values() if r["kernel"] == kernel})
 
-    def record(self, kernel: str, **args) -> tuple[str, dict]:
-        """The (name, record) of ``kernel`` specialised for ``args``; a clear error if not built."""
-        for name, rec in self.kernels.items():
-            if rec["kernel"] == kernel and rec["args"] == args:
-                return name, rec
+    def record(self, spec) -> tuple[str, dict]:
+        """The (name, record) of a specialization (``cula_aot.specs``); a clear error if not built."""
+        rec = self.kernels.get(spec.name)
+        if rec is not None:
+            return spec.name, rec
+        kernel, args = spec.kernel, spec.args
         heads = args.get("heads")
         built = self.built_heads(kernel)
         if heads is not None and heads not in built:

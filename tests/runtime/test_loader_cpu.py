@@ -27,7 +27,7 @@ def artifact_copy(tmp_path, manifest_path):
 
 
 def _record(m, heads=8):
-    return m.record("k1_prepare", heads=heads, varlen=False)[1]
+    return m.record(K1Spec(heads=heads, varlen=False))[1]
 
 
 def test_tampered_cubin_is_refused(artifact_copy):
@@ -66,7 +66,7 @@ def test_foreign_arch_is_refused(manifest_path):
 def test_unbuilt_head_count_names_the_build_command(manifest_path):
     m = Manifest(manifest_path)
     with pytest.raises(ArtifactError, match=r"H=3 heads \(built: \[1, 2, 4.*build_kernels.py --heads 3"):
-        m.record("k1_prepare", heads=3, varlen=False)
+        m.record(K1Spec(heads=3, varlen=False))
 
 
 def test_schema_mismatch_and_garbage_are_refused(artifact_copy):

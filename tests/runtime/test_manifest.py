@@ -48,5 +48,7 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
 
 def test_manifest_record_lookup(manifest_path):
     m = Manifest(manifest_path)
-    name, record = m.record("k1_prepare", heads=8, varlen=True)
+    name, record = m.record(K1Spec(heads=8, varlen=True))
     assert name == "k1_prepare_heads8_varlen1" and record["args"] == {"heads": 8, "varlen": True}
+    name, record = m.record(K2Spec(heads=8, varlen=False, v_block=16))
+    assert record["args"] == {"heads": 8, "varlen": False, "v_block": 16, "segmented": False}
