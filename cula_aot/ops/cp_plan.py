@@ -4,16 +4,20 @@ A plan cuts each sequence into segments of whole 16-token tiles (the last may be
 order, never across a sequence boundary.  ``auto_split`` chooses the split from the sequence
 lengths, H and the SM count with the cost model below; ``plan`` lays out the segments.
 
-Cost model (times in units of one K2 tile step of one CTA; constants calibrated on an H200, see
-docs/PERFORMANCE.md).  With W = Σ tiles × H × V-blocks (CTA-tile steps of work), P = the longest
-sequence in tiles (the serial critical path) and C = SMs × CTAS_PER_SM concurrent CTAs:
+Cost model, in units of one K2 tile step of one CTA (≈ 5.4 µs on an H200 today).  With t_i the
+tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = SMs · CTAS_PER_SM
+(CTAs that run at full per-CTA speed), k_i = the segments of sequence i, P = max ⌈t_i / k_i⌉
+(the longest chain) and f = the share of tiles in non-last segments:
 
-    serial(1)  = max(P, W / C)
-    cp(s)      = max(P/s, 2W/C) + MERGE_STEP·s + max(P/s, W/C) + LAUNCH
+    serial = max(max t_i, W / C)
+    cp(s)  = max(P, 2·f·W / C) + MERGE_STEP · max k_i + max(P, W / C) + OVERHEAD
 
-(pre_scan runs two chains per segment but the last, merge walks the segments, the segmented K2
-re-runs the tiles from the merged carries).  ``auto_split`` returns the s minimising the cost,
-1 (serial) unless CP wins by ``MIN_GAIN``.
+(pre_scan: two chains per non-last segment; merge: one step per segment; the segmented K2
+re-runs every tile from its merged carry; OVERHEAD: two more launches plus host table work
+that the GPU waits on).  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when
+CP does not beat serial by MIN_GAIN.  Constants fitted to 24 timings (6 SPEC §7 CP workloads ×
+s_split 2/4/8/16, ``benchmarks/bench_prefill.py`` on an H200, 2026-11-29) by least squares on
+log time: rms error 5.4% (docs/PERFORMANCE.md).
 """
 
 import dataclasses
@@ -22,9 +26,9 @@ from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
-CTAS_PER_SM = 4
-MERGE_STEP = 0.6
-LAUNCH = 4.0
+CTAS_PER_SM = 1.75
+MERGE_STEP = 12.0
+OVERHEAD = 80.0
 MIN_GAIN = 1.15
 
 
@@ -69,11 +73,13 @@ def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> flo
     tiles = [-(-n // CHUNK) for n in lengths]
     work = sum(tiles) * heads * v_blocks
     capacity = sm_count * CTAS_PER_SM
-    longest = max(tiles)
     if s_split == 1:
-        return max(longest, work / capacity)
-    path = max(longest / s_split, MIN_SEGMENT_TILES)
-    return max(path, 2 * work / capacity) + MERGE_STEP * s_split + max(path, work / capacity) + LAUNCH
+        return max(max(tiles), work / capacity)
+    parts = [max(1, min(s_split, t // MIN_SEGMENT_TILES)) for t in tiles]
+    path = max(-(-t // k) for t, k in zip(tiles, parts))
+    split_share = sum(t * (k - 1) / k for t, k in zip(tiles, parts)) / sum(tiles)
+    return (max(path, 2 * split_share * work / capacity) + MERGE_STEP * max(parts)
+            + max(path, work / capacity) + OVERHEAD)
 
 
 def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:
@@ -81,8 +87,6 @@ def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:
     serial = cost(lengths, heads, sm_count, 1, v_blocks)
     best, best_cost = 1, serial
     for s in SPLITS[1:]:
-        if max(lengths) < s * MIN_SEGMENT_TILES * CHUNK:
-            break
         c = cost(lengths, heads, sm_count, s, v_blocks)
         if c < best_cost:
             best, best_cost = s, c
