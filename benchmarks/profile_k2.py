@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""One serial prefill for a profiler to look at (K1 and K2 launches):
+
+    ncu --clock-control none -k regex:k2_recurrence --launch-count 1 --set full \\
+        python3 benchmarks/profile_k2.py --heads 4 --seq-len 8192
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+
+import cula_aot  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--intracard-cp", default="false", help="false, auto or an int s_split")
+    args = parser.parse_args()
+    split = {"false": False, "auto": "auto"}.get(args.intracard_cp) or int(args.intracard_cp)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shape = (1, args.seq_len, args.heads, 128)
+    q, k, v, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(4))
+    beta = torch.randn(*shape[:3], generator=gen).to(torch.bfloat16).cuda()
+    a_log = torch.log(torch.rand(args.heads, generator=gen) * 15 + 1).cuda()
+    dt_bias = (0.1 * torch.randn(args.heads, 128, generator=gen)).cuda()
+    cula_aot.kda_prefill(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
+                         output_final_state=True, intracard_cp=split)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
