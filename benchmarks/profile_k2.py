@@ -21,7 +21,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--intracard-cp", default="false", help="false, auto or an int s_split")
     args = parser.parse_args()
-    split = {"false": False, "auto": "auto"}.get(args.intracard_cp) or int(args.intracard_cp)
+    choices = {"false": False, "auto": "auto"}
+    split = choices[args.intracard_cp] if args.intracard_cp in choices else int(args.intracard_cp)
     gen = torch.Generator(device="cpu").manual_seed(0)
     shape = (1, args.seq_len, args.heads, 128)
     q, k, v, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(4))
