@@ -43,8 +43,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state)
 
 
-def preload(device=None) -> int:
-    """Load every kernel of the manifest on ``device`` (default: the current CUDA device) now,
-    instead of lazily at first use; returns the number of kernels loaded."""
+def preload(device=None, heads=None) -> int:
+    """Load kernels on ``device`` (default: the current CUDA device) now instead of lazily at
+    first use: all of them, or only those for the head counts in ``heads``.  Returns how many."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return default_loader().preload(device)
+    return default_loader().preload(device, heads=heads)

@@ -1,0 +1,50 @@
+"""``torch.ops.cula_aot.kda_prefill``: the prefill as a torch.library custom op.
+
+Functional (allocates its outputs), with a fake implementation so it traces under
+``torch.compile`` and ``torch.export``, and CUDA-graph capturable (serial path; under capture
+pass ``cu_seqlens_cpu`` so validation needs no GPU→CPU copy).  The final state is always
+returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intracard_cp``:
+-1 = "auto", 0 = off, n ≥ 1 = s_split.
+"""
+
+import torch
+
+from .layout import D
+from .ops.prefill import prefill
+
+_CP_MODES = {-1: "auto", 0: False}
+
+
+@torch.library.custom_op("cula_aot::kda_prefill", mutates_args=(), device_types="cuda")
+def kda_prefill_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    state_layout: str = "vk",
+    intracard_cp: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o, final_state = prefill(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout,
+        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp))
+    return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
+
+
+@kda_prefill_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
+      cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0):
+    heads = q.shape[2]
+    num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_shape = (num_seqs, heads, D, D) if output_final_state else (0,)
+    return torch.empty_like(v), q.new_empty(final_shape, dtype=torch.float32)

@@ -1,0 +1,87 @@
+"""The custom op under opcheck and torch.compile, and CUDA-graph capture/replay of a prefill."""
+
+import pytest
+import torch
+
+import cula_aot
+from cula_aot import reference
+from tests.helpers import cu_seqlens_of, standard_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _op_args(inputs, cu=None):
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["A_log"], inputs["dt_bias"],
+            inputs["lower_bound"])
+    kwargs = {"output_final_state": True, "cu_seqlens": cu, "cu_seqlens_cpu": None if cu is None else cu.cpu()}
+    return args, kwargs
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_opcheck(varlen):
+    if varlen:
+        inputs = standard_inputs(1, 100, 4, device="cuda")
+        args, kwargs = _op_args(inputs, cu_seqlens_of([30, 70], "cuda"))
+    else:
+        inputs = standard_inputs(2, 50, 4, device="cuda")
+        args, kwargs = _op_args(inputs)
+    torch.library.opcheck(torch.ops.cula_aot.kda_prefill.default, args, kwargs)
+
+
+def test_torch_compile_matches_eager():
+    inputs = standard_inputs(1, 200, 8, device="cuda")
+    cu = cu_seqlens_of([120, 80], "cuda")
+    args, kwargs = _op_args(inputs, cu)
+
+    def f(*a):
+        o, s = torch.ops.cula_aot.kda_prefill(*a, **kwargs)
+        return o.float() * 2, s.sum(dim=(-1, -2))
+
+    compiled = torch.compile(f, fullgraph=True)
+    got = compiled(*args)
+    want = f(*args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cuda_graph_replay_matches_eager(varlen):
+    lengths = [300, 17, 500]
+    batch, total = (1, sum(lengths)) if varlen else (2, 400)
+    static = standard_inputs(batch, total, 8, device="cuda")
+    cu = cu_seqlens_of(lengths, "cuda") if varlen else None
+    n = len(lengths) if varlen else batch
+    s0 = 0.1 * torch.randn(n, 8, 128, 128, device="cuda")
+    out = torch.empty_like(static["v"])
+    final = torch.empty_like(s0)
+
+    def run():
+        cula_aot.kda_prefill(static["q"], static["k"], static["v"], static["g"], static["beta"],
+                             A_log=static["A_log"], dt_bias=static["dt_bias"], lower_bound=static["lower_bound"],
+                             initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu(),
+                             out=out, final_state=final, intracard_cp=False)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # warm-up: loads modules, sizes the arena of the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    fresh = standard_inputs(batch, total, 8, device="cuda")
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+        static[name].copy_(fresh[name])
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_eager, s_eager = cula_aot.kda_prefill(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
+                                            A_log=fresh["A_log"], dt_bias=fresh["dt_bias"],
+                                            lower_bound=fresh["lower_bound"], initial_state=s0, cu_seqlens=cu,
+                                            output_final_state=True, intracard_cp=False)
+    assert torch.equal(out, o_eager) and torch.equal(final, s_eager)
+    ref_o, _ = reference.kda_chunked(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
+                                     A_log=fresh["A_log"], dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
+                                     initial_state=s0.transpose(-1, -2), cu_seqlens=cu)
+    assert reference.rel_rmse(out, ref_o) <= 1e-2
