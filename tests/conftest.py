@@ -11,6 +11,11 @@ def _has_sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
 
 
+def pytest_configure(config):
+    # Registered here as well as in pyproject.toml: CI also runs this suite outside the checkout.
+    config.addinivalue_line("markers", "gpu: needs an sm_90a GPU and built kernels (skipped without CUDA)")
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_sm90():
         return
