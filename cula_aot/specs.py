@@ -11,6 +11,9 @@ from typing import ClassVar
 
 DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
+# The CuTeDSL release the kernels, their ABI declarations and the manifest are keyed on
+# (pyproject's ``build`` extra pins the same version; a test checks they agree).
+CUTEDSL_VERSION = "4.8.1"
 
 # Parameter kinds: a global pointer (element dtype, address alignment the kernel assumes), a
 # scalar passed by value, or a TMA descriptor (a CUtensorMap passed by value, with the recipe

@@ -13,23 +13,25 @@ def fresh_seed() -> int:
 
 
 def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_decay=False):
-    """q, k, v, g ~ N(0,1) bf16, β ~ N(0,1), A_log = log U(1,16), dt_bias ~ 0.1·N(0,1)."""
-    gen = torch.Generator(device="cpu").manual_seed(fresh_seed() if seed is None else seed)
+    """q, k, v, g ~ N(0,1) bf16, β ~ N(0,1), A_log = log U(1,16), dt_bias ~ 0.1·N(0,1).
+
+    Drawn on ``device`` itself (multi-GB inputs would take minutes to draw on a CPU)."""
+    gen = torch.Generator(device=device).manual_seed(fresh_seed() if seed is None else seed)
 
     def bf16(*shape):
-        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device)
+        return torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
 
     shape = (batch, seq_len, heads, 128)
     inputs = {"q": bf16(*shape), "k": bf16(*shape), "v": bf16(*shape), "g": bf16(*shape),
               "beta": bf16(batch, seq_len, heads)}
     if slow_decay:
-        a_log = torch.full((heads,), -4.0)
+        a_log = torch.full((heads,), -4.0, device=device)
         lower_bound = -0.05
     else:
-        a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1)
+        a_log = torch.log(torch.rand(heads, generator=gen, device=device) * 15 + 1)
         lower_bound = -5.0
-    inputs.update(A_log=a_log.float().to(device), dt_bias=(0.1 * torch.randn(heads, 128, generator=gen)).to(device),
-                  lower_bound=lower_bound)
+    inputs.update(A_log=a_log.float().to(device),
+                  dt_bias=0.1 * torch.randn(heads, 128, generator=gen, device=device), lower_bound=lower_bound)
     return inputs
 
 

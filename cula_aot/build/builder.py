@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..runtime.manifest import MANIFEST_NAME, SCHEMA_VERSION
-from ..specs import ARCH, KernelSpec, default_specs
+from ..specs import ARCH, CUTEDSL_VERSION, KernelSpec, default_specs
 from .cubin import place_params
 from .ptx import check_abi, parse_entry, ptx_toolchain
 
@@ -58,6 +58,11 @@ def toolchain() -> dict:
     }
     if "nvidia-cutlass-dsl" not in dists:
         raise BuildError("nvidia-cutlass-dsl is not installed: pip install -e '.[build]'")
+    if dists["nvidia-cutlass-dsl"] != CUTEDSL_VERSION:
+        raise BuildError(
+            f"nvidia-cutlass-dsl {dists['nvidia-cutlass-dsl']} is installed, but the kernels are keyed on "
+            f"{CUTEDSL_VERSION}: pip install -e '.[build]'"
+        )
     from cutlass._mlir import _mlir_libs
 
     libs = Path(_mlir_libs.__file__).parent

@@ -63,6 +63,29 @@ class Manifest:
                 f"manifest {self.path} has schema {data['schema_version']}, this cula_aot reads schema "
                 f"{SCHEMA_VERSION}. Rebuild the kernels with this version: `{BUILD_HINT}`."
             )
+        from .. import __version__
+        from ..specs import CUTEDSL_VERSION
+
+        built_by = data.get("package_version")
+        if built_by != __version__:
+            raise ArtifactError(
+                f"manifest {self.path} was built by cula-aot {built_by}, this is cula-aot {__version__}: kernel "
+                f"parameter ABIs may differ. Rebuild the kernels with this version: `{BUILD_HINT}`."
+            )
+        if data["cutedsl_version"] != CUTEDSL_VERSION:
+            raise ArtifactError(
+                f"manifest {self.path} was compiled with CuTeDSL {data['cutedsl_version']}, but cula-aot "
+                f"{__version__} is keyed on CuTeDSL {CUTEDSL_VERSION}. Rebuild with the pinned compiler: "
+                f"`pip install -e '.[build]' && {BUILD_HINT}`."
+            )
+        expected_dir = ("artifacts", data["cutedsl_version"], data["arch"])
+        foreign = [n for n, r in data["kernels"].items() if Path(r["cubin"]).parts[:3] != expected_dir]
+        if foreign:
+            raise ArtifactError(
+                f"manifest {self.path} (CuTeDSL {data['cutedsl_version']}, {data['arch']}) names cubins outside "
+                f"{'/'.join(expected_dir)}/, e.g. {data['kernels'][foreign[0]]['cubin']}: it mixes builds. "
+                f"Rebuild with `{BUILD_HINT}`."
+            )
         self.data = data
         self.arch = data["arch"]
         self.kernels = data["kernels"]

@@ -81,6 +81,46 @@ def test_schema_mismatch_and_garbage_are_refused(artifact_copy):
         Manifest(path)
 
 
+def _rewrite(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+    return data
+
+
+def test_manifest_from_another_package_or_cutedsl_version_is_refused(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    original = json.loads(path.read_text())
+    _rewrite(path, package_version="0.0.9")
+    with pytest.raises(ArtifactError, match="built by cula-aot 0.0.9, this is cula-aot .*Rebuild"):
+        Manifest(path)
+    _rewrite(path, package_version=original["package_version"], cutedsl_version="4.9.0")
+    with pytest.raises(ArtifactError, match="compiled with CuTeDSL 4.9.0.*keyed on CuTeDSL 4.8.1"):
+        Manifest(path)
+
+
+def test_manifest_mixing_builds_is_refused(artifact_copy):
+    path = artifact_copy / "manifest.json"
+    data = json.loads(path.read_text())
+    name = next(iter(data["kernels"]))
+    data["kernels"][name]["cubin"] = data["kernels"][name]["cubin"].replace("/sm_90a/", "/sm_100a/")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match="names cubins outside artifacts/4.8.1/sm_90a/.*mixes builds"):
+        Manifest(path)
+
+
+def test_pinned_cutedsl_matches_pyproject():
+    import tomllib
+
+    from cula_aot.specs import CUTEDSL_VERSION
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if not pyproject.is_file():
+        pytest.skip("running outside the source checkout (installed wheel)")
+    build_extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["build"]
+    assert build_extra == [f"nvidia-cutlass-dsl=={CUTEDSL_VERSION}"]
+
+
 def test_env_var_takes_priority_and_never_falls_back(artifact_copy, tmp_path_factory, monkeypatch):
     monkeypatch.setenv(ENV_ARTIFACTS, str(artifact_copy))
     assert find_manifest() == artifact_copy / "manifest.json"
