@@ -10,7 +10,6 @@ Cold start is measured in this fresh process: manifest discovery + sha256 checks
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,31 +19,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import cula_aot  # noqa: E402,F401
+from benchmarks.timing import time_cuda  # noqa: E402
 from cula_aot.layout import WORKSPACE_SLOT_BYTES  # noqa: E402
 from cula_aot.ops.prepare import plan_slots, prepare  # noqa: E402
 from cula_aot.runtime.loader import default_loader  # noqa: E402
 
 t_import = time.perf_counter() - t_import
-
-
-def iqm(samples):
-    s = sorted(samples)
-    q = len(s) // 4
-    return statistics.fmean(s[q : len(s) - q])
-
-
-def time_cuda(fn, warmup=25, iters=100):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return iqm(times)
 
 
 def main():

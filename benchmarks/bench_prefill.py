@@ -12,13 +12,13 @@ flash-linear-attention's ``chunk_kda`` among them, belong to the benchmark suite
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
+from benchmarks.timing import time_cuda  # noqa: E402
 from cula_aot.ops.prefill import prefill  # noqa: E402
 from cula_aot.ops.prepare import prepare  # noqa: E402
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS  # noqa: E402
@@ -32,27 +32,6 @@ WORKLOADS = [
     ("varlen 6 seqs 8K", 96, 1, [1300, 547, 2048, 963, 271, 3063], None, 1.2497),
     ("uniform 8x1024", 96, 1, [1024] * 8, None, 0.9939),
 ]
-
-
-def iqm(samples):
-    s = sorted(samples)
-    q = len(s) // 4
-    return statistics.fmean(s[q : len(s) - q])
-
-
-def time_cuda(fn, warmup=25, iters=100):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return iqm(times)
 
 
 def make_inputs(heads, batch, lengths, seq_len, device):

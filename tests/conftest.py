@@ -1,4 +1,5 @@
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,15 @@ def manifest_path():
 @pytest.fixture(scope="session")
 def manifest(manifest_path):
     return json.loads(manifest_path.read_text())
+
+
+@pytest.fixture
+def artifact_copy(tmp_path, manifest_path):
+    """A private copy of manifest + the cubins it names, to tamper with."""
+    data = json.loads(manifest_path.read_text())
+    for record in data["kernels"].values():
+        dst = tmp_path / record["cubin"]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(manifest_path.parent / record["cubin"], dst)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    return tmp_path

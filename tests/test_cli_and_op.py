@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,19 +27,14 @@ def test_info_lists_toolchain_and_kernels():
         assert word in result.stdout
 
 
-def test_verify_passes_then_fails_on_a_tampered_copy(tmp_path, manifest_path):
+def test_verify_passes_then_fails_on_a_tampered_copy(artifact_copy):
     assert _cli("verify").returncode == 0
-    data = json.loads(manifest_path.read_text())
-    for rec in data["kernels"].values():
-        dst = tmp_path / rec["cubin"]
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(manifest_path.parent / rec["cubin"], dst)
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
-    victim = tmp_path / next(iter(data["kernels"].values()))["cubin"]
+    data = json.loads((artifact_copy / "manifest.json").read_text())
+    victim = artifact_copy / next(iter(data["kernels"].values()))["cubin"]
     blob = bytearray(victim.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     victim.write_bytes(bytes(blob))
-    env = {**os.environ, ENV_ARTIFACTS: str(tmp_path)}
+    env = {**os.environ, ENV_ARTIFACTS: str(artifact_copy)}
     result = _cli("verify", env=env)
     assert result.returncode == 1 and "MISMATCH" in result.stdout and "build_kernels.py" in result.stdout
 

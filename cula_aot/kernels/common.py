@@ -18,6 +18,7 @@ __all__ = [
     "make_token_tma",
     "tile_row_as_f32",
     "sigmoid",
+    "state_element",
     "varlen_sequence",
     "varlen_slot_lookup",
 ]
@@ -89,3 +90,10 @@ def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq):
     """(first token, first tile slot, length) of varlen sequence ``seq``."""
     cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
     return cutlass.Int64(cu[seq]), slot_base(cu, seq), cu[seq + 1] - cu[seq]
+
+
+def state_element(base: cute.Pointer, index, heads: int, head, k, v, stride_k, stride_v) -> cute.Tensor:
+    """A one-element view of S[k, v] of state ``index`` in a [*, H, 128, 128] fp32 tensor whose
+    per-head element (k, v) sits at ``k·stride_k + v·stride_v`` ([N,H,V,K]: 1, 128; [N,H,K,V]: 128, 1)."""
+    at = (cutlass.Int64(index) * heads + cutlass.Int64(head)) * (D * D) + cutlass.Int64(k * stride_k + v * stride_v)
+    return cute.make_tensor(base + at, cute.make_layout(1))

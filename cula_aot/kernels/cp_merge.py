@@ -20,7 +20,7 @@ import cutlass.cute as cute
 
 from ..layout import FLAG_INITIAL_STATE
 from ..specs import MERGE_V_BLOCK
-from .common import D, THREADS
+from .common import D, THREADS, state_element
 
 _GROUPS = THREADS // MERGE_V_BLOCK
 _K_PER = D // _GROUPS
@@ -55,16 +55,14 @@ def cp_merge_kernel(
     carry = cute.make_rmem_tensor(cute.make_layout(_K_PER), cutlass.Float32)
     carry.fill(0.0)
     if (flags & FLAG_INITIAL_STATE) != 0:
-        base = (cutlass.Int64(seq) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(_K_PER):
-            at = base + cutlass.Int64((kg * _K_PER + i) * init_stride_k + v_col * init_stride_v)
-            carry[i] = cute.make_tensor(initial_state + at, cute.make_layout(1))[0]
+            carry[i] = state_element(initial_state, seq, heads, head, kg * _K_PER + i, v_col,
+                                     init_stride_k, init_stride_v)[0]
 
     for seg in cutlass.range(first, last, unroll=1):
-        out_base = (cutlass.Int64(seg) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(_K_PER):
-            at = out_base + cutlass.Int64((kg * _K_PER + i) * D + v_col)
-            cute.make_tensor(carries + at, cute.make_layout(1))[0] = carry[i]
+            element = state_element(carries, seg, heads, head, kg * _K_PER + i, v_col, D, 1)
+            element[0] = carry[i]
         if seg + 1 < last:
             for i in cutlass.range_constexpr(_K_PER):
                 s_carry[kg * _K_PER + i, col] = carry[i]

@@ -53,7 +53,7 @@ from ..layout import (
     SEGMENT_FIELDS,
     WORKSPACE_SLOT_BYTES,
 )
-from .common import CHUNK, D, THREADS, sigmoid, varlen_sequence
+from .common import CHUNK, D, THREADS, sigmoid, state_element, varlen_sequence
 
 # One pipeline stage: the seven per-tile workspaces back to back (each 16-byte aligned), each
 # filled by one bulk copy.
@@ -173,10 +173,9 @@ def k2_recurrence_kernel(
     state = cute.make_rmem_tensor(cute.make_layout(k_per), cutlass.Float32)
     state.fill(0.0)
     if (flags & FLAG_INITIAL_STATE) != 0:
-        init_base = (cutlass.Int64(init_index) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(k_per):
-            at = init_base + cutlass.Int64((kg * k_per + i) * init_stride_k + v_col * init_stride_v)
-            state[i] = cute.make_tensor(initial_state + at, cute.make_layout(1))[0]
+            state[i] = state_element(initial_state, init_index, heads, head, kg * k_per + i, v_col,
+                                     init_stride_k, init_stride_v)[0]
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(k_per):
             state[i] = cutlass.Float32(1.0) if kg * k_per + i == v_col else cutlass.Float32(0.0)
@@ -289,10 +288,10 @@ def k2_recurrence_kernel(
         cute.arch.sync_threads()
 
     if (flags & FLAG_FINAL_STATE) != 0:
-        final_base = (cutlass.Int64(final_index) * heads + cutlass.Int64(head)) * (D * D)
         for i in cutlass.range_constexpr(k_per):
-            at = final_base + cutlass.Int64((kg * k_per + i) * final_stride_k + v_col * final_stride_v)
-            cute.make_tensor(final_state + at, cute.make_layout(1))[0] = state[i]
+            element = state_element(final_state, final_index, heads, head, kg * k_per + i, v_col,
+                                    final_stride_k, final_stride_v)
+            element[0] = state[i]
 
 
 @cute.jit

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,18 +11,6 @@ import pytest
 from cula_aot.runtime.abi import ParamPacker
 from cula_aot.runtime.manifest import ENV_ARTIFACTS, ArtifactError, Manifest, find_manifest
 from cula_aot.specs import K1Spec, abi_layout
-
-
-@pytest.fixture
-def artifact_copy(tmp_path, manifest_path):
-    """A private copy of manifest + the cubins it names, to tamper with."""
-    data = json.loads(manifest_path.read_text())
-    for record in data["kernels"].values():
-        dst = tmp_path / record["cubin"]
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(manifest_path.parent / record["cubin"], dst)
-    (tmp_path / "manifest.json").write_text(json.dumps(data))
-    return tmp_path
 
 
 def _record(m, heads=8):
