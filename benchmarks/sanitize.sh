@@ -22,7 +22,7 @@ print("case done, finite:", bool(torch.isfinite(o).all()))
 PY
 status=0
 for tool in memcheck racecheck synccheck; do
-  compute-sanitizer --tool "$tool" --kernel-name regex:"k1_prepare|k2_recurrence|cp_merge" --error-exitcode 9 \
+  timeout 60 compute-sanitizer --tool "$tool" --kernel-name regex:"k1_prepare|k2_recurrence|cp_merge" --error-exitcode 9 \
       python3 /tmp/cula_sanitize_case.py > "$out/sanitize_$tool.log" 2>&1
   rc=$?
   echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tr '\n' ' ')"
