@@ -23,7 +23,9 @@ print("case done, finite:", bool(torch.isfinite(o).all()))
 PY
 status=0
 for tool in memcheck racecheck synccheck; do
-  timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+  # API errors are off: torch and cuda-bindings probe driver entry points with cuGetProcAddress,
+  # which answers INVALID_VALUE for the ones this driver lacks (34 such reports, none a kernel's).
+  timeout 60 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
       python3 /tmp/cula_sanitize_case.py > "$out/sanitize_$tool.log" 2>&1
   rc=$?
   echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tr '\n' ' ')"
