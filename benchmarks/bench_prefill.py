@@ -58,19 +58,26 @@ CP_WORKLOADS = [
 CP_SPLITS = (False, 2, 4, 8, 16, "auto")
 
 
+def prefill_runner(x, **options):
+    """A no-argument call of the full prefill (initial + final state) on inputs ``x``."""
+    out = torch.empty_like(x["v"])
+    final = torch.empty_like(x["s0"])
+
+    def run():
+        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0,
+                initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"], out=out, final_state=final,
+                **options)
+
+    return run
+
+
 def run_cp(device):
     rows = []
     for heads, lengths, published in CP_WORKLOADS:
         x = make_inputs(heads, 1, lengths, None, device)
-        out = torch.empty_like(x["v"])
-        final = torch.empty_like(x["s0"])
         row = {"H": heads, "lengths": lengths, "published_cula_ms": published}
         for split in CP_SPLITS:
-            def run(split=split):
-                prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                        lower_bound=-5.0, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
-                        out=out, final_state=final, intracard_cp=split)
-            row[f"cp_{split}"] = time_cuda(run)
+            row[f"cp_{split}"] = time_cuda(prefill_runner(x, intracard_cp=split))
         rows.append(row)
     print("| H | lengths | serial ms | " + " | ".join(f"s_split={s} ms" for s in CP_SPLITS[1:])
           + " | cuLA s_split 8 published ms |")
@@ -89,8 +96,6 @@ def main():
     rows = []
     for label, heads, batch, lengths, seq_len, published in WORKLOADS:
         x = make_inputs(heads, batch, lengths, seq_len, device)
-        out = torch.empty_like(x["v"])
-        final = torch.empty_like(x["s0"])
         row = {"workload": label, "H": heads, "published_cula_ms": published}
 
         def k1():
@@ -99,11 +104,7 @@ def main():
 
         row["k1_ms"] = time_cuda(k1)
         for vb in K2_V_BLOCKS:
-            def run(vb=vb):
-                prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                        lower_bound=-5.0, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
-                        out=out, final_state=final, v_block=vb)
-            row[f"prefill_ms_vb{vb}"] = time_cuda(run)
+            row[f"prefill_ms_vb{vb}"] = time_cuda(prefill_runner(x, intracard_cp=False, v_block=vb))
         row["best_ms"] = min(row[f"prefill_ms_vb{vb}"] for vb in K2_V_BLOCKS)
         rows.append(row)
         del x
