@@ -2,7 +2,6 @@
 
 import argparse
 import hashlib
-import json
 import runpy
 import sys
 from pathlib import Path
