@@ -5,9 +5,10 @@
 
 Each workload runs with initial and final state, CUDA events, 25 warm-up / 100 timed,
 interquartile mean, for every K2 V-block the build compiled (the default is chosen from these
-numbers), beside K1 alone and the published cuLA H200 figures; then the CP workloads serial,
-with s_split ∈ {2, 4, 8, 16} and with the planner's auto choice.  (Peer runs in the same process,
-flash-linear-attention's ``chunk_kda`` among them, belong to the benchmark suite of issue 5.)
+numbers), beside K1 alone, the published cuLA H200 figures, flash-linear-attention's
+``chunk_kda`` when ``fla`` is importable (see ``benchmarks/peers.py``), and the bytes moved
+against a copy bandwidth measured in the same run; then the CP workloads serial, with
+s_split ∈ {2, 4, 8, 16} and with the planner's auto choice.
 """
 
 import argparse
@@ -18,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
+from benchmarks.peers import copy_bandwidth, fla_runner, prefill_bytes  # noqa: E402
 from benchmarks.timing import time_cuda  # noqa: E402
 from cula_aot.ops.prefill import prefill  # noqa: E402
 from cula_aot.ops.prepare import prepare  # noqa: E402
@@ -106,17 +108,25 @@ def main():
         for vb in K2_V_BLOCKS:
             row[f"prefill_ms_vb{vb}"] = time_cuda(prefill_runner(x, intracard_cp=False, v_block=vb))
         row["best_ms"] = min(row[f"prefill_ms_vb{vb}"] for vb in K2_V_BLOCKS)
+        row["GB"] = prefill_bytes(x) / 1e9
+        fla = fla_runner(x)
+        row["fla_ms"] = None if fla is None else time_cuda(fla)
         rows.append(row)
         del x
         torch.cuda.empty_cache()
 
+    bandwidth = copy_bandwidth(device)
     header = "| H | workload | K1 ms | " + " | ".join(f"prefill vb={vb} ms" for vb in K2_V_BLOCKS)
-    print(header + " | best ms | cuLA published ms | best / cuLA |")
-    print("|" + "---|" * (5 + len(K2_V_BLOCKS)))
+    print(header + " | best ms | cuLA published ms | best / cuLA | fla chunk_kda ms | GB | % of copy BW |")
+    print("|" + "---|" * (8 + len(K2_V_BLOCKS)))
     for r in rows:
         cells = " | ".join(f"{r[f'prefill_ms_vb{vb}']:.4f}" for vb in K2_V_BLOCKS)
+        fla = "n/a" if r["fla_ms"] is None else f"{r['fla_ms']:.4f}"
+        achieved = r["GB"] * 1e9 / (r["best_ms"] * 1e-3) / bandwidth
         print(f"| {r['H']} | {r['workload']} | {r['k1_ms']:.4f} | {cells} | {r['best_ms']:.4f} | "
-              f"{r['published_cula_ms']:.4f} | {r['best_ms'] / r['published_cula_ms']:.2f}x |")
+              f"{r['published_cula_ms']:.4f} | {r['best_ms'] / r['published_cula_ms']:.2f}x | {fla} | "
+              f"{r['GB']:.3f} | {100 * achieved:.1f}% |")
+    print(f"(device copy bandwidth measured in this run: {bandwidth / 1e12:.2f} TB/s, read + write)")
     print(f"(runtime default v_block = {K2_DEFAULT_V_BLOCK})")
     cp_rows = run_cp(device)
     if args.json:
