@@ -14,6 +14,7 @@ s_split ∈ {2, 4, 8, 16} and with the planner's auto choice.
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,6 +74,20 @@ def prefill_runner(x, **options):
     return run
 
 
+def host_overhead_us(device, calls=2000) -> float:
+    """Host time per call of a tiny prefill issued back to back (the GPU work is negligible)."""
+    x = make_inputs(8, 1, None, 16, device)
+    run = prefill_runner(x, intracard_cp=False)
+    for _ in range(50):
+        run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
 def run_cp(device):
     rows = []
     for heads, lengths, published in CP_WORKLOADS:
@@ -128,9 +143,12 @@ def main():
               f"{r['GB']:.3f} | {100 * achieved:.1f}% |")
     print(f"(device copy bandwidth measured in this run: {bandwidth / 1e12:.2f} TB/s, read + write)")
     print(f"(runtime default v_block = {K2_DEFAULT_V_BLOCK})")
+    overhead = host_overhead_us(device)
+    print(f"host overhead per call (H=8, T=16, back to back, validation + 2 launches): {overhead:.1f} us")
     cp_rows = run_cp(device)
     if args.json:
-        Path(args.json).write_text(json.dumps({"serial": rows, "cp": cp_rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"serial": rows, "cp": cp_rows, "copy_bandwidth_Bps": bandwidth,
+                                               "host_overhead_us": overhead}, indent=1))
 
 
 if __name__ == "__main__":
