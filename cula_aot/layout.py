@@ -21,7 +21,8 @@ FLAG_NO_OUTPUT = 16  # do not write out (pre_scan)
 SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS = range(7)
 SEGMENT_FIELDS = 8  # padded to 32 bytes
 
-# Bytes per (tile, head) slot of each workspace.
+# Each workspace, in kernel-parameter order: element dtype and bytes per (tile, head) slot.
+WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "beta": "bf16"}
 WORKSPACE_SLOT_BYTES = {
     "qd": IMAGE_BYTES,
     "kd": IMAGE_BYTES,

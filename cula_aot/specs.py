@@ -9,6 +9,8 @@ and writes it, with offsets, into ``manifest.json``.
 import dataclasses
 from typing import ClassVar
 
+from .layout import WORKSPACE_DTYPES
+
 DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
 # The CuTeDSL release the kernels, their ABI declarations and the manifest are keyed on
@@ -117,6 +119,11 @@ class KernelSpec:
         return "_".join(parts)
 
 
+# K1's outputs and K2's / pre_scan's inputs (``layout.WORKSPACE_DTYPES``), then the sequence
+# geometry both kernels read (``ops.prepare.workspace_values`` supplies all of them).
+WORKSPACE_POINTERS = tuple(pointer(f"ws_{name}", dtype) for name, dtype in WORKSPACE_DTYPES.items())
+SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
+
 K1_PARAMS = (
     token_tma("tma_q", "q"),
     token_tma("tma_k", "k"),
@@ -125,16 +132,8 @@ K1_PARAMS = (
     pointer("a_log", "f32"),
     pointer("dt_bias", "f32"),
     pointer("cu_seqlens", "i32"),
-    pointer("ws_qd", "bf16"),
-    pointer("ws_kd", "bf16"),
-    pointer("ws_kr", "bf16"),
-    pointer("ws_gt", "f32"),
-    pointer("ws_inv", "bf16"),
-    pointer("ws_mqk", "bf16"),
-    pointer("ws_beta", "bf16"),
-    scalar("seq_len", "i32"),
-    scalar("num_seqs", "i32"),
-    scalar("total_slots", "i32"),
+    *WORKSPACE_POINTERS,
+    *SEQUENCE_SCALARS,
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
 )
@@ -160,16 +159,8 @@ K2_PARAMS = (
     pointer("final_state", "f32"),
     pointer("cu_seqlens", "i32"),
     pointer("segments", "i32"),
-    pointer("ws_qd", "bf16"),
-    pointer("ws_kd", "bf16"),
-    pointer("ws_kr", "bf16"),
-    pointer("ws_gt", "f32"),
-    pointer("ws_inv", "bf16"),
-    pointer("ws_mqk", "bf16"),
-    pointer("ws_beta", "bf16"),
-    scalar("seq_len", "i32"),
-    scalar("num_seqs", "i32"),
-    scalar("total_slots", "i32"),
+    *WORKSPACE_POINTERS,
+    *SEQUENCE_SCALARS,
     scalar("init_stride_k", "i32"),
     scalar("init_stride_v", "i32"),
     scalar("final_stride_k", "i32"),

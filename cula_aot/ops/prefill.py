@@ -27,8 +27,7 @@ from ..layout import (
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
-from .prepare import DEFAULT_SCALE, launch_prepare, plan_slots
-from .workspace import ARENA
+from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
 
 STATE_LAYOUTS = ("vk", "kv")
 
@@ -207,17 +206,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     want_final = output_final_state or final_state is not None
     if want_final and final_state is None:
         final_state = torch.empty(num_seqs, heads, D, D, dtype=torch.float32, device=device)
-    cu32 = None
-    if varlen:
-        cu32 = cu_seqlens.to(device=device, dtype=torch.int32)
-
-    total_slots = plan_slots(batch, seq_len, cu_seqlens)
-    views = ARENA.carve(device, heads * total_slots)
-    common = {
-        "cu_seqlens": cu32.data_ptr() if varlen else 0,
-        **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
-        "seq_len": seq_len, "num_seqs": num_seqs, "total_slots": total_slots, "heads": heads,
-    }
+    _, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens)
     launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device)
     # [N, H, V, K] ("vk", the public default) or [N, H, K, V]: S[k, v] at k·sk + v·sv.
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)

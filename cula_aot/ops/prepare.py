@@ -37,6 +37,22 @@ def plan_slots(batch: int, seq_len: int, cu_seqlens) -> int:
     return varlen_total_slots(seq_len, cu_seqlens.numel() - 1)
 
 
+def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens):
+    """Carve this call's workspaces and the launch values K1 and K2 share (specs.WORKSPACE_POINTERS,
+    specs.SEQUENCE_SCALARS, cu_seqlens).  Returns ``(Workspaces, values, cu32)``: keep ``cu32``
+    (the int32 device copy of cu_seqlens, or None) alive until the launches are issued."""
+    total_slots = plan_slots(batch, seq_len, cu_seqlens)
+    views = ARENA.carve(device, heads * total_slots)
+    cu32 = None if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.int32)
+    values = {
+        "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
+        **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
+        "seq_len": seq_len, "num_seqs": batch if cu32 is None else cu32.numel() - 1,
+        "total_slots": total_slots, "heads": heads,
+    }
+    return Workspaces(total_slots, views), values, cu32
+
+
 def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device) -> None:
     """Launch a loaded K1 with the workspace/sequence values in ``common``."""
     batch, seq_len, heads, _ = q.shape
@@ -57,20 +73,11 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     """
     batch, seq_len, heads, _ = q.shape
     device = q.device
-    varlen = cu_seqlens is not None
-    kernel = default_loader().get(device, K1Spec(heads=heads, varlen=varlen))
-    total_slots = plan_slots(batch, seq_len, cu_seqlens)
-    views = ARENA.carve(device, heads * total_slots)
-    cu32 = cu_seqlens.to(device=device, dtype=torch.int32) if varlen else None
-    common = {
-        "cu_seqlens": cu32.data_ptr() if varlen else 0,
-        **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
-        "seq_len": seq_len, "num_seqs": cu_seqlens.numel() - 1 if varlen else batch,
-        "total_slots": total_slots, "heads": heads,
-    }
+    kernel = default_loader().get(device, K1Spec(heads=heads, varlen=cu_seqlens is not None))
+    workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
                    DEFAULT_SCALE if scale is None else scale, common, device)
-    return Workspaces(total_slots, views)
+    return workspaces
 
 
-__all__ = ["DEFAULT_SCALE", "Workspaces", "launch_prepare", "plan_slots", "prepare"]
+__all__ = ["DEFAULT_SCALE", "Workspaces", "launch_prepare", "plan_slots", "prepare", "workspace_values"]

@@ -9,11 +9,10 @@ import threading
 
 import torch
 
-from ..layout import WORKSPACE_SLOT_BYTES
+from ..layout import WORKSPACE_DTYPES, WORKSPACE_SLOT_BYTES
 
 _ALIGN = 256
-_DTYPES = {"qd": torch.bfloat16, "kd": torch.bfloat16, "kr": torch.bfloat16, "gt": torch.float32,
-           "inv": torch.bfloat16, "mqk": torch.bfloat16, "beta": torch.bfloat16}
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 class WorkspaceArena:
@@ -42,7 +41,7 @@ class WorkspaceArena:
         views = {}
         for name, per_slot in WORKSPACE_SLOT_BYTES.items():
             raw = buf[offsets[name] : offsets[name] + per_slot * slots]
-            views[name] = raw.view(_DTYPES[name]).view(slots, -1)
+            views[name] = raw.view(_TORCH_DTYPES[WORKSPACE_DTYPES[name]]).view(slots, -1)
         return views
 
 
