@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
 # The GPU half of the suite, for the lent H200 (not CI): tests, then timings; logs under $OUT.
-# Needs artifacts/ and manifest.json carried with the working tree.
+# Needs artifacts/ and manifest.json carried with the working tree; flash-linear-attention
+# (fla-core, pure Python over Triton) is benchmarked beside ours when importable (PYTHONPATH).
+# At most 7 files under $OUT (the device tool brings back 8).  Arguments go to pytest.  Optional bounds, so one bounded device call always reaches the
+# benchmark: TEST_TIMEOUT_S (kill pytest after this), BENCH_BUDGET_S (bench_prefill starts no
+# workload after this many seconds), BENCH_TIMEOUT_S (kill bench_prefill after this).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cula_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-3600}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-3600}
+budget=()
+if [[ -n "${BENCH_BUDGET_S:-}" ]]; then budget=(--budget-s "$BENCH_BUDGET_S"); fi
+t0=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -rs -s "$@" 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|error|Error" | tail -40
-python3 benchmarks/cold_start.py "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
-python3 benchmarks/bench_k1.py --json "$OUT/bench_k1.json" 2>&1 | tee "$OUT/bench_k1.log" | tail -7
-python3 benchmarks/bench_prefill.py --json "$OUT/bench_prefill.json" 2>&1 | tee "$OUT/bench_prefill.log" | tail -18
+python3 -c "import torch, triton, cuda.bindings; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
+timeout "$TEST_TIMEOUT_S" python3 -m pytest -q -rs "$@" > "$OUT/pytest.log" 2>&1
+echo "pytest exit $? after $((SECONDS - t0)) s"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
+python3 benchmarks/cold_start.py "$OUT/cold_start.json" 2>&1
+python3 benchmarks/bench_k1.py --json "$OUT/bench_k1.json" 2>&1 | tail -7
+echo "benchmarks start after $((SECONDS - t0)) s"
+timeout "$BENCH_TIMEOUT_S" python3 benchmarks/bench_prefill.py "${budget[@]}" --json "$OUT/bench_prefill.json" \
+    --markdown "$OUT/bench_prefill.md" > "$OUT/bench_prefill.log" 2>&1
+echo "bench_prefill exit $? after $((SECONDS - t0)) s"
+grep -E "^\[|copy bandwidth|Error|error" "$OUT/bench_prefill.log" | tail -60

@@ -16,13 +16,13 @@ from pathlib import Path
 
 t_import = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
+import torch
 
-import cula_aot  # noqa: E402,F401
-from benchmarks.timing import time_cuda  # noqa: E402
-from cula_aot.layout import WORKSPACE_SLOT_BYTES  # noqa: E402
-from cula_aot.ops.prepare import plan_slots, prepare  # noqa: E402
-from cula_aot.runtime.loader import default_loader  # noqa: E402
+import cula_aot  # noqa: F401
+from benchmarks.timing import time_cuda
+from cula_aot.layout import WORKSPACE_SLOT_BYTES
+from cula_aot.ops.prepare import plan_slots, prepare
+from cula_aot.runtime.loader import default_loader
 
 t_import = time.perf_counter() - t_import
 
@@ -48,7 +48,7 @@ def main():
         a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1).to(device)
         dt_bias = (0.1 * torch.randn(heads, 128, generator=gen)).to(device)
 
-        def run():
+        def run(q=q, k=k, g=g, beta=beta, a_log=a_log, dt_bias=dt_bias):
             prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
 
         t1 = time.perf_counter()

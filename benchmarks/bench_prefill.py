@@ -1,154 +1,558 @@
 #!/usr/bin/env python3
-"""Time the KDA prefill workloads of SPEC §7 on the GPU: serial (CP off) and intracard CP.
+"""The KDA prefill benchmark suite (issue 5, SPEC §7): cula_aot against its peers on one GPU.
 
-    python benchmarks/bench_prefill.py [--json PATH]
+    python benchmarks/bench_prefill.py [--json PATH] [--markdown PATH] [--only SECTIONS]
+                                       [--quick] [--no-fla] [--budget-s S] [--dry-run]
 
-Each workload runs with initial and final state, CUDA events, 25 warm-up / 100 timed,
-interquartile mean, for every K2 V-block the build compiled (the default is chosen from these
-numbers), beside K1 alone, the published cuLA H200 figures, flash-linear-attention's
-``chunk_kda`` when ``fla`` is importable (see ``benchmarks/peers.py``), and the bytes moved
-against a copy bandwidth measured in the same run; then the CP workloads serial, with
-s_split ∈ {2, 4, 8, 16} and with the planner's auto choice.
+Sections (default: all, in this order; ``--only spec,cp`` picks some):
+
+* ``overhead``: host time per call of a tiny problem (H=8, T=16) issued back to back, for
+  cula_aot and for fla, plus the tiny problem's eager and CUDA-graph time.
+* ``spec``: SPEC §7 serial workloads (H ∈ {64, 96}: fixed 1×8192, varlen 6 seqs, uniform
+  8×1024) for every K2 V block the build compiled, beside K1 alone, the published cuLA H200
+  figures and fla.
+* ``cp``: SPEC §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
+  planner's ``auto``; serial and fla also under CUDA-graph replay (CP itself is not capturable:
+  it copies host tables at every call).
+* ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, default V block.
+* ``varlen``: H=64, B=1, N ∈ {10, 20} sequences × total T ∈ {4096, 8192, 16384} × length
+  distribution, default V block.  Lengths (see ``varlen_lengths``), seeded by the string
+  ``"N-total-dist"`` (Python's ``random.Random``, version-2 string seeding: the same on every
+  machine): ``uniform`` = total/N each; ``random`` = weights U(0.25, 1.75); ``skewed`` = Zipf
+  weights 1/i^1.5 (the longest ≈ half the tokens) in a seeded random order; each apportioned
+  to sum exactly to the total by largest remainder, every length ≥ 1.
+
+Every workload runs with an initial and a final state (fp32, ``[N, H, V, K]``).  Times: CUDA
+events, 25 warm-up / 100 timed, interquartile mean (``benchmarks/timing.py``), eager (the
+Python call on the current stream, host work included) and CUDA graph (one call captured with
+static inputs, ``graph.replay()`` timed).  fla's ``chunk_kda`` (flash-linear-attention, Triton) is
+called in the same process with the same semantics (``benchmarks/peers.py``) when importable;
+its outputs are compared with ours (relative RMSE) so the comparison is known to be like for
+like.  Achieved bandwidth = unavoidable HBM bytes (q, k, v, g, β, o, states) / graph time,
+against a device copy measured in the same run.  Ratios are ours ÷ fla: < 1 means we are faster.
+
+JSON and markdown are rewritten after every workload, so a run cut short keeps what it measured.
 """
 
 import argparse
+import datetime
 import json
+import random
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
+import torch
 
-from benchmarks.peers import copy_bandwidth, fla_runner, prefill_bytes  # noqa: E402
-from benchmarks.timing import time_cuda  # noqa: E402
-from cula_aot.ops.prefill import prefill  # noqa: E402
-from cula_aot.ops.prepare import prepare  # noqa: E402
-from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS  # noqa: E402
+from benchmarks import peers
+from benchmarks.timing import capture_graph, time_cuda
+from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS
 
-# (label, heads, batch, lengths or None for fixed, T for fixed, published cuLA H200 ms)
-WORKLOADS = [
-    ("fixed 1x8192", 64, 1, None, 8192, 1.1928),
-    ("varlen 6 seqs 8K", 64, 1, [1300, 547, 2048, 963, 271, 3063], None, 0.9287),
-    ("uniform 8x1024", 64, 1, [1024] * 8, None, 0.6629),
-    ("fixed 1x8192", 96, 1, None, 8192, 1.3495),
-    ("varlen 6 seqs 8K", 96, 1, [1300, 547, 2048, 963, 271, 3063], None, 1.2497),
-    ("uniform 8x1024", 96, 1, [1024] * 8, None, 0.9939),
+SECTIONS = ("overhead", "spec", "cp", "fixed", "varlen")
+LOWER_BOUND = -5.0
+
+# SPEC §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
+SPEC_LENGTHS = [1300, 547, 2048, 963, 271, 3063]
+SPEC_WORKLOADS = [
+    ("fixed 1x8192", 64, None, 8192, 1.1928),
+    ("varlen 6 seqs 8K", 64, SPEC_LENGTHS, None, 0.9287),
+    ("uniform 8x1024", 64, [1024] * 8, None, 0.6629),
+    ("fixed 1x8192", 96, None, 8192, 1.3495),
+    ("varlen 6 seqs 8K", 96, SPEC_LENGTHS, None, 1.2497),
+    ("uniform 8x1024", 96, [1024] * 8, None, 0.9939),
 ]
-
-
-def make_inputs(heads, batch, lengths, seq_len, device):
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    total = sum(lengths) if lengths else seq_len
-    shape = (batch, total, heads, 128)
-    q, k, v, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(4))
-    beta = torch.randn(batch, total, heads, generator=gen).to(torch.bfloat16).to(device)
-    n = len(lengths) if lengths else batch
-    cu = None
-    if lengths:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, cu=cu, cu_cpu=None if cu is None else cu.cpu(),
-                A_log=torch.log(torch.rand(heads, generator=gen) * 15 + 1).to(device),
-                dt_bias=(0.1 * torch.randn(heads, 128, generator=gen)).to(device),
-                s0=(0.1 * torch.randn(n, heads, 128, 128, generator=gen)).to(device))
-
-
-# CP workloads of SPEC §7: (heads, lengths, published cuLA H200 ms with s_split 8)
+# SPEC §7 CP: (heads, lengths, published cuLA H200 ms with s_split 8)
 CP_WORKLOADS = [
     (4, [8192], 0.3561), (4, [8192, 2048], 0.3638), (4, [16384], 0.6357),
     (8, [8192], 0.3768), (8, [8192, 2048], 0.3911), (8, [16384], 0.6759),
 ]
 CP_SPLITS = (False, 2, 4, 8, 16, "auto")
+SWEEP_HEADS = 64
+FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
+VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
+                for dist in ("uniform", "random", "skewed")]
+
+
+def _apportion(total, weights):
+    """Integers ≥ 1 proportional to ``weights`` summing exactly to ``total`` (largest remainder)."""
+    n = len(weights)
+    spare = total - n
+    scaled = [spare * w / sum(weights) for w in weights]
+    lengths = [1 + int(s) for s in scaled]
+    order = sorted(range(n), key=lambda i: scaled[i] - int(scaled[i]), reverse=True)
+    for i in order[: total - sum(lengths)]:
+        lengths[i] += 1
+    return lengths
+
+
+def varlen_lengths(n, total, dist):
+    """The sequence lengths of one varlen sweep workload (see the module docstring)."""
+    rng = random.Random(f"{n}-{total}-{dist}")
+    if dist == "uniform":
+        weights = [1.0] * n
+    elif dist == "random":
+        weights = [rng.uniform(0.25, 1.75) for _ in range(n)]
+    elif dist == "skewed":
+        weights = [1.0 / (i + 1) ** 1.5 for i in range(n)]
+        rng.shuffle(weights)
+    else:
+        raise ValueError(f"unknown length distribution {dist!r}")
+    lengths = _apportion(total, weights)
+    assert sum(lengths) == total and min(lengths) >= 1
+    return lengths
+
+
+def make_inputs(heads, batch, lengths, seq_len, device, seed=0):
+    """SPEC §8 inputs drawn on the device (seeded): q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16
+    logits, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1), initial state ~ 0.1·N(0,1) fp32."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths) if lengths else seq_len
+    shape = (batch, total, heads, 128)
+
+    def randn(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    q, k, v, g = (randn(*shape).to(torch.bfloat16) for _ in range(4))
+    beta = randn(batch, total, heads).to(torch.bfloat16)
+    n = len(lengths) if lengths else batch
+    cu = cu_cpu = None
+    if lengths:
+        cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu_cpu.to(device)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu": cu, "cu_cpu": cu_cpu,
+            "A_log": torch.log(torch.rand(heads, generator=gen, device=device) * 15 + 1),
+            "dt_bias": 0.1 * randn(heads, 128), "s0": 0.1 * randn(n, heads, 128, 128)}
 
 
 def prefill_runner(x, **options):
-    """A no-argument call of the full prefill (initial + final state) on inputs ``x``."""
+    """A no-argument call of our full prefill (initial + final state) on inputs ``x``, writing
+    into preallocated ``out``/``final``; returns ``(out, final)``."""
+    from cula_aot.ops.prefill import prefill
+
     out = torch.empty_like(x["v"])
     final = torch.empty_like(x["s0"])
 
     def run():
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0,
-                initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"], out=out, final_state=final,
-                **options)
+        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                lower_bound=LOWER_BOUND, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
+                out=out, final_state=final, **options)
+        return out, final
 
     return run
 
 
-def host_overhead_us(device, calls=2000) -> float:
-    """Host time per call of a tiny prefill issued back to back (the GPU work is negligible)."""
-    x = make_inputs(8, 1, None, 16, device)
-    run = prefill_runner(x, intracard_cp=False)
-    for _ in range(50):
-        run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / calls
+def k1_runner(x):
+    from cula_aot.ops.prepare import prepare
+
+    def run():
+        prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND,
+                cu_seqlens=x["cu"])
+
+    return run
 
 
-def run_cp(device):
-    rows = []
-    for heads, lengths, published in CP_WORKLOADS:
-        x = make_inputs(heads, 1, lengths, None, device)
-        row = {"H": heads, "lengths": lengths, "published_cula_ms": published}
-        for split in CP_SPLITS:
-            row[f"cp_{split}"] = time_cuda(prefill_runner(x, intracard_cp=split))
-        rows.append(row)
-    print("| H | lengths | serial ms | " + " | ".join(f"s_split={s} ms" for s in CP_SPLITS[1:])
-          + " | cuLA s_split 8 published ms |")
-    print("|" + "---|" * (3 + len(CP_SPLITS)))
-    for r in rows:
-        cells = " | ".join(f"{r[f'cp_{s}']:.4f}" for s in CP_SPLITS)
-        print(f"| {r['H']} | {r['lengths']} | {cells} | {r['published_cula_ms']:.4f} |")
-    return rows
+class Bench:
+    """Holds the options, the results and the output files; every measurement goes through it."""
+
+    def __init__(self, args):
+        self.args = args
+        self.warmup, self.iters = (5, 20) if args.quick else (25, 100)
+        self.device = torch.device("cuda", 0)
+        self.start = time.perf_counter()
+        self.results = {"meta": {}, "errors": []}
+        self.use_fla = not args.no_fla and peers.fla_version() is not None
+
+    # -- timing helpers -------------------------------------------------------------------------
+    def time(self, fn):
+        return time_cuda(fn, warmup=self.warmup, iters=self.iters)
+
+    def time_graph(self, fn, what):
+        """IQM ms of replaying one captured call of ``fn``, or None (reason recorded) if capture fails."""
+        try:
+            graph = capture_graph(fn)
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot be captured is a result, not a crash
+            torch.cuda.synchronize()
+            self.error(f"{what}: CUDA-graph capture failed: {type(exc).__name__}: {str(exc)[:300]}")
+            return None
+        try:
+            return self.time(graph.replay)
+        finally:
+            del graph
+
+    def error(self, message):
+        print(f"[bench] {message}", flush=True)
+        self.results["errors"].append(message)
+
+    def over_budget(self):
+        budget = self.args.budget_s
+        return budget is not None and time.perf_counter() - self.start > budget
+
+    def measure(self, x, ours_eager_ms=None):
+        """Ours eager (unless already timed) + graph (serial, default V block), fla eager + graph,
+        and fla-vs-ours relative RMSE."""
+        row = {"GB": peers.prefill_bytes(x) / 1e9}
+        ours = prefill_runner(x, intracard_cp=False)
+        row["ours_eager_ms"] = self.time(ours) if ours_eager_ms is None else ours_eager_ms
+        row["ours_graph_ms"] = self.time_graph(ours, "ours")
+        row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
+                   fla_rel_rmse_state=None)
+        if self.use_fla:
+            fla = peers.fla_runner(x, LOWER_BOUND)
+            try:
+                t0 = time.perf_counter()
+                o_fla, s_fla = fla()
+                torch.cuda.synchronize()
+                row["fla_first_call_s"] = time.perf_counter() - t0
+                o, s = ours()
+                row["fla_rel_rmse_o"] = rel_rmse(o, o_fla)
+                row["fla_rel_rmse_state"] = rel_rmse(s, s_fla)
+                del o_fla, s_fla
+                row["fla_eager_ms"] = self.time(fla)
+            except Exception as exc:  # noqa: BLE001
+                torch.cuda.synchronize()
+                self.error(f"fla chunk_kda failed: {type(exc).__name__}: {str(exc)[:300]}")
+            else:
+                row["fla_graph_ms"] = self.time_graph(fla, "fla")
+        return row
+
+    # -- sections -------------------------------------------------------------------------------
+    def run_overhead(self):
+        """Host time per call, tiny problem (H=8, T=16, one sequence, states), back to back."""
+        x = make_inputs(8, 1, None, 16, self.device)
+        res = {"H": 8, "B": 1, "T": 16}
+
+        def per_call_us(fn, calls):
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            return 1e6 * (time.perf_counter() - t0) / calls
+
+        ours = prefill_runner(x, intracard_cp=False)
+        res["ours_host_us"] = per_call_us(ours, 2000)
+        res["ours_eager_ms"] = self.time(ours)
+        res["ours_graph_ms"] = self.time_graph(ours, "ours tiny")
+        res.update(fla_host_us=None, fla_eager_ms=None, fla_graph_ms=None)
+        if self.use_fla:
+            fla = peers.fla_runner(x, LOWER_BOUND)
+            try:
+                res["fla_host_us"] = per_call_us(fla, 500)
+                res["fla_eager_ms"] = self.time(fla)
+            except Exception as exc:  # noqa: BLE001
+                self.error(f"fla tiny problem failed: {type(exc).__name__}: {str(exc)[:300]}")
+            else:
+                res["fla_graph_ms"] = self.time_graph(fla, "fla tiny")
+        self.results["overhead"] = res
+        self.save()
+
+    def run_spec(self):
+        rows = self.results.setdefault("spec", [])
+        for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
+            row = {"workload": label, "H": heads, "lengths": lengths, "T": seq_len or sum(lengths),
+                   "published_cula_ms": published}
+            if self.over_budget():
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            x = make_inputs(heads, 1, lengths, seq_len, self.device)
+            row["k1_ms"] = self.time(k1_runner(x))
+            for vb in K2_V_BLOCKS:
+                row[f"ours_eager_ms_vb{vb}"] = self.time(prefill_runner(x, intracard_cp=False, v_block=vb))
+            row.update(self.measure(x, ours_eager_ms=row[f"ours_eager_ms_vb{K2_DEFAULT_V_BLOCK}"]))
+            row["ours_eager_ms"] = min(row[f"ours_eager_ms_vb{vb}"] for vb in K2_V_BLOCKS)
+            rows.append(row)
+            self.progress(f"spec H={heads} {label}", row)
+            del x
+            torch.cuda.empty_cache()
+            self.save()
+
+    def run_cp(self):
+        rows = self.results.setdefault("cp", [])
+        for heads, lengths, published in CP_WORKLOADS:
+            row = {"H": heads, "lengths": lengths, "published_cula_ms": published}
+            if self.over_budget():
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            x = make_inputs(heads, 1, lengths, None, self.device)
+            for split in CP_SPLITS:
+                row[f"cp_{split}_ms"] = self.time(prefill_runner(x, intracard_cp=split))
+            row.update(self.measure(x, ours_eager_ms=row["cp_False_ms"]))
+            rows.append(row)
+            self.progress(f"cp H={heads} {lengths}", row)
+            del x
+            torch.cuda.empty_cache()
+            self.save()
+
+    def run_fixed(self):
+        rows = self.results.setdefault("fixed", [])
+        for batch, seq_len in FIXED_SWEEP:
+            row = {"H": SWEEP_HEADS, "B": batch, "T": seq_len}
+            if self.over_budget():
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            x = make_inputs(SWEEP_HEADS, batch, None, seq_len, self.device)
+            row.update(self.measure(x))
+            rows.append(row)
+            self.progress(f"fixed {batch}x{seq_len}", row)
+            del x
+            torch.cuda.empty_cache()
+            self.save()
+
+    def run_varlen(self):
+        rows = self.results.setdefault("varlen", [])
+        for n, total, dist in VARLEN_SWEEP:
+            lengths = varlen_lengths(n, total, dist)
+            row = {"H": SWEEP_HEADS, "N": n, "T": total, "dist": dist, "max_len": max(lengths), "lengths": lengths}
+            if self.over_budget():
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            x = make_inputs(SWEEP_HEADS, 1, lengths, None, self.device)
+            row.update(self.measure(x))
+            rows.append(row)
+            self.progress(f"varlen N={n} T={total} {dist}", row)
+            del x
+            torch.cuda.empty_cache()
+            self.save()
+
+    def progress(self, what, row):
+        keys = ("ours_eager_ms", "ours_graph_ms", "fla_eager_ms", "fla_graph_ms")
+        cells = " ".join(f"{k[:-3]}={_f(row.get(k))}" for k in keys)
+        print(f"[{time.perf_counter() - self.start:6.1f}s] {what}: {cells}", flush=True)
+
+    # -- driver ---------------------------------------------------------------------------------
+    def collect_meta(self):
+        props = torch.cuda.get_device_properties(self.device)
+        meta = self.results["meta"]
+        meta.update(date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    command=" ".join(sys.argv), gpu=props.name, sm_count=props.multi_processor_count,
+                    torch=torch.__version__, cuda=torch.version.cuda, warmup=self.warmup, iters=self.iters,
+                    default_v_block=K2_DEFAULT_V_BLOCK, v_blocks=list(K2_V_BLOCKS), fla=peers.fla_version(),
+                    fla_used=self.use_fla)
+        try:
+            import triton
+            meta["triton"] = triton.__version__
+        except ImportError:
+            meta["triton"] = None
+        try:
+            meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            check=False, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            meta["driver"] = None
+        import cula_aot
+        meta["cula_aot"] = cula_aot.__version__
+
+    def run(self, sections):
+        self.collect_meta()
+        bandwidth = peers.copy_bandwidth(self.device)
+        self.results["meta"]["copy_bandwidth_Bps"] = bandwidth
+        print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write); fla: "
+              f"{self.results['meta']['fla'] if self.use_fla else 'not used'}", flush=True)
+        for section in sections:
+            getattr(self, f"run_{section}")()
+        self.results["meta"]["elapsed_s"] = time.perf_counter() - self.start
+        self.save()
+
+    def save(self):
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(self.results, indent=1))
+        if self.args.markdown:
+            Path(self.args.markdown).write_text(render_markdown(self.results))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--json")
-    args = parser.parse_args()
-    device = torch.device("cuda", 0)
-    rows = []
-    for label, heads, batch, lengths, seq_len, published in WORKLOADS:
-        x = make_inputs(heads, batch, lengths, seq_len, device)
-        row = {"workload": label, "H": heads, "published_cula_ms": published}
+def rel_rmse(a, b):
+    """‖a − b‖ / ‖b‖ over all elements (fp32 accumulation; NaN/Inf in ``a`` gives inf)."""
+    a, b = a.float(), b.float()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
-        def k1(x=x):
-            prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                    lower_bound=-5.0, cu_seqlens=x["cu"])
 
-        row["k1_ms"] = time_cuda(k1)
-        for vb in K2_V_BLOCKS:
-            row[f"prefill_ms_vb{vb}"] = time_cuda(prefill_runner(x, intracard_cp=False, v_block=vb))
-        row["best_ms"] = min(row[f"prefill_ms_vb{vb}"] for vb in K2_V_BLOCKS)
-        row["GB"] = prefill_bytes(x) / 1e9
-        fla = fla_runner(x)
-        row["fla_ms"] = None if fla is None else time_cuda(fla)
-        rows.append(row)
-        del x
-        torch.cuda.empty_cache()
+# -- markdown -----------------------------------------------------------------------------------
+def _f(v, digits=4):
+    return "–" if v is None else f"{v:.{digits}f}"
 
-    bandwidth = copy_bandwidth(device)
-    header = "| H | workload | K1 ms | " + " | ".join(f"prefill vb={vb} ms" for vb in K2_V_BLOCKS)
-    print(header + " | best ms | cuLA published ms | best / cuLA | fla chunk_kda ms | GB | % of copy BW |")
-    print("|" + "---|" * (8 + len(K2_V_BLOCKS)))
-    for r in rows:
-        cells = " | ".join(f"{r[f'prefill_ms_vb{vb}']:.4f}" for vb in K2_V_BLOCKS)
-        fla = "n/a" if r["fla_ms"] is None else f"{r['fla_ms']:.4f}"
-        achieved = r["GB"] * 1e9 / (r["best_ms"] * 1e-3) / bandwidth
-        print(f"| {r['H']} | {r['workload']} | {r['k1_ms']:.4f} | {cells} | {r['best_ms']:.4f} | "
-              f"{r['published_cula_ms']:.4f} | {r['best_ms'] / r['published_cula_ms']:.2f}x | {fla} | "
-              f"{r['GB']:.3f} | {100 * achieved:.1f}% |")
-    print(f"(device copy bandwidth measured in this run: {bandwidth / 1e12:.2f} TB/s, read + write)")
-    print(f"(runtime default v_block = {K2_DEFAULT_V_BLOCK})")
-    overhead = host_overhead_us(device)
-    print(f"host overhead per call (H=8, T=16, back to back, validation + 2 launches): {overhead:.1f} us")
-    cp_rows = run_cp(device)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"serial": rows, "cp": cp_rows, "copy_bandwidth_Bps": bandwidth,
-                                               "host_overhead_us": overhead}, indent=1))
+
+def _ratio(a, b):
+    return "–" if a is None or b is None else f"{a / b:.2f}x"
+
+
+def _pct_bw(row, key, bandwidth):
+    ms = row.get(key)
+    if ms is None or not bandwidth:
+        return "–"
+    return f"{100 * row['GB'] * 1e9 / (ms * 1e-3) / bandwidth:.1f}%"
+
+
+def _rmse(row):
+    o, s = row.get("fla_rel_rmse_o"), row.get("fla_rel_rmse_state")
+    return "–" if o is None else f"{o:.1e} / {s:.1e}"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+PEER_HEADER = ["ours eager ms", "ours graph ms", "fla eager ms", "fla graph ms", "ours/fla eager", "ours/fla graph"]
+
+
+def _peer_cells(r):
+    return [_f(r.get("ours_eager_ms")), _f(r.get("ours_graph_ms")), _f(r.get("fla_eager_ms")),
+            _f(r.get("fla_graph_ms")), _ratio(r.get("ours_eager_ms"), r.get("fla_eager_ms")),
+            _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms"))]
+
+
+def render_markdown(res):
+    meta = res.get("meta", {})
+    bw = meta.get("copy_bandwidth_Bps")
+    out = ["# KDA prefill benchmark", ""]
+    out.append(f"{meta.get('gpu', '?')} ({meta.get('sm_count', '?')} SMs), driver {meta.get('driver', '?')}, "
+               f"torch {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}), triton {meta.get('triton', '?')}, "
+               f"fla {meta.get('fla') or 'not installed'}, cula_aot {meta.get('cula_aot', '?')}; "
+               f"{meta.get('date_utc', '?')}; `{meta.get('command', '')}`.")
+    out.append(f"CUDA events, {meta.get('warmup', '?')} warm-up / {meta.get('iters', '?')} timed, interquartile "
+               f"mean, ms. Initial + final state everywhere. Eager = the Python call (host work included); graph = "
+               f"replay of one captured call. Ratios are ours ÷ fla (< 1: ours faster). Device copy bandwidth "
+               f"{'–' if bw is None else f'{bw / 1e12:.2f} TB/s'} (read + write); % BW = unavoidable bytes / graph "
+               f"time / copy bandwidth. RMSE = relative RMSE of fla's o / final state against ours.")
+    out.append("")
+    if "overhead" in res:
+        r = res["overhead"]
+        out += ["## Host overhead (H=8, B=1, T=16, back to back)", "",
+                _table(["impl", "host µs per call", "eager ms", "graph ms"],
+                       [["cula_aot", _f(r.get("ours_host_us"), 1), _f(r.get("ours_eager_ms")),
+                         _f(r.get("ours_graph_ms"))],
+                        ["fla chunk_kda", _f(r.get("fla_host_us"), 1), _f(r.get("fla_eager_ms")),
+                         _f(r.get("fla_graph_ms"))]]), ""]
+    if res.get("spec"):
+        vbs = meta.get("v_blocks", list(K2_V_BLOCKS))
+        header = (["H", "workload", "K1 ms"] + [f"eager vb={vb}" for vb in vbs] + PEER_HEADER
+                  + ["cuLA published ms", "ours graph / cuLA", "best peer ms", "ours graph / best peer", "GB",
+                     "ours % BW", "fla % BW", "RMSE o / state"])
+        rows = []
+        for r in res["spec"]:
+            if r.get("skipped"):
+                rows.append([r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+                continue
+            peers_ms = [v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms"))
+                        if v is not None]
+            best_peer = min(peers_ms)
+            rows.append([r["H"], r["workload"], _f(r.get("k1_ms"))]
+                        + [_f(r.get(f"ours_eager_ms_vb{vb}")) for vb in vbs] + _peer_cells(r)
+                        + [_f(r["published_cula_ms"]), _ratio(r.get("ours_graph_ms"), r["published_cula_ms"]),
+                           _f(best_peer), _ratio(r.get("ours_graph_ms"), best_peer), _f(r["GB"], 3),
+                           _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
+        title = (f"## SPEC §7 serial workloads (ours graph: default V block {meta.get('default_v_block')}; "
+                 "'ours eager ms' = the best V block)")
+        out += [title, "", _table(header, rows), ""]
+    if res.get("cp"):
+        header = (["H", "lengths", "serial eager"] + [f"s={s} eager" for s in CP_SPLITS[1:-1]]
+                  + ["auto eager", "serial graph", "fla eager", "fla graph", "serial graph / fla graph",
+                     "cuLA s=8 published", "best ours", "best peer", "best ours / best peer", "RMSE o / state"])
+        rows = []
+        for r in res["cp"]:
+            if r.get("skipped"):
+                rows.append([r["H"], r["lengths"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+                continue
+            best = min(v for v in [r[f"cp_{s}_ms"] for s in CP_SPLITS] + [r.get("ours_graph_ms")] if v is not None)
+            best_peer = min(v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms"))
+                            if v is not None)
+            rows.append([r["H"], r["lengths"]] + [_f(r[f"cp_{s}_ms"]) for s in CP_SPLITS]
+                        + [_f(r.get("ours_graph_ms")), _f(r.get("fla_eager_ms")), _f(r.get("fla_graph_ms")),
+                           _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms")), _f(r["published_cula_ms"]),
+                           _f(best), _f(best_peer), _ratio(best, best_peer), _rmse(r)])
+        out += ["## SPEC §7 intracard-CP workloads (CP is eager only: it is not capturable)", "",
+                _table(header, rows), ""]
+    if res.get("fixed"):
+        header = ["B", "T"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
+        rows = []
+        for r in res["fixed"]:
+            if r.get("skipped"):
+                rows.append([r["B"], r["T"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+                continue
+            rows.append([r["B"], r["T"]] + _peer_cells(r) + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw),
+                                                             _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
+        out += [f"## Sweep: fixed length, H={SWEEP_HEADS}, default V block", "", _table(header, rows), ""]
+    if res.get("varlen"):
+        header = ["N", "total T", "length dist", "max len"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW",
+                                                                         "RMSE o / state"]
+        rows = []
+        for r in res["varlen"]:
+            if r.get("skipped"):
+                rows.append([r["N"], r["T"], r["dist"], r["max_len"], f"skipped ({r['skipped']})"]
+                            + [""] * (len(header) - 5))
+                continue
+            rows.append([r["N"], r["T"], r["dist"], r["max_len"]] + _peer_cells(r)
+                        + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
+        out += [f"## Sweep: varlen, H={SWEEP_HEADS}, B=1, default V block (lengths: see the JSON)", "",
+                _table(header, rows), ""]
+    if res.get("errors"):
+        out += ["## Errors", ""] + [f"- {e}" for e in res["errors"]] + [""]
+    if "elapsed_s" in meta:
+        out.append(f"Elapsed: {meta['elapsed_s']:.0f} s.")
+    return "\n".join(out) + "\n"
+
+
+def dry_run(sections):
+    """List the workloads (no GPU needed)."""
+    if "overhead" in sections:
+        print("overhead: H=8 B=1 T=16 (ours 2000 calls, fla 500 calls)")
+    if "spec" in sections:
+        for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
+            print(f"spec: H={heads} {label} T={seq_len or sum(lengths)} lengths={lengths} "
+                  f"V blocks {list(K2_V_BLOCKS)} cuLA {published} ms")
+    if "cp" in sections:
+        for heads, lengths, published in CP_WORKLOADS:
+            print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")
+    if "fixed" in sections:
+        for batch, seq_len in FIXED_SWEEP:
+            print(f"fixed: H={SWEEP_HEADS} B={batch} T={seq_len}")
+    if "varlen" in sections:
+        for n, total, dist in VARLEN_SWEEP:
+            lengths = varlen_lengths(n, total, dist)
+            print(f"varlen: H={SWEEP_HEADS} N={n} T={total} {dist}: max {max(lengths)} min {min(lengths)} "
+                  f"lengths={lengths}")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write all results here as JSON")
+    parser.add_argument("--markdown", help="write the tables here as markdown")
+    parser.add_argument("--only", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="5 warm-up / 20 timed instead of 25 / 100")
+    parser.add_argument("--no-fla", action="store_true", help="do not run flash-linear-attention even if importable")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip (and mark) the workloads that would start after this many seconds")
+    parser.add_argument("--dry-run", action="store_true", help="list the workloads and exit (no GPU)")
+    args = parser.parse_args(argv)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    args.sections = [s for s in SECTIONS if s in sections]
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        dry_run(args.sections)
+        if args.markdown:
+            Path(args.markdown).write_text(render_markdown({"meta": {}, "errors": []}))
+        return
+    bench = Bench(args)
+    bench.run(args.sections)
+    print(render_markdown(bench.results))
 
 
 if __name__ == "__main__":

@@ -25,3 +25,25 @@ def time_cuda(fn, warmup=25, iters=100):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return iqm(times)
+
+
+_CAPTURE_STREAM = {}
+
+
+def capture_graph(fn, warmup=2):
+    """A ``torch.cuda.CUDAGraph`` holding one call of ``fn`` (static inputs: the graph replays the
+    same pointers).  ``fn`` first runs ``warmup`` times eagerly on the capture stream, so lazily
+    sized buffers (cula_aot's per-stream workspace arena, Triton autotuning) exist before capture."""
+    device = torch.cuda.current_device()
+    stream = _CAPTURE_STREAM.setdefault(device, torch.cuda.Stream())
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    torch.cuda.synchronize()
+    return graph
