@@ -4,7 +4,10 @@
 # (fla-core, pure Python over Triton) is benchmarked beside ours when importable (PYTHONPATH).
 # At most 7 files under $OUT (the device tool brings back 8).  Arguments go to pytest.  Optional bounds, so one bounded device call always reaches the
 # benchmark: TEST_TIMEOUT_S (kill pytest after this), BENCH_BUDGET_S (bench_prefill starts no
-# workload after this many seconds), BENCH_TIMEOUT_S (kill bench_prefill after this).
+# workload after this many seconds), BENCH_TIMEOUT_S (kill bench_prefill after this), BENCH_ARGS
+# (more bench_prefill options).  fla's first call per (H, fixed/varlen) costs ~2 min of Triton JIT on
+# a fresh machine, ~14 min for every section: inside one 10-minute call use e.g.
+# BENCH_ARGS="--fla-heads 64" or "--no-fla" (docs/PERFORMANCE.md, session 9).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cula_out}
@@ -14,6 +17,7 @@ TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-3600}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-3600}
 budget=()
 if [[ -n "${BENCH_BUDGET_S:-}" ]]; then budget=(--budget-s "$BENCH_BUDGET_S"); fi
+read -r -a bench_args <<< "${BENCH_ARGS:-}"
 t0=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, cuda.bindings; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda-bindings', cuda.bindings.__version__)" | tee -a "$OUT/gpu.txt"
@@ -24,7 +28,7 @@ grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
 python3 benchmarks/cold_start.py "$OUT/cold_start.json" 2>&1
 python3 benchmarks/bench_k1.py --json "$OUT/bench_k1.json" 2>&1 | tail -7
 echo "benchmarks start after $((SECONDS - t0)) s"
-timeout "$BENCH_TIMEOUT_S" python3 benchmarks/bench_prefill.py "${budget[@]}" --json "$OUT/bench_prefill.json" \
+timeout "$BENCH_TIMEOUT_S" python3 benchmarks/bench_prefill.py "${budget[@]}" "${bench_args[@]}" --json "$OUT/bench_prefill.json" \
     --markdown "$OUT/bench_prefill.md" > "$OUT/bench_prefill.log" 2>&1
 echo "bench_prefill exit $? after $((SECONDS - t0)) s"
 grep -E "^\[|copy bandwidth|Error|error" "$OUT/bench_prefill.log" | tail -60

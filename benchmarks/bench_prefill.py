@@ -32,6 +32,12 @@ like.  Achieved bandwidth = unavoidable HBM bytes (q, k, v, g, β, o, states) / 
 against a device copy measured in the same run.  Ratios are ours ÷ fla: < 1 means we are faster.
 
 JSON and markdown are rewritten after every workload, so a run cut short keeps what it measured.
+
+Run time on an H200: cula_aot's own timings take ~2 min for everything.  fla's first call per
+(head count, fixed/varlen) pays Triton's JIT compile and autotuning, ~100-120 s each on a fresh
+machine (measured 2026-11-29: 118 s for H=64 fixed); all sections with fla need 7 such families
+(~14 min).  ``--fla-heads 64`` limits fla to chosen head counts; ``--budget-s`` keeps a bounded
+device call from being killed mid-workload.
 """
 
 import argparse
@@ -163,6 +169,10 @@ class Bench:
         self.start = time.perf_counter()
         self.results = {"meta": {}, "errors": []}
         self.use_fla = not args.no_fla and peers.fla_version() is not None
+        self.fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
+
+    def fla_for(self, heads):
+        return self.use_fla and (self.fla_heads is None or heads in self.fla_heads)
 
     # -- timing helpers -------------------------------------------------------------------------
     def time(self, fn):
@@ -198,7 +208,7 @@ class Bench:
         row["ours_graph_ms"] = self.time_graph(ours, "ours")
         row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
                    fla_rel_rmse_state=None)
-        if self.use_fla:
+        if self.fla_for(x["q"].shape[2]):
             fla = peers.fla_runner(x, LOWER_BOUND)
             try:
                 t0 = time.perf_counter()
@@ -238,7 +248,7 @@ class Bench:
         res["ours_eager_ms"] = self.time(ours)
         res["ours_graph_ms"] = self.time_graph(ours, "ours tiny")
         res.update(fla_host_us=None, fla_eager_ms=None, fla_graph_ms=None)
-        if self.use_fla:
+        if self.fla_for(8):
             fla = peers.fla_runner(x, LOWER_BOUND)
             try:
                 res["fla_host_us"] = per_call_us(fla, 500)
@@ -335,7 +345,7 @@ class Bench:
                     command=" ".join(sys.argv), gpu=props.name, sm_count=props.multi_processor_count,
                     torch=torch.__version__, cuda=torch.version.cuda, warmup=self.warmup, iters=self.iters,
                     default_v_block=K2_DEFAULT_V_BLOCK, v_blocks=list(K2_V_BLOCKS), fla=peers.fla_version(),
-                    fla_used=self.use_fla)
+                    fla_used=self.use_fla, fla_heads=None if self.fla_heads is None else sorted(self.fla_heads))
         try:
             import triton
             meta["triton"] = triton.__version__
@@ -531,6 +541,7 @@ def parse_args(argv=None):
                         help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="5 warm-up / 20 timed instead of 25 / 100")
     parser.add_argument("--no-fla", action="store_true", help="do not run flash-linear-attention even if importable")
+    parser.add_argument("--fla-heads", help="run fla only for these head counts, e.g. 64 (default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip (and mark) the workloads that would start after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="list the workloads and exit (no GPU)")
