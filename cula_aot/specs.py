@@ -171,6 +171,12 @@ K2_PARAMS = (
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
+# One K2 warp per 16 V columns (the tensor-core M dimension).
+K2_WARP_COLUMNS = 16
+
+
+def k2_threads(v_block: int) -> int:
+    return 32 * (v_block // K2_WARP_COLUMNS)
 K2_DEFAULT_V_BLOCK = 16
 
 
@@ -189,6 +195,10 @@ class K2Spec(KernelSpec):
     @property
     def grid(self) -> tuple:
         return (128 // self.v_block, "heads", "num_seqs")
+
+    @property
+    def block(self) -> tuple:
+        return (k2_threads(self.v_block), 1, 1)
 
 
 MERGE_PARAMS = (

@@ -1,24 +1,29 @@
-"""K2 "recurrence": the sequential KDA state update over the tiles of each (sequence, head).
+"""K2 "recurrence": the sequential KDA state update over the tiles of each (sequence, head),
+on tensor cores.
 
 What it computes (shared/design/SPEC.md §2), for one sequence, one head and one block of
 ``v_block`` value columns (the recurrence is independent across V columns), over the tiles of
-the sequence in order, with the state slice ``S[:, cols]`` (128 × v_block, fp32) in registers:
+the sequence in order.  Written transposed, so that V is the MMA's M dimension:
 
-    W = diag(b)·(V − kd·S)     U = INV·W
-    O = qd·S + Mqk·U           S ← diag(gtot)·S + krᵀ·U
+    Wᵀ = (Vᵀ − Sᵀ·kdᵀ)·diag(b)     Uᵀ = Wᵀ·INVᵀ
+    Oᵀ = Sᵀ·qdᵀ + Uᵀ·Mqkᵀ          Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr
 
-``b = σ(β)`` from the raw logits K1 stored (rows past the sequence end have β = −inf, and W is
-forced to 0 there, so nothing from another sequence leaks in).  All math is fp32 on the bf16
-workspace operands; the state stays fp32 between tiles (more precise than the bf16 recipe).
+``b = σ(β)`` from the raw logits K1 stored (rows past the sequence end have β = −inf and W is
+forced to 0 there, so nothing from another sequence leaks in).
+
+Tensor cores.  Each warp owns 16 V columns: its slice of Sᵀ (16 × 128, fp32) lives in the
+accumulator fragments of 16 m16n8 tiles, which is also the update's output.  Every product is
+one or more ``mma.sync.m16n8k16`` (bf16 operands, fp32 accumulation): Sᵀ·kdᵀ and Sᵀ·qdᵀ take
+8 k-steps whose A operand is the state fragment itself rounded to bf16 (the C layout of two
+n-tiles is the A layout of a k-step; see ``warp_mma``), Wᵀ and Uᵀ become A operands the same
+way, and kd, qd, INV, Mqk (``ldmatrix``) and kr (``ldmatrix.trans``) come straight from the
+stage: the K_INTER image's 16-byte rows are ldmatrix rows.  Rounding points are those of the
+FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between tiles.
 
 Inputs per tile come from K1's workspaces (slot = head · total_slots + tile slot, see
 ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta, each with
-one ``cp.async.bulk`` global→shared copy (no tensor map, no unswizzle) into one of two stages,
-so tile t+1 loads while tile t computes.  v rows are read directly (masked to the sequence).
-
-Thread layout (128 threads): thread t owns column ``t % v_block`` and key rows
-``[kg·K_PER, (kg+1)·K_PER)`` with ``kg = t // v_block``; the kg groups reduce kd·S and qd·S
-through shared memory.
+one ``cp.async.bulk`` global→shared copy (no tensor map) into one of ``STAGES`` stages, issued
+``STAGES − 1`` tiles ahead.  v rows are read from global memory one tile ahead into registers.
 
 Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqlens (varlen) or
 B×T (fixed) on the device.  Segmented (intracard CP, ``segmented=True``): one per row of a
@@ -28,10 +33,10 @@ pre_scan (flags: identity start, v = 0, no output → the segment's transition m
 start, real v, no output → its end state) and the segmented recurrence (start from the merged
 carry).
 
-Launch: grid (128 / v_block, H, work items), block (128, 1, 1), ``smem_bytes(v_block)`` dynamic
-shared memory.  Runtime: lengths, cu_seqlens or the segment table, initial/final state strides
-(``[N,H,V,K]``, ``[N,H,K,V]``) and flags (``cula_aot.layout.FLAG_*``).  Compile-time: H,
-varlen, v_block, segmented.
+Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
+columns), ``smem_bytes(v_block)`` dynamic shared memory.  Runtime: lengths, cu_seqlens or the
+segment table, initial/final state strides (``[N,H,V,K]``, ``[N,H,K,V]``) and flags
+(``cula_aot.layout.FLAG_*``).  Compile-time: H, varlen, v_block (16, 32, 64, ...), segmented.
 """
 
 import cutlass
@@ -53,7 +58,13 @@ from ..layout import (
     SEGMENT_FIELDS,
     WORKSPACE_SLOT_BYTES,
 )
-from .common import CHUNK, D, THREADS, sigmoid, state_element, varlen_sequence
+from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
+from ..specs import k2_threads
+from .common import CHUNK, D, sigmoid, state_element, varlen_sequence
+from .warp_mma import accumulators_as_a, ldmatrix_x4, mma_bf16_m16n8k16
+
+WARP = 32
+N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
 
 # One pipeline stage: the seven per-tile workspaces back to back (each 16-byte aligned), each
 # filled by one bulk copy.
@@ -63,16 +74,16 @@ STAGE_BYTES = 0
 for _part in _STAGE_PARTS:
     _PART_OFFSET[_part] = STAGE_BYTES
     STAGE_BYTES += WORKSPACE_SLOT_BYTES[_part]
-STAGES = 2
+# Tiles in flight: a tile step is ~1 µs on tensor cores, shorter than a cold bulk load.
+STAGES = 4
 STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
 assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PART_OFFSET.values())
 
 
 def smem_bytes(v_block: int) -> int:
-    """Dynamic shared memory: 2 stages, kd·S/qd·S partials, W and U, barriers, alignment slack."""
-    partials = 2 * CHUNK * D * 4
-    w_and_u = 2 * CHUNK * v_block * 4
-    return STAGES * STAGE_BYTES + partials + w_and_u + 16 + 8 * 128
+    """Dynamic shared memory: the stages, their barriers and alignment slack (fragments live in
+    registers, so it does not depend on ``v_block``)."""
+    return STAGES * STAGE_BYTES + 8 * STAGES + 128
 
 
 def _stage_base(stages: cute.Tensor, stage):
@@ -97,10 +108,41 @@ def _issue_stage_loads(sources, stage_base: cute.Pointer, barrier: cute.Pointer,
         cute.copy(atom, g_src, _stage_view(stage_base, part, cutlass.Uint8), mbar_ptr=barrier)
 
 
-def _image_row8(image: cute.Tensor, row, k0):
-    """Eight consecutive k of row ``row`` of a K_INTER image (k0 a multiple of 8), as fp32."""
-    src = cute.make_tensor(image.iterator + (k0 // 8) * (CHUNK * 8) + row * 8, cute.make_layout(8))
-    return src.load().to(cutlass.Float32)
+def _fragment_value(i: int):
+    """(n-tile, row half, column) of value ``i`` of a two-n-tile accumulator over 16 tokens:
+    V row ``g + 8·half``, token ``8·n_tile + 2t + column``."""
+    return i // 4, (i // 2) % 2, i % 2
+
+
+def _image_lane_offset(lane):
+    """Byte offset of this lane's ldmatrix row in a K_INTER image for k-step 0: matrix
+    m = lane // 8 is (token block m // 2, column block m % 2), row lane % 8 of it."""
+    return ((lane // 8) % 2) * (CHUNK * 16) + ((lane // 16) * 8 + lane % 8) * 16
+
+
+def _image_trans_lane_offset(lane):
+    """Byte offset of this lane's ``ldmatrix.trans`` row in a K_INTER image for n-tile pair 0:
+    matrix m = lane // 8 is (column block m // 2, token block m % 2)."""
+    return (lane // 16) * (CHUNK * 16) + (((lane // 8) % 2) * 8 + lane % 8) * 16
+
+
+def _square_lane_offset(lane):
+    """Byte offset of this lane's ldmatrix row in a row-major bf16 16×16 matrix: matrix
+    m = lane // 8 is (row block m // 2, column half m % 2)."""
+    return ((lane // 16) * 8 + lane % 8) * (CHUNK * 2) + ((lane // 8) % 2) * 16
+
+
+@cute.jit
+def _load_v_fragment(v: cute.Pointer, frag: cute.Tensor, token0, rows_valid, heads: cutlass.Constexpr[int],
+                     head, v_col, t, enabled):
+    """v at this thread's accumulator positions of one tile (0 past the end or when disabled)."""
+    for i in cutlass.range_constexpr(8):
+        n_tile, half, column = _fragment_value(i)
+        row = n_tile * 8 + 2 * t + column
+        frag[i] = cutlass.Float32(0.0)
+        if row < rows_valid and enabled:
+            at = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col + 8 * half)
+            frag[i] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
 
 
 @cute.kernel
@@ -131,14 +173,13 @@ def k2_recurrence_kernel(
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
 ):
-    groups = THREADS // v_block
-    k_per = D // groups
-    rows_per_thread = CHUNK // groups
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
-    col = tid % v_block
-    kg = tid // v_block
-    v_col = vblk * v_block + col
+    lane = tid % WARP
+    g = lane // 4
+    t = lane % 4
+    # This thread's V columns: v_col and v_col + 8 (accumulator rows g and g + 8).
+    v_col = vblk * v_block + (tid // WARP) * WARP_COLUMNS + g
 
     # ---- this work item: first token, first tile slot, length, state rows, flags ----------
     seq_start = cutlass.Int64(0)
@@ -147,13 +188,13 @@ def k2_recurrence_kernel(
     init_index = seq
     final_index = seq
     if cutlass.const_expr(segmented):
-        row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
-        seq_start = cutlass.Int64(row[SEG_FIRST_TOKEN])
-        first_slot = row[SEG_FIRST_SLOT]
-        length = row[SEG_TOKENS]
-        init_index = row[SEG_INIT_INDEX]
-        final_index = row[SEG_FINAL_INDEX]
-        flags = row[SEG_FLAGS]
+        seg_row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
+        seq_start = cutlass.Int64(seg_row[SEG_FIRST_TOKEN])
+        first_slot = seg_row[SEG_FIRST_SLOT]
+        length = seg_row[SEG_TOKENS]
+        init_index = seg_row[SEG_INIT_INDEX]
+        final_index = seg_row[SEG_FINAL_INDEX]
+        flags = seg_row[SEG_FLAGS]
     elif cutlass.const_expr(varlen):
         seq_start, first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
     else:
@@ -163,23 +204,21 @@ def k2_recurrence_kernel(
 
     smem = cutlass.utils.SmemAllocator()
     s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * STAGE_BYTES), 128)
-    s_red_k = smem.allocate_tensor(cutlass.Float32, cute.make_layout((groups, CHUNK, v_block)), 16)
-    s_red_q = smem.allocate_tensor(cutlass.Float32, cute.make_layout((groups, CHUNK, v_block)), 16)
-    s_w = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, v_block)), 16)
-    s_u = smem.allocate_tensor(cutlass.Float32, cute.make_layout((CHUNK, v_block)), 16)
     full = smem.allocate_array(cutlass.Int64, STAGES)
 
-    # ---- state slice into registers -----------------------------------------------------
-    state = cute.make_rmem_tensor(cute.make_layout(k_per), cutlass.Float32)
+    # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
+    # key 8j + 2t + c % 2) -------------------------------------------------------------------
+    state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
     if (flags & FLAG_INITIAL_STATE) != 0:
-        for i in cutlass.range_constexpr(k_per):
-            state[i] = state_element(initial_state, init_index, heads, head, kg * k_per + i, v_col,
-                                     init_stride_k, init_stride_v)[0]
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            state[i] = state_element(initial_state, init_index, heads, head, (i // 4) * 8 + 2 * t + i % 2,
+                                     v_col + 8 * ((i // 2) % 2), init_stride_k, init_stride_v)[0]
     if (flags & FLAG_IDENTITY_INIT) != 0:
-        for i in cutlass.range_constexpr(k_per):
-            state[i] = cutlass.Float32(1.0) if kg * k_per + i == v_col else cutlass.Float32(0.0)
-    zero_v = (flags & FLAG_ZERO_V) != 0
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            key = (i // 4) * 8 + 2 * t + i % 2
+            state[i] = cutlass.Float32(1.0) if key == v_col + 8 * ((i // 2) % 2) else cutlass.Float32(0.0)
+    load_v = (flags & FLAG_ZERO_V) == 0
     write_out = (flags & FLAG_NO_OUTPUT) == 0
 
     sources = (ws_qd, ws_kd, ws_kr, ws_inv, ws_mqk, ws_gt, ws_beta)
@@ -190,107 +229,98 @@ def k2_recurrence_kernel(
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     if tid == 0:
-        if num_tiles > 0:
-            _issue_stage_loads(sources, s_stages.iterator, full, slot0)
+        for s in cutlass.range_constexpr(STAGES - 1):
+            if s < num_tiles:
+                _issue_stage_loads(sources, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
 
-    v_rows = cute.make_rmem_tensor(cute.make_layout(rows_per_thread), cutlass.Float32)
-    q_s = cute.make_rmem_tensor(cute.make_layout(rows_per_thread), cutlass.Float32)
+    image_lane = _image_lane_offset(lane)
+    image_trans_lane = _image_trans_lane_offset(lane)
+    square_lane = _square_lane_offset(lane)
+    v_now = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    v_next = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    _load_v_fragment(v, v_now, seq_start, cutlass.min(length, CHUNK), heads, head, v_col, t, load_v)
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % STAGES
         stage_base = _stage_base(s_stages, stage)
-        # Tile t+1 loads into the other stage: the barrier ending tile t-1 freed it.
+        # The stage STAGES − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
         if tid == 0:
-            if tile + 1 < num_tiles:
-                nxt = (tile + 1) % STAGES
-                _issue_stage_loads(sources, _stage_base(s_stages, nxt), full + nxt,
-                                   slot0 + cutlass.Int64(tile + 1))
+            ahead = tile + (STAGES - 1)
+            if ahead < num_tiles:
+                slot = ahead % STAGES
+                _issue_stage_loads(sources, _stage_base(s_stages, slot), full + slot, slot0 + cutlass.Int64(ahead))
         rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
-        # v for this thread's rows while the workspaces land (rows past the end read as 0).
-        for m in cutlass.range_constexpr(rows_per_thread):
-            r = kg + m * groups
-            v_rows[m] = cutlass.Float32(0.0)
-            if r < rows_valid and not zero_v:
-                at = ((token0 + cutlass.Int64(r)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col)
-                v_rows[m] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
+        # Next tile's v while this one computes.
+        _load_v_fragment(v, v_next, token0 + cutlass.Int64(CHUNK), length - (tile + 1) * CHUNK, heads, head, v_col,
+                         t, load_v)
         cute.arch.mbarrier_wait(full + stage, (tile // STAGES) % 2)
-        img_qd = _stage_view(stage_base, "qd", cutlass.BFloat16)
-        img_kd = _stage_view(stage_base, "kd", cutlass.BFloat16)
-        img_kr = _stage_view(stage_base, "kr", cutlass.BFloat16)
-        inv = _stage_view(stage_base, "inv", cutlass.BFloat16)
-        mqk = _stage_view(stage_base, "mqk", cutlass.BFloat16)
-        gt = _stage_view(stage_base, "gt", cutlass.Float32)
+        base = stage_base.toint()
         beta = _stage_view(stage_base, "beta", cutlass.BFloat16)
+        gt = _stage_view(stage_base, "gt", cutlass.Float32)
 
-        # -- partial kd·S and qd·S over this thread's key rows ----------------------------
-        for r in cutlass.range_constexpr(CHUNK):
-            acc_k = cutlass.Float32(0.0)
-            acc_q = cutlass.Float32(0.0)
-            for i8 in cutlass.range_constexpr(k_per // 8):
-                k0 = kg * k_per + i8 * 8
-                kd8 = _image_row8(img_kd, r, k0)
-                qd8 = _image_row8(img_qd, r, k0)
-                for e in cutlass.range_constexpr(8):
-                    acc_k += kd8[e] * state[i8 * 8 + e]
-                    acc_q += qd8[e] * state[i8 * 8 + e]
-            s_red_k[kg, r, col] = acc_k
-            s_red_q[kg, r, col] = acc_q
-        cute.arch.sync_threads()
+        # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ: 8 k-steps over the keys, two token n-tiles each -----------
+        ks = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        ks.fill(0.0)
+        qs.fill(0.0)
+        for kt in cutlass.range_constexpr(D // 16):
+            a = accumulators_as_a(state, 8 * kt)
+            b_kd = ldmatrix_x4(base + _PART_OFFSET["kd"] + kt * 2 * CHUNK * 16 + image_lane)
+            b_qd = ldmatrix_x4(base + _PART_OFFSET["qd"] + kt * 2 * CHUNK * 16 + image_lane)
+            for n in cutlass.range_constexpr(2):
+                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks[4 * n + c] for c in range(4)])
+                d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    ks[4 * n + c] = d_k[c]
+                    qs[4 * n + c] = d_q[c]
 
-        # -- W = diag(b)(V − kd·S) for this thread's rows; keep qd·S ----------------------
-        for m in cutlass.range_constexpr(rows_per_thread):
-            r = kg + m * groups
-            ks = cutlass.Float32(0.0)
-            qs = cutlass.Float32(0.0)
-            for grp in cutlass.range_constexpr(groups):
-                ks += s_red_k[grp, r, col]
-                qs += s_red_q[grp, r, col]
-            q_s[m] = qs
-            b = sigmoid(beta[r].to(cutlass.Float32))
-            s_w[r, col] = b * (v_rows[m] - ks) if r < rows_valid else cutlass.Float32(0.0)
-        cute.arch.sync_threads()
+        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), 0 past the end ------------------------------------
+        w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        for i in cutlass.range_constexpr(8):
+            n_tile, _, column = _fragment_value(i)
+            row = n_tile * 8 + 2 * t + column
+            b = sigmoid(beta[row].to(cutlass.Float32))
+            w[i] = b * (v_now[i] - ks[i]) if row < rows_valid else cutlass.Float32(0.0)
 
-        # -- U = INV·W --------------------------------------------------------------------
-        for m in cutlass.range_constexpr(rows_per_thread):
-            r = kg + m * groups
-            acc = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(CHUNK):
-                acc += inv[r * CHUNK + j].to(cutlass.Float32) * s_w[j, col]
-            s_u[r, col] = acc
-        cute.arch.sync_threads()
+        # -- Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV) --------------
+        a_w = accumulators_as_a(w, 0)
+        b_inv = ldmatrix_x4(base + _PART_OFFSET["inv"] + square_lane)
+        u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        for n in cutlass.range_constexpr(2):
+            d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
+            for c in cutlass.range_constexpr(4):
+                u[4 * n + c] = d_u[c]
+        a_u = accumulators_as_a(u, 0)
 
-        # -- O = qd·S + Mqk·U ---------------------------------------------------------------
-        for m in cutlass.range_constexpr(rows_per_thread):
-            r = kg + m * groups
-            acc = q_s[m]
-            for j in cutlass.range_constexpr(CHUNK):
-                acc += mqk[r * CHUNK + j].to(cutlass.Float32) * s_u[j, col]
-            if r < rows_valid and write_out:
-                at = ((token0 + cutlass.Int64(r)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col)
-                cute.make_tensor(out + at, cute.make_layout(1))[0] = acc.to(cutlass.BFloat16)
+        # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ -----------------------------------------------------------
+        b_mqk = ldmatrix_x4(base + _PART_OFFSET["mqk"] + square_lane)
+        for n in cutlass.range_constexpr(2):
+            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+            for c in cutlass.range_constexpr(4):
+                row = n * 8 + 2 * t + c % 2
+                if row < rows_valid and write_out:
+                    at = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D \
+                        + cutlass.Int64(v_col + 8 * (c // 2))
+                    cute.make_tensor(out + at, cute.make_layout(1))[0] = d_o[c].to(cutlass.BFloat16)
 
-        # -- S ← diag(gtot)·S + krᵀ·U -------------------------------------------------------
-        u_col = cute.make_rmem_tensor(cute.make_layout(CHUNK), cutlass.Float32)
-        for r in cutlass.range_constexpr(CHUNK):
-            u_col[r] = s_u[r, col]
-        for i8 in cutlass.range_constexpr(k_per // 8):
-            k0 = kg * k_per + i8 * 8
-            upd = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for e in cutlass.range_constexpr(8):
-                upd[e] = gt[k0 + e] * state[i8 * 8 + e]
-            for r in cutlass.range_constexpr(CHUNK):
-                kr8 = _image_row8(img_kr, r, k0)
-                for e in cutlass.range_constexpr(8):
-                    upd[e] += kr8[e] * u_col[r]
-            for e in cutlass.range_constexpr(8):
-                state[i8 * 8 + e] = upd[e]
-        # Frees this stage for tile t+2 and the shared scratch for tile t+1.
+        # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
+        for pair in cutlass.range_constexpr(N_TILES // 2):
+            b_kr = ldmatrix_x4(base + _PART_OFFSET["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
+            for n in cutlass.range_constexpr(2):
+                j = 2 * pair + n
+                scaled = [state[4 * j + c] * gt[8 * j + 2 * t + c % 2] for c in range(4)]
+                d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
+                for c in cutlass.range_constexpr(4):
+                    state[4 * j + c] = d_s[c]
+        for i in cutlass.range_constexpr(8):
+            v_now[i] = v_next[i]
+        # Frees this stage for tile t + STAGES.
         cute.arch.sync_threads()
 
     if (flags & FLAG_FINAL_STATE) != 0:
-        for i in cutlass.range_constexpr(k_per):
-            element = state_element(final_state, final_index, heads, head, kg * k_per + i, v_col,
-                                    final_stride_k, final_stride_v)
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            element = state_element(final_state, final_index, heads, head, (i // 4) * 8 + 2 * t + i % 2,
+                                    v_col + 8 * ((i // 2) % 2), final_stride_k, final_stride_v)
             element[0] = state[i]
 
 
@@ -329,4 +359,4 @@ def k2_recurrence_launch(
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
         seq_len, num_seqs, total_slots, init_stride_k, init_stride_v, final_stride_k, final_stride_v, flags,
         heads, varlen, v_block, segmented,
-    ).launch(grid=[D // v_block, heads, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)
+    ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1], smem=smem_bytes(v_block), stream=stream)

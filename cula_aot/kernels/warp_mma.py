@@ -1,0 +1,78 @@
+"""Warp-level tensor-core primitives for sm_80+ (mma.sync m16n8k16, ldmatrix), as inline PTX.
+
+CuTe's TiledMma partitions fragments for whole tiles; K2 instead needs to reuse an fp32
+accumulator fragment directly as the next product's bf16 A operand (the m16n8k16 C layout of
+two adjacent n-tiles is exactly the A layout of one k-step), so it addresses fragment
+registers itself.  Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
+``g = lane // 4`` and ``t = lane % 4``:
+
+* A (16×16, row major), four b32 registers of bf16 pairs: (g, 2t..2t+1), (g+8, 2t..),
+  (g, 2t+8..), (g+8, 2t+8..).
+* B (16×8, "col"), two registers: (k = 2t..2t+1, n = g), (k = 2t+8.., n = g).
+* C/D (16×8 fp32), four values: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+
+``ldmatrix .x4`` loads four 8×8 b16 matrices; lanes 8m..8m+7 give the 16-byte row addresses
+of matrix m and register m of lane l holds row l//4, columns 2(l%4)..+1 (transposed with
+``.trans``).
+"""
+
+import cutlass
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T
+
+
+def _struct(count: int, element):
+    return llvm.StructType.get_literal([element] * count)
+
+
+def ldmatrix_x4(smem_address, transpose: bool = False) -> list:
+    """Four b32 fragment registers from four 8×8 bf16 matrices at a 32-bit shared address."""
+    shape = ".trans" if transpose else ""
+    result = llvm.inline_asm(
+        _struct(4, T.i32()),
+        [cutlass.Int32(smem_address).ir_value()],
+        f"ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+    )
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
+
+
+def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
+    """D = A·B + C on tensor cores: bf16 operands (4 + 2 b32 registers), fp32 accumulators (4)."""
+    operands = [x.ir_value() for x in a] + [x.ir_value() for x in b]
+    operands += [cutlass.Float32(x).ir_value() for x in c]
+    result = llvm.inline_asm(
+        _struct(4, T.f32()),
+        operands,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
+
+
+def pack_bf16x2(low, high):
+    """Two fp32 values rounded to nearest bf16 in one b32 register, ``low`` in the low half."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Float32(high).ir_value(), cutlass.Float32(low).ir_value()],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+        )
+    )
+
+
+def accumulators_as_a(acc, first: int) -> list:
+    """The A fragment of one k-step from the accumulators of two adjacent n-tiles.
+
+    ``acc`` holds n-tile j's C fragment at ``acc[4j .. 4j+3]``; ``first`` is the index of the
+    lower n-tile's first value.  Values are rounded to bf16.
+    """
+    return [
+        pack_bf16x2(acc[first + 0], acc[first + 1]),
+        pack_bf16x2(acc[first + 2], acc[first + 3]),
+        pack_bf16x2(acc[first + 4], acc[first + 5]),
+        pack_bf16x2(acc[first + 6], acc[first + 7]),
+    ]
