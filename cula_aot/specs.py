@@ -7,6 +7,7 @@ and writes it, with offsets, into ``manifest.json``.
 """
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 from .layout import WORKSPACE_DTYPES
@@ -111,7 +112,7 @@ class KernelSpec:
     def args(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         parts = [self.kernel]
         for key, value in self.args.items():

@@ -23,7 +23,9 @@ FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between 
 Inputs per tile come from K1's workspaces (slot = head · total_slots + tile slot, see
 ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta, each with
 one ``cp.async.bulk`` global→shared copy (no tensor map) into one of ``STAGES`` stages, issued
-``STAGES − 1`` tiles ahead.  v rows are read from global memory one tile ahead into registers.
+``STAGES − 1`` tiles ahead.  Each warp stages its own 16 × 16 block of v per tile the same
+distance ahead with one 16-byte ``cp.async`` per lane (rows past the end zero-filled) and reads
+it back as the Vᵀ accumulator fragment with one ``ldmatrix.trans``.
 
 Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqlens (varlen) or
 B×T (fixed) on the device.  Segmented (intracard CP, ``segmented=True``): one per row of a
@@ -61,7 +63,7 @@ from ..layout import (
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
 from .common import CHUNK, D, sigmoid, state_element, varlen_sequence
-from .warp_mma import accumulators_as_a, ldmatrix_x4, mma_bf16_m16n8k16
+from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
 WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
@@ -80,10 +82,15 @@ STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
 assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PART_OFFSET.values())
 
 
+# Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
+V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
+
+
 def smem_bytes(v_block: int) -> int:
-    """Dynamic shared memory: the stages, their barriers and alignment slack (fragments live in
-    registers, so it does not depend on ``v_block``)."""
-    return STAGES * STAGE_BYTES + 8 * STAGES + 128
+    """Dynamic shared memory: the workspace stages, the v stages, barriers and alignment slack
+    (fragments live in registers)."""
+    warps = v_block // WARP_COLUMNS
+    return STAGES * (STAGE_BYTES + warps * V_WARP_BYTES) + 8 * STAGES + 128
 
 
 def _stage_base(stages: cute.Tensor, stage):
@@ -133,16 +140,20 @@ def _square_lane_offset(lane):
 
 
 @cute.jit
-def _load_v_fragment(v: cute.Pointer, frag: cute.Tensor, token0, rows_valid, heads: cutlass.Constexpr[int],
-                     head, v_col, t, enabled):
-    """v at this thread's accumulator positions of one tile (0 past the end or when disabled)."""
-    for i in cutlass.range_constexpr(8):
-        n_tile, half, column = _fragment_value(i)
-        row = n_tile * 8 + 2 * t + column
-        frag[i] = cutlass.Float32(0.0)
-        if row < rows_valid and enabled:
-            at = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D + cutlass.Int64(v_col + 8 * half)
-            frag[i] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
+def _stage_v_rows(v: cute.Pointer, smem_address, token0, rows_valid, heads: cutlass.Constexpr[int], head,
+                  warp_col0, lane, enabled):
+    """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
+    of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
+    row = lane // 2
+    # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
+    # at worst a row of the same tensor when the whole tile is past the end).
+    src_row = token0
+    nbytes = cutlass.Int32(0)
+    if row < rows_valid and enabled:
+        src_row = token0 + cutlass.Int64(row)
+        nbytes = cutlass.Int32(16)
+    at = (src_row * heads + cutlass.Int64(head)) * D + cutlass.Int64(warp_col0 + (lane % 2) * 8)
+    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + (lane % 2) * 16, (v + at).toint(), nbytes)
 
 
 @cute.kernel
@@ -179,7 +190,9 @@ def k2_recurrence_kernel(
     g = lane // 4
     t = lane % 4
     # This thread's V columns: v_col and v_col + 8 (accumulator rows g and g + 8).
-    v_col = vblk * v_block + (tid // WARP) * WARP_COLUMNS + g
+    warp = tid // WARP
+    warp_col0 = vblk * v_block + warp * WARP_COLUMNS
+    v_col = warp_col0 + g
 
     # ---- this work item: first token, first tile slot, length, state rows, flags ----------
     seq_start = cutlass.Int64(0)
@@ -204,6 +217,8 @@ def k2_recurrence_kernel(
 
     smem = cutlass.utils.SmemAllocator()
     s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * STAGE_BYTES), 128)
+    warps = v_block // WARP_COLUMNS
+    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * warps * V_WARP_BYTES), 128)
     full = smem.allocate_array(cutlass.Int64, STAGES)
 
     # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
@@ -228,31 +243,41 @@ def k2_recurrence_kernel(
             cute.arch.mbarrier_init(full + s, 1)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
-    if tid == 0:
-        for s in cutlass.range_constexpr(STAGES - 1):
+    # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
+    v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
+    v_stage_bytes = warps * V_WARP_BYTES
+    for s in cutlass.range_constexpr(STAGES - 1):
+        if tid == 0:
             if s < num_tiles:
                 _issue_stage_loads(sources, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
+        _stage_v_rows(v, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK), length - s * CHUNK,
+                      heads, head, warp_col0, lane, load_v)
+        cute.arch.cp_async_commit_group()
 
     image_lane = _image_lane_offset(lane)
     image_trans_lane = _image_trans_lane_offset(lane)
     square_lane = _square_lane_offset(lane)
-    v_now = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    v_next = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    _load_v_fragment(v, v_now, seq_start, cutlass.min(length, CHUNK), heads, head, v_col, t, load_v)
+    # ldmatrix.trans of the v block: matrix m = lane // 8 is (token block m // 2, column half m % 2).
+    v_lane = ((lane // 16) * 8 + lane % 8) * (WARP_COLUMNS * 2) + ((lane // 8) % 2) * 16
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % STAGES
         stage_base = _stage_base(s_stages, stage)
         # The stage STAGES − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
+        ahead = tile + (STAGES - 1)
+        ahead_stage = ahead % STAGES
         if tid == 0:
-            ahead = tile + (STAGES - 1)
             if ahead < num_tiles:
-                slot = ahead % STAGES
-                _issue_stage_loads(sources, _stage_base(s_stages, slot), full + slot, slot0 + cutlass.Int64(ahead))
+                _issue_stage_loads(sources, _stage_base(s_stages, ahead_stage), full + ahead_stage,
+                                   slot0 + cutlass.Int64(ahead))
+        _stage_v_rows(v, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
+                      length - ahead * CHUNK, heads, head, warp_col0, lane, load_v)
+        # One group per tile, empty past the end, so "all but the newest STAGES − 1" is tile t.
+        cute.arch.cp_async_commit_group()
         rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
-        # Next tile's v while this one computes.
-        _load_v_fragment(v, v_next, token0 + cutlass.Int64(CHUNK), length - (tile + 1) * CHUNK, heads, head, v_col,
-                         t, load_v)
+        cute.arch.cp_async_wait_group(STAGES - 1)
+        cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
+        v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + v_lane, transpose=True)
         cute.arch.mbarrier_wait(full + stage, (tile // STAGES) % 2)
         base = stage_base.toint()
         beta = _stage_view(stage_base, "beta", cutlass.BFloat16)
@@ -275,12 +300,14 @@ def k2_recurrence_kernel(
                     qs[4 * n + c] = d_q[c]
 
         # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), 0 past the end ------------------------------------
+        # v_regs[2·n_tile + half] holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half).
         w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for i in cutlass.range_constexpr(8):
-            n_tile, _, column = _fragment_value(i)
+            n_tile, half, column = _fragment_value(i)
             row = n_tile * 8 + 2 * t + column
             b = sigmoid(beta[row].to(cutlass.Float32))
-            w[i] = b * (v_now[i] - ks[i]) if row < rows_valid else cutlass.Float32(0.0)
+            v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
+            w[i] = b * (v_value - ks[i]) if row < rows_valid else cutlass.Float32(0.0)
 
         # -- Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV) --------------
         a_w = accumulators_as_a(w, 0)
@@ -312,8 +339,6 @@ def k2_recurrence_kernel(
                 d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
                 for c in cutlass.range_constexpr(4):
                     state[4 * j + c] = d_s[c]
-        for i in cutlass.range_constexpr(8):
-            v_now[i] = v_next[i]
         # Frees this stage for tile t + STAGES.
         cute.arch.sync_threads()
 

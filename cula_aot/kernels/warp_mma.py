@@ -1,4 +1,5 @@
-"""Warp-level tensor-core primitives for sm_80+ (mma.sync m16n8k16, ldmatrix), as inline PTX.
+"""Warp-level primitives for sm_80+ as inline PTX: tensor-core mma.sync m16n8k16, ldmatrix and the
+16-byte cp.async that stages operands for it.
 
 CuTe's TiledMma partitions fragments for whole tiles; K2 instead needs to reuse an fp32
 accumulator fragment directly as the next product's bf16 A operand (the m16n8k16 C layout of
@@ -64,6 +65,12 @@ def pack_bf16x2(low, high):
     )
 
 
+def bf16_as_f32(pair, high: bool):
+    """The low or high bf16 of a b32 register, widened (exactly) to fp32."""
+    bits = pair & cutlass.Int32(-65536) if high else pair << 16
+    return cutlass.Float32(llvm.bitcast(T.f32(), cutlass.Int32(bits).ir_value()))
+
+
 def accumulators_as_a(acc, first: int) -> list:
     """The A fragment of one k-step from the accumulators of two adjacent n-tiles.
 
@@ -76,3 +83,16 @@ def accumulators_as_a(acc, first: int) -> list:
         pack_bf16x2(acc[first + 4], acc[first + 5]),
         pack_bf16x2(acc[first + 6], acc[first + 7]),
     ]
+
+
+def cp_async_16(smem_address, global_address, src_bytes):
+    """Copy 16 bytes global→shared asynchronously (L2 only); bytes past ``src_bytes`` (0 or 16)
+    are zero-filled.  Complete with ``cute.arch.cp_async_commit_group`` / ``cp_async_wait_group``."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_address).ir_value(), cutlass.Int64(global_address).ir_value(),
+         cutlass.Int32(src_bytes).ir_value()],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+    )

@@ -37,12 +37,13 @@ def plan_slots(batch: int, seq_len: int, cu_seqlens) -> int:
     return varlen_total_slots(seq_len, cu_seqlens.numel() - 1)
 
 
-def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens):
-    """Carve this call's workspaces and the launch values K1 and K2 share (specs.WORKSPACE_POINTERS,
-    specs.SEQUENCE_SCALARS, cu_seqlens).  Returns ``(Workspaces, values, cu32)``: keep ``cu32``
-    (the int32 device copy of cu_seqlens, or None) alive until the launches are issued."""
+def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, stream: int):
+    """Carve this call's workspaces on ``stream`` (raw) and the launch values K1 and K2 share
+    (specs.WORKSPACE_POINTERS, specs.SEQUENCE_SCALARS, cu_seqlens).  Returns ``(Workspaces, values,
+    cu32)``: keep ``cu32`` (the int32 device copy of cu_seqlens, or None) alive until the launches
+    are issued."""
     total_slots = plan_slots(batch, seq_len, cu_seqlens)
-    views = ARENA.carve(device, heads * total_slots)
+    views = ARENA.carve(device, heads * total_slots, stream)
     cu32 = None if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.int32)
     values = {
         "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
@@ -53,8 +54,8 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens):
     return Workspaces(total_slots, views), values, cu32
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device) -> None:
-    """Launch a loaded K1 with the workspace/sequence values in ``common``."""
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device, stream) -> None:
+    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
         **common,
@@ -63,7 +64,7 @@ def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, co
         # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
         "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
         "scale": float(scale), "lower_bound": float(lower_bound),
-    }, device)
+    }, device, stream)
 
 
 def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
@@ -74,9 +75,10 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     batch, seq_len, heads, _ = q.shape
     device = q.device
     kernel = default_loader().get(device, K1Spec(heads=heads, varlen=cu_seqlens is not None))
-    workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, device)
+                   DEFAULT_SCALE if scale is None else scale, common, device, stream)
     return workspaces
 
 

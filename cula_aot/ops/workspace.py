@@ -19,29 +19,40 @@ class WorkspaceArena:
     def __init__(self):
         self._lock = threading.Lock()
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        # (device, stream, slots) → views of the current buffer; dropped when a buffer grows.
+        self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
 
-    def buffer(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        stream = torch.cuda.current_stream(device).cuda_stream
+    def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
         key = (device.index, stream)
         with self._lock:
             buf = self._buffers.get(key)
             if buf is None or buf.numel() < nbytes:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buf
+                self._views = {k: v for k, v in self._views.items() if k[:2] != key}
             return buf
 
-    def carve(self, device: torch.device, slots: int) -> dict[str, torch.Tensor]:
+    def carve(self, device: torch.device, slots: int, stream: int | None = None) -> dict[str, torch.Tensor]:
         """Typed views of every workspace for ``slots`` (head, tile) slots, laid out per the ABI:
-        workspace ``name`` has shape ``[slots, slot_bytes / itemsize]``."""
+        workspace ``name`` has shape ``[slots, slot_bytes / itemsize]``.  ``stream`` is the raw
+        stream the views are for (default: the device's current stream)."""
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
+        views = self._views.get((device.index, stream, slots))
+        if views is not None:
+            return views
         offsets, cursor = {}, 0
         for name, per_slot in WORKSPACE_SLOT_BYTES.items():
             offsets[name] = cursor
             cursor += -(-per_slot * slots // _ALIGN) * _ALIGN
-        buf = self.buffer(device, max(cursor, _ALIGN))
+        buf = self.buffer(device, max(cursor, _ALIGN), stream)
         views = {}
         for name, per_slot in WORKSPACE_SLOT_BYTES.items():
             raw = buf[offsets[name] : offsets[name] + per_slot * slots]
             views[name] = raw.view(_TORCH_DTYPES[WORKSPACE_DTYPES[name]]).view(slots, -1)
+        with self._lock:
+            if self._buffers.get((device.index, stream)) is buf:
+                self._views[(device.index, stream, slots)] = views
         return views
 
 

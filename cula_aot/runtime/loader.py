@@ -14,7 +14,7 @@ from cuda.bindings import driver as cu
 from .abi import ParamPacker
 from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
-from .tma import encode_tiled
+from .tma import DescriptorCache
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
@@ -36,19 +36,21 @@ class LoadedKernel:
         self.smem = record["dynamic_smem_bytes"]
         self.grid_rule = record["grid"]
         self.packer = ParamPacker(record["params"], name, record["param_bytes"])
-        self.descriptors = [(p["name"], p["recipe"]) for p in record["params"] if p["kind"] == "tma_descriptor"]
+        self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
+                            for p in record["params"] if p["kind"] == "tma_descriptor"]
 
     def grid(self, values: dict) -> tuple:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
         return tuple(d if isinstance(d, int) else int(values[d]) for d in self.grid_rule)
 
-    def launch(self, values: dict, device: torch.device) -> None:
-        """Pack ``values`` per the ABI and launch on ``torch.cuda.current_stream(device)``."""
+    def launch(self, values: dict, device: torch.device, stream: int | None = None) -> None:
+        """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``; default
+        ``torch.cuda.current_stream(device)``, read now)."""
         grid = self.grid(values)
         if min(grid) <= 0:
             return  # nothing to do; an empty grid is an error for the driver
-        for name, recipe in self.descriptors:
-            values[name] = encode_tiled(recipe, values[recipe["source"]], values, f"{self.name}.{name}")
+        for name, source, cache in self.descriptors:
+            values[name] = cache.get(values[source], values)
         packed = ctypes.create_string_buffer(self.packer.pack(values), self.packer.size)
         size = ctypes.c_size_t(self.packer.size)
         extra = (ctypes.c_void_p * 5)(
@@ -58,9 +60,11 @@ class LoadedKernel:
             ctypes.addressof(size),
             cu.CU_LAUNCH_PARAM_END,
         )
-        stream = cu.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
         check(
-            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, stream, 0, ctypes.addressof(extra)),
+            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0,
+                              ctypes.addressof(extra)),
             f"cuLaunchKernel({self.name})",
         )
 
@@ -72,6 +76,7 @@ class KernelLoader:
         self.manifest = manifest
         self._lock = threading.Lock()
         self._kernels: dict[tuple[int, str], LoadedKernel] = {}
+        self._by_spec: dict[tuple, LoadedKernel] = {}
         self._modules = []  # keep modules alive for the process lifetime
 
     def _bind_primary_context(self, index: int) -> None:
@@ -86,8 +91,11 @@ class KernelLoader:
 
     def get(self, device: torch.device, spec) -> LoadedKernel:
         """The loaded kernel of specialization ``spec`` (``cula_aot.specs``) on ``device``."""
-        name, record = self.manifest.record(spec)
-        return self._get(device, name, record)
+        loaded = self._by_spec.get((device.index, spec))  # the per-call fast path: one lookup
+        if loaded is None:
+            name, record = self.manifest.record(spec)
+            loaded = self._by_spec[(device.index, spec)] = self._get(device, name, record)
+        return loaded
 
     def _get(self, device: torch.device, name: str, record: dict) -> LoadedKernel:
         key = (device.index, name)

@@ -2,27 +2,35 @@
 
 import torch
 
-from cula_aot.layout import WORKSPACE_DTYPES, WORKSPACE_SLOT_BYTES
 from cula_aot.ops import prepare
+from cula_aot.ops.workspace import WorkspaceArena
 from cula_aot.specs import K1_PARAMS, K2_PARAMS, SEQUENCE_SCALARS, WORKSPACE_POINTERS
 
 
-class _CpuArena:
-    def carve(self, device, slots):
-        dtypes = {"bf16": torch.bfloat16, "f32": torch.float32}
-        return {n: torch.empty(slots, WORKSPACE_SLOT_BYTES[n] // (2 if WORKSPACE_DTYPES[n] == "bf16" else 4),
-                               dtype=dtypes[WORKSPACE_DTYPES[n]]) for n in WORKSPACE_DTYPES}
-
-
 def test_values_cover_the_shared_abi(monkeypatch):
-    monkeypatch.setattr(prepare, "ARENA", _CpuArena())
+    # A CPU arena: with the stream given explicitly the arena never touches CUDA.
+    monkeypatch.setattr(prepare, "ARENA", WorkspaceArena())
     shared = {p.name for p in WORKSPACE_POINTERS + SEQUENCE_SCALARS} | {"cu_seqlens"}
     assert shared <= {p.name for p in K1_PARAMS} and shared <= {p.name for p in K2_PARAMS}
     cu = torch.tensor([0, 5, 40], dtype=torch.int64)
-    ws, values, cu32 = prepare.workspace_values(torch.device("cpu"), 1, 40, 3, cu)
+    ws, values, cu32 = prepare.workspace_values(torch.device("cpu"), 1, 40, 3, cu, 0)
     assert set(values) == shared | {"heads"}
     assert cu32.dtype == torch.int32 and values["cu_seqlens"] == cu32.data_ptr()
     assert values["num_seqs"] == 2 and values["total_slots"] == ws.total_slots == (40 + 15 * 2) // 16
     assert values["ws_gt"] == ws.gt.data_ptr()
-    _, fixed, none = prepare.workspace_values(torch.device("cpu"), 3, 17, 3, None)
+    _, fixed, none = prepare.workspace_values(torch.device("cpu"), 3, 17, 3, None, 0)
     assert none is None and fixed["cu_seqlens"] == 0 and fixed["num_seqs"] == 3 and fixed["total_slots"] == 6
+
+
+def test_arena_reuses_views_per_stream_and_drops_them_when_it_grows():
+    arena, cpu = WorkspaceArena(), torch.device("cpu")
+    first = arena.carve(cpu, 8, stream=1)
+    assert arena.carve(cpu, 8, stream=1) is first  # the per-call fast path: no new views
+    other = arena.carve(cpu, 8, stream=2)
+    assert other["qd"].data_ptr() != first["qd"].data_ptr()  # streams never share memory
+    smaller = arena.carve(cpu, 4, stream=1)
+    assert smaller["qd"].data_ptr() == first["qd"].data_ptr()  # same buffer, new shapes
+    assert smaller["kd"].shape[0] == 4 and first["kd"].shape[0] == 8
+    grown = arena.carve(cpu, 4096, stream=1)
+    assert arena.carve(cpu, 8, stream=1) is not first  # views of the old buffer are gone
+    assert arena.carve(cpu, 8, stream=1)["qd"].data_ptr() == grown["qd"].data_ptr()

@@ -147,16 +147,16 @@ def test_packer_places_descriptors_and_pads_to_the_cubin_block():
 
 
 def test_tma_recipe_validation_happens_before_the_driver():
-    from cula_aot.runtime.tma import encode_tiled
+    from cula_aot.runtime.tma import DescriptorCache
 
     recipe = dict(abi_layout(K1Spec.params)[0]["recipe"])
     values = {"rows": 100, "row_elems": 1024, "row_bytes": 2048}
     with pytest.raises(ValueError, match="16-byte aligned tensor base"):
-        encode_tiled(recipe, 0x1008, values, "k1.tma_q")
+        DescriptorCache(recipe, "k1.tma_q").get(0x1008, values)
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
-        encode_tiled(recipe, 0x1000, {**values, "row_bytes": 2050}, "k1.tma_q")
+        DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "row_bytes": 2050})
     with pytest.raises(ValueError, match="must be positive"):
-        encode_tiled(recipe, 0x1000, {**values, "rows": 0}, "k1.tma_q")
+        DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "rows": 0})
 
 
 def test_packer_refuses_bad_values():
