@@ -6,9 +6,10 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
   over the tile's rows, ``gtot = exp(G[15])``;
 * ``q̂, k̂`` = L2-normalised q, k rounded to bf16, ``b = σ(β)``;
 * ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
-* ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` from the fp32 operands
-  (more precise than the recipe's bf16 operands) and ``INV = (I+L)^-1 =
-  (I-L)(I+L²)(I+L⁴)(I+L⁸)`` evaluated in fp32 (L is nilpotent: exact).
+* ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
+  operands rounded from the fp32 values (more precise than the recipe's bf16 operands), and
+  ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with tf32 products and
+  fp32 accumulation (the recipe's fp16 has the same 10-bit mantissa and less range).
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
@@ -47,6 +48,7 @@ from .common import (
     tile_row_as_f32,
     varlen_slot_lookup,
 )
+from .warp_mma import mma_tf32_m16n8k8, to_tf32
 
 # Phase A: 8 threads per row, 16 columns each.
 THREADS_PER_ROW = THREADS // CHUNK
@@ -59,22 +61,45 @@ COLS_PER_THREAD = D // THREADS_PER_ROW
 # column spread over the banks instead of hitting one.
 F32_ROW = D + 4
 _F32_TILE = CHUNK * F32_ROW * 4
-_F32_SMALL = CHUNK * CHUNK * 4
+# fp32 16×16 matrices, rows padded to 20 words: the tf32 A/B fragment loads hit distinct banks.
+SMALL_ROW = CHUNK + 4
+_F32_SMALL = CHUNK * SMALL_ROW * 4
 SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 3 * _F32_TILE + 3 * IMAGE_BYTES + CHUNK * 4 + 5 * _F32_SMALL + 8 * 128
 
 
-def _row4(tile: cute.Tensor, row, c0):
-    """Four consecutive fp32 of a padded 16×128 smem tile (one 16-byte load)."""
-    return cute.make_tensor(tile.iterator + row * F32_ROW + c0, cute.make_layout(4)).load()
-
-
 @cute.jit
-def _matmul16_entry(a: cute.Tensor, b: cute.Tensor, i, j):
-    """(a·b)[i, j] for 16×16 fp32 shared-memory matrices."""
-    acc = cutlass.Float32(0.0)
-    for t in cutlass.range_constexpr(CHUNK):
-        acc += a[i, t] * b[t, j]
-    return acc
+def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass.Constexpr[bool], k_steps: int,
+                      n_tile, lane, acc: cute.Tensor):
+    """acc += a · b[:, 8·n_tile : 8·n_tile + 8] on tensor cores (tf32 operands, fp32 C fragment).
+
+    ``a`` is a 16 × 8·k_steps fp32 smem matrix; ``b`` is ``b_rows`` itself (8·k_steps × 16), or its
+    transpose when ``b_transposed`` (then ``b_rows`` is 16 × 8·k_steps, e.g. kinv for ·kinvᵀ).
+    Two accumulation chains (even and odd k-steps) halve the dependent MMA latency.
+    """
+    g = lane // 4
+    t = lane % 4
+    n = n_tile * 8 + g
+    odd = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    odd.fill(0.0)
+    for ks in cutlass.range_constexpr(k_steps):
+        k0 = ks * 8
+        frag_a = [to_tf32(a[g, k0 + t]), to_tf32(a[g + 8, k0 + t]), to_tf32(a[g, k0 + t + 4]),
+                  to_tf32(a[g + 8, k0 + t + 4])]
+        if cutlass.const_expr(b_transposed):
+            frag_b = [to_tf32(b_rows[n, k0 + t]), to_tf32(b_rows[n, k0 + t + 4])]
+        else:
+            frag_b = [to_tf32(b_rows[k0 + t, n]), to_tf32(b_rows[k0 + t + 4, n])]
+        chain = acc if ks % 2 == 0 else odd
+        d = mma_tf32_m16n8k8(frag_a, frag_b, [chain[c] for c in range(4)])
+        for c in cutlass.range_constexpr(4):
+            chain[c] = d[c]
+    for c in cutlass.range_constexpr(4):
+        acc[c] = acc[c] + odd[c]
+
+
+def _fragment_entry(lane, n_tile, c: int):
+    """(row, column) of value ``c`` of this lane's 16×8 C fragment of n-tile ``n_tile``."""
+    return lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
 @cute.kernel
@@ -132,7 +157,7 @@ def k1_prepare_kernel(
         s_kd = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
         s_kr = smem.allocate_tensor(cutlass.BFloat16, image_layout, 128)
         s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
-        small = cute.make_layout((CHUNK, CHUNK), stride=(CHUNK, 1))
+        small = cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1))
         s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
         s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
         s_x1 = smem.allocate_tensor(cutlass.Float32, small, 16)
@@ -237,43 +262,71 @@ def k1_prepare_kernel(
                 cute.copy(bulk_s2g, src, g_img)
             cute.arch.cp_async_bulk_commit_group()
 
-        # ---- phase C: L and Mqk (thread → entries (i, j) and (i + 8, j)) ----------------
-        j = tid % CHUNK
-        out_mqk = cute.make_tensor(ws_mqk + slot_index * (CHUNK * CHUNK), small)
-        for half in cutlass.range_constexpr(2):
-            i = tid // CHUNK + half * (CHUNK // 2)
-            acc_k = cutlass.Float32(0.0)
-            acc_q = cutlass.Float32(0.0)
-            for c4 in cutlass.range_constexpr(D // 4):
-                kinv4 = _row4(s_gamma, j, c4 * 4)
-                kd4 = _row4(s_khat, i, c4 * 4)
-                qd4 = _row4(s_qhat, i, c4 * 4)
-                for e in cutlass.range_constexpr(4):
-                    acc_k += kd4[e] * kinv4[e]
-                    acc_q += qd4[e] * kinv4[e]
-            s_l[i, j] = s_b[i] * acc_k if j < i else cutlass.Float32(0.0)
-            out_mqk[i, j] = (acc_q if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
+        # ---- phase C: L and Mqk on tensor cores; warp w: product w // 2 (L from kd, Mqk from
+        # qd, both · kinvᵀ), columns of n-tile w % 2 -----------------------------------------
+        warp = tid // 32
+        lane = tid % 32
+        half_n = warp % 2
+        acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+        acc.fill(0.0)
+        out_mqk = cute.make_tensor(ws_mqk + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
+                                                                                           stride=(CHUNK, 1)))
+        if warp < 2:
+            _fragment_product(s_khat, s_gamma, True, D // 8, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
+        else:
+            _fragment_product(s_qhat, s_gamma, True, D // 8, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                out_mqk[i, j] = (acc[c] if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
-        # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) -----------------------------
-        for half in cutlass.range_constexpr(2):
-            i = tid // CHUNK + half * (CHUNK // 2)
-            eye = cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)
-            s_p0[i, j] = eye - s_l[i, j]
-            s_x0[i, j] = _matmul16_entry(s_l, s_l, i, j)
+        # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
+        # Round 0: warps 0-1 X0 = L·L (one n-tile each), warps 2-3 P0 = I - L.  Rounds 1-2:
+        # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
+        if warp < 2:
+            acc.fill(0.0)
+            _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                s_x0[i, j] = acc[c]
+        else:
+            for e in cutlass.range_constexpr(4):
+                flat = (tid - 64) * 4 + e
+                i = flat // CHUNK
+                j = flat % CHUNK
+                s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
         cute.arch.sync_threads()
         for step in cutlass.range_constexpr(2):
             p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
             p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
-            for half in cutlass.range_constexpr(2):
-                i = tid // CHUNK + half * (CHUNK // 2)
-                p_dst[i, j] = p_src[i, j] + _matmul16_entry(p_src, x_src, i, j)
-                x_dst[i, j] = _matmul16_entry(x_src, x_src, i, j)
+            if warp < 2:
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    acc[c] = p_src[i, j]
+                _fragment_product(p_src, x_src, False, 2, half_n, lane, acc)
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    p_dst[i, j] = acc[c]
+            else:
+                acc.fill(0.0)
+                _fragment_product(x_src, x_src, False, 2, half_n, lane, acc)
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    x_dst[i, j] = acc[c]
             cute.arch.sync_threads()
-        out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), small)
-        for half in cutlass.range_constexpr(2):
-            i = tid // CHUNK + half * (CHUNK // 2)
-            out_inv[i, j] = (s_p0[i, j] + _matmul16_entry(s_p0, s_x0, i, j)).to(cutlass.BFloat16)
+        if warp < 2:
+            out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
+                                                                                               stride=(CHUNK, 1)))
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                acc[c] = s_p0[i, j]
+            _fragment_product(s_p0, s_x0, False, 2, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                out_inv[i, j] = acc[c].to(cutlass.BFloat16)
 
         if tid == 0:
             # Shared memory must outlive the bulk reads of the images.

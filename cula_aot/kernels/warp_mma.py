@@ -12,6 +12,9 @@ registers itself.  Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16
 * B (16×8, "col"), two registers: (k = 2t..2t+1, n = g), (k = 2t+8.., n = g).
 * C/D (16×8 fp32), four values: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
 
+tf32 m16n8k8 (fp32 data rounded to tf32): A (16×8) a0..a3 at (g, t), (g+8, t), (g, t+4),
+(g+8, t+4); B (8×8) b0, b1 at (k = t, n = g), (k = t+4, n = g); C/D as above.
+
 ``ldmatrix .x4`` loads four 8×8 b16 matrices; lanes 8m..8m+7 give the 16-byte row addresses
 of matrix m and register m of lane l holds row l//4, columns 2(l%4)..+1 (transposed with
 ``.trans``).
@@ -51,6 +54,25 @@ def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
     )
     return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
+
+
+def mma_tf32_m16n8k8(a: list, b: list, c: list) -> list:
+    """D = A·B + C on tensor cores: tf32 operands (4 + 2 registers from ``to_tf32``), fp32 (4)."""
+    operands = [x.ir_value() for x in a] + [x.ir_value() for x in b]
+    operands += [cutlass.Float32(x).ir_value() for x in c]
+    result = llvm.inline_asm(
+        _struct(4, T.f32()),
+        operands,
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )
+    return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
+
+
+def to_tf32(x):
+    """fp32 rounded to nearest tf32 (10-bit mantissa), as the b32 register an MMA operand takes."""
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value()], "cvt.rna.tf32.f32 $0, $1;", "=r,f"))
 
 
 def pack_bf16x2(low, high):
