@@ -178,7 +178,9 @@ K2_WARP_COLUMNS = 16
 
 def k2_threads(v_block: int) -> int:
     return 32 * (v_block // K2_WARP_COLUMNS)
-K2_DEFAULT_V_BLOCK = 16
+K2_DEFAULT_V_BLOCK = 32
+# The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
+K2_SEGMENTED_V_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,6 +237,6 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
-        specs.append(K2Spec(heads=h, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True))
+        specs.append(K2Spec(heads=h, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
         specs.append(MergeSpec(heads=h))
     return specs

@@ -40,7 +40,9 @@ from .common import (
     CHUNK,
     D,
     IMAGE_BYTES,
+    LOG2E,
     THREADS,
+    exp2_fast,
     k_inter_index,
     input_tile_layout,
     make_token_tma,
@@ -210,8 +212,9 @@ def k1_prepare_kernel(
         for c in cutlass.range_constexpr(COLS_PER_THREAD):
             s_qhat[row, col0 + c] = (vq[c] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
             s_khat[row, col0 + c] = (vk[c] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-            gamma = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[c]))
-            s_gamma[row, col0 + c] = gamma if row_valid else cutlass.Float32(0.0)
+            # γ in log2 units: phase B's decays are then single ex2 instructions.
+            gamma2 = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[c])) * cutlass.Float32(LOG2E)
+            s_gamma[row, col0 + c] = gamma2 if row_valid else cutlass.Float32(0.0)
 
         if tid % THREADS_PER_ROW == 0:
             logit = cutlass.Float32(-float("inf"))
@@ -224,7 +227,7 @@ def k1_prepare_kernel(
             out_beta[row] = logit.to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
-        # ---- phase B: column-wise cumsum and decayed operands (thread = column) ---------
+        # ---- phase B: column-wise cumsum (log2 units) and decayed operands (thread = column) -
         # The bf16 images go to the workspaces; L and Mqk use the fp32 values (kept in place
         # of q̂, k̂, γ: this thread alone reads and writes column ``col``), so they do not
         # inherit the operands' bf16 rounding: with cancellation in q̂·k̂ that rounding can
@@ -240,16 +243,16 @@ def k1_prepare_kernel(
             qh = s_qhat[r, col]
             kh = s_khat[r, col]
             idx = k_inter_index(r, col)
-            qd = qh * cute.math.exp(cum) * scale
-            kd = kh * cute.math.exp(cum)
+            qd = qh * exp2_fast(cum) * scale
+            kd = kh * exp2_fast(cum)
             s_qd[idx] = qd.to(cutlass.BFloat16)
             s_kd[idx] = kd.to(cutlass.BFloat16)
-            s_kr[idx] = (kh * cute.math.exp(g_total - cum)).to(cutlass.BFloat16)
+            s_kr[idx] = (kh * exp2_fast(g_total - cum)).to(cutlass.BFloat16)
             s_qhat[r, col] = qd
             s_khat[r, col] = kd
-            s_gamma[r, col] = kh * cute.math.exp(-cum)
+            s_gamma[r, col] = kh * exp2_fast(-cum)
         out_gt = cute.make_tensor(ws_gt + slot_index * D, cute.make_layout(D))
-        out_gt[col] = cute.math.exp(g_total)
+        out_gt[col] = exp2_fast(g_total)
 
         # The bulk copy engine reads the images through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")

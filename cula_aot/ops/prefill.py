@@ -25,7 +25,7 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import K2_DEFAULT_V_BLOCK, K1Spec, K2Spec, MergeSpec
+from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
 
@@ -141,7 +141,7 @@ def _resolve_split(intracard_cp, batch, seq_len, heads, host_cu, device) -> int:
         return intracard_cp
     lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    s_split = cp_plan.auto_split(lengths, heads, sm_count, D // K2_DEFAULT_V_BLOCK)
+    s_split = cp_plan.auto_split(lengths, heads, sm_count, D // K2_SEGMENTED_V_BLOCK)
     return max(s_split, 2) if intracard_cp is True else s_split
 
 
@@ -198,7 +198,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     if segments is None:
         k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
     else:
-        k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_DEFAULT_V_BLOCK, segmented=True))
+        k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
         merge = loader.get(device, MergeSpec(heads=heads))
 
     if out is None:

@@ -22,7 +22,10 @@ class WorkspaceArena:
         # (device, stream, slots) → views of the current buffer; dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
 
-    def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
+    def buffer(self, device: torch.device, nbytes: int, stream: int | None = None) -> torch.Tensor:
+        """The raw buffer of ``stream`` (default: the device's current stream), at least ``nbytes``."""
+        if stream is None:
+            stream = torch.cuda.current_stream(device).cuda_stream
         key = (device.index, stream)
         with self._lock:
             buf = self._buffers.get(key)

@@ -1,6 +1,6 @@
 import dataclasses
 
-from cula_aot.specs import DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, K1Spec, K2Spec, abi_layout, default_specs
+from cula_aot.specs import DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K2_V_BLOCKS, K2_WARP_COLUMNS, K1Spec, K2Spec, abi_layout, default_specs
 
 
 def test_default_heads_cover_the_spec_list():
@@ -10,7 +10,12 @@ def test_default_heads_cover_the_spec_list():
     k2 = {(s.heads, s.varlen, s.v_block) for s in specs if isinstance(s, K2Spec)}
     assert k1 == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
     assert k2 == {(h, v, b) for h in DEFAULT_HEADS for v in (False, True) for b in K2_V_BLOCKS}
-    assert K2_DEFAULT_V_BLOCK in K2_V_BLOCKS and all(128 % b == 0 and b % 8 == 0 for b in K2_V_BLOCKS)
+    assert {K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK} <= set(K2_V_BLOCKS)
+    # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
+    assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
+    segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
+    assert {s.v_block for s in segmented} == {K2_SEGMENTED_V_BLOCK}
+    assert all(s.block == (2 * s.v_block, 1, 1) for s in specs if isinstance(s, K2Spec))
 
 
 def test_names_cover_every_codegen_argument():
