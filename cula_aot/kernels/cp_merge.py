@@ -10,9 +10,15 @@ tile transitions) and ``B_i`` (its end state from S = 0) were written by the pre
 segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``.  All states here are fp32
 [K, V] row-major per head ("kv"); the user's initial state is read with its own strides.
 
+Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×16 product done as three tf32
+``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
+per product), since the carries are states and must not lose precision here.  Warp w owns
+rows [32w, 32w + 32) (two m16 tiles) × the block's 16 columns (two n8 tiles); its carry slice
+lives in accumulator fragments.  M_i's A fragments come straight from global memory (L2: each
+row segment is read once per CTA); carry_i's split B fragments are shared through smem.
+
 Launch: grid (128 / MERGE_V_BLOCK, H, N), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared
-memory.  ``seq_segments`` (int32 [N + 1]) gives each sequence's segment range.  Thread t owns
-column ``t % MERGE_V_BLOCK`` and rows ``[kg·16, kg·16 + 16)``, ``kg = t // MERGE_V_BLOCK``.
+memory.  ``seq_segments`` (int32 [N + 1]) gives each sequence's segment range.
 """
 
 import cutlass
@@ -21,10 +27,23 @@ import cutlass.cute as cute
 from ..layout import FLAG_INITIAL_STATE
 from ..specs import MERGE_V_BLOCK
 from .common import D, THREADS, state_element
+from .warp_mma import mma_tf32_m16n8k8, tf32_split
 
-_GROUPS = THREADS // MERGE_V_BLOCK
-_K_PER = D // _GROUPS
-SMEM_BYTES = D * MERGE_V_BLOCK * 4 + 128
+# carry_i as split tf32 (hi, lo) bits, [128 rows][MERGE_V_BLOCK] with rows padded to 24 words:
+# the B fragment loads (rows 2t.., column g) then hit 32 distinct banks.
+_CARRY_ROW = MERGE_V_BLOCK + 8
+SMEM_BYTES = 2 * D * _CARRY_ROW * 4 + 128
+_M_TILES = 2  # per warp: rows [32w, 32w + 32)
+_N_TILES = MERGE_V_BLOCK // 8
+
+
+def _fragment_index(m_tile: int, n_tile: int, c: int) -> int:
+    return (m_tile * _N_TILES + n_tile) * 4 + c
+
+
+def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
+    """(row k, column within the block) of accumulator value c of tile (m_tile, n_tile)."""
+    return warp * 32 + m_tile * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
 @cute.kernel
@@ -41,44 +60,68 @@ def cp_merge_kernel(
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
-    col = tid % MERGE_V_BLOCK
-    kg = tid // MERGE_V_BLOCK
-    v_col = vblk * MERGE_V_BLOCK + col
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    col0 = vblk * MERGE_V_BLOCK
 
     smem = cutlass.utils.SmemAllocator()
-    s_carry = smem.allocate_tensor(cutlass.Float32, cute.make_layout((D, MERGE_V_BLOCK)), 16)
+    carry_layout = cute.make_layout((D, MERGE_V_BLOCK), stride=(_CARRY_ROW, 1))
+    s_hi = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
+    s_lo = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
 
     bounds = cute.make_tensor(seq_segments, cute.make_layout(num_seqs + 1))
     first = bounds[seq]
     last = bounds[seq + 1]
 
-    carry = cute.make_rmem_tensor(cute.make_layout(_K_PER), cutlass.Float32)
+    n_values = _M_TILES * _N_TILES * 4
+    carry = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     carry.fill(0.0)
     if (flags & FLAG_INITIAL_STATE) != 0:
-        for i in cutlass.range_constexpr(_K_PER):
-            carry[i] = state_element(initial_state, seq, heads, head, kg * _K_PER + i, v_col,
-                                     init_stride_k, init_stride_v)[0]
+        for i in cutlass.range_constexpr(n_values):
+            k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+            carry[i] = state_element(initial_state, seq, heads, head, k, col0 + c, init_stride_k, init_stride_v)[0]
 
     for seg in cutlass.range(first, last, unroll=1):
-        for i in cutlass.range_constexpr(_K_PER):
-            element = state_element(carries, seg, heads, head, kg * _K_PER + i, v_col, D, 1)
+        for i in cutlass.range_constexpr(n_values):
+            k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+            element = state_element(carries, seg, heads, head, k, col0 + c, D, 1)
             element[0] = carry[i]
         if seg + 1 < last:
-            for i in cutlass.range_constexpr(_K_PER):
-                s_carry[kg * _K_PER + i, col] = carry[i]
+            for i in cutlass.range_constexpr(n_values):
+                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                hi, lo = tf32_split(carry[i])
+                s_hi[k, c] = hi
+                s_lo[k, c] = lo
             cute.arch.sync_threads()
             m_base = (cutlass.Int64(2 * seg) * heads + cutlass.Int64(head)) * (D * D)
             b_base = (cutlass.Int64(2 * seg + 1) * heads + cutlass.Int64(head)) * (D * D)
-            for i in cutlass.range_constexpr(_K_PER):
-                k = kg * _K_PER + i
-                acc = cute.make_tensor(prescan + b_base + cutlass.Int64(k * D + v_col), cute.make_layout(1))[0]
-                m_row = prescan + m_base + cutlass.Int64(k * D)
-                for j4 in cutlass.range(D // 4, unroll=4):
-                    m4 = cute.make_tensor(m_row + j4 * 4, cute.make_layout(4)).load()
-                    for e in cutlass.range_constexpr(4):
-                        acc += m4[e] * s_carry[j4 * 4 + e, col]
-                carry[i] = acc
-            # s_carry is rewritten by the next segment's step.
+            for i in cutlass.range_constexpr(n_values):
+                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                carry[i] = cute.make_tensor(prescan + b_base + cutlass.Int64(k * D + col0 + c), cute.make_layout(1))[0]
+            for ks in cutlass.range_constexpr(D // 8):
+                k0 = ks * 8
+                b_hi = [[s_hi[k0 + t, n * 8 + g], s_hi[k0 + t + 4, n * 8 + g]] for n in range(_N_TILES)]
+                b_lo = [[s_lo[k0 + t, n * 8 + g], s_lo[k0 + t + 4, n * 8 + g]] for n in range(_N_TILES)]
+                for m in cutlass.range_constexpr(_M_TILES):
+                    row = warp * 32 + m * 16 + g
+                    m_at = [(row, k0 + t), (row + 8, k0 + t), (row, k0 + t + 4), (row + 8, k0 + t + 4)]
+                    a_hi, a_lo = [], []
+                    for r, kk in m_at:
+                        value = cute.make_tensor(prescan + m_base + cutlass.Int64(r * D + kk), cute.make_layout(1))[0]
+                        hi, lo = tf32_split(value)
+                        a_hi.append(hi)
+                        a_lo.append(lo)
+                    for n in cutlass.range_constexpr(_N_TILES):
+                        base = _fragment_index(m, n, 0)
+                        acc = [carry[base + c] for c in range(4)]
+                        acc = mma_tf32_m16n8k8(a_lo, b_hi[n], acc)
+                        acc = mma_tf32_m16n8k8(a_hi, b_lo[n], acc)
+                        acc = mma_tf32_m16n8k8(a_hi, b_hi[n], acc)
+                        for c in cutlass.range_constexpr(4):
+                            carry[base + c] = acc[c]
+            # s_hi/s_lo are rewritten by the next segment's step.
             cute.arch.sync_threads()
 
 

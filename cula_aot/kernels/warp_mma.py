@@ -75,6 +75,14 @@ def to_tf32(x):
     return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value()], "cvt.rna.tf32.f32 $0, $1;", "=r,f"))
 
 
+def tf32_split(x) -> tuple:
+    """(hi, lo) tf32 registers with hi + lo = x to ~2^-21 relative: three tf32 MMAs
+    (lo·hi + hi·lo + hi·hi) then multiply with nearly fp32 accuracy ("3xTF32")."""
+    hi = to_tf32(x)
+    lo = to_tf32(cutlass.Float32(x) - cutlass.Float32(llvm.bitcast(T.f32(), hi.ir_value())))
+    return hi, lo
+
+
 def pack_bf16x2(low, high):
     """Two fp32 values rounded to nearest bf16 in one b32 register, ``low`` in the low half."""
     return cutlass.Int32(

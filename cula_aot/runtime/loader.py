@@ -122,6 +122,14 @@ class KernelLoader:
                 ),
                 f"cuFuncSetAttribute({name}, max dynamic smem)",
             )
+            # All of the unified L1/shared storage as shared memory: these kernels stage through
+            # smem, and K1's occupancy target (several CTAs per SM) needs it.
+            check(
+                cu.cuFuncSetAttribute(
+                    function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100
+                ),
+                f"cuFuncSetAttribute({name}, shared memory carveout)",
+            )
         return LoadedKernel(name, record, function)
 
     def preload(self, device: torch.device, heads=None) -> int:
