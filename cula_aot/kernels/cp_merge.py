@@ -14,8 +14,9 @@ Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×16 product done 
 ``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
 per product), since the carries are states and must not lose precision here.  Warp w owns
 rows [32w, 32w + 32) (two m16 tiles) × the block's 16 columns (two n8 tiles); its carry slice
-lives in accumulator fragments.  M_i's A fragments come straight from global memory (L2: each
-row segment is read once per CTA); carry_i's split B fragments are shared through smem.
+lives in accumulator fragments.  Only the carries form a chain: M_{i+1} (64 KB) streams into
+the other of two padded smem stages with 16-byte ``cp.async`` while step i computes, and
+carry_i's split B fragments are shared through smem.
 
 Launch: grid (128 / MERGE_V_BLOCK, H, N), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared
 memory.  ``seq_segments`` (int32 [N + 1]) gives each sequence's segment range.
@@ -27,12 +28,17 @@ import cutlass.cute as cute
 from ..layout import FLAG_INITIAL_STATE
 from ..specs import MERGE_V_BLOCK
 from .common import D, THREADS, state_element
-from .warp_mma import mma_tf32_m16n8k8, tf32_split
+from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
 # carry_i as split tf32 (hi, lo) bits, [128 rows][MERGE_V_BLOCK] with rows padded to 24 words:
 # the B fragment loads (rows 2t.., column g) then hit 32 distinct banks.
 _CARRY_ROW = MERGE_V_BLOCK + 8
-SMEM_BYTES = 2 * D * _CARRY_ROW * 4 + 128
+# M_i stages: fp32 [128][128] with rows padded to 132 words, so the A fragment loads (rows g,
+# columns t) hit 32 distinct banks.
+_M_ROW = D + 4
+_M_STAGE_BYTES = D * _M_ROW * 4
+_CHUNKS_PER_THREAD = D * D * 4 // 16 // THREADS
+SMEM_BYTES = 2 * _M_STAGE_BYTES + 2 * D * _CARRY_ROW * 4 + 128
 _M_TILES = 2  # per warp: rows [32w, 32w + 32)
 _N_TILES = MERGE_V_BLOCK // 8
 
@@ -44,6 +50,18 @@ def _fragment_index(m_tile: int, n_tile: int, c: int) -> int:
 def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
     """(row k, column within the block) of accumulator value c of tile (m_tile, n_tile)."""
     return warp * 32 + m_tile * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
+
+
+@cute.jit
+def _prefetch_transition(prescan: cute.Pointer, seg, heads: cutlass.Constexpr[int], head, stage_address, tid):
+    """Issue this thread's 16-byte ``cp.async`` chunks of M_seg into a padded smem stage: a warp
+    copies one 512-byte row per round, so the reads coalesce."""
+    m_base = (cutlass.Int64(2 * seg) * heads + cutlass.Int64(head)) * (D * D)
+    for j in cutlass.range_constexpr(_CHUNKS_PER_THREAD):
+        row = tid // 32 + j * (THREADS // 32)
+        col = (tid % 32) * 4
+        cp_async_16(stage_address + (row * _M_ROW + col) * 4,
+                    (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
 
 
 @cute.kernel
@@ -70,6 +88,8 @@ def cp_merge_kernel(
     carry_layout = cute.make_layout((D, MERGE_V_BLOCK), stride=(_CARRY_ROW, 1))
     s_hi = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
     s_lo = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
+    s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, D, D), stride=(D * _M_ROW, _M_ROW, 1)), 16)
+    m_stage_address = s_m.iterator.toint()
 
     bounds = cute.make_tensor(seq_segments, cute.make_layout(num_seqs + 1))
     first = bounds[seq]
@@ -83,7 +103,15 @@ def cp_merge_kernel(
             k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
             carry[i] = state_element(initial_state, seq, heads, head, k, col0 + c, init_stride_k, init_stride_v)[0]
 
+    if first + 1 < last:
+        _prefetch_transition(prescan, first, heads, head, m_stage_address, tid)
+    cute.arch.cp_async_commit_group()
     for seg in cutlass.range(first, last, unroll=1):
+        stage = (seg - first) % 2
+        # M_{seg+1} into the other stage (last read by step seg − 1, freed by its barrier).
+        if seg + 2 < last:
+            _prefetch_transition(prescan, seg + 1, heads, head, m_stage_address + (1 - stage) * _M_STAGE_BYTES, tid)
+        cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
             k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
             element = state_element(carries, seg, heads, head, k, col0 + c, D, 1)
@@ -94,8 +122,8 @@ def cp_merge_kernel(
                 hi, lo = tf32_split(carry[i])
                 s_hi[k, c] = hi
                 s_lo[k, c] = lo
-            cute.arch.sync_threads()
-            m_base = (cutlass.Int64(2 * seg) * heads + cutlass.Int64(head)) * (D * D)
+            cute.arch.cp_async_wait_group(1)  # this thread's chunks of M_seg have landed
+            cute.arch.sync_threads()  # everyone's chunks, and the split carry, are visible
             b_base = (cutlass.Int64(2 * seg + 1) * heads + cutlass.Int64(head)) * (D * D)
             for i in cutlass.range_constexpr(n_values):
                 k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
@@ -109,8 +137,7 @@ def cp_merge_kernel(
                     m_at = [(row, k0 + t), (row + 8, k0 + t), (row, k0 + t + 4), (row + 8, k0 + t + 4)]
                     a_hi, a_lo = [], []
                     for r, kk in m_at:
-                        value = cute.make_tensor(prescan + m_base + cutlass.Int64(r * D + kk), cute.make_layout(1))[0]
-                        hi, lo = tf32_split(value)
+                        hi, lo = tf32_split(s_m[stage, r, kk])
                         a_hi.append(hi)
                         a_lo.append(lo)
                     for n in cutlass.range_constexpr(_N_TILES):

@@ -28,6 +28,7 @@ from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
+from .workspace import TABLE_STAGING
 
 STATE_LAYOUTS = ("vk", "kv")
 
@@ -172,9 +173,14 @@ def _segment_tables(segments, want_final):
     return prescan_rows, main_rows, bounds
 
 
-def _to_device(rows, device):
-    """Small host tables to the device without a GPU→CPU sync (pinned, stream-ordered copy)."""
-    return torch.tensor(rows, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+def _to_device(values: list[int], device, stream: torch.cuda.Stream) -> torch.Tensor:
+    """A small int32 host table on the device without a GPU→CPU sync (stream-ordered copy from
+    pinned memory: the per-stream staging buffer, or a fresh pinned tensor under graph capture,
+    where a replay must keep reading this call's values)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if torch.cuda.is_current_stream_capturing():
+        return host.pin_memory().to(device, non_blocking=True)
+    return TABLE_STAGING.upload(host, device, stream)
 
 
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
@@ -206,7 +212,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     want_final = output_final_state or final_state is not None
     if want_final and final_state is None:
         final_state = torch.empty(num_seqs, heads, D, D, dtype=torch.float32, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream  # read once: every launch goes here
+    torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
+    stream = torch_stream.cuda_stream
     _, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device, stream)
     # [N, H, V, K] ("vk", the public default) or [N, H, K, V]: S[k, v] at k·sk + v·sv.
@@ -224,8 +231,11 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
 
     prescan_rows, main_rows, bounds = _segment_tables(segments, want_final)
     n_segments = len(main_rows)
-    table = _to_device(prescan_rows + main_rows, device)
-    seq_segments = _to_device(bounds, device)
+    # One upload: the segment rows, then the per-sequence bounds (at a multiple of 32 bytes).
+    n_rows = len(prescan_rows) + len(main_rows)
+    uploaded = _to_device([v for row in prescan_rows + main_rows for v in row] + bounds, device, torch_stream)
+    table = uploaded[: n_rows * SEGMENT_FIELDS].view(n_rows, SEGMENT_FIELDS)
+    seq_segments = uploaded[n_rows * SEGMENT_FIELDS :]
     # Transition pairs (M_i, B_i) and merged start states, fp32 [K, V] row-major per head.
     prescan = torch.empty(2 * n_segments, heads, D, D, dtype=torch.float32, device=device)
     carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)

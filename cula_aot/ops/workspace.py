@@ -1,4 +1,5 @@
-"""The runtime-owned workspace arena: one raw byte buffer per (device, stream), grow-only.
+"""Runtime-owned device memory: the workspace arena (one raw byte buffer per (device, stream),
+grow-only) and the staging of small host tables.
 
 Workspaces are carved from it as typed views at 256-byte aligned offsets, so after warm-up a
 prefill allocates no device memory.  Views are valid until the next call on the same stream
@@ -59,4 +60,35 @@ class WorkspaceArena:
         return views
 
 
+class TableStaging:
+    """Host→device upload of small int32 tables (CP segment plans) without pinning memory per
+    call (``pin_memory`` costs ~100 µs): per (device, stream) a grow-only pinned host buffer and
+    device buffer, and an event that guards the host buffer until its last copy has run."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[int, int], tuple] = {}
+
+    def upload(self, values: torch.Tensor, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Copy ``values`` (CPU int32, 1-D) to the device on ``stream`` (which must be current);
+        the result stays valid until the next upload on the same stream, which is ordered
+        after every use of it on that stream."""
+        key, n = (device.index, stream.cuda_stream), values.numel()
+        with self._lock:
+            host, dev, copied = self._slots.get(key, (None, None, None))
+            if copied is not None:
+                copied.synchronize()  # the previous copy out of `host` has run (normally long ago)
+            if host is None or host.numel() < n:
+                size = max(n, 1024)
+                host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+                dev = torch.empty(size, dtype=torch.int32, device=device)
+            host[:n].copy_(values)
+            dev[:n].copy_(host[:n], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+            self._slots[key] = (host, dev, copied)
+            return dev[:n]
+
+
 ARENA = WorkspaceArena()
+TABLE_STAGING = TableStaging()
