@@ -4,7 +4,7 @@ A plan cuts each sequence into segments of whole 16-token tiles (the last may be
 order, never across a sequence boundary.  ``auto_split`` chooses the split from the sequence
 lengths, H and the SM count with the cost model below; ``plan`` lays out the segments.
 
-Cost model, in units of one K2 tile step of one CTA (≈ 5.4 µs on an H200 today).  With t_i the
+Cost model, in units of one K2 tile step of one CTA (≈ 0.9 µs on an H200 with the tensor-core K2).  With t_i the
 tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = SMs · CTAS_PER_SM
 (CTAs that run at full per-CTA speed), k_i = the segments of sequence i, P = max ⌈t_i / k_i⌉
 (the longest chain) and f = the share of tiles in non-last segments:
@@ -15,9 +15,9 @@ tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = S
 (pre_scan: two chains per non-last segment; merge: one step per segment; the segmented K2
 re-runs every tile from its merged carry; OVERHEAD: two more launches plus host table work
 that the GPU waits on).  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when
-CP does not beat serial by MIN_GAIN.  Constants fitted to 24 timings (6 SPEC §7 CP workloads ×
-s_split 2/4/8/16, ``benchmarks/bench_prefill.py`` on an H200, 2026-11-29) by least squares on
-log time: rms error 5.4% (docs/PERFORMANCE.md).
+CP does not beat serial by MIN_GAIN.  Constants refitted for the tensor-core K2 and merge to 30
+timings (6 SPEC §7 CP workloads × serial and s_split 2/4/8/16, H200, 2026-11-29) by a grid
+search on log time: rms error 8.0%, tile step 0.90 µs (docs/PERFORMANCE.md).
 """
 
 import dataclasses
@@ -26,10 +26,10 @@ from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
-CTAS_PER_SM = 1.75
-MERGE_STEP = 12.0
-OVERHEAD = 80.0
-MIN_GAIN = 1.15
+CTAS_PER_SM = 3.0
+MERGE_STEP = 16.0
+OVERHEAD = 120.0
+MIN_GAIN = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
