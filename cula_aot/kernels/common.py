@@ -18,6 +18,10 @@ __all__ = [
     "k_inter_index",
     "input_tile_layout",
     "make_token_tma",
+    "ROW_CHUNKS",
+    "ROW_CHUNK_COLS",
+    "ROW_THREADS",
+    "row_chunk_column",
     "tile_row_as_f32",
     "sigmoid",
     "state_element",
@@ -57,14 +61,30 @@ def make_token_tma(base: cute.Pointer, heads: int):
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(), (CHUNK, D))
 
 
+# Row-parallel phases: 8 threads per row, each owning 4 chunks of 4 columns at stride 32, so a
+# row's 8 threads touch 64 contiguous bytes of bf16 (128 of fp32) per chunk: no bank conflicts.
+ROW_THREADS = 8
+ROW_CHUNKS = 4
+ROW_CHUNK_COLS = 4
+
+
+def row_chunk_column(lane_in_row, chunk: int):
+    """First column of chunk ``chunk`` of the row thread ``lane_in_row`` (0..7)."""
+    return ROW_CHUNK_COLS * lane_in_row + ROW_THREADS * ROW_CHUNK_COLS * chunk
+
+
 @cute.jit
-def tile_row_as_f32(tile: cute.Tensor, row, col0, valid):
-    """Elements [row, col0 : col0 + 16] of a bf16 smem tile as fp32; zeros if not valid."""
-    frag = cute.make_rmem_tensor(cute.make_layout(16), cutlass.Float32)
+def tile_row_as_f32(tile: cute.Tensor, row, lane_in_row, valid):
+    """This row thread's 16 elements of row ``row`` of a bf16 smem tile as fp32, chunk-major
+    (value 4m + e is column ``row_chunk_column(lane_in_row, m) + e``); zeros if not valid."""
+    frag = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNKS * ROW_CHUNK_COLS), cutlass.Float32)
     frag.fill(0.0)
     if valid:
-        src = cute.make_tensor(tile.iterator + row * D + col0, cute.make_layout(16))
-        frag.store(src.load().to(cutlass.Float32))
+        for m in cutlass.range_constexpr(ROW_CHUNKS):
+            at = cute.assume(row * D + row_chunk_column(lane_in_row, m), divby=ROW_CHUNK_COLS)
+            chunk = cute.make_tensor(tile.iterator + at, cute.make_layout(ROW_CHUNK_COLS)).load().to(cutlass.Float32)
+            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
+                frag[m * ROW_CHUNK_COLS + e] = chunk[e]
     return frag
 
 

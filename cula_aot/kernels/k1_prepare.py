@@ -41,20 +41,22 @@ from .common import (
     D,
     IMAGE_BYTES,
     LOG2E,
+    ROW_CHUNK_COLS,
+    ROW_CHUNKS,
+    ROW_THREADS,
     THREADS,
     exp2_fast,
     k_inter_index,
     input_tile_layout,
     make_token_tma,
+    row_chunk_column,
     sigmoid,
     tile_row_as_f32,
     varlen_slot_lookup,
 )
 from .warp_mma import mma_tf32_m16n8k8, to_tf32
 
-# Phase A: 8 threads per row, 16 columns each.
-THREADS_PER_ROW = THREADS // CHUNK
-COLS_PER_THREAD = D // THREADS_PER_ROW
+assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
 
 # Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
 # row-major; phase B reuses them for the qd, kd, kr K_INTER images, since phase A has read them
@@ -188,17 +190,17 @@ def k1_prepare_kernel(
                 cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=load_barrier)
         cute.arch.mbarrier_wait(load_barrier, 0)
 
-        # ---- phase A: row-wise l2norm, gate and β (8 threads per row) -------------------
-        row = tid // THREADS_PER_ROW
-        col0 = (tid % THREADS_PER_ROW) * COLS_PER_THREAD
+        # ---- phase A: row-wise l2norm, gate and β (8 threads per row, see ROW_THREADS) -----
+        row = tid // ROW_THREADS
+        lane_in_row = tid % ROW_THREADS
         row_valid = row < rows
-        vq = tile_row_as_f32(s_inputs[0], row, col0, row_valid)
-        vk = tile_row_as_f32(s_inputs[1], row, col0, row_valid)
-        vg = tile_row_as_f32(s_inputs[2], row, col0, row_valid)
+        vq = tile_row_as_f32(s_inputs[0], row, lane_in_row, row_valid)
+        vk = tile_row_as_f32(s_inputs[1], row, lane_in_row, row_valid)
+        vg = tile_row_as_f32(s_inputs[2], row, lane_in_row, row_valid)
 
         ssq = cutlass.Float32(0.0)
         ssk = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
+        for c in cutlass.range_constexpr(ROW_CHUNKS * ROW_CHUNK_COLS):
             ssq += vq[c] * vq[c]
             ssk += vk[c] * vk[c]
         for offset in cutlass.range_constexpr(3):
@@ -208,15 +210,26 @@ def k1_prepare_kernel(
         rk = cute.math.rsqrt(ssk + 1e-6)
 
         decay_rate = cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head])
-        g_bias = cute.make_tensor(dt_bias + head * D + col0, cute.make_layout(COLS_PER_THREAD))
-        for c in cutlass.range_constexpr(COLS_PER_THREAD):
-            s_qhat[row, col0 + c] = (vq[c] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-            s_khat[row, col0 + c] = (vk[c] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-            # γ in log2 units: phase B's decays are then single ex2 instructions.
-            gamma2 = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[c])) * cutlass.Float32(LOG2E)
-            s_gamma[row, col0 + c] = gamma2 if row_valid else cutlass.Float32(0.0)
+        chunk_q = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
+        chunk_k = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
+        chunk_g = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
+        for m in cutlass.range_constexpr(ROW_CHUNKS):
+            col = row_chunk_column(lane_in_row, m)
+            g_bias = cute.make_tensor(dt_bias + head * D + cute.assume(col, divby=ROW_CHUNK_COLS),
+                                      cute.make_layout(ROW_CHUNK_COLS)).load()
+            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
+                c = m * ROW_CHUNK_COLS + e
+                chunk_q[e] = (vq[c] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+                chunk_k[e] = (vk[c] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+                # γ in log2 units: phase B's decays are then single ex2 instructions.
+                gamma2 = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[e])) * cutlass.Float32(LOG2E)
+                chunk_g[e] = gamma2 if row_valid else cutlass.Float32(0.0)
+            # One 16-byte store per chunk: a row's 8 threads write 128 contiguous bytes.
+            at = cute.assume(row * F32_ROW + col, divby=ROW_CHUNK_COLS)
+            for dst, chunk in ((s_qhat, chunk_q), (s_khat, chunk_k), (s_gamma, chunk_g)):
+                cute.make_tensor(dst.iterator + at, cute.make_layout(ROW_CHUNK_COLS)).store(chunk.load())
 
-        if tid % THREADS_PER_ROW == 0:
+        if lane_in_row == 0:
             logit = cutlass.Float32(-float("inf"))
             if row_valid:
                 # A one-element view at the element itself: a size-1 layout has stride 0.
