@@ -103,6 +103,16 @@ def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass
         acc[c] = acc[c] + odd[c]
 
 
+@cute.jit
+def _p_plus_p_times_x(p: cute.Tensor, x: cute.Tensor, n_tile, lane, acc: cute.Tensor):
+    """acc = (p + p·x)[:, 8·n_tile : 8·n_tile + 8] as a C fragment (p, x: fp32 16×16 smem), one
+    Neumann factor (I + X) applied to the running product P."""
+    for c in cutlass.range_constexpr(4):
+        i, j = _fragment_entry(lane, n_tile, c)
+        acc[c] = p[i, j]
+    _fragment_product(p, x, False, 2, n_tile, lane, acc)
+
+
 def _fragment_entry(lane, n_tile, c: int):
     """(row, column) of value ``c`` of this lane's 16×8 C fragment of n-tile ``n_tile``."""
     return lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
@@ -319,10 +329,7 @@ def k1_prepare_kernel(
             p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
             p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
             if warp < 2:
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    acc[c] = p_src[i, j]
-                _fragment_product(p_src, x_src, False, 2, half_n, lane, acc)
+                _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
                 for c in cutlass.range_constexpr(4):
                     i, j = _fragment_entry(lane, half_n, c)
                     p_dst[i, j] = acc[c]
@@ -336,10 +343,7 @@ def k1_prepare_kernel(
         if warp < 2:
             out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
                                                                                                stride=(CHUNK, 1)))
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                acc[c] = s_p0[i, j]
-            _fragment_product(s_p0, s_x0, False, 2, half_n, lane, acc)
+            _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 out_inv[i, j] = acc[c].to(cutlass.BFloat16)

@@ -42,32 +42,27 @@ def ldmatrix_x4(smem_address, transpose: bool = False) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
 
 
-def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
-    """D = A·B + C on tensor cores: bf16 operands (4 + 2 b32 registers), fp32 accumulators (4)."""
+def _mma_f32_accumulate(shape_and_types: str, a: list, b: list, c: list) -> list:
+    """One ``mma.sync.aligned.<shape_and_types>`` with 4 A, 2 B and 4 fp32 C/D registers."""
     operands = [x.ir_value() for x in a] + [x.ir_value() for x in b]
     operands += [cutlass.Float32(x).ir_value() for x in c]
     result = llvm.inline_asm(
         _struct(4, T.f32()),
         operands,
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        f"mma.sync.aligned.{shape_and_types} {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};",
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
     )
     return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
+
+
+def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
+    """D = A·B + C on tensor cores: bf16 operands (4 + 2 b32 registers), fp32 accumulators (4)."""
+    return _mma_f32_accumulate("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
 def mma_tf32_m16n8k8(a: list, b: list, c: list) -> list:
     """D = A·B + C on tensor cores: tf32 operands (4 + 2 registers from ``to_tf32``), fp32 (4)."""
-    operands = [x.ir_value() for x in a] + [x.ir_value() for x in b]
-    operands += [cutlass.Float32(x).ir_value() for x in c]
-    result = llvm.inline_asm(
-        _struct(4, T.f32()),
-        operands,
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-    )
-    return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
+    return _mma_f32_accumulate("m16n8k8.row.col.f32.tf32.tf32.f32", a, b, c)
 
 
 def to_tf32(x):
