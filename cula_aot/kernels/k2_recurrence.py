@@ -134,9 +134,15 @@ def _image_trans_lane_offset(lane):
 
 
 def _square_lane_offset(lane):
-    """Byte offset of this lane's ldmatrix row in a row-major bf16 16×16 matrix: matrix
-    m = lane // 8 is (row block m // 2, column half m % 2)."""
+    """Byte offset of this lane's ldmatrix row in a row-major bf16 16×16 matrix (INV, Mqk, a
+    warp's v block): matrix m = lane // 8 is (row block m // 2, column half m % 2)."""
     return ((lane // 16) * 8 + lane % 8) * (CHUNK * 2) + ((lane // 8) % 2) * 16
+
+
+def _v_chunk(lane):
+    """(token row, 8-column half) of the 16-byte piece of a warp's 16 × 16 v block that lane
+    ``lane`` stages: the 32 lanes cover the block once."""
+    return lane // 2, lane % 2
 
 
 @cute.jit
@@ -144,7 +150,7 @@ def _stage_v_rows(v: cute.Pointer, smem_address, token0, rows_valid, heads: cutl
                   warp_col0, lane, enabled):
     """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
     of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
-    row = lane // 2
+    row, half = _v_chunk(lane)
     # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
     # at worst a row of the same tensor when the whole tile is past the end).
     src_row = token0
@@ -152,8 +158,8 @@ def _stage_v_rows(v: cute.Pointer, smem_address, token0, rows_valid, heads: cutl
     if row < rows_valid and enabled:
         src_row = token0 + cutlass.Int64(row)
         nbytes = cutlass.Int32(16)
-    at = (src_row * heads + cutlass.Int64(head)) * D + cutlass.Int64(warp_col0 + (lane % 2) * 8)
-    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + (lane % 2) * 16, (v + at).toint(), nbytes)
+    at = (src_row * heads + cutlass.Int64(head)) * D + cutlass.Int64(warp_col0 + half * 8)
+    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
 
 
 @cute.kernel
@@ -257,8 +263,6 @@ def k2_recurrence_kernel(
     image_lane = _image_lane_offset(lane)
     image_trans_lane = _image_trans_lane_offset(lane)
     square_lane = _square_lane_offset(lane)
-    # ldmatrix.trans of the v block: matrix m = lane // 8 is (token block m // 2, column half m % 2).
-    v_lane = ((lane // 16) * 8 + lane % 8) * (WARP_COLUMNS * 2) + ((lane // 8) % 2) * 16
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % STAGES
         stage_base = _stage_base(s_stages, stage)
@@ -277,7 +281,7 @@ def k2_recurrence_kernel(
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
         cute.arch.cp_async_wait_group(STAGES - 1)
         cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
-        v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + v_lane, transpose=True)
+        v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
         cute.arch.mbarrier_wait(full + stage, (tile // STAGES) % 2)
         base = stage_base.toint()
         beta = _stage_view(stage_base, "beta", cutlass.BFloat16)
