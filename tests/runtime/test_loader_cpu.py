@@ -159,6 +159,27 @@ def test_tma_recipe_validation_happens_before_the_driver():
         DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "rows": 0})
 
 
+def test_descriptor_cache_encodes_once_per_address_and_shape(monkeypatch):
+    from cula_aot.runtime import tma
+
+    encoded = []
+
+    def fake_encode(recipe, base, dims, strides, what):
+        encoded.append((base, dims, strides))
+        return bytes([len(encoded)]) * 128
+
+    monkeypatch.setattr(tma, "_encode", fake_encode)
+    cache = tma.DescriptorCache(dict(abi_layout(K1Spec.params)[0]["recipe"]), "k1.tma_q")
+    values = {"rows": 100, "row_elems": 1024, "row_bytes": 2048}
+    first = cache.get(0x1000, values)
+    assert cache.get(0x1000, dict(values)) is first and len(encoded) == 1  # the per-call fast path
+    assert cache.get(0x1000, {**values, "rows": 101}) != first  # another shape is another descriptor
+    assert cache.get(0x2000, values) != first and len(encoded) == 3  # another buffer too
+    for address in range(tma.DescriptorCache.ENTRIES + 5):  # bounded: cleared when full
+        cache.get(0x10000 + 16 * address, values)
+    assert len(cache._encoded) <= tma.DescriptorCache.ENTRIES
+
+
 def test_packer_refuses_bad_values():
     records = abi_layout(K1Spec.params)
     packer = ParamPacker(records, "k1")
