@@ -172,15 +172,16 @@ K2_PARAMS = (
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
+K2_DEFAULT_V_BLOCK = 32
+# The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
+K2_SEGMENTED_V_BLOCK = 16
 # One K2 warp per 16 V columns (the tensor-core M dimension).
 K2_WARP_COLUMNS = 16
 
 
 def k2_threads(v_block: int) -> int:
+    """Threads per K2 CTA: one warp per ``K2_WARP_COLUMNS`` V columns."""
     return 32 * (v_block // K2_WARP_COLUMNS)
-K2_DEFAULT_V_BLOCK = 32
-# The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
-K2_SEGMENTED_V_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
