@@ -215,7 +215,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
     stream = torch_stream.cuda_stream
     _, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
-    launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device, stream)
+    launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream)
     # [N, H, V, K] ("vk", the public default) or [N, H, K, V]: S[k, v] at k·sk + v·sv.
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
     user_init = initial_state.data_ptr() if initial_state is not None else 0
@@ -226,7 +226,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                  "final_stride_k": stride_k, "final_stride_v": stride_v}
     if segments is None:
         k2.launch({**k2_common, "initial_state": user_init, "final_state": user_final,
-                   "flags": init_flag | (FLAG_FINAL_STATE if want_final else 0)}, device, stream)
+                   "flags": init_flag | (FLAG_FINAL_STATE if want_final else 0)}, stream)
         return out, (final_state if want_final else None)
 
     prescan_rows, main_rows, bounds = _segment_tables(segments, want_final)
@@ -242,11 +242,11 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     row_bytes = table.element_size() * table.shape[1]
     k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": len(prescan_rows),
                "initial_state": 0, "final_state": prescan.data_ptr(),
-               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, device, stream)
+               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
     merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
                   "seq_segments": seq_segments.data_ptr(), "num_seqs": num_seqs, "heads": heads,
-                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flag}, device, stream)
+                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flag}, stream)
     k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * len(prescan_rows),
                "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": user_final,
-               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, device, stream)
+               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream)
     return out, (final_state if want_final else None)

@@ -54,7 +54,7 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, s
     return Workspaces(total_slots, views), values, cu32
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, device, stream) -> None:
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
@@ -64,7 +64,7 @@ def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, co
         # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
         "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
         "scale": float(scale), "lower_bound": float(lower_bound),
-    }, device, stream)
+    }, stream)
 
 
 def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
@@ -78,7 +78,7 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, device, stream)
+                   DEFAULT_SCALE if scale is None else scale, common, stream)
     return workspaces
 
 

@@ -23,10 +23,8 @@ class WorkspaceArena:
         # (device, stream, slots) → views of the current buffer; dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
 
-    def buffer(self, device: torch.device, nbytes: int, stream: int | None = None) -> torch.Tensor:
-        """The raw buffer of ``stream`` (default: the device's current stream), at least ``nbytes``."""
-        if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
+    def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
+        """The raw buffer of ``stream`` (a raw ``cudaStream_t``), at least ``nbytes``."""
         key = (device.index, stream)
         with self._lock:
             buf = self._buffers.get(key)
@@ -36,12 +34,10 @@ class WorkspaceArena:
                 self._views = {k: v for k, v in self._views.items() if k[:2] != key}
             return buf
 
-    def carve(self, device: torch.device, slots: int, stream: int | None = None) -> dict[str, torch.Tensor]:
+    def carve(self, device: torch.device, slots: int, stream: int) -> dict[str, torch.Tensor]:
         """Typed views of every workspace for ``slots`` (head, tile) slots, laid out per the ABI:
         workspace ``name`` has shape ``[slots, slot_bytes / itemsize]``.  ``stream`` is the raw
-        stream the views are for (default: the device's current stream)."""
-        if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
+        stream the views are for."""
         views = self._views.get((device.index, stream, slots))
         if views is not None:
             return views

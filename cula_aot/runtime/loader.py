@@ -2,7 +2,8 @@
 
 No JIT and no cutlass: cubins come from the manifest (sha256-checked before loading), are
 loaded once per device into its primary context (the one torch uses), and their functions are
-cached.  Launches read ``torch.cuda.current_stream(device)`` at every call.
+cached.  Launches go to the stream the caller passes (``ops`` read ``torch.cuda.current_stream``
+once per call).
 """
 
 import ctypes
@@ -43,9 +44,8 @@ class LoadedKernel:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
         return tuple(d if isinstance(d, int) else int(values[d]) for d in self.grid_rule)
 
-    def launch(self, values: dict, device: torch.device, stream: int | None = None) -> None:
-        """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``; default
-        ``torch.cuda.current_stream(device)``, read now)."""
+    def launch(self, values: dict, stream: int) -> None:
+        """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``)."""
         grid = self.grid(values)
         if min(grid) <= 0:
             return  # nothing to do; an empty grid is an error for the driver
@@ -60,8 +60,6 @@ class LoadedKernel:
             ctypes.addressof(size),
             cu.CU_LAUNCH_PARAM_END,
         )
-        if stream is None:
-            stream = torch.cuda.current_stream(device).cuda_stream
         check(
             cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0,
                               ctypes.addressof(extra)),

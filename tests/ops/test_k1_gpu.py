@@ -18,7 +18,7 @@ BF16_ULP = 2.0**-7  # one bf16 ulp, relative
 def _run_k1(inputs, cu_seqlens):
     # Poison the whole arena: every byte 0xFF is NaN in bf16 and fp32.
     device = inputs["q"].device
-    ARENA.buffer(device, 1).fill_(0xFF)
+    ARENA.buffer(device, 1, torch.cuda.current_stream(device).cuda_stream).fill_(0xFF)
     ws = prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], A_log=inputs["A_log"],
                  dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"], scale=DEFAULT_SCALE,
                  cu_seqlens=cu_seqlens)
@@ -111,7 +111,7 @@ def test_k1_int64_cu_seqlens_and_runtime_scalars():
     cu = cu_seqlens_of([100, 7, 193], device="cuda").long()
     for lower_bound, scale in ((-5.0, DEFAULT_SCALE), (-0.3, 0.25)):
         inputs["lower_bound"] = lower_bound
-        ARENA.buffer(inputs["q"].device, 1).fill_(0xFF)
+        ARENA.buffer(inputs["q"].device, 1, torch.cuda.current_stream(inputs["q"].device).cuda_stream).fill_(0xFF)
         ws = prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], A_log=inputs["A_log"],
                      dt_bias=inputs["dt_bias"], lower_bound=lower_bound, scale=scale, cu_seqlens=cu)
         exact = _references(inputs, cu, scale=scale, lower_bound=lower_bound)
