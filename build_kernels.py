@@ -8,7 +8,7 @@
 
 import sys
 
-from cula_aot.build.builder import main
+from cula_aot.compiler.builder import main
 
 if __name__ == "__main__":
     sys.exit(main())

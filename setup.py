@@ -21,7 +21,7 @@ class BuildPyWithCubins(build_py):
         super().run()
         manifest_path = ROOT / "manifest.json"
         if not manifest_path.is_file():
-            from cula_aot.build.builder import build
+            from cula_aot.compiler.builder import build
             from cula_aot.specs import DEFAULT_HEADS
 
             build(ROOT, DEFAULT_HEADS)

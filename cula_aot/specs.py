@@ -80,7 +80,7 @@ def token_tma(name: str, source: str) -> Param:
 
 def abi_layout(params) -> list[dict]:
     """Ordered ABI records with naturally aligned offsets.  The build replaces the offsets with
-    the ones ptxas chose (``build.cubin.place_params``) before writing the manifest."""
+    the ones ptxas chose (``compiler.cubin.place_params``) before writing the manifest."""
     records, offset = [], 0
     for p in params:
         offset = -(-offset // p.align) * p.align

@@ -1,4 +1,4 @@
-"""CuTeDSL kernels. Imported only by the build (``cula_aot.build``): never by the runtime."""
+"""CuTeDSL kernels. Imported only by the build (``cula_aot.compiler``): never by the runtime."""
 
 import glob
 import inspect

@@ -3,7 +3,7 @@
 import hashlib
 import importlib.metadata
 
-from cula_aot.build.cubin import check_cubin_abi
+from cula_aot.compiler.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
 from cula_aot.specs import ARCH, DEFAULT_HEADS, K1Spec, K2Spec, MergeSpec, abi_layout, default_specs
 

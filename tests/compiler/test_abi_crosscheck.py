@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cula_aot.build.cubin import check_cubin_abi, kernel_params, place_params
-from cula_aot.build.ptx import AbiMismatch, check_abi, parse_entry
+from cula_aot.compiler.cubin import check_cubin_abi, kernel_params, place_params
+from cula_aot.compiler.ptx import AbiMismatch, check_abi, parse_entry
 from cula_aot.specs import ARCH, K1Spec, abi_layout, pointer, scalar
 
 pytest.importorskip("cutlass", reason="the build extra (nvidia-cutlass-dsl) is not installed")
