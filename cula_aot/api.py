@@ -8,39 +8,55 @@ from .runtime.loader import default_loader
 
 def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
                 output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-                intracard_cp="auto", out=None, final_state=None):
+                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto"):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
-    q, k, v, g: bf16 ``[B, T, H, 128]`` contiguous; beta: bf16 ``[B, T, H]`` logits; A_log: fp32
-    ``[H]``; dt_bias: fp32 ``[H, 128]``; lower_bound in [-5, 0); scale defaults to 128**-0.5.
-    Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1 (pass ``cu_seqlens_cpu`` too to
-    avoid a GPU→CPU sync for its validation).  States are fp32 ``[N, H, 128, 128]``, laid out
-    ``[N, H, V, K]`` (``state_layout="vk"``, default) or ``[N, H, K, V]`` (``"kv"``).
-    ``out`` / ``final_state`` are written in place when given.  Returns ``(o, final_state)``,
-    ``final_state`` None unless requested (``output_final_state`` or a ``final_state`` buffer).
+    q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
+    token-strided views (e.g. slices of one fused projection): the trailing dims packed, rows
+    16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  A_log: fp32 ``[H]``;
+    dt_bias: fp32 ``[H, 128]``; lower_bound in [-5, 0); scale defaults to 128**-0.5.
+
+    Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host
+    on the serial path: with only a device ``cu_seqlens`` its values are trusted
+    (``check_seqlens="auto"``, the default; "host" checks them at the cost of a sync, "off" never
+    checks); pass ``cu_seqlens_cpu`` (a host copy) to have them checked for free.
+
+    States are fp32 or bf16 ``[N, H, 128, 128]``, laid out ``[N, H, V, K]`` (``state_layout="vk"``,
+    default) or ``[N, H, K, V]`` (``"kv"``); the kernels carry fp32 inside.  State pools: with
+    ``state_indices`` (int32 ``[N]``, device), ``initial_state`` / ``final_state`` are pools
+    ``[slots, H, 128, 128]`` (slots may be padded apart) and sequence n reads and writes slot
+    ``state_indices[n]`` (< 0: zero start, nothing written); ``output_final_state=True`` with no
+    ``final_state`` writes back into ``initial_state`` in place.  ``out`` / ``final_state`` are
+    written in place when given.  Returns ``(o, final_state)``, ``final_state`` None unless
+    requested (``output_final_state`` or a ``final_state`` buffer).
 
     ``intracard_cp``: "auto" (the planner's cost model decides from lengths, H and the SM count;
-    short or many-head inputs stay serial), False (serial), True (CP with the planner's split, at
-    least 2) or an int ``s_split`` (cut each sequence into at most that many tile-aligned
-    segments).  Planning reads the sequence lengths on the host: from ``cu_seqlens_cpu`` when
-    given, else by copying ``cu_seqlens`` (a sync).
+    short or many-head inputs stay serial; a device-only varlen call stays serial), False
+    (serial), True (CP with the planner's split, at least 2) or an int ``s_split`` (cut each
+    sequence into at most that many tile-aligned segments); CP plans on the host, so varlen CP
+    needs ``cu_seqlens_cpu`` (or ``check_seqlens="host"``).
     """
     return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
-                   intracard_cp=intracard_cp)
+                   intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None):
+        cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto"):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
-    States use FlashKDA's ``[N, H, V, K]`` layout.  Returns None, like FlashKDA.
+    States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
+    FlashKDA (``intracard_cp="auto"`` opts in).  Sync-free and capturable in varlen with only a
+    device ``cu_seqlens`` (see ``kda_prefill`` for ``check_seqlens``, ``state_indices``).
+    Returns None, like FlashKDA.
     """
     if out is None:
         raise KDAInputError("fwd writes in place: out must be a bf16 tensor shaped like v")
     prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state)
+            initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
+            cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
+            check_seqlens=check_seqlens)
 
 
 def preload(device=None, heads=None) -> int:

@@ -15,6 +15,13 @@ FLAG_FINAL_STATE = 2  # write final_state[final_index]
 FLAG_IDENTITY_INIT = 4  # start from S = I (pre_scan: the product of the tiles' A_t)
 FLAG_ZERO_V = 8  # treat v as 0 (pre_scan's A_t product)
 FLAG_NO_OUTPUT = 16  # do not write out (pre_scan)
+# State pools (SPEC §9): the row's state index is a sequence number n, and the state actually
+# used is pool[state_indices[n]]; a negative entry means a zero start / no write (padding).
+FLAG_INDEXED_INIT = 32
+FLAG_INDEXED_FINAL = 64
+# bf16 state tensors (the kernels carry fp32 inside; values are rounded once on store).
+FLAG_BF16_INIT = 128
+FLAG_BF16_FINAL = 256
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

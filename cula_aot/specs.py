@@ -58,7 +58,8 @@ def token_tma(name: str, source: str) -> Param:
 
     The recipe is written in ``cuTensorMapEncodeTiled`` order (dimension 0 innermost); each
     entry is an int or the name of a runtime value (``rows`` = tokens, ``row_elems`` = H·128,
-    ``row_bytes`` = H·256).  It matches
+    ``<source>_row_bytes`` = that tensor's token stride in bytes: H·256 when contiguous, more for a view
+    cut from a fused projection).  It matches
     the PTX: ``cp.async.bulk.tensor.2d`` with coordinates {head·128, first row}.
     """
     recipe = {
@@ -66,7 +67,7 @@ def token_tma(name: str, source: str) -> Param:
         "dtype": "bf16",
         "rank": 2,
         "global_dims": ["row_elems", "rows"],
-        "global_strides_bytes": ["row_bytes"],
+        "global_strides_bytes": [f"{source}_row_bytes"],
         "box_dims": [128, 16],
         "element_strides": [1, 1],
         "interleave": "none",
@@ -135,6 +136,7 @@ K1_PARAMS = (
     pointer("cu_seqlens", "i32"),
     *WORKSPACE_POINTERS,
     *SEQUENCE_SCALARS,
+    scalar("beta_row_stride", "i32"),
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
 )
@@ -153,6 +155,14 @@ class K1Spec(KernelSpec):
     varlen: bool
 
 
+# State tensors: S[k, v] of state ``index`` and head h at element
+# ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
+# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.
+def state_params(which: str) -> tuple:
+    return (scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
+            scalar(f"{which}_stride_v", "i32"))
+
+
 K2_PARAMS = (
     pointer("v", "bf16"),
     pointer("out", "bf16"),
@@ -160,12 +170,13 @@ K2_PARAMS = (
     pointer("final_state", "f32"),
     pointer("cu_seqlens", "i32"),
     pointer("segments", "i32"),
+    pointer("state_indices", "i32"),
     *WORKSPACE_POINTERS,
     *SEQUENCE_SCALARS,
-    scalar("init_stride_k", "i32"),
-    scalar("init_stride_v", "i32"),
-    scalar("final_stride_k", "i32"),
-    scalar("final_stride_v", "i32"),
+    scalar("v_row_stride", "i32"),
+    scalar("out_row_stride", "i32"),
+    *state_params("init"),
+    *state_params("final"),
     scalar("flags", "i32"),
 )
 
@@ -210,9 +221,9 @@ MERGE_PARAMS = (
     pointer("prescan", "f32"),
     pointer("carries", "f32"),
     pointer("seq_segments", "i32"),
+    pointer("state_indices", "i32"),
     scalar("num_seqs", "i32"),
-    scalar("init_stride_k", "i32"),
-    scalar("init_stride_v", "i32"),
+    *state_params("init"),
     scalar("flags", "i32"),
 )
 MERGE_V_BLOCK = 16

@@ -25,6 +25,7 @@ __all__ = [
     "tile_row_as_f32",
     "sigmoid",
     "state_element",
+    "pool_index",
     "varlen_sequence",
     "varlen_slot_lookup",
 ]
@@ -123,8 +124,18 @@ def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq):
     return cutlass.Int64(cu[seq]), slot_base(cu, seq), cu[seq + 1] - cu[seq]
 
 
-def state_element(base: cute.Pointer, index, heads: int, head, k, v, stride_k, stride_v) -> cute.Tensor:
-    """A one-element view of S[k, v] of state ``index`` in a [*, H, 128, 128] fp32 tensor whose
-    per-head element (k, v) sits at ``k·stride_k + v·stride_v`` ([N,H,V,K]: 1, 128; [N,H,K,V]: 128, 1)."""
-    at = (cutlass.Int64(index) * heads + cutlass.Int64(head)) * (D * D) + cutlass.Int64(k * stride_k + v * stride_v)
-    return cute.make_tensor(base + at, cute.make_layout(1))
+def state_element(base: cute.Pointer, index, slot_stride, head, k, v, stride_k, stride_v,
+                  dtype=cutlass.Float32) -> cute.Tensor:
+    """A one-element view of S[k, v] of head ``head`` in state ``index`` of a [slots, H, 128, 128]
+    state tensor of ``dtype`` (fp32 or bf16; ``base`` is declared fp32 and recast): slots are
+    ``slot_stride`` elements apart (H·128·128 when packed, more in a padded pool) and a head's
+    element (k, v) sits at ``k·stride_k + v·stride_v`` ([.., V, K]: 1, 128; [.., K, V]: 128, 1)."""
+    ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
+    at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(head * (D * D) + k * stride_k + v * stride_v)
+    return cute.make_tensor(ptr + at, cute.make_layout(1))
+
+
+@cute.jit
+def pool_index(state_indices: cute.Pointer, seq):
+    """The state slot of sequence ``seq`` in a state pool (negative: padding, no state)."""
+    return cute.make_tensor(state_indices + seq, cute.make_layout(1))[0]

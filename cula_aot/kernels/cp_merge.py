@@ -8,7 +8,8 @@ What it computes (shared/design/SPEC.md §2, CP), for one sequence, one head and
 over the sequence's segments i = 0, 1, … in order, where ``M_i`` (the product of the segment's
 tile transitions) and ``B_i`` (its end state from S = 0) were written by the pre_scan (K2 in
 segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``.  All states here are fp32
-[K, V] row-major per head ("kv"); the user's initial state is read with its own strides.
+[K, V] row-major per head ("kv"); the user's initial state is read with its own strides and
+dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags`` say so.
 
 Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×16 product done as three tf32
 ``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
@@ -25,9 +26,9 @@ memory.  ``seq_segments`` (int32 [N + 1]) gives each sequence's segment range.
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import FLAG_INITIAL_STATE
+from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
 from ..specs import MERGE_V_BLOCK
-from .common import D, THREADS, state_element
+from .common import D, THREADS, pool_index, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
 # carry_i as split tf32 (hi, lo) bits, [128 rows][MERGE_V_BLOCK] with rows padded to 24 words:
@@ -70,7 +71,9 @@ def cp_merge_kernel(
     prescan: cute.Pointer,
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
+    state_indices: cute.Pointer,
     num_seqs: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
@@ -98,10 +101,23 @@ def cp_merge_kernel(
     n_values = _M_TILES * _N_TILES * 4
     carry = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     carry.fill(0.0)
-    if (flags & FLAG_INITIAL_STATE) != 0:
-        for i in cutlass.range_constexpr(n_values):
-            k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
-            carry[i] = state_element(initial_state, seq, heads, head, k, col0 + c, init_stride_k, init_stride_v)[0]
+    read_init = flags & FLAG_INITIAL_STATE
+    init_index = seq
+    if (flags & FLAG_INDEXED_INIT) != 0:  # a state pool: slot state_indices[seq], < 0 = zero start
+        init_index = pool_index(state_indices, seq)
+        if init_index < 0:
+            read_init = cutlass.Int32(0)
+    if read_init != 0:
+        if (flags & FLAG_BF16_INIT) != 0:
+            for i in cutlass.range_constexpr(n_values):
+                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
+                                         init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
+        else:
+            for i in cutlass.range_constexpr(n_values):
+                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
+                                         init_stride_v)[0]
 
     if first + 1 < last:
         _prefetch_transition(prescan, first, heads, head, m_stage_address, tid)
@@ -114,7 +130,7 @@ def cp_merge_kernel(
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
             k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
-            element = state_element(carries, seg, heads, head, k, col0 + c, D, 1)
+            element = state_element(carries, seg, heads * D * D, head, k, col0 + c, D, 1)
             element[0] = carry[i]
         if seg + 1 < last:
             for i in cutlass.range_constexpr(n_values):
@@ -158,7 +174,9 @@ def cp_merge_launch(
     prescan: cute.Pointer,
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
+    state_indices: cute.Pointer,
     num_seqs: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
@@ -166,5 +184,6 @@ def cp_merge_launch(
     heads: cutlass.Constexpr[int],
 ):
     cp_merge_kernel(
-        initial_state, prescan, carries, seq_segments, num_seqs, init_stride_k, init_stride_v, flags, heads,
+        initial_state, prescan, carries, seq_segments, state_indices, num_seqs, init_slot_stride, init_stride_k,
+        init_stride_v, flags, heads,
     ).launch(grid=[D // MERGE_V_BLOCK, heads, num_seqs], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream)

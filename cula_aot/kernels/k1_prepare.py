@@ -28,8 +28,10 @@ Tile slots.  Fixed mode (B sequences of T tokens): slot = b·ceil(T/16) + tile. 
 no prefix scan, no extra launch, no GPU→CPU sync.  Slots in the gaps are left unwritten.
 
 Launch: grid (total_slots, H, 1), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared memory.
-Constraints: D = 128, CHUNK = 16, H compile-time; q/k/g contiguous [rows, H, 128] bf16 with
-16-byte aligned base; scale and lower_bound are runtime scalars.
+Constraints: D = 128, CHUNK = 16, H compile-time; q/k/g bf16 [rows, H, 128] with heads and D
+packed and any 16-byte multiple token stride (the TMA descriptors carry it, so views cut from
+a fused projection need no copy), 16-byte aligned base; β bf16 [rows, H] with token stride
+``beta_row_stride`` (elements); scale and lower_bound are runtime scalars.
 """
 
 import cutlass
@@ -137,6 +139,7 @@ def k1_prepare_kernel(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
+    beta_row_stride: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     token_coords: cute.Tensor,
@@ -243,7 +246,7 @@ def k1_prepare_kernel(
             logit = cutlass.Float32(-float("inf"))
             if row_valid:
                 # A one-element view at the element itself: a size-1 layout has stride 0.
-                beta_at = beta + (token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)
+                beta_at = beta + (token0 + cutlass.Int64(row)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             s_b[row] = sigmoid(logit)
             out_beta = cute.make_tensor(ws_beta + slot_index * CHUNK, cute.make_layout(CHUNK))
@@ -372,6 +375,7 @@ def k1_prepare_launch(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
+    beta_row_stride: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     stream,
@@ -386,7 +390,7 @@ def k1_prepare_launch(
     k1_prepare_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
-        seq_len, num_seqs, total_slots, scale, lower_bound, token_coords, heads, varlen,
+        seq_len, num_seqs, total_slots, beta_row_stride, scale, lower_bound, token_coords, heads, varlen,
     ).launch(grid=[total_slots, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
              # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
              # does not ask a GPU for the SM's shared memory (the runtime sets it on load).

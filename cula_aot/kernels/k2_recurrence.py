@@ -37,8 +37,11 @@ carry).
 
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
 columns), ``smem_bytes(v_block)`` dynamic shared memory.  Runtime: lengths, cu_seqlens or the
-segment table, initial/final state strides (``[N,H,V,K]``, ``[N,H,K,V]``) and flags
-(``cula_aot.layout.FLAG_*``).  Compile-time: H, varlen, v_block (16, 32, 64, ...), segmented.
+segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D
+packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
+pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
+states exist, pool indexing, fp32 or bf16 states).  Compile-time: H, varlen, v_block (16, 32,
+64, ...), segmented.
 """
 
 import cutlass
@@ -46,8 +49,12 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..layout import (
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
     FLAG_FINAL_STATE,
     FLAG_IDENTITY_INIT,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
     FLAG_NO_OUTPUT,
     FLAG_ZERO_V,
@@ -62,7 +69,7 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, sigmoid, state_element, varlen_sequence
+from .common import CHUNK, D, pool_index, sigmoid, state_element, varlen_sequence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
 WARP = 32
@@ -121,6 +128,12 @@ def _fragment_value(i: int):
     return i // 4, (i // 2) % 2, i % 2
 
 
+def _state_entry(t, v_col, i: int):
+    """(key k, V column) of value ``i`` of this thread's Sᵀ accumulator fragments: n-tile i // 4
+    covers keys 8·(i // 4) .. + 7, value i % 4 is C entry (row g + 8·(c // 2), column 2t + c % 2)."""
+    return (i // 4) * 8 + 2 * t + i % 2, v_col + 8 * ((i // 2) % 2)
+
+
 def _image_lane_offset(lane):
     """Byte offset of this lane's ldmatrix row in a K_INTER image for k-step 0: matrix
     m = lane // 8 is (token block m // 2, column block m % 2), row lane % 8 of it."""
@@ -146,8 +159,7 @@ def _v_chunk(lane):
 
 
 @cute.jit
-def _stage_v_rows(v: cute.Pointer, smem_address, token0, rows_valid, heads: cutlass.Constexpr[int], head,
-                  warp_col0, lane, enabled):
+def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_valid, head, warp_col0, lane, enabled):
     """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
     of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
     row, half = _v_chunk(lane)
@@ -158,7 +170,7 @@ def _stage_v_rows(v: cute.Pointer, smem_address, token0, rows_valid, heads: cutl
     if row < rows_valid and enabled:
         src_row = token0 + cutlass.Int64(row)
         nbytes = cutlass.Int32(16)
-    at = (src_row * heads + cutlass.Int64(head)) * D + cutlass.Int64(warp_col0 + half * 8)
+    at = src_row * cutlass.Int64(v_row_stride) + cutlass.Int64(head * D + warp_col0 + half * 8)
     cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
 
 
@@ -170,6 +182,7 @@ def k2_recurrence_kernel(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
+    state_indices: cute.Pointer,
     ws_qd: cute.Pointer,
     ws_kd: cute.Pointer,
     ws_kr: cute.Pointer,
@@ -180,8 +193,12 @@ def k2_recurrence_kernel(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
+    v_row_stride: cutlass.Int32,
+    out_row_stride: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
@@ -229,16 +246,35 @@ def k2_recurrence_kernel(
 
     # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
     # key 8j + 2t + c % 2) -------------------------------------------------------------------
+    # State pools: the row's index is a sequence number and the slot is state_indices[n]
+    # (negative: a zero start and no write).
+    read_init = flags & FLAG_INITIAL_STATE
+    write_final = flags & FLAG_FINAL_STATE
+    if (flags & FLAG_INDEXED_INIT) != 0:
+        init_index = pool_index(state_indices, init_index)
+        if init_index < 0:
+            read_init = cutlass.Int32(0)
+    if (flags & FLAG_INDEXED_FINAL) != 0:
+        final_index = pool_index(state_indices, final_index)
+        if final_index < 0:
+            write_final = cutlass.Int32(0)
     state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
-    if (flags & FLAG_INITIAL_STATE) != 0:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            state[i] = state_element(initial_state, init_index, heads, head, (i // 4) * 8 + 2 * t + i % 2,
-                                     v_col + 8 * ((i // 2) % 2), init_stride_k, init_stride_v)[0]
+    if read_init != 0:
+        if (flags & FLAG_BF16_INIT) != 0:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
+                                         init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
+                                         init_stride_v)[0]
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(4 * N_TILES):
-            key = (i // 4) * 8 + 2 * t + i % 2
-            state[i] = cutlass.Float32(1.0) if key == v_col + 8 * ((i // 2) % 2) else cutlass.Float32(0.0)
+            key, column = _state_entry(t, v_col, i)
+            state[i] = cutlass.Float32(1.0) if key == column else cutlass.Float32(0.0)
     load_v = (flags & FLAG_ZERO_V) == 0
     write_out = (flags & FLAG_NO_OUTPUT) == 0
 
@@ -256,8 +292,8 @@ def k2_recurrence_kernel(
         if tid == 0:
             if s < num_tiles:
                 _issue_stage_loads(sources, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
-        _stage_v_rows(v, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK), length - s * CHUNK,
-                      heads, head, warp_col0, lane, load_v)
+        _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
+                      length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
 
     image_lane = _image_lane_offset(lane)
@@ -273,8 +309,8 @@ def k2_recurrence_kernel(
             if ahead < num_tiles:
                 _issue_stage_loads(sources, _stage_base(s_stages, ahead_stage), full + ahead_stage,
                                    slot0 + cutlass.Int64(ahead))
-        _stage_v_rows(v, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
-                      length - ahead * CHUNK, heads, head, warp_col0, lane, load_v)
+        _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
+                      length - ahead * CHUNK, head, warp_col0, lane, load_v)
         # One group per tile, empty past the end, so "all but the newest STAGES − 1" is tile t.
         cute.arch.cp_async_commit_group()
         rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
@@ -330,8 +366,8 @@ def k2_recurrence_kernel(
             for c in cutlass.range_constexpr(4):
                 row = n * 8 + 2 * t + c % 2
                 if row < rows_valid and write_out:
-                    at = ((token0 + cutlass.Int64(row)) * heads + cutlass.Int64(head)) * D \
-                        + cutlass.Int64(v_col + 8 * (c // 2))
+                    at = (token0 + cutlass.Int64(row)) * cutlass.Int64(out_row_stride) \
+                        + cutlass.Int64(head * D + v_col + 8 * (c // 2))
                     cute.make_tensor(out + at, cute.make_layout(1))[0] = d_o[c].to(cutlass.BFloat16)
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
@@ -346,11 +382,19 @@ def k2_recurrence_kernel(
         # Frees this stage for tile t + STAGES.
         cute.arch.sync_threads()
 
-    if (flags & FLAG_FINAL_STATE) != 0:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            element = state_element(final_state, final_index, heads, head, (i // 4) * 8 + 2 * t + i % 2,
-                                    v_col + 8 * ((i // 2) % 2), final_stride_k, final_stride_v)
-            element[0] = state[i]
+    if write_final != 0:
+        if (flags & FLAG_BF16_FINAL) != 0:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
+                                        final_stride_v, cutlass.BFloat16)
+                element[0] = state[i].to(cutlass.BFloat16)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
+                                        final_stride_v)
+                element[0] = state[i]
 
 
 @cute.jit
@@ -361,6 +405,7 @@ def k2_recurrence_launch(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
+    state_indices: cute.Pointer,
     ws_qd: cute.Pointer,
     ws_kd: cute.Pointer,
     ws_kr: cute.Pointer,
@@ -371,8 +416,12 @@ def k2_recurrence_launch(
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
+    v_row_stride: cutlass.Int32,
+    out_row_stride: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
@@ -384,8 +433,9 @@ def k2_recurrence_launch(
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
-        v, out, initial_state, final_state, cu_seqlens, segments,
+        v, out, initial_state, final_state, cu_seqlens, segments, state_indices,
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
-        seq_len, num_seqs, total_slots, init_stride_k, init_stride_v, final_stride_k, final_stride_v, flags,
+        seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
+        init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
         heads, varlen, v_block, segmented,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1], smem=smem_bytes(v_block), stream=stream)

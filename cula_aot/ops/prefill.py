@@ -1,16 +1,24 @@
-"""The serial KDA prefill: validation, K1 then K2 on the current stream (SPEC §5, §6).
+"""The KDA prefill: validation, K1 then K2 (or the CP chain) on the current stream (SPEC §5, §6, §9).
 
-Validation runs entirely before the first launch, so a rejected call writes nothing.  Varlen
-``cu_seqlens`` values are checked on the host: from ``cu_seqlens_cpu`` when given (no GPU→CPU
-sync), else from ``cu_seqlens`` itself (a CPU tensor costs nothing; a CUDA tensor is copied to the
-host once, which synchronises — pass ``cu_seqlens_cpu`` to keep the serial path sync-free).
+Validation runs entirely before the first launch, so a rejected call writes nothing.  The serial
+path never reads a device tensor on the host: grids come from shapes (``layout.varlen_total_slots``)
+and cu_seqlens values are checked on the host only when that is free (``cu_seqlens_cpu``, or a CPU
+cu_seqlens) or asked for (``check_seqlens="host"``, a sync).  Inputs may be token-strided views;
+states may be fp32 or bf16, plain or pools indexed by ``state_indices``.
 """
+
+import dataclasses
+import functools
 
 import torch
 
 from ..layout import (
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
     FLAG_FINAL_STATE,
     FLAG_IDENTITY_INIT,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
     FLAG_NO_OUTPUT,
     FLAG_ZERO_V,
@@ -31,6 +39,8 @@ from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
 from .workspace import TABLE_STAGING
 
 STATE_LAYOUTS = ("vk", "kv")
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+SEQLEN_CHECKS = ("auto", "host", "off")
 
 
 class KDAInputError(ValueError):
@@ -54,6 +64,65 @@ def _check_tensor(name, t, dtype, shape, device):
         _fail(f"{name} must be contiguous; call {name}.contiguous()")
 
 
+def _check_token_tensor(name, t, dtype, shape, device, packed: tuple, aligned_rows: bool = True) -> int:
+    """Check a token-major input/output ``[B, T, *packed dims]`` that may be a token-strided view
+    (e.g. a slice of one fused projection): the trailing dims must be packed, rows 16-byte
+    aligned, and batches ``T`` rows apart.  Returns the token stride in elements."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        _fail(f"{name} must be {dtype}, got {t.dtype}; convert it with {name}.to({dtype})")
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+    strides, inner = t.stride(), 1
+    for dim in range(t.dim() - 1, 1, -1):  # the packed dims, innermost first (size-1 dims: any stride)
+        if shape[dim] > 1 and strides[dim] != inner:
+            _fail(f"{name} must have its last {t.dim() - 2} dims packed (strides ..., {', '.join(map(str, packed))}); "
+                  f"got strides {list(strides)}: only the token dim may be strided; call {name}.contiguous()")
+        inner *= shape[dim]
+    batch, seq_len = shape[0], shape[1]
+    row = strides[1] if seq_len > 1 else (strides[0] if batch > 1 else inner)
+    if row < inner:
+        _fail(f"{name}'s token stride {row} is smaller than a token's {inner} elements (overlapping rows); "
+              f"call {name}.contiguous()")
+    if batch > 1 and seq_len > 1 and strides[0] != seq_len * row:
+        _fail(f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
+              f"call {name}.contiguous() or flatten to varlen [1, B*T, ...] with cu_seqlens")
+    if t.data_ptr() % 16 or (aligned_rows and row * t.element_size() % 16):
+        what = "with 16-byte aligned rows " if aligned_rows else ""
+        _fail(f"{name} must start on a 16-byte boundary {what}(token stride {row} elements); call {name}.clone()")
+    return row
+
+
+def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -> int:
+    """A state tensor ``[leading, H, 128, 128]`` in fp32 or bf16 whose slots may be padded apart
+    (a state pool); returns its slot stride in elements."""
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in STATE_DTYPES:
+        _fail(f"{name} must be torch.float32 or torch.bfloat16, got {t.dtype}; convert it with {name}.float()")
+    if t.dim() != 4 or tuple(t.shape[1:]) != (heads, D, D) or (leading >= 0 and t.shape[0] != leading):
+        want = [leading if leading >= 0 else leading_what, heads, D, D]
+        _fail(f"{name} must have shape {want} ({leading_what}), got {list(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+    slot = D * D * heads
+    strides = t.stride()
+    if strides[2:] != (D, 1) or (heads > 1 and strides[1] != D * D):
+        _fail(f"{name} must be packed within each state (strides [*, {D * D}, {D}, 1]), got strides "
+              f"{list(strides)}; call {name}.contiguous()")
+    stride = strides[0] if t.shape[0] > 1 else slot
+    if stride < slot:
+        _fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
+    if t.data_ptr() % 16 or stride * t.element_size() % 16:
+        _fail(f"{name} must start on a 16-byte boundary with 16-byte aligned slots")
+    if stride >= 2**31:
+        _fail(f"{name}'s slot stride {stride} does not fit in int32")
+    return stride
+
+
 def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
     source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     values = [int(x) for x in source.tolist()]
@@ -71,9 +140,40 @@ def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]
     return values
 
 
+@dataclasses.dataclass
+class Checked:
+    """What ``validate`` derived from the arguments: geometry, strides and the state plan."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    num_seqs: int
+    scale: float
+    host_cu: list | None  # host copy of cu_seqlens values when available without a sync
+    strides: dict  # token strides (elements) of q, k, v, g, beta and out (when given)
+    init_slot_stride: int
+    final_slot_stride: int
+
+
+def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
+    """Whether to check cu_seqlens values on the host (see ``prefill``)."""
+    if check_seqlens not in SEQLEN_CHECKS:
+        _fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
+    if check_seqlens == "off":
+        return False
+    if check_seqlens == "host":
+        if cu_seqlens_cpu is None and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+            _fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
+                  "pass cu_seqlens_cpu, or check_seqlens='off'")
+        return True
+    return cu_seqlens_cpu is not None or not cu_seqlens.is_cuda  # "auto": only when it costs no sync
+
+
 def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-             cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto"):
-    """Check every argument; returns (batch, seq_len, heads, num_seqs, scale, host cu_seqlens)."""
+             cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto", state_indices=None,
+             check_seqlens="auto") -> Checked:
+    """Check every argument before anything launches (the device rule last, so every other rule
+    is testable on the CPU)."""
     if not isinstance(q, torch.Tensor):
         _fail(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
@@ -84,9 +184,11 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     if seq_len == 0 or batch == 0 or heads == 0:
         _fail(f"q must have B, T, H > 0, got shape {list(q.shape)}")
     device = q.device
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _check_tensor(name, t, torch.bfloat16, (batch, seq_len, heads, D), device)
-    _check_tensor("beta", beta, torch.bfloat16, (batch, seq_len, heads), device)
+    token_shape = (batch, seq_len, heads, D)
+    strides = {name: _check_token_tensor(name, t, torch.bfloat16, token_shape, device, (D, 1))
+               for name, t in (("q", q), ("k", k), ("v", v), ("g", g))}
+    beta_stride = _check_token_tensor("beta", beta, torch.bfloat16, (batch, seq_len, heads), device, (1,),
+                                      aligned_rows=False)
     _check_tensor("A_log", A_log, torch.float32, (heads,), device)
     _check_tensor("dt_bias", dt_bias, torch.float32, (heads, D), device)
     lower_bound = float(lower_bound)
@@ -115,35 +217,62 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         if batch != 1:
             _fail(f"varlen input (cu_seqlens) needs batch size 1, got B = {batch}; flatten to [1, total, H, {D}]")
         num_seqs = cu_seqlens.numel() - 1
-        host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
+        if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
+            _fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
+        if _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu):
+            host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
+        elif cu_seqlens_cpu is not None:  # unchecked, but free to read (CP planning uses it)
+            host_cu = [int(x) for x in cu_seqlens_cpu.tolist()]
     elif cu_seqlens_cpu is not None:
         _fail("cu_seqlens_cpu was given without cu_seqlens")
+    elif check_seqlens not in SEQLEN_CHECKS:
+        _fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
 
-    state_shape = (num_seqs, heads, D, D)
+    # States: plain [N, H, 128, 128], or pools [slots, H, 128, 128] addressed by state_indices.
+    if state_indices is not None:
+        _check_tensor("state_indices", state_indices, torch.int32, (num_seqs,), device)
+        if initial_state is None and final_state is None:
+            _fail("state_indices selects slots of a state pool: pass the pool as initial_state and/or final_state")
+    leading, leading_what = (-1, "pool slots") if state_indices is not None else (num_seqs, "N sequences")
+    init_slot = final_slot = 0
     if initial_state is not None:
-        _check_tensor("initial_state", initial_state, torch.float32, state_shape, device)
+        init_slot = _check_state("initial_state", initial_state, leading, leading_what, heads, device)
     if final_state is not None:
-        _check_tensor("final_state", final_state, torch.float32, state_shape, device)
+        final_slot = _check_state("final_state", final_state, leading, leading_what, heads, device)
     if out is not None:
-        _check_tensor("out", out, torch.bfloat16, (batch, seq_len, heads, D), device)
+        out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
     for name, t in (("out", out), ("final_state", final_state)):
         if t is not None and any(t.data_ptr() == x.data_ptr() for x in (q, k, v, g)):
             _fail(f"{name} must not alias an input tensor")
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     if device.type != "cuda":
         _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
-    return batch, seq_len, heads, num_seqs, scale, host_cu
+    strides["beta"] = beta_stride
+    if out is not None:
+        strides["out"] = out_stride
+    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, strides, init_slot, final_slot)
 
 
-def _resolve_split(intracard_cp, batch, seq_len, heads, host_cu, device) -> int:
+def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, device) -> int:
     if intracard_cp is False:
         return 1
+    if cu_seqlens is not None and host_cu is None:
+        # Lengths live on the device only: planning would need a sync.
+        if intracard_cp == "auto":
+            return 1
+        _fail("intracard_cp needs the sequence lengths on the host: pass cu_seqlens_cpu "
+              "(or check_seqlens='host', which copies cu_seqlens and synchronises)")
     if type(intracard_cp) is int:
         return intracard_cp
     lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = _sm_count(device)
     s_split = cp_plan.auto_split(lengths, heads, sm_count, D // K2_SEGMENTED_V_BLOCK)
     return max(s_split, 2) if intracard_cp is True else s_split
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _segment_row(seg, init_index, final_index, flags) -> list[int]:
@@ -154,10 +283,11 @@ def _segment_row(seg, init_index, final_index, flags) -> list[int]:
     return row
 
 
-def _segment_tables(segments, want_final):
+def _segment_tables(segments, final_flags: int):
     """Rows of the pre_scan jobs and of the segmented recurrence, and each sequence's segment
     range.  Pre_scan job 2i (2i + 1) writes M_i (B_i) of segment i; segment i of the recurrence
-    starts from carries[i]."""
+    starts from carries[i]; a sequence's last segment writes the user's final state with
+    ``final_flags`` (0: no final state)."""
     transition = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
     prescan_rows, main_rows, bounds = [], [], [0]
     for seq_segments in segments:
@@ -167,8 +297,7 @@ def _segment_tables(segments, want_final):
             if not last:
                 prescan_rows.append(_segment_row(seg, -1, 2 * index, transition))
                 prescan_rows.append(_segment_row(seg, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
-            final = FLAG_FINAL_STATE if (last and want_final) else 0
-            main_rows.append(_segment_row(seg, index, seg.seq, FLAG_INITIAL_STATE | final))
+            main_rows.append(_segment_row(seg, index, seg.seq, FLAG_INITIAL_STATE | (final_flags if last else 0)))
         bounds.append(len(main_rows))
     return prescan_rows, main_rows, bounds
 
@@ -183,19 +312,41 @@ def _to_device(values: list[int], device, stream: torch.cuda.Stream) -> torch.Te
     return TABLE_STAGING.upload(host, device, stream)
 
 
+def _state_flags(state, which: str, indexed: bool) -> int:
+    """K2 / merge flag bits for a user state tensor (``which`` = "init" or "final")."""
+    if state is None:
+        return 0
+    present, pooled, bf16 = {"init": (FLAG_INITIAL_STATE, FLAG_INDEXED_INIT, FLAG_BF16_INIT),
+                             "final": (FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_BF16_FINAL)}[which]
+    return present | (pooled if indexed else 0) | (bf16 if state.dtype == torch.bfloat16 else 0)
+
+
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-            out=None, final_state=None, intracard_cp="auto", v_block=K2_DEFAULT_V_BLOCK):
+            out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
+            v_block=K2_DEFAULT_V_BLOCK):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
-    ``torch.cuda.current_stream(q.device)``."""
-    batch, seq_len, heads, num_seqs, scale, host_cu = validate(
+    ``torch.cuda.current_stream(q.device)``.
+
+    ``check_seqlens``: "auto" checks cu_seqlens values on the host when that costs no sync
+    (``cu_seqlens_cpu`` given or cu_seqlens on the CPU) and trusts a device-only cu_seqlens;
+    "host" always checks (a device cu_seqlens is copied: a sync); "off" never checks.  Unchecked
+    values are the caller's contract (non-decreasing from 0 to T; empty sequences are harmless).
+    ``state_indices`` (int32 [N], device): initial/final states are pools ``[slots, H, 128, 128]``
+    and sequence n uses slot ``state_indices[n]`` (< 0: zero start, no write); in place when the
+    same pool is both.  Indices are not range-checked (that would need a sync)."""
+    if state_indices is not None and output_final_state and final_state is None:
+        final_state = initial_state  # a pool's final states go back where they came from
+    c = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp)
+        state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp,
+        state_indices=state_indices, check_seqlens=check_seqlens)
     device = q.device
+    heads, num_seqs = c.heads, c.num_seqs
     varlen = cu_seqlens is not None
-    s_split = _resolve_split(intracard_cp, batch, seq_len, heads, host_cu, device)
-    segments = cp_plan.plan(cp_plan.sequences(batch, seq_len, host_cu), s_split) if s_split > 1 else None
+    s_split = _resolve_split(intracard_cp, c.batch, c.seq_len, heads, cu_seqlens, c.host_cu, device)
+    segments = cp_plan.plan(cp_plan.sequences(c.batch, c.seq_len, c.host_cu), s_split) if s_split > 1 else None
     if segments is not None and all(len(s) == 1 for s in segments):
         segments = None  # nothing long enough to split: the serial path is the same work, faster
     loader = default_loader()
@@ -208,28 +359,38 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         merge = loader.get(device, MergeSpec(heads=heads))
 
     if out is None:
-        out = torch.empty_like(v)
+        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+        c.strides["out"] = heads * D
     want_final = output_final_state or final_state is not None
     if want_final and final_state is None:
         final_state = torch.empty(num_seqs, heads, D, D, dtype=torch.float32, device=device)
+        c.final_slot_stride = heads * D * D
     torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
     stream = torch_stream.cuda_stream
-    _, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
-    launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream)
-    # [N, H, V, K] ("vk", the public default) or [N, H, K, V]: S[k, v] at k·sk + v·sv.
+    _, common, _cu32 = workspace_values(device, c.batch, c.seq_len, heads, cu_seqlens, stream)
+    launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, c.scale, common, stream, c.strides)
+    # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    user_init = initial_state.data_ptr() if initial_state is not None else 0
-    user_final = final_state.data_ptr() if want_final else 0
-    init_flag = FLAG_INITIAL_STATE if initial_state is not None else 0
+    indexed = state_indices is not None
+    init_flags = _state_flags(initial_state, "init", indexed)
+    final_flags = _state_flags(final_state if want_final else None, "final", indexed)
+    user = {"initial_state": initial_state.data_ptr() if initial_state is not None else 0,
+            "final_state": final_state.data_ptr() if want_final else 0,
+            "state_indices": state_indices.data_ptr() if indexed else 0,
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride}
     k2_common = {**common, "v": v.data_ptr(), "out": out.data_ptr(), "segments": 0,
+                 "state_indices": user["state_indices"],
+                 "v_row_stride": c.strides["v"], "out_row_stride": c.strides["out"],
                  "init_stride_k": stride_k, "init_stride_v": stride_v,
                  "final_stride_k": stride_k, "final_stride_v": stride_v}
+    result = final_state if want_final else None
     if segments is None:
-        k2.launch({**k2_common, "initial_state": user_init, "final_state": user_final,
-                   "flags": init_flag | (FLAG_FINAL_STATE if want_final else 0)}, stream)
-        return out, (final_state if want_final else None)
+        k2.launch({**k2_common, "initial_state": user["initial_state"], "final_state": user["final_state"],
+                   "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride,
+                   "flags": init_flags | final_flags}, stream)
+        return out, result
 
-    prescan_rows, main_rows, bounds = _segment_tables(segments, want_final)
+    prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
     n_segments = len(main_rows)
     # One upload: the segment rows, then the per-sequence bounds (at a multiple of 32 bytes).
     n_rows = len(prescan_rows) + len(main_rows)
@@ -239,14 +400,17 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     # Transition pairs (M_i, B_i) and merged start states, fp32 [K, V] row-major per head.
     prescan = torch.empty(2 * n_segments, heads, D, D, dtype=torch.float32, device=device)
     carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)
+    packed_slot = heads * D * D
     row_bytes = table.element_size() * table.shape[1]
     k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": len(prescan_rows),
-               "initial_state": 0, "final_state": prescan.data_ptr(),
-               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
-    merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
-                  "seq_segments": seq_segments.data_ptr(), "num_seqs": num_seqs, "heads": heads,
-                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flag}, stream)
+               "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
+               "final_slot_stride": packed_slot, "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
+    merge.launch({"initial_state": user["initial_state"], "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
+                  "seq_segments": seq_segments.data_ptr(), "state_indices": user["state_indices"],
+                  "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
+                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream)
     k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * len(prescan_rows),
-               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": user_final,
+               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": user["final_state"],
+               "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
                "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream)
-    return out, (final_state if want_final else None)
+    return out, result

@@ -54,15 +54,24 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, s
     return Workspaces(total_slots, views), values, cu32
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream) -> None:
-    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``."""
+def contiguous_strides(heads: int) -> dict:
+    """Token strides (elements) of contiguous q, k, v, g, out ([B, T, H, 128]) and beta ([B, T, H])."""
+    return {"q": heads * D, "k": heads * D, "v": heads * D, "g": heads * D, "out": heads * D, "beta": heads}
+
+
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides) -> None:
+    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common`` and
+    the inputs' token ``strides`` (elements, see ``contiguous_strides``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
         **common,
         "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
-        # TMA views of the token-major inputs as [rows, H·128] (recipe names, see specs.token_tma)
-        "rows": batch * seq_len, "row_elems": heads * D, "row_bytes": heads * D * 2,
+        # TMA views of the token-major inputs as [rows, H·128] with their own token strides
+        # (recipe names, see specs.token_tma)
+        "rows": batch * seq_len, "row_elems": heads * D,
+        "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
+        "beta_row_stride": strides["beta"],
         "scale": float(scale), "lower_bound": float(lower_bound),
     }, stream)
 
@@ -78,8 +87,8 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, stream)
+                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads))
     return workspaces
 
 
-__all__ = ["DEFAULT_SCALE", "Workspaces", "launch_prepare", "plan_slots", "prepare", "workspace_values"]
+__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "launch_prepare", "plan_slots", "prepare", "workspace_values"]

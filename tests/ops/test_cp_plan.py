@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cula_aot.layout import CHUNK, varlen_slot_base
+from cula_aot.layout import CHUNK, FLAG_FINAL_STATE, varlen_slot_base
 from cula_aot.ops import cp_plan
 from cula_aot.ops.prefill import _segment_tables
 
@@ -60,7 +60,7 @@ def test_auto_is_deterministic_and_a_listed_split(lengths, heads):
 def test_segment_tables_link_prescan_merge_and_recurrence():
     cu = _cu([1024, 1, 300])
     plan = cp_plan.plan(cp_plan.sequences(1, cu[-1], cu), 4)
-    prescan, main, bounds = _segment_tables(plan, want_final=True)
+    prescan, main, bounds = _segment_tables(plan, FLAG_FINAL_STATE)
     assert bounds == [0, 4, 5, 7]
     assert len(prescan) == 2 * (len(main) - 3)  # two jobs per segment but each sequence's last
     for i, row in enumerate(main):

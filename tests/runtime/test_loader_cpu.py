@@ -151,11 +151,11 @@ def test_tma_recipe_validation_happens_before_the_driver():
     from cula_aot.runtime.tma import DescriptorCache
 
     recipe = dict(abi_layout(K1Spec.params)[0]["recipe"])
-    values = {"rows": 100, "row_elems": 1024, "row_bytes": 2048}
+    values = {"rows": 100, "row_elems": 1024, "q_row_bytes": 2048}
     with pytest.raises(ValueError, match="16-byte aligned tensor base"):
         DescriptorCache(recipe, "k1.tma_q").get(0x1008, values)
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
-        DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "row_bytes": 2050})
+        DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "q_row_bytes": 2050})
     with pytest.raises(ValueError, match="must be positive"):
         DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "rows": 0})
 
@@ -171,7 +171,7 @@ def test_descriptor_cache_encodes_once_per_address_and_shape(monkeypatch):
 
     monkeypatch.setattr(tma, "_encode", fake_encode)
     cache = tma.DescriptorCache(dict(abi_layout(K1Spec.params)[0]["recipe"]), "k1.tma_q")
-    values = {"rows": 100, "row_elems": 1024, "row_bytes": 2048}
+    values = {"rows": 100, "row_elems": 1024, "q_row_bytes": 2048}
     first = cache.get(0x1000, values)
     assert cache.get(0x1000, dict(values)) is first and len(encoded) == 1  # the per-call fast path
     assert cache.get(0x1000, {**values, "rows": 101}) != first  # another shape is another descriptor
