@@ -167,6 +167,9 @@ def test_serial_varlen_never_syncs():
                              state_indices=indices, output_final_state=True)
         cula_aot.fwd(*_args(x), None, out, x["A_log"], x["dt_bias"], x["lower_bound"], pool, pool, cu,
                      state_indices=indices)
+        # The detector is live: asking for the host check of a device cu_seqlens is a sync.
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            cula_aot.kda_prefill(*_args(x), **_gate(x), cu_seqlens=cu, out=out, check_seqlens="host")
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
