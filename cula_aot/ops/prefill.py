@@ -30,13 +30,16 @@ from ..layout import (
     SEG_SEQ,
     SEG_TOKENS,
     SEGMENT_FIELDS,
+    WORKSPACE_DTYPES,
     D,
+    fixed_total_slots,
+    varlen_total_slots,
 )
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
-from .workspace import TABLE_STAGING
+from .workspace import ARENA, TABLE_STAGING
 
 STATE_LAYOUTS = ("vk", "kv")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -90,9 +93,8 @@ def _check_token_tensor(name, t, dtype, shape, device, packed: tuple, aligned_ro
     if batch > 1 and seq_len > 1 and strides[0] != seq_len * row:
         _fail(f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
               f"call {name}.contiguous() or flatten to varlen [1, B*T, ...] with cu_seqlens")
-    if t.data_ptr() % 16 or (aligned_rows and row * t.element_size() % 16):
-        what = "with 16-byte aligned rows " if aligned_rows else ""
-        _fail(f"{name} must start on a 16-byte boundary {what}(token stride {row} elements); call {name}.clone()")
+    if aligned_rows and row * t.element_size() % 16:
+        _fail(f"{name} must have 16-byte aligned rows (token stride {row} elements); call {name}.contiguous()")
     return row
 
 
@@ -116,11 +118,38 @@ def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -
     stride = strides[0] if t.shape[0] > 1 else slot
     if stride < slot:
         _fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
-    if t.data_ptr() % 16 or stride * t.element_size() % 16:
-        _fail(f"{name} must start on a 16-byte boundary with 16-byte aligned slots")
+    if stride * t.element_size() % 16:
+        _fail(f"{name} must have 16-byte aligned slots (slot stride {stride})")
     if stride >= 2**31:
         _fail(f"{name}'s slot stride {stride} does not fit in int32")
     return stride
+
+
+def _check_device(device) -> None:
+    if device.type != "cuda":
+        _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
+
+
+def _check_scalars(lower_bound, scale) -> tuple[float, float]:
+    lower_bound = float(lower_bound)
+    if not -5.0 <= lower_bound < 0.0:
+        _fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    scale = DEFAULT_SCALE if scale is None else float(scale)
+    if not (scale == scale and abs(scale) != float("inf")):
+        _fail(f"scale must be a finite number, got {scale}")
+    return lower_bound, scale
+
+
+def _check_addresses(named: dict, inputs: tuple) -> None:
+    """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
+    assumption) and outputs that do not alias an input."""
+    for name, t in named.items():
+        if t is not None and t.data_ptr() % 16:
+            _fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
+    for name in ("out", "final_state"):
+        t = named.get(name)
+        if t is not None and t.data_ptr() in inputs:
+            _fail(f"{name} must not alias an input tensor")
 
 
 def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
@@ -191,12 +220,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
                                       aligned_rows=False)
     _check_tensor("A_log", A_log, torch.float32, (heads,), device)
     _check_tensor("dt_bias", dt_bias, torch.float32, (heads, D), device)
-    lower_bound = float(lower_bound)
-    if not -5.0 <= lower_bound < 0.0:
-        _fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
-    scale = DEFAULT_SCALE if scale is None else float(scale)
-    if not (scale == scale and abs(scale) != float("inf")):
-        _fail(f"scale must be a finite number, got {scale}")
+    lower_bound, scale = _check_scalars(lower_bound, scale)
     if state_layout not in STATE_LAYOUTS:
         _fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
@@ -241,12 +265,11 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         final_slot = _check_state("final_state", final_state, leading, leading_what, heads, device)
     if out is not None:
         out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
-    for name, t in (("out", out), ("final_state", final_state)):
-        if t is not None and any(t.data_ptr() == x.data_ptr() for x in (q, k, v, g)):
-            _fail(f"{name} must not alias an input tensor")
+    _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                      "initial_state": initial_state, "final_state": final_state, "out": out,
+                      "state_indices": state_indices}, (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()))
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
-    if device.type != "cuda":
-        _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
+    _check_device(device)
     strides["beta"] = beta_stride
     if out is not None:
         strides["out"] = out_stride
@@ -321,6 +344,79 @@ def _state_flags(state, which: str, indexed: bool) -> int:
     return present | (pooled if indexed else 0) | (bf16 if state.dtype == torch.bfloat16 else 0)
 
 
+def _raw_stream(device) -> int:
+    """The current stream of ``device`` as a raw ``cudaStream_t`` (without building a Stream)."""
+    return _current_raw_stream(device.index)
+
+
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                              lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+# K1's and K2's per-call parameters (everything else is fixed by a _SerialPlan's signature).
+_WORKSPACES = tuple(f"ws_{name}" for name in WORKSPACE_DTYPES)
+_K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSPACES, "scale", "lower_bound")
+_K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
+
+
+class _SerialPlan:
+    """The serial path for one call signature (shapes, strides, dtypes, devices and options):
+    validated kernels and launch templates, so a repeated call only re-checks what the
+    signature does not fix (addresses, scalars, host cu_seqlens values) and launches."""
+
+    def __init__(self, c: Checked, k1, k2, *, varlen, want_final, alloc_final, state_layout, indexed,
+                 init_flags, final_flags, host_checks, device):
+        self.c, self.device, self.want_final, self.alloc_final = c, device, want_final, alloc_final
+        self.host_checks = host_checks
+        self.slots = c.heads * (varlen_total_slots(c.seq_len, c.num_seqs) if varlen else fixed_total_slots(c.batch, c.seq_len))
+        geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": self.slots // c.heads,
+                    "heads": c.heads}
+        self.k1 = k1.template({
+            **geometry, "rows": c.batch * c.seq_len, "row_elems": c.heads * D,
+            "q_row_bytes": c.strides["q"] * 2, "k_row_bytes": c.strides["k"] * 2, "g_row_bytes": c.strides["g"] * 2,
+            "beta_row_stride": c.strides["beta"]}, _K1_DYNAMIC)
+        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+        self.k2 = k2.template({
+            **geometry, "segments": 0, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
+            "flags": init_flags | final_flags}, _K2_DYNAMIC)
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices):
+        c, device = self.c, self.device
+        lower_bound, scale = _check_scalars(lower_bound, scale)
+        _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                          "initial_state": initial_state, "final_state": final_state, "out": out,
+                          "state_indices": state_indices}, (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()))
+        if self.host_checks:
+            _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+        if self.alloc_final:
+            final_state = torch.empty(c.num_seqs, c.heads, D, D, dtype=torch.float32, device=device)
+        stream = _raw_stream(device)
+        workspaces = ARENA.pointers(device, self.slots, stream)
+        cu32 = None
+        if cu_seqlens is not None:
+            cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
+                cu_seqlens.to(device=device, dtype=torch.int32)
+        cu_ptr = 0 if cu32 is None else cu32.data_ptr()
+        self.k1.launch((q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
+                        dt_bias.data_ptr(), cu_ptr, *workspaces, scale, lower_bound), stream)
+        self.k2.launch((v.data_ptr(), out.data_ptr(), 0 if initial_state is None else initial_state.data_ptr(),
+                        final_state.data_ptr() if self.want_final else 0, cu_ptr,
+                        0 if state_indices is None else state_indices.data_ptr(), *workspaces), stream)
+        return out, (final_state if self.want_final else None)
+
+
+_PLANS: dict = {}
+_PLAN_LIMIT = 256  # signatures cached; cleared when full (a serving loop reuses a few)
+
+
+def _signature(*tensors) -> tuple:
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
@@ -334,9 +430,23 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     values are the caller's contract (non-decreasing from 0 to T; empty sequences are harmless).
     ``state_indices`` (int32 [N], device): initial/final states are pools ``[slots, H, 128, 128]``
     and sequence n uses slot ``state_indices[n]`` (< 0: zero start, no write); in place when the
-    same pool is both.  Indices are not range-checked (that would need a sync)."""
+    same pool is both.  Indices are not range-checked (that would need a sync).
+
+    The serial path of a call signature seen before skips the structural checks (they depend on
+    nothing else) and launches from cached templates (``_SerialPlan``)."""
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
+    try:
+        key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
+                          cu_seqlens_cpu, state_indices),
+               state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block)
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
+        key = plan = None
+    if plan is not None:
+        return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                        cu_seqlens, cu_seqlens_cpu, state_indices)
+
     c = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
@@ -352,16 +462,30 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     loader = default_loader()
     # Resolve every kernel first: an unbuilt head count fails before anything launches.
     k1 = loader.get(device, K1Spec(heads=heads, varlen=varlen))
+    indexed = state_indices is not None
+    want_final = output_final_state or final_state is not None
+    init_flags = _state_flags(initial_state, "init", indexed)
+    final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else \
+        _state_flags(final_state if want_final else None, "final", indexed)
     if segments is None:
         k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
-    else:
-        k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
-        merge = loader.get(device, MergeSpec(heads=heads))
+        plan = _SerialPlan(c, k1, k2, varlen=varlen, want_final=want_final, alloc_final=want_final and final_state is None,
+                           state_layout=state_layout, indexed=indexed, init_flags=init_flags, final_flags=final_flags,
+                           host_checks=varlen and c.host_cu is not None and _check_seqlens_choice(
+                               check_seqlens, cu_seqlens, cu_seqlens_cpu), device=device)
+        # The serial decision is the signature's alone unless CP was planned from host lengths.
+        if key is not None and (intracard_cp is False or c.host_cu is None or not varlen):
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                        cu_seqlens, cu_seqlens_cpu, state_indices)
+    k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
+    merge = loader.get(device, MergeSpec(heads=heads))
 
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
         c.strides["out"] = heads * D
-    want_final = output_final_state or final_state is not None
     if want_final and final_state is None:
         final_state = torch.empty(num_seqs, heads, D, D, dtype=torch.float32, device=device)
         c.final_slot_stride = heads * D * D
@@ -371,24 +495,11 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, c.scale, common, stream, c.strides)
     # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    indexed = state_indices is not None
-    init_flags = _state_flags(initial_state, "init", indexed)
-    final_flags = _state_flags(final_state if want_final else None, "final", indexed)
-    user = {"initial_state": initial_state.data_ptr() if initial_state is not None else 0,
-            "final_state": final_state.data_ptr() if want_final else 0,
-            "state_indices": state_indices.data_ptr() if indexed else 0,
-            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride}
-    k2_common = {**common, "v": v.data_ptr(), "out": out.data_ptr(), "segments": 0,
-                 "state_indices": user["state_indices"],
+    user_init = initial_state.data_ptr() if initial_state is not None else 0
+    user_indices = state_indices.data_ptr() if indexed else 0
+    k2_common = {**common, "v": v.data_ptr(), "out": out.data_ptr(), "state_indices": user_indices,
                  "v_row_stride": c.strides["v"], "out_row_stride": c.strides["out"],
-                 "init_stride_k": stride_k, "init_stride_v": stride_v,
                  "final_stride_k": stride_k, "final_stride_v": stride_v}
-    result = final_state if want_final else None
-    if segments is None:
-        k2.launch({**k2_common, "initial_state": user["initial_state"], "final_state": user["final_state"],
-                   "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride,
-                   "flags": init_flags | final_flags}, stream)
-        return out, result
 
     prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
     n_segments = len(main_rows)
@@ -404,13 +515,14 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     row_bytes = table.element_size() * table.shape[1]
     k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": len(prescan_rows),
                "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
-               "final_slot_stride": packed_slot, "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
-    merge.launch({"initial_state": user["initial_state"], "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
-                  "seq_segments": seq_segments.data_ptr(), "state_indices": user["state_indices"],
+               "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
+               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
+    merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
+                  "seq_segments": seq_segments.data_ptr(), "state_indices": user_indices,
                   "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
                   "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream)
     k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * len(prescan_rows),
-               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": user["final_state"],
-               "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
+               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": final_state.data_ptr()
+               if want_final else 0, "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
                "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream)
-    return out, result
+    return out, (final_state if want_final else None)

@@ -20,8 +20,10 @@ class WorkspaceArena:
     def __init__(self):
         self._lock = threading.Lock()
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        # (device, stream, slots) → views of the current buffer; dropped when a buffer grows.
+        # (device, stream, slots) → views of the current buffer (and their addresses, in ABI
+        # order); dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        self._pointers: dict[tuple[int, int, int], tuple] = {}
 
     def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
         """The raw buffer of ``stream`` (a raw ``cudaStream_t``), at least ``nbytes``."""
@@ -32,6 +34,7 @@ class WorkspaceArena:
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buf
                 self._views = {k: v for k, v in self._views.items() if k[:2] != key}
+                self._pointers = {k: v for k, v in self._pointers.items() if k[:2] != key}
             return buf
 
     def carve(self, device: torch.device, slots: int, stream: int) -> dict[str, torch.Tensor]:
@@ -54,6 +57,19 @@ class WorkspaceArena:
             if self._buffers.get((device.index, stream)) is buf:
                 self._views[(device.index, stream, slots)] = views
         return views
+
+
+    def pointers(self, device: torch.device, slots: int, stream: int) -> tuple:
+        """The addresses of ``carve``'s views, in ``WORKSPACE_DTYPES`` (kernel parameter) order."""
+        key = (device.index, stream, slots)
+        pointers = self._pointers.get(key)
+        if pointers is None:
+            views = self.carve(device, slots, stream)
+            pointers = tuple(views[name].data_ptr() for name in WORKSPACE_DTYPES)
+            with self._lock:
+                if self._views.get(key) is views:
+                    self._pointers[key] = pointers
+        return pointers
 
 
 class TableStaging:

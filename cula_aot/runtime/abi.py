@@ -8,6 +8,8 @@ the ``.entry`` parameters (the build checked that).
 import struct
 
 _SCALAR_CODES = {"i32": "i", "f32": "f"}
+# The address alignment every pointer parameter was compiled to assume (specs.POINTER_ALIGN).
+POINTER_ALIGN = 16
 
 
 class ParamPacker:
@@ -28,19 +30,20 @@ class ParamPacker:
             cursor = r["offset"] + r["size"]
         # Trailing bytes up to the cubin's parameter block size stay zero.
         fmt += "x" * max(0, (param_bytes or cursor) - cursor)
-        self._struct = struct.Struct(fmt)
-        self.size = self._struct.size
-        self._names = [r["name"] for r in records]
+        self.struct = struct.Struct(fmt)
+        self.size = self.struct.size
+        self.names = [r["name"] for r in records]
+        self.pointer_names = {r["name"] for r in records if r["kind"] == "pointer"}
         self._pointer_aligns = {r["name"]: r["address_align"] for r in records if r["kind"] == "pointer"}
         self._i32 = {r["name"] for r in records if r["kind"] == "scalar" and r["dtype"] == "i32"}
         self._descriptors = {r["name"]: r["size"] for r in records if r["kind"] == "tma_descriptor"}
 
     def pack(self, values: dict) -> bytes:
-        missing = [n for n in self._names if n not in values]
+        missing = [n for n in self.names if n not in values]
         if missing:
             raise ValueError(f"{self.kernel_name}: no value for parameters {missing}")
-        ordered = [values[n] for n in self._names]
-        for name, value in zip(self._names, ordered):
+        ordered = [values[n] for n in self.names]
+        for name, value in zip(self.names, ordered):
             align = self._pointer_aligns.get(name)
             if align is not None and value % align:
                 raise ValueError(
@@ -51,4 +54,4 @@ class ParamPacker:
                 raise ValueError(f"{self.kernel_name}: descriptor '{name}' must be {self._descriptors[name]} encoded bytes")
             if name in self._i32 and not -(2**31) <= value < 2**31:
                 raise ValueError(f"{self.kernel_name}: '{name}' = {value} does not fit in int32")
-        return self._struct.pack(*ordered)
+        return self.struct.pack(*ordered)

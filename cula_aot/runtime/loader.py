@@ -12,10 +12,10 @@ import threading
 import torch
 from cuda.bindings import driver as cu
 
-from .abi import ParamPacker
+from .abi import POINTER_ALIGN, ParamPacker
 from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
-from .tma import DescriptorCache
+from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
@@ -39,6 +39,7 @@ class LoadedKernel:
         self.packer = ParamPacker(record["params"], name, record["param_bytes"])
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
+        self._thread = threading.local()  # per-thread launch buffers
 
     def grid(self, values: dict) -> tuple:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
@@ -51,20 +52,73 @@ class LoadedKernel:
             return  # nothing to do; an empty grid is an error for the driver
         for name, source, cache in self.descriptors:
             values[name] = cache.get(values[source], values)
-        packed = ctypes.create_string_buffer(self.packer.pack(values), self.packer.size)
-        size = ctypes.c_size_t(self.packer.size)
-        extra = (ctypes.c_void_p * 5)(
-            cu.CU_LAUNCH_PARAM_BUFFER_POINTER,
-            ctypes.addressof(packed),
-            cu.CU_LAUNCH_PARAM_BUFFER_SIZE,
-            ctypes.addressof(size),
-            cu.CU_LAUNCH_PARAM_END,
-        )
+        self.launch_packed(self.packer.pack(values), grid, stream)
+
+    def launch_packed(self, packed: bytes, grid: tuple, stream: int) -> None:
+        """Launch with an already packed parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
+        The driver copies the parameters during the call (also under graph capture), so each
+        thread reuses one buffer."""
+        buffers = getattr(self._thread, "buffers", None)
+        if buffers is None:
+            buffer = ctypes.create_string_buffer(self.packer.size)
+            size = ctypes.c_size_t(self.packer.size)
+            extra = (ctypes.c_void_p * 5)(cu.CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
+                                          cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
+            buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
+        ctypes.memmove(buffers[0], packed, self.packer.size)
         check(
-            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0,
-                              ctypes.addressof(extra)),
+            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0, buffers[3]),
             f"cuLaunchKernel({self.name})",
         )
+
+    def template(self, static: dict, dynamic: tuple) -> "LaunchTemplate":
+        return LaunchTemplate(self, static, dynamic)
+
+
+class LaunchTemplate:
+    """A launch of one kernel whose parameters are fixed except the ``dynamic`` ones (per-call
+    pointers and scalars, given positionally to ``launch``): the grid, the packing order, the
+    static values (checked once) and the TMA descriptor shapes are worked out at construction,
+    so a call only fills the dynamic slots, packs and launches (the serving fast path)."""
+
+    def __init__(self, kernel: LoadedKernel, static: dict, dynamic: tuple):
+        self.kernel = kernel
+        self.grid = kernel.grid(static)
+        names = kernel.packer.names
+        dynamic_index = {name: i for i, name in enumerate(dynamic)}
+        unknown = [n for n in dynamic if n not in names and not any(src == n for _, src, _ in kernel.descriptors)]
+        if unknown:
+            raise ValueError(f"{kernel.name}: {unknown} are no parameters or descriptor sources")
+        probe = {**static, **{n: 0 for n in dynamic}}
+        # Descriptors: shapes from the static values, the address (a dynamic source) per call.
+        self._descriptors = []
+        for name, source, cache in kernel.descriptors:
+            probe[name] = bytes(TMA_DESCRIPTOR_BYTES)
+            self._descriptors.append((names.index(name), dynamic_index[source], cache.resolved(static)))
+        kernel.packer.pack({n: (probe[n] if n not in dynamic_index else _placeholder(kernel, n)) for n in names})
+        self._values = [probe[n] for n in names]
+        self._dynamic = [(names.index(n), i) for n, i in dynamic_index.items() if n in names]
+        self._pointer_checks = [(i, n) for n, i in dynamic_index.items() if n in kernel.packer.pointer_names]
+        self._struct = kernel.packer.struct
+
+    def launch(self, dynamic: tuple, stream: int) -> None:
+        for i, name in self._pointer_checks:
+            if dynamic[i] % POINTER_ALIGN:
+                raise ValueError(f"{self.kernel.name}: pointer '{name}' = {dynamic[i]:#x} is not {POINTER_ALIGN}-byte "
+                                 "aligned; pass tensors whose storage starts on a 16-byte boundary")
+        if min(self.grid) <= 0:
+            return
+        values = self._values.copy()
+        for at, i in self._dynamic:
+            values[at] = dynamic[i]
+        for at, i, encode in self._descriptors:
+            values[at] = encode(dynamic[i])
+        self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream)
+
+
+def _placeholder(kernel: LoadedKernel, name: str):
+    """A value of the right kind for checking a template's static values."""
+    return POINTER_ALIGN if name in kernel.packer.pointer_names else 0
 
 
 class KernelLoader:
@@ -155,4 +209,4 @@ def default_loader() -> KernelLoader:
     return _DEFAULT
 
 
-__all__ = ["ArtifactError", "CudaError", "KernelLoader", "LoadedKernel", "check", "default_loader", "device_arch"]
+__all__ = ["ArtifactError", "CudaError", "KernelLoader", "LaunchTemplate", "LoadedKernel", "check", "default_loader", "device_arch"]

@@ -18,6 +18,7 @@ _SWIZZLE = {"none": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}
 _L2 = {"none": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
        "L2_256B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B}
 # "zeros": out-of-bounds elements read as zero (the driver's FLOAT_OOB_FILL_NONE).
+TMA_DESCRIPTOR_BYTES = 128
 _OOB = {"zeros": cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE}
 
 
@@ -39,6 +40,15 @@ class DescriptorCache:
     def get(self, base_address: int, values: dict) -> bytes:
         dims = tuple(_resolve(d, values) for d in self.recipe["global_dims"])
         strides = tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"])
+        return self._get(base_address, dims, strides)
+
+    def resolved(self, values: dict):
+        """``address -> descriptor`` for the shape that ``values`` fix (a launch template's)."""
+        dims = tuple(_resolve(d, values) for d in self.recipe["global_dims"])
+        strides = tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"])
+        return lambda base_address: self._get(base_address, dims, strides)
+
+    def _get(self, base_address: int, dims: tuple, strides: tuple) -> bytes:
         key = (base_address, dims, strides)
         encoded = self._encoded.get(key)
         if encoded is None:
@@ -72,4 +82,4 @@ def _encode(recipe: dict, base_address: int, dims, strides, what: str) -> bytes:
         ),
         f"cuTensorMapEncodeTiled({what})",
     )
-    return ctypes.string_at(tensor_map.getPtr(), 128)
+    return ctypes.string_at(tensor_map.getPtr(), TMA_DESCRIPTOR_BYTES)

@@ -32,7 +32,7 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         (lambda x: {"q": torch.zeros(40 * 256 + 8, dtype=torch.bfloat16)[1:1 + 40 * 256].view(1, 40, 2, 128)},
          "q must start on a 16-byte boundary"),
         (lambda x: {"k": torch.zeros(1, 40, 260, dtype=torch.bfloat16)[..., :256].unflatten(-1, (2, 128))},
-         "k must start on a 16-byte boundary with 16-byte aligned rows"),
+         "k must have 16-byte aligned rows"),
         (lambda x: {"g": torch.zeros(40 * 256, dtype=torch.bfloat16).as_strided((1, 40, 2, 128), (40 * 256, 128, 128, 1))},
          "g's token stride 128 is smaller than a token's 256 elements"),
         (lambda x: {"q": torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)}, r"k must have shape \[2, 40, 2, 128\]"),

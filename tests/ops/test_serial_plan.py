@@ -1,0 +1,135 @@
+"""The serial fast path (``ops.prefill._SerialPlan``) on the CPU: a fake loader over the real
+manifest records captures the packed parameter buffers, so the launch values, the per-call
+re-checks and the plan cache are checked without a GPU."""
+
+import struct
+
+import pytest
+import torch
+
+import cula_aot
+from cula_aot import KDAInputError
+from cula_aot.layout import FLAG_BF16_FINAL, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
+from cula_aot.ops import prefill as prefill_module
+from cula_aot.runtime.loader import LoadedKernel
+from cula_aot.runtime.manifest import Manifest
+from tests.helpers import cu_seqlens_of, standard_inputs
+
+
+class _Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def loader(self, manifest):
+        recorder = self
+
+        class FakeLoader:
+            def get(self, device, spec):
+                name, record = manifest.record(spec)
+                kernel = LoadedKernel(name, record, function=None)
+                kernel.launch_packed = lambda packed, grid, stream: recorder.launches.append((kernel, packed, grid))
+                return kernel
+
+        return FakeLoader()
+
+    def values(self, index):
+        kernel, packed, grid = self.launches[index]
+        decoded = kernel.packer.struct.unpack(packed)
+        return kernel, dict(zip(kernel.packer.names, decoded)), grid
+
+
+@pytest.fixture
+def recorder(monkeypatch, manifest_path):
+    rec = _Recorder()
+    loader = rec.loader(Manifest(manifest_path) if not hasattr(Manifest, "discover") else Manifest.discover())
+    monkeypatch.setattr(prefill_module, "default_loader", lambda: loader)
+    monkeypatch.setattr(prefill_module, "_check_device", lambda device: None)
+    monkeypatch.setattr(prefill_module, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(prefill_module, "_PLANS", {})
+    # TMA descriptors: a recognisable encoding of (address, dims, strides) instead of the driver's.
+    from cula_aot.runtime import tma
+
+    monkeypatch.setattr(tma, "_encode", lambda recipe, base, dims, strides, what:
+                        struct.pack("<QQQQ", base, dims[0], dims[1], strides[0]).ljust(128, b"\0"))
+    return rec
+
+
+def _call(x, **kw):
+    kw.setdefault("lower_bound", x["lower_bound"])
+    return cula_aot.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], **kw)
+
+
+def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
+    heads = 4
+    x = standard_inputs(1, 40, heads, seed=1)
+    cu = cu_seqlens_of([7, 33])
+    pool = torch.zeros(5, heads, 128, 128, dtype=torch.bfloat16)
+    idx = torch.tensor([3, -1], dtype=torch.int32)
+    # intracard_cp=False: with host lengths, "auto" decides per call from the values (no plan).
+    o1, f1 = _call(x, cu_seqlens=cu, initial_state=pool, state_indices=idx, output_final_state=True, state_layout="kv",
+                   intracard_cp=False)
+    assert f1 is pool and len(prefill_module._PLANS) == 1
+    y = standard_inputs(1, 40, heads, seed=2)  # new tensors, same signature
+    o2, _ = _call(y, cu_seqlens=cu, initial_state=pool, state_indices=idx, output_final_state=True, state_layout="kv",
+                  intracard_cp=False, scale=0.5)
+    assert len(prefill_module._PLANS) == 1 and len(recorder.launches) == 4
+    k1, v1, grid1 = recorder.values(2)
+    k2, v2, grid2 = recorder.values(3)
+    assert k1.name == "k1_prepare_heads4_varlen1" and k2.name.startswith("k2_recurrence_heads4_varlen1")
+    total_slots = (40 + 15 * 2) // 16
+    assert grid1 == (total_slots, heads, 1) and grid2[1:] == (heads, 2)
+    assert v1["beta"] == y["beta"].data_ptr() and v1["scale"] == 0.5 and v1["cu_seqlens"] == cu.data_ptr()
+    assert struct.unpack("<QQQQ", v1["tma_q"][:32]) == (y["q"].data_ptr(), heads * 128, 40, heads * 256)
+    assert v1["beta_row_stride"] == heads and v1["total_slots"] == total_slots
+    assert v2["v"] == y["v"].data_ptr() and v2["out"] == o2.data_ptr() and v2["state_indices"] == idx.data_ptr()
+    assert v2["initial_state"] == v2["final_state"] == pool.data_ptr()
+    assert v2["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
+        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL
+    assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
+    # Same workspaces on both calls: the arena's cached addresses.
+    assert recorder.values(1)[1]["ws_qd"] == v2["ws_qd"] and v1["ws_kd"] == v2["ws_kd"]
+
+
+def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
+    heads, T = 2, 33
+    x = standard_inputs(1, T, heads, seed=3)
+    fused = torch.zeros(1, T, 4 * heads * 128 + 64, dtype=torch.bfloat16)
+    views = {n: fused[..., i * heads * 128:(i + 1) * heads * 128].unflatten(-1, (heads, 128))
+             for i, n in enumerate(("q", "k", "v", "g"))}
+    views["beta"] = fused[..., 4 * heads * 128:4 * heads * 128 + heads]
+    _call({**x, **views})
+    _call(x)
+    assert len(prefill_module._PLANS) == 2
+    _, v1, _ = recorder.values(0)
+    _, v2, _ = recorder.values(1)
+    row = fused.stride(1)
+    assert struct.unpack("<QQQQ", v1["tma_k"][:32]) == (views["k"].data_ptr(), heads * 128, T, 2 * row)
+    assert v1["beta_row_stride"] == row and v2["v_row_stride"] == row and v2["out_row_stride"] == heads * 128
+
+
+def test_plan_hit_still_checks_addresses_and_scalars_before_launch(recorder):
+    x = standard_inputs(1, 32, 2, seed=4)
+    out = torch.empty_like(x["v"])
+    _call(x, out=out)
+    n = len(recorder.launches)
+    with pytest.raises(KDAInputError, match="lower_bound must be in"):
+        _call(x, out=out, lower_bound=0.5)
+    with pytest.raises(KDAInputError, match="out must not alias an input"):
+        _call(x, out=x["q"])
+    shifted = torch.zeros(32 * 256 + 8, dtype=torch.bfloat16)[4:4 + 32 * 256].view(1, 32, 2, 128)
+    shifted.copy_(x["k"])
+    with pytest.raises(KDAInputError, match="k must start on a 16-byte boundary"):
+        _call({**x, "k": shifted}, out=out)
+    assert len(recorder.launches) == n and len(prefill_module._PLANS) == 1
+
+
+def test_host_cu_seqlens_values_are_checked_on_every_call(recorder):
+    x = standard_inputs(1, 40, 2, seed=5)
+    cu = cu_seqlens_of([10, 30])
+    _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), intracard_cp=False)
+    with pytest.raises(KDAInputError, match="non-decreasing"):
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 50, 40], dtype=torch.int32), intracard_cp=False)
+    assert len(prefill_module._PLANS) == 1
+    _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())  # "auto" planned from host lengths: not cached
+    assert len(prefill_module._PLANS) == 1
