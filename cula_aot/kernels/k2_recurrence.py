@@ -299,6 +299,10 @@ def k2_recurrence_kernel(
     image_lane = _image_lane_offset(lane)
     image_trans_lane = _image_trans_lane_offset(lane)
     square_lane = _square_lane_offset(lane)
+    # Output rows 2t, 2t + 1, 2t + 8, 2t + 9 of a tile, as offsets from row 2t (loop-invariant,
+    # so each store is one add from the tile's base).
+    out_stride = cutlass.Int64(out_row_stride)
+    out_row_offsets = (cutlass.Int64(0), out_stride, out_stride * 8, out_stride * 9)
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % STAGES
         stage_base = _stage_base(s_stages, stage)
@@ -361,14 +365,15 @@ def k2_recurrence_kernel(
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ -----------------------------------------------------------
         b_mqk = ldmatrix_x4(base + _PART_OFFSET["mqk"] + square_lane)
+        out_tile = out + ((token0 + cutlass.Int64(2 * t)) * out_stride + cutlass.Int64(head * D + v_col))
         for n in cutlass.range_constexpr(2):
             d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
             for c in cutlass.range_constexpr(4):
                 row = n * 8 + 2 * t + c % 2
                 if row < rows_valid and write_out:
-                    at = (token0 + cutlass.Int64(row)) * cutlass.Int64(out_row_stride) \
-                        + cutlass.Int64(head * D + v_col + 8 * (c // 2))
-                    cute.make_tensor(out + at, cute.make_layout(1))[0] = d_o[c].to(cutlass.BFloat16)
+                    element = cute.make_tensor(out_tile + (out_row_offsets[2 * n + c % 2] + 8 * (c // 2)),
+                                               cute.make_layout(1))
+                    element[0] = d_o[c].to(cutlass.BFloat16)
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
         for pair in cutlass.range_constexpr(N_TILES // 2):

@@ -13,7 +13,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from .abi import POINTER_ALIGN, ParamPacker
-from .driver import CudaError, check
+from .driver import CudaError, check, launch_kernel
 from .manifest import ArtifactError, Manifest
 from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
 
@@ -40,6 +40,8 @@ class LoadedKernel:
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
         self._thread = threading.local()  # per-thread launch buffers
+        self.handle = int(function) if function is not None else 0  # the raw CUfunction
+        self.what = f"cuLaunchKernel({name})"
 
     def grid(self, values: dict) -> tuple:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
@@ -66,10 +68,7 @@ class LoadedKernel:
                                           cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
-        check(
-            cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0, buffers[3]),
-            f"cuLaunchKernel({self.name})",
-        )
+        launch_kernel(self.handle, grid, self.block, self.smem, stream, buffers[3], self.what)
 
     def template(self, static: dict, dynamic: tuple) -> "LaunchTemplate":
         return LaunchTemplate(self, static, dynamic)
