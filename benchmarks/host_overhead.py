@@ -1,7 +1,7 @@
 """Where a serial prefill's host time goes, on a tiny problem: the host time of bursts of calls
 short enough that the launch queue never fills (so the GPU never holds the host back), the same
-with the two driver launches stubbed out (the Python part), the bare driver launch through
-cuda-bindings and through ctypes, then a cProfile of the loop.
+with the two driver launches stubbed out (the Python part), the bare driver launch, then a
+cProfile of the loop.
 
     python benchmarks/host_overhead.py [--calls 3000] [--varlen]
 """
@@ -80,10 +80,7 @@ def main():
         driver.check(cu.cuLaunchKernel(kernel.function, *grid, *kernel.block, kernel.smem, cu.CUstream(stream), 0,
                                        extra_at), "launch")
 
-    def ctypes_launch():
-        driver.launch_kernel(kernel.handle, grid, kernel.block, kernel.smem, stream, extra_at, "launch")
-
-    print(f"driver launch: cuda-bindings {burst_us(bindings_launch, 500):.2f} us, ctypes {burst_us(ctypes_launch, 500):.2f} us")
+    print(f"driver launch (cuda-bindings cuLaunchKernel, K2's parameters): {burst_us(bindings_launch, 500):.2f} us")
 
     profile = cProfile.Profile()
     profile.enable()

@@ -1,7 +1,7 @@
 """A KDA layer the way a vLLM/SGLang-style engine drives it: a recurrent-state pool, chunked
 prefill that continues from cached state, padded batches replayed from a CUDA graph.
 
-    python examples/kda_layer.py        # needs an sm_90a GPU and the built kernels
+    PYTHONPATH=. python examples/kda_layer.py   # from a checkout; needs an sm_90a GPU and built kernels
 
 The engine owns one pool per layer, ``[max_requests, H, V, K]``; each running request holds a
 slot.  A prefill batch is a varlen batch: ``cu_seqlens`` on the device (no host copy, so the

@@ -385,15 +385,25 @@ class _SerialPlan:
             cu_seqlens, cu_seqlens_cpu, state_indices):
         c, device = self.c, self.device
         lower_bound, scale = _check_scalars(lower_bound, scale)
-        _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                          "initial_state": initial_state, "final_state": final_state, "out": out,
-                          "state_indices": state_indices}, (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()))
+        # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
+        qp, kp, vp, gp, bp, ap, dp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                      A_log.data_ptr(), dt_bias.data_ptr())
+        ip = 0 if initial_state is None else initial_state.data_ptr()
+        fp = 0 if final_state is None else final_state.data_ptr()
+        op = 0 if out is None else out.data_ptr()
+        xp = 0 if state_indices is None else state_indices.data_ptr()
+        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp) & 15 or op in (qp, kp, vp, gp) or fp in (qp, kp, vp, gp):
+            _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+                              "initial_state": initial_state, "final_state": final_state, "out": out,
+                              "state_indices": state_indices}, (qp, kp, vp, gp))
         if self.host_checks:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+            op = out.data_ptr()
         if self.alloc_final:
             final_state = torch.empty(c.num_seqs, c.heads, D, D, dtype=torch.float32, device=device)
+            fp = final_state.data_ptr()
         stream = _raw_stream(device)
         workspaces = ARENA.pointers(device, self.slots, stream)
         cu32 = None
@@ -401,11 +411,8 @@ class _SerialPlan:
             cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
                 cu_seqlens.to(device=device, dtype=torch.int32)
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
-        self.k1.launch((q.data_ptr(), k.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
-                        dt_bias.data_ptr(), cu_ptr, *workspaces, scale, lower_bound), stream)
-        self.k2.launch((v.data_ptr(), out.data_ptr(), 0 if initial_state is None else initial_state.data_ptr(),
-                        final_state.data_ptr() if self.want_final else 0, cu_ptr,
-                        0 if state_indices is None else state_indices.data_ptr(), *workspaces), stream)
+        self.k1.launch((qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound), stream)
+        self.k2.launch((vp, op, ip, fp if self.want_final else 0, cu_ptr, xp, *workspaces), stream)
         return out, (final_state if self.want_final else None)
 
 

@@ -13,7 +13,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from .abi import POINTER_ALIGN, ParamPacker
-from .driver import CudaError, check, launch_kernel
+from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
 from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
 
@@ -40,7 +40,6 @@ class LoadedKernel:
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
         self._thread = threading.local()  # per-thread launch buffers
-        self.handle = int(function) if function is not None else 0  # the raw CUfunction
         self.what = f"cuLaunchKernel({name})"
 
     def grid(self, values: dict) -> tuple:
@@ -68,7 +67,8 @@ class LoadedKernel:
                                           cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
-        launch_kernel(self.handle, grid, self.block, self.smem, stream, buffers[3], self.what)
+        check(cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0, buffers[3]),
+              self.what)
 
     def template(self, static: dict, dynamic: tuple) -> "LaunchTemplate":
         return LaunchTemplate(self, static, dynamic)
@@ -96,20 +96,31 @@ class LaunchTemplate:
             self._descriptors.append((names.index(name), dynamic_index[source], cache.resolved(static)))
         kernel.packer.pack({n: (probe[n] if n not in dynamic_index else _placeholder(kernel, n)) for n in names})
         self._values = [probe[n] for n in names]
-        self._dynamic = [(names.index(n), i) for n, i in dynamic_index.items() if n in names]
+        # Dynamic parameters as runs (ABI position, dynamic index, length) filled by slices.
+        pairs = sorted((names.index(n), i) for n, i in dynamic_index.items() if n in names)
+        self._runs = []
+        for at, i in pairs:
+            if self._runs and self._runs[-1][0] + self._runs[-1][2] == at and self._runs[-1][1] + self._runs[-1][2] == i:
+                self._runs[-1][2] += 1
+            else:
+                self._runs.append([at, i, 1])
+        self._runs = [(at, i, i + n, at + n) for at, i, n in self._runs]
         self._pointer_checks = [(i, n) for n, i in dynamic_index.items() if n in kernel.packer.pointer_names]
         self._struct = kernel.packer.struct
 
     def launch(self, dynamic: tuple, stream: int) -> None:
-        for i, name in self._pointer_checks:
-            if dynamic[i] % POINTER_ALIGN:
-                raise ValueError(f"{self.kernel.name}: pointer '{name}' = {dynamic[i]:#x} is not {POINTER_ALIGN}-byte "
-                                 "aligned; pass tensors whose storage starts on a 16-byte boundary")
+        bits = 0
+        for i, _ in self._pointer_checks:
+            bits |= dynamic[i]
+        if bits % POINTER_ALIGN:
+            name = next(n for i, n in self._pointer_checks if dynamic[i] % POINTER_ALIGN)
+            raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {POINTER_ALIGN}-byte aligned; "
+                             "pass tensors whose storage starts on a 16-byte boundary")
         if min(self.grid) <= 0:
             return
         values = self._values.copy()
-        for at, i in self._dynamic:
-            values[at] = dynamic[i]
+        for at, first, stop, end in self._runs:
+            values[at:end] = dynamic[first:stop]
         for at, i, encode in self._descriptors:
             values[at] = encode(dynamic[i])
         self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream)

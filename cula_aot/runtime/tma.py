@@ -46,7 +46,16 @@ class DescriptorCache:
         """``address -> descriptor`` for the shape that ``values`` fix (a launch template's)."""
         dims = tuple(_resolve(d, values) for d in self.recipe["global_dims"])
         strides = tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"])
-        return lambda base_address: self._get(base_address, dims, strides)
+        last = [(None, None)]  # the previous call's (address, descriptor): serving loops repeat it
+
+        def encoded(base_address: int) -> bytes:
+            address, descriptor = last[0]  # one tuple: consistent under concurrent callers
+            if address != base_address:
+                descriptor = self._get(base_address, dims, strides)
+                last[0] = (base_address, descriptor)
+            return descriptor
+
+        return encoded
 
     def _get(self, base_address: int, dims: tuple, strides: tuple) -> bytes:
         key = (base_address, dims, strides)
