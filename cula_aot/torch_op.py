@@ -5,6 +5,11 @@ Functional (allocates its outputs), with a fake implementation so it traces unde
 pass ``cu_seqlens_cpu`` so validation needs no GPU→CPU copy).  The final state is always
 returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intracard_cp``:
 -1 = "auto", 0 = off, n ≥ 1 = s_split.
+
+``torch.ops.cula_aot.kda_prefill_pool``: the serving form over a state pool, updated in place
+(declared mutated, so torch.compile orders it): sequence n continues from
+``state_pool[state_indices[n]]`` and writes its final state back (index < 0: zero start, no
+write).  Sync-free with a device ``cu_seqlens``; returns the output.
 """
 
 import torch
@@ -48,3 +53,32 @@ def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=N
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_shape = (num_seqs, heads, D, D) if output_final_state else (0,)
     return torch.empty_like(v), q.new_empty(final_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("cula_aot::kda_prefill_pool", mutates_args=("state_pool",), device_types="cuda")
+def kda_prefill_pool_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    state_layout: str = "vk",
+) -> torch.Tensor:
+    o, _ = prefill(
+        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+        initial_state=state_pool, final_state=state_pool, state_indices=state_indices, cu_seqlens=cu_seqlens,
+        state_layout=state_layout, intracard_cp=False)
+    return o
+
+
+@kda_prefill_pool_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
+      state_layout="vk"):
+    return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)

@@ -39,7 +39,7 @@ from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
-from .workspace import ARENA, TABLE_STAGING
+from .workspace import ARENA, SEGMENT_TABLES
 
 STATE_LAYOUTS = ("vk", "kv")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -325,16 +325,6 @@ def _segment_tables(segments, final_flags: int):
     return prescan_rows, main_rows, bounds
 
 
-def _to_device(values: list[int], device, stream: torch.cuda.Stream) -> torch.Tensor:
-    """A small int32 host table on the device without a GPU→CPU sync (stream-ordered copy from
-    pinned memory: the per-stream staging buffer, or a fresh pinned tensor under graph capture,
-    where a replay must keep reading this call's values)."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if torch.cuda.is_current_stream_capturing():
-        return host.pin_memory().to(device, non_blocking=True)
-    return TABLE_STAGING.upload(host, device, stream)
-
-
 def _state_flags(state, which: str, indexed: bool) -> int:
     """K2 / merge flag bits for a user state tensor (``which`` = "init" or "final")."""
     if state is None:
@@ -498,6 +488,25 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         c.final_slot_stride = heads * D * D
     torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
     stream = torch_stream.cuda_stream
+    # The plan's tables first (cached per plan: built and uploaded once), so nothing on the GPU
+    # waits for Python between the launches.  One buffer: the segment rows, then the
+    # per-sequence bounds (at a multiple of 32 bytes).
+    plan_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
+                final_flags)
+    n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
+    n_segments = sum(len(seq) for seq in segments)
+    n_rows = n_prescan + n_segments
+
+    def table_values():
+        prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
+        return [v for row in prescan_rows + main_rows for v in row] + bounds
+
+    uploaded = SEGMENT_TABLES.get(plan_key, table_values, device, torch_stream)
+    if uploaded is None:
+        _fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
+              "call (same lengths) once before capturing, or pass intracard_cp=False")
+    table = uploaded[: n_rows * SEGMENT_FIELDS].view(n_rows, SEGMENT_FIELDS)
+    seq_segments = uploaded[n_rows * SEGMENT_FIELDS :]
     _, common, _cu32 = workspace_values(device, c.batch, c.seq_len, heads, cu_seqlens, stream)
     launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, c.scale, common, stream, c.strides)
     # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.
@@ -508,19 +517,12 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                  "v_row_stride": c.strides["v"], "out_row_stride": c.strides["out"],
                  "final_stride_k": stride_k, "final_stride_v": stride_v}
 
-    prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
-    n_segments = len(main_rows)
-    # One upload: the segment rows, then the per-sequence bounds (at a multiple of 32 bytes).
-    n_rows = len(prescan_rows) + len(main_rows)
-    uploaded = _to_device([v for row in prescan_rows + main_rows for v in row] + bounds, device, torch_stream)
-    table = uploaded[: n_rows * SEGMENT_FIELDS].view(n_rows, SEGMENT_FIELDS)
-    seq_segments = uploaded[n_rows * SEGMENT_FIELDS :]
     # Transition pairs (M_i, B_i) and merged start states, fp32 [K, V] row-major per head.
     prescan = torch.empty(2 * n_segments, heads, D, D, dtype=torch.float32, device=device)
     carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)
     packed_slot = heads * D * D
     row_bytes = table.element_size() * table.shape[1]
-    k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": len(prescan_rows),
+    k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
                "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
                "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
                "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
@@ -528,7 +530,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                   "seq_segments": seq_segments.data_ptr(), "state_indices": user_indices,
                   "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
                   "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream)
-    k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * len(prescan_rows),
+    k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
                "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": final_state.data_ptr()
                if want_final else 0, "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
                "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream)

@@ -1,5 +1,5 @@
 """Runtime-owned device memory: the workspace arena (one raw byte buffer per (device, stream),
-grow-only) and the staging of small host tables.
+grow-only), the staging of small host tables and the per-plan CP segment tables.
 
 Workspaces are carved from it as typed views at 256-byte aligned offsets, so after warm-up a
 prefill allocates no device memory.  Views are valid until the next call on the same stream
@@ -75,32 +75,72 @@ class WorkspaceArena:
 class TableStaging:
     """Host→device upload of small int32 tables (CP segment plans) without pinning memory per
     call (``pin_memory`` costs ~100 µs): per (device, stream) a grow-only pinned host buffer and
-    device buffer, and an event that guards the host buffer until its last copy has run."""
+    an event that guards it until its last copy has run."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, int], tuple] = {}
 
-    def upload(self, values: torch.Tensor, device: torch.device, stream: torch.cuda.Stream) -> torch.Tensor:
-        """Copy ``values`` (CPU int32, 1-D) to the device on ``stream`` (which must be current);
-        the result stays valid until the next upload on the same stream, which is ordered
-        after every use of it on that stream."""
-        key, n = (device.index, stream.cuda_stream), values.numel()
+    def upload(self, values: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """Copy ``values`` (CPU int32, 1-D) into the device tensor ``dst`` on ``stream`` (which must
+        be current), asynchronously."""
+        key, n = (dst.device.index, stream.cuda_stream), values.numel()
         with self._lock:
-            host, dev, copied = self._slots.get(key, (None, None, None))
+            host, copied = self._slots.get(key, (None, None))
             if copied is not None:
                 copied.synchronize()  # the previous copy out of `host` has run (normally long ago)
             if host is None or host.numel() < n:
-                size = max(n, 1024)
-                host = torch.empty(size, dtype=torch.int32, pin_memory=True)
-                dev = torch.empty(size, dtype=torch.int32, device=device)
+                host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
             host[:n].copy_(values)
-            dev[:n].copy_(host[:n], non_blocking=True)
+            dst.copy_(host[:n], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(stream)
-            self._slots[key] = (host, dev, copied)
-            return dev[:n]
+            self._slots[key] = (host, copied)
+
+
+class SegmentTables:
+    """Device copies of CP segment tables, one per plan (lengths, split, flags), built once:
+    a repeated plan costs no table building, no upload and no GPU wait on the host, and a CUDA
+    graph captured with it reads a buffer that lives as long as the process (entries a capture
+    used are never evicted).  A capture needs its plan's table to exist already: run the same
+    call once before capturing (graph users warm up anyway: it also sizes the arena)."""
+
+    LIMIT = 256
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict = {}  # key -> [table, ready event, owner stream, used by a capture]
+
+    def get(self, key, build, device: torch.device, stream: torch.cuda.Stream):
+        """The device table of plan ``key`` (``build()`` gives its int32 values on a miss), usable
+        on ``stream`` (current) in stream order; None when capturing a plan not seen before."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None:
+            table, ready, owner, _ = entry
+            if owner != stream.cuda_stream:
+                if capturing:
+                    ready.synchronize()  # the eager upload (an event outside the capture)
+                else:
+                    stream.wait_event(ready)
+                    table.record_stream(stream)
+            entry[3] = entry[3] or capturing
+            return table
+        if capturing:
+            return None
+        values = torch.tensor(build(), dtype=torch.int32)
+        table = torch.empty(values.numel(), dtype=torch.int32, device=device)
+        TABLE_STAGING.upload(values, table, stream)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        with self._lock:
+            if len(self._entries) >= self.LIMIT:
+                self._entries = {k: e for k, e in self._entries.items() if e[3]}
+            self._entries[key] = [table, ready, stream.cuda_stream, False]
+        return table
 
 
 ARENA = WorkspaceArena()
 TABLE_STAGING = TableStaging()
+SEGMENT_TABLES = SegmentTables()

@@ -95,3 +95,53 @@ def test_auto_mode_runs_cp_for_few_heads():
     o_auto, _ = _run(inputs, _states(1, 4), cu, "auto")
     o_true, _ = _run(inputs, _states(1, 4), cu, True)
     assert torch.isfinite(o_auto).all() and torch.isfinite(o_true).all()
+
+
+@pytest.mark.parametrize("plan_seen_before_capture", [True, False])
+def test_cp_graph_replay_with_new_values(plan_seen_before_capture):
+    """CP captures into a CUDA graph (its per-plan segment table lives on the device) and replays
+    correctly with new values; a plan first met inside a capture is refused with the remedy."""
+    heads, lengths = 4, [3000, 700]
+    warm_lengths = lengths if plan_seen_before_capture else [2000, 1700]
+    static = standard_inputs(1, sum(lengths), heads, device="cuda", slow_decay=True)
+    cu = cu_seqlens_of(warm_lengths, "cuda")
+    s0 = _states(2, heads)
+    out = torch.empty_like(static["v"])
+    final = torch.empty(2, heads, 128, 128, device="cuda")
+
+    def run(cu_cpu):
+        cula_aot.kda_prefill(static["q"], static["k"], static["v"], static["g"], static["beta"],
+                             A_log=static["A_log"], dt_bias=static["dt_bias"], lower_bound=static["lower_bound"],
+                             initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, out=out, final_state=final,
+                             intracard_cp=4)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(cu.cpu())  # warm-up: loads kernels, sizes the arena
+    torch.cuda.current_stream().wait_stream(side)
+    cu.copy_(cu_seqlens_of(lengths, "cuda"))
+    graph = torch.cuda.CUDAGraph()
+    if not plan_seen_before_capture:
+        # Refused before any CUDA call, so the capture itself stays valid.
+        with pytest.raises(cula_aot.KDAInputError, match="run the same call .* once before capturing"):
+            with torch.cuda.graph(graph):
+                run(cu_seqlens_of(lengths))
+        return
+    with torch.cuda.graph(graph):
+        run(cu_seqlens_of(lengths))
+
+    fresh = standard_inputs(1, sum(lengths), heads, device="cuda", slow_decay=True)
+    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+        static[name].copy_(fresh[name])
+    s0.copy_(_states(2, heads))
+    out.fill_(float("nan"))
+    final.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_eager, s_eager = _run(fresh, s0.transpose(-1, -2), cu, 4)
+    assert torch.equal(out, o_eager) and torch.equal(final.transpose(-1, -2), s_eager)
+    ref_o, _ = reference.kda_chunked(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"], A_log=fresh["A_log"],
+                                     dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
+                                     initial_state=s0.transpose(-1, -2), cu_seqlens=cu)
+    assert reference.rel_rmse(out, ref_o) <= BOUND

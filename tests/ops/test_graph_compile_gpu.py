@@ -86,3 +86,24 @@ def test_cuda_graph_replay_matches_eager(varlen):
                                      A_log=fresh["A_log"], dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
                                      initial_state=s0.transpose(-1, -2), cu_seqlens=cu)
     assert reference.rel_rmse(out, ref_o) <= 1e-2
+
+
+def test_pool_op_under_opcheck_and_compile():
+    heads = 4
+    inputs = standard_inputs(1, 100, heads, device="cuda")
+    cu = cu_seqlens_of([30, 70], "cuda")
+    pool = 0.1 * torch.randn(5, heads, 128, 128, device="cuda")
+    indices = torch.tensor([3, -1], dtype=torch.int32, device="cuda")
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["A_log"], inputs["dt_bias"],
+            inputs["lower_bound"], pool, indices)
+    torch.library.opcheck(torch.ops.cula_aot.kda_prefill_pool.default, args, {"cu_seqlens": cu})
+
+    start = pool.clone()
+    eager_pool = start.clone()
+    o_eager, _ = cula_aot.kda_prefill(*args[:5], A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
+                                      lower_bound=inputs["lower_bound"], initial_state=eager_pool,
+                                      output_final_state=True, state_indices=indices, cu_seqlens=cu)
+    pool.copy_(start)
+    compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_prefill_pool(*a, cu_seqlens=cu) * 1, fullgraph=True)
+    o = compiled(*args)
+    assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool)
