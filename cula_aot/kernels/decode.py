@@ -1,0 +1,422 @@
+"""KDA decode: the token recurrence applied to states in a pool, in place (SPEC §10).
+
+What it computes, for one sequence n, one head h and one block of ``v_block`` value rows of
+its state S (``[V, K]``, fp32 inside), for the tokens t = 0 .. T−1 in order
+(T = ``num_tokens`` ≤ ``MAX_TOKENS``):
+
+    γ = lower_bound·σ(exp(A_log[h])·(g + dt_bias[h]))   α = e^γ          (per key)
+    q̂, k̂ = x·rsqrt(Σx² + 1e-6) rounded to bf16         b = σ(β)
+    S ← S·diag(α);   u = b·(v − S k̂);   o = scale·(S q̂ + u·(k̂·q̂));   S ← S + u k̂ᵀ
+
+(``o = scale·S_new q̂`` written with the decayed state before the rank-1 update, so both dot
+products of a row come from one pass and one reduction).  Every V row evolves independently,
+so the work splits over (V block, head, sequence) with no communication between CTAs.
+
+State.  ``slot = state_indices[index_offset + n]``; the head state is at
+``state_pool + slot·slot_stride + h·128·128`` with S[v, k] at ``v·128 + k`` ("vk") or
+``k·128 + v`` ("kv", ``kv_layout``), fp32 or bf16 (``bf16_state``; loaded once, carried fp32,
+rounded once per store).  ``slot < 0`` or ``slot ≥ num_slots`` is a padding row: the CTA writes
+zeros to its ``out`` rows and nothing else (no state read or written, never an out-of-range
+access).  With ``flags & FLAG_INTERMEDIATE`` the state after every token t is also written to
+``intermediate + ((n·T + t)·H + h)·128·128`` (same dtype and per-head layout as the pool).
+
+Thread tile.  Each thread owns 64 state values, ``VT`` V rows × ``KT`` keys, loaded and stored
+as 16-byte vectors; the ``L = 128 / KT`` lanes that share its rows (a "group", one warp holds
+``32 / L`` groups = 16 V rows) cover all 128 keys, and the row dot products are butterfly
+shuffles over the group:
+
+* "vk" (keys contiguous): VT = 4 rows, KT = 16 keys as 16/CE vectors of CE = 16 B / element
+  keys; lane j of a group reads columns ``m·8·CE + j·CE ..``, so a group's lanes read 128
+  contiguous bytes of a row per vector: L = 8.
+* "kv" (V contiguous): one vector of CE V columns per key (VT = CE), keys ``j + L·i``
+  (KT = 64 / CE): fp32 L = 8, bf16 L = 16.
+
+Per CTA, before the recurrence (overlapping the state loads, issued first): one half-warp per
+token computes q̂, k̂ (l2norm, bf16 rounding), k̂·q̂ and α for all 128 keys into shared memory,
+b = σ(β), and the CTA's v rows of every token; outputs are staged in shared memory and written
+as 16-byte vectors at the end.
+
+Launch: grid (128 / v_block, H, N), block (2·v_block, 1, 1) (one warp per 16 V rows),
+``SMEM_BYTES(v_block)`` dynamic shared memory.  Compile-time: H, kv_layout, bf16_state,
+v_block.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
+token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
+128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
+(whose pointers are passed rounded down to 16 bytes), scale, lower_bound, flags.
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import D
+from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS
+from .common import LOG2E, exp2_fast, sigmoid
+
+WARP = 32
+ROWS_PER_WARP = 16
+VALUES = 64  # state values per thread
+HALF = 16  # lanes per token in the prologue (8 columns each)
+MAX_TOKENS = DECODE_MAX_TOKENS
+
+
+def threads(v_block: int) -> int:
+    return WARP * (v_block // ROWS_PER_WARP)
+
+
+def smem_bytes(v_block: int) -> int:
+    """α, k̂, q̂ (fp32 [MAX_TOKENS, 128] each), k̂·q̂ and b per token, v and o staging (fp32
+    [MAX_TOKENS, v_block] each), alignment slack."""
+    return 3 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * v_block * 4 + 128
+
+
+class _Tile:
+    """Trace-time description of a thread's 64 state values for one variant."""
+
+    def __init__(self, kv_layout: bool, bf16_state: bool):
+        self.dtype = cutlass.BFloat16 if bf16_state else cutlass.Float32
+        self.ce = 8 if bf16_state else 4  # elements per 16-byte vector
+        self.kv = kv_layout
+        if kv_layout:
+            self.vt = self.ce
+            self.kt = VALUES // self.ce
+        else:
+            self.vt = 4
+            self.kt = VALUES // 4
+        self.lanes = D // self.kt  # L: lanes of a group (they share the V rows)
+        self.groups = WARP // self.lanes
+        assert self.groups * self.vt == ROWS_PER_WARP
+        # Lane = j + L·group ("vk") or group + groups·j ("kv"): the reduction partners.
+        stride = 1 if not kv_layout else self.groups
+        self.xor_offsets = [stride << b for b in range(self.lanes.bit_length() - 1)]
+
+    def lane_parts(self, lane):
+        """(group, j) of a lane: which V rows, which keys."""
+        if self.kv:
+            return lane % self.groups, lane // self.groups
+        return lane // self.lanes, lane % self.lanes
+
+    def key(self, j, ki: int):
+        """Key of value column ``ki`` for group lane ``j``."""
+        if self.kv:
+            return j + self.lanes * ki
+        return (ki // self.ce) * (self.lanes * self.ce) + j * self.ce + ki % self.ce
+
+    def lane_offset(self, row0, j):
+        """Element offset (in a head state) of this thread's first vector; ``row0`` = its first V row."""
+        if self.kv:
+            return j * D + row0
+        return row0 * D + j * self.ce
+
+    def vectors(self):
+        """[(static element offset from lane_offset, [register index per vector element])]:
+        register ``vi·KT + ki`` holds S[row0 + vi, key(j, ki)]."""
+        out = []
+        if self.kv:
+            for ki in range(self.kt):
+                out.append((self.lanes * ki * D, [vi * self.kt + ki for vi in range(self.vt)]))
+        else:
+            for vi in range(self.vt):
+                for m in range(self.kt // self.ce):
+                    regs = [vi * self.kt + m * self.ce + e for e in range(self.ce)]
+                    out.append((vi * D + m * self.lanes * self.ce, regs))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tile(kv_layout: bool, bf16_state: bool) -> _Tile:
+    return _Tile(bool(kv_layout), bool(bf16_state))
+
+
+# Plain Python helpers (trace-time loops, no dynamic control flow): they may take the _Tile.
+def _load_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
+    """This thread's 64 values of the head state at ``base`` into ``state`` (fp32)."""
+    for static_off, regs in tile.vectors():
+        at = cute.assume(lane_off + static_off, divby=tile.ce)  # lane_off: a multiple of CE
+        vec = cute.make_tensor(base + at, cute.make_layout(tile.ce)).load().to(cutlass.Float32)
+        for e in range(tile.ce):
+            state[regs[e]] = vec[e]
+
+
+def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
+    """``state`` rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
+    frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
+    for static_off, regs in tile.vectors():
+        for e in range(tile.ce):
+            frag[e] = state[regs[e]]
+        at = cute.assume(lane_off + static_off, divby=tile.ce)
+        cute.make_tensor(base + at, cute.make_layout(tile.ce)).store(frag.load().to(tile.dtype))
+
+
+def _bf16_row8(base: cute.Pointer, offset):
+    """Eight bf16 at ``base + offset`` (16-byte aligned) widened to fp32."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load().to(cutlass.Float32)
+
+
+def _f32x8(base: cute.Pointer, offset):
+    """Eight fp32 at ``base + offset`` (32-byte aligned: two 16-byte vectors)."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load()
+
+
+def _store8(dst: cute.Tensor, offset, values: cute.Tensor):
+    """Eight fp32 (a register fragment) into shared memory at ``offset`` (32-byte aligned)."""
+    cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values.load())
+
+
+def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, row_local,
+                scale, v_block: int):
+    """One token on this thread's 64 values: decay, the two row dot products (reduced over the
+    group), u, o (staged in ``s_o``; every lane of a group holds bit-identical sums, so all of
+    them store the same value) and the rank-1 update."""
+    alpha, khat, qhat = [], [], []
+    for ki in range(tile.kt):
+        key = t * D + tile.key(j, ki)
+        alpha.append(s_alpha[key])
+        khat.append(s_khat[key])
+        qhat.append(s_qhat[key])
+    dk, dq = [], []
+    for vi in range(tile.vt):
+        acc_k = cutlass.Float32(0.0)
+        acc_q = cutlass.Float32(0.0)
+        for ki in range(tile.kt):
+            s = state[vi * tile.kt + ki] * alpha[ki]
+            state[vi * tile.kt + ki] = s
+            acc_k = acc_k + s * khat[ki]
+            acc_q = acc_q + s * qhat[ki]
+        dk.append(acc_k)
+        dq.append(acc_q)
+    # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
+    for off in tile.xor_offsets:
+        for vi in range(tile.vt):
+            dk[vi] = dk[vi] + cute.arch.shuffle_sync_bfly(dk[vi], offset=off)
+            dq[vi] = dq[vi] + cute.arch.shuffle_sync_bfly(dq[vi], offset=off)
+    b = s_b[t]
+    kq = s_kq[t]
+    for vi in range(tile.vt):
+        u = b * (s_v[t * v_block + row_local + vi] - dk[vi])
+        s_o[t * v_block + row_local + vi] = scale * (dq[vi] + u * kq)
+        for ki in range(tile.kt):
+            state[vi * tile.kt + ki] = state[vi * tile.kt + ki] + u * khat[ki]
+
+
+@cute.jit
+def _prepare_token(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
+                   dt_bias: cute.Pointer, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
+                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, q_at, k_at, g_at, beta_at, head,
+                   lower_bound: cutlass.Float32, heads: cutlass.Constexpr[int]):
+    """One half-warp (lane ``hl`` owns columns 8·hl .. 8·hl + 7) prepares token ``t``."""
+    col = hl * 8
+    vq = _bf16_row8(q, q_at + col)
+    vk = _bf16_row8(k, k_at + col)
+    vg = _bf16_row8(g, g_at + col)
+    bias = _f32x8(dt_bias, head * D + col)
+    ssq = cutlass.Float32(0.0)
+    ssk = cutlass.Float32(0.0)
+    for e in cutlass.range_constexpr(8):
+        ssq += vq[e] * vq[e]
+        ssk += vk[e] * vk[e]
+    for b in cutlass.range_constexpr(4):
+        ssq += cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
+        ssk += cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
+    rq = cute.math.rsqrt(ssq + 1e-6)
+    rk = cute.math.rsqrt(ssk + 1e-6)
+    decay_rate = exp2_fast(cute.make_tensor(a_log + head, cute.make_layout(1))[0] * cutlass.Float32(LOG2E))
+    fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    kq = cutlass.Float32(0.0)
+    for e in cutlass.range_constexpr(8):
+        fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+        fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+        kq += fq[e] * fk[e]
+        gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
+        fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
+    for b in cutlass.range_constexpr(4):
+        kq += cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    row = t * D + col
+    _store8(s_qhat, row, fq)
+    _store8(s_khat, row, fk)
+    _store8(s_alpha, row, fa)
+    if hl == 0:
+        s_kq[t] = kq
+        s_b[t] = sigmoid(cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32))
+
+
+@cute.kernel
+def kda_decode_kernel(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    heads: cutlass.Constexpr[int],
+    kv_layout: cutlass.Constexpr[bool],
+    bf16_state: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    vblk, head, seq = cute.arch.block_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+    v0 = vblk * v_block
+    n64 = cutlass.Int64(seq)
+    head_elems = cutlass.Int64(head) * (D * D)
+
+    smem = cutlass.utils.SmemAllocator()
+    token_layout = cute.make_layout(MAX_TOKENS * D)
+    s_alpha = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_khat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_qhat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * v_block), 32)
+    s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * v_block), 32)
+
+    slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
+    # v / out staging: thread i < T·v_block/8 moves 8 columns of one token's rows of this block.
+    chunks = v_block // 8
+    io_t = tid // chunks
+    io_col = (tid % chunks) * 8
+    io_active = io_t < num_tokens
+
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        # The _Tile is a trace-time object: it is never bound to a local name here, since a
+        # Python object live across a dynamic `if`/`for` cannot be staged.
+        group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
+        # First of this thread's VT rows in the block.
+        row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
+        state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
+        lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
+        # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
+        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
+                                               divby=_tile(kv_layout, bf16_state).ce)
+        _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
+
+        # ---- prologue: per-token q̂, k̂, α, k̂·q̂, b (one half-warp per token) and v rows ----
+        hl = tid % HALF
+        half_id = tid // HALF
+        # Unrolled over the rounds a token count up to MAX_TOKENS needs, with the token clamped
+        # to the last one (a repeat recomputes and rewrites identical values): the loads of all
+        # rounds are independent and go out together.
+        n_half = threads(v_block) // HALF
+        for rnd in cutlass.range_constexpr(-(-MAX_TOKENS // n_half)):
+            t = cutlass.min(half_id + rnd * n_half, num_tokens - 1)
+            t64 = cutlass.Int64(t)
+            _prepare_token(
+                q, k, g, beta, a_log, dt_bias, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl,
+                n64 * q_stride_n + t64 * q_stride_t + head * D,
+                n64 * k_stride_n + t64 * k_stride_t + head * D,
+                n64 * g_stride_n + t64 * g_stride_t + head * D,
+                cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head,
+                head, lower_bound, heads)
+        if io_active:
+            v_at = n64 * v_stride_n + cutlass.Int64(io_t) * v_stride_t + head * D + v0 + io_col
+            vv = _bf16_row8(v, v_at)
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for e in cutlass.range_constexpr(8):
+                frag[e] = vv[e]
+            _store8(s_v, io_t * v_block + io_col, frag)
+        cute.arch.sync_threads()
+
+        write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
+        for t in cutlass.range(num_tokens, unroll=1):
+            _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
+                        t, j, row_local, scale, v_block)
+            if write_inter:
+                inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
+                inter_head = intermediate + cute.assume(inter_at, divby=D * D)
+                _store_state(state, inter_head, _tile(kv_layout, bf16_state), lane_off)
+        _store_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
+        cute.arch.sync_threads()
+        if io_active:
+            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for e in cutlass.range_constexpr(8):
+                frag[e] = s_o[io_t * v_block + io_col + e]
+            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16))
+    else:
+        # Padding row: zeros out, nothing else.
+        if seq < num_seqs and io_active:
+            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            frag.fill(0.0)
+            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def kda_decode_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    stream,
+    heads: cutlass.Constexpr[int],
+    kv_layout: cutlass.Constexpr[bool],
+    bf16_state: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+):
+    kda_decode_kernel(
+        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
+        num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
+        v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
+        index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
+        heads, kv_layout, bf16_state, v_block,
+    ).launch(grid=[D // v_block, heads, num_seqs], block=[threads(v_block), 1, 1], smem=smem_bytes(v_block),
+             stream=stream)
