@@ -79,6 +79,16 @@ def _overlaps(a, b) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def _aliases(a, b) -> bool:
+    """Same first element, or intersecting extents where one of them is dense (interleaved
+    views of one fused buffer, e.g. q and g columns of a projection, do not alias)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.data_ptr() == b.data_ptr():
+        return True
+    return (a.is_contiguous() or b.is_contiguous()) and _overlaps(a, b)
+
+
 def _as_4d(name, t, num_tokens):
     """[N·T, H, 128] (or [N·T, H] for β) token-major input viewed as [N, T, ...] (no copy)."""
     if t.shape[0] % num_tokens:
@@ -181,8 +191,8 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
         _check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows("out", out)
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool)):
-            if _overlaps(out, t):
-                _fail(f"out must not overlap {name}")
+            if _aliases(out, t):
+                _fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
         if t is not None and any(abs(s) > _INT32_MAX for s in t.stride()):
             _fail(f"{name} strides {list(t.stride())} must fit in int32")

@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""KDA decode benchmark (issue 14): cula_aot.kda_decode against the HBM copy rate and fla.
+
+    python benchmarks/bench_decode.py [--json PATH] [--markdown PATH] [--quick] [--no-fla]
+                                      [--heads 4 8 ..] [--seqs 1 16 ..] [--tokens 1 4]
+                                      [--dtypes fp32 bf16] [--sweep] [--budget-s S] [--dry-run]
+
+Rows: pool dtype ∈ {fp32, bf16} × H ∈ {4, 8, 16, 32, 64} × N ∈ {1, 16, 64, 256, 1024} ×
+T ∈ {1, 4}, "vk" pools of exactly N slots, indices a random permutation.  Each row times, as
+CUDA-graph replays (one call captured, static pointers):
+
+* ``ours``: kda_decode updating the pool in place (state read + write once, outputs per token);
+* ``ours_inter`` (T > 1): the same with ``intermediate_states`` (the state after every token,
+  the pool dtype: T more state writes), what speculative-decoding verification needs;
+* ``fla``: flash-linear-attention's ``fused_recurrent_kda_fwd`` (Triton) in the same process
+  with the same semantics, when importable: in-place pool through ``ssm_state_indices``
+  (1-D for T = 1; ``[N, T]`` all equal to the sequence's slot for T > 1, so every token's
+  state lands in the same slot, like ours), V-first ``[V, K]`` states
+  (``state_v_first=True``), gate, q/k l2norm and β sigmoid in the kernel.  It is only called,
+  never copied.  Its output is compared with ours (rel-RMSE) on the same pool state.
+
+Timing: before every timed replay a 256 MB buffer is *read* (evicting the pool from the 60 MB
+L2 without leaving dirty lines to write back during the timed kernel), then CUDA events
+around the replay alone; 25 warm-up / 100 timed (``--quick``: 5 / 30), interquartile mean.
+A decode step in a model runs between other layers, so cold-L2 is the honest case; at
+N·H ≥ 1024 the pool (≥ 32 MB) is L2-sized or larger anyway.
+
+Bytes moved (the floor of HBM traffic): state read + write (64 KB each per fp32 head state,
+32 KB bf16) of the non-padding rows, + T states for ``ours_inter``, + q, k, v, g, out (bf16,
+T·128 per head) + β + indices.  ``% copy`` = (bytes / time) / the device-to-device copy rate
+measured in this run (read + write per second, 4 GB copy).  ``vs fla`` = fla time / ours
+(> 1: we are faster).
+
+``--sweep`` also times every built V block (``specs.DECODE_V_BLOCKS``) on a subset (T = 1 and
+4, H ∈ {4, 32, 64}) to check ``ops.decode.pick_v_block``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+
+from benchmarks import peers
+from benchmarks.timing import capture_graph, iqm
+
+HEADS = (4, 8, 16, 32, 64)
+SEQS = (1, 16, 64, 256, 1024)
+TOKENS = (1, 4)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LOWER_BOUND = -5.0
+D = 128
+FLUSH_BYTES = 256 << 20
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.warmup, self.iters = (5, 30) if args.quick else (25, 100)
+        self.start = time.perf_counter()
+        self.rows, self.sweep, self.errors = [], [], []
+        self.meta = {}
+        self.flush_buf = None
+        self.fla = None if args.no_fla else _fla_function()
+
+    # ---- timing ----------------------------------------------------------------------------
+    def time_replay(self, graph) -> float:
+        """Milliseconds per replay, L2 flushed (by reading) before each, IQM of ``iters``."""
+        if self.flush_buf is None:
+            self.flush_buf = torch.ones(FLUSH_BYTES // 4, device="cuda")
+            self.sink = torch.empty((), device="cuda")
+        for _ in range(self.warmup):
+            graph.replay()
+        events = []
+        for _ in range(self.iters):
+            torch.sum(self.flush_buf, dim=0, out=self.sink)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return iqm([s.elapsed_time(e) for s, e in events])
+
+    def over_budget(self) -> bool:
+        return self.args.budget_s is not None and time.perf_counter() - self.start > self.args.budget_s
+
+    # ---- one row -----------------------------------------------------------------------------
+    def inputs(self, n, tokens, heads, dtype, seed=0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+        def bf16(*shape):
+            return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+        shape = (n, tokens, heads, D)
+        x = {"q": bf16(*shape), "k": bf16(*shape), "v": bf16(*shape), "g": bf16(*shape),
+             "beta": bf16(n, tokens, heads),
+             "A_log": torch.log(torch.rand(heads, generator=gen, device="cuda") * 15 + 1).float(),
+             "dt_bias": 0.1 * torch.randn(heads, D, generator=gen, device="cuda")}
+        x["pool"] = (0.1 * torch.randn(n, heads, D, D, generator=gen, device="cuda")).to(dtype)
+        x["indices"] = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(torch.int32).cuda()
+        x["out"] = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        return x
+
+    def ours_call(self, x, inter=None, v_block=None):
+        from cula_aot.ops.decode import decode
+
+        def run():
+            decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                   lower_bound=LOWER_BOUND, state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
+                   state_layout=self.args.layout, intermediate_states=inter, v_block=v_block)
+        return run
+
+    def fla_call(self, x, pool, out):
+        n, tokens, heads, _ = x["q"].shape
+        indices = x["indices"] if tokens == 1 else x["indices"][:, None].expand(n, tokens).contiguous()
+        dt_bias = x["dt_bias"].reshape(heads * D)
+
+        def run():
+            with torch.no_grad():
+                self.fla(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
+                         scale=D ** -0.5, initial_state=pool, inplace_final_state=True,
+                         state_v_first=self.args.layout == "vk", ssm_state_indices=indices,
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                         lower_bound=LOWER_BOUND, out=out)
+        return run
+
+    def row(self, dtype_name, heads, n, tokens):
+        dtype = DTYPES[dtype_name]
+        x = self.inputs(n, tokens, heads, dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        state_bytes = n * heads * D * D * esize
+        io_bytes = 5 * n * tokens * heads * D * 2 + n * tokens * heads * 2 + 4 * n
+        row = {"dtype": dtype_name, "layout": self.args.layout, "heads": heads, "seqs": n, "tokens": tokens,
+               "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
+        from cula_aot.ops.decode import pick_v_block
+
+        row["v_block"] = pick_v_block(n, heads, torch.cuda.get_device_properties(0).multi_processor_count)
+        # Like for like on one pool state: ours vs fla outputs and new states.
+        if self.fla is not None:
+            pool0 = x["pool"].clone()
+            fla_out = torch.empty_like(x["out"])
+            self.fla_call(x, pool0, fla_out)()
+            mine = x["pool"].clone()
+            self.ours_call({**x, "pool": mine})()
+            torch.cuda.synchronize()
+            row["rmse_o_vs_fla"] = _rel_rmse(x["out"], fla_out)
+            row["rmse_state_vs_fla"] = _rel_rmse(mine, pool0)
+            del pool0, mine
+        row["ours_ms"] = self.time_replay(capture_graph(self.ours_call(x)))
+        if tokens > 1:
+            inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
+            row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
+            row["bytes_inter"] = row["bytes"] + tokens * state_bytes
+            del inter
+        if self.fla is not None:
+            fla_out = torch.empty_like(x["out"])
+            row["fla_ms"] = self.time_replay(capture_graph(self.fla_call(x, x["pool"], fla_out)))
+        self.rows.append(row)
+        del x
+        self.progress(row)
+
+    def sweep_rows(self):
+        from cula_aot.specs import DECODE_V_BLOCKS
+
+        for dtype_name in self.args.dtypes:
+            for heads in (4, 32, 64):
+                for n in self.args.seqs:
+                    for tokens in (1, 4):
+                        if self.over_budget():
+                            return
+                        x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
+                        entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
+                        for vb in DECODE_V_BLOCKS:
+                            entry[f"v{vb}_ms"] = self.time_replay(capture_graph(self.ours_call(x, v_block=vb)))
+                        self.sweep.append(entry)
+                        print("sweep", json.dumps(entry), flush=True)
+                        del x
+
+    def progress(self, row):
+        keep = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in row.items()}
+        print(json.dumps(keep), flush=True)
+        self.save()
+
+    def run(self):
+        self.collect_meta()
+        for dtype_name in self.args.dtypes:
+            for heads in self.args.heads:
+                for n in self.args.seqs:
+                    for tokens in self.args.tokens:
+                        if self.over_budget():
+                            self.errors.append("budget reached: remaining rows skipped")
+                            self.save()
+                            return
+                        try:
+                            self.row(dtype_name, heads, n, tokens)
+                        except Exception as exc:  # noqa: BLE001 - report and go on
+                            self.errors.append(f"{dtype_name} H={heads} N={n} T={tokens}: {type(exc).__name__}: {exc}")
+                            print(self.errors[-1], flush=True)
+                        torch.cuda.empty_cache()
+        if self.args.sweep:
+            self.sweep_rows()
+        self.save()
+
+    def collect_meta(self):
+        props = torch.cuda.get_device_properties(0)
+        self.meta = {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "fla": peers.fla_version() if self.fla is not None else None,
+            "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout,
+            "copy_bandwidth": peers.copy_bandwidth("cuda"),
+        }
+        print(json.dumps(self.meta), flush=True)
+
+    def save(self):
+        result = {"meta": self.meta, "rows": self.rows, "sweep": self.sweep, "errors": self.errors}
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps(result, indent=1) + "\n")
+        if self.args.markdown:
+            Path(self.args.markdown).write_text(render_markdown(result))
+
+
+def _fla_function():
+    os.environ.setdefault("FLA_FLASH_KDA", "0")
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    return fused_recurrent_kda_fwd
+
+
+def _rel_rmse(a, b):
+    a, b = a.double(), b.double()
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def render_markdown(res) -> str:
+    meta = res["meta"]
+    bw = meta.get("copy_bandwidth")
+    lines = [f"# kda_decode on {meta.get('device')} ({meta.get('date')})", "",
+             f"CUDA-graph replay, L2 flushed before each, {meta.get('warmup')} warm-up / {meta.get('iters')} "
+             f"timed, IQM; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)" if bw else "", "",
+             f"fla: {meta.get('fla')}; state layout {meta.get('layout')}", "",
+             "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
+             "| o vs fla | state vs fla |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["rows"]:
+        gbs = r["bytes"] / (r["ours_ms"] * 1e-3) / 1e9
+        pct = f"{100 * gbs * 1e9 / bw:.0f}%" if bw else ""
+        fla = r.get("fla_ms")
+        inter = r.get("ours_inter_ms")
+        inter_pct = f"{100 * r['bytes_inter'] / (inter * 1e-3) / bw:.0f}%" if inter and bw else ""
+        fla_us = f"{1e3 * fla:.1f}" if fla else "—"
+        ratio = f"{fla / r['ours_ms']:.2f}×" if fla else "—"
+        inter_us = f"{1e3 * inter:.1f}" if inter else "—"
+        rmse_o = r.get("rmse_o_vs_fla", float("nan"))
+        rmse_s = r.get("rmse_state_vs_fla", float("nan"))
+        lines.append(
+            f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | {r['nh']} | {r['v_block']} "
+            f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
+            f"| {rmse_o:.1e} | {rmse_s:.1e} |")
+    if res.get("sweep"):
+        keys = [k for k in res["sweep"][0] if k.endswith("_ms")]
+        lines += ["", "V-block sweep (µs)", "", "| pool | H | N | T | " + " | ".join(keys) + " |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in keys) + " |"]
+        for s in res["sweep"]:
+            lines.append(f"| {s['dtype']} | {s['heads']} | {s['seqs']} | {s['tokens']} | "
+                         + " | ".join(f"{1e3 * s[k]:.1f}" for k in keys) + " |")
+    if res.get("errors"):
+        lines += ["", "Errors:", ""] + [f"* {e}" for e in res["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    parser.add_argument("--quick", action="store_true", help="5 warm-up / 30 timed instead of 25 / 100")
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
+    parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--layout", default="vk", choices=["vk", "kv"])
+    parser.add_argument("--sweep", action="store_true", help="also time every built V block on a subset")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this many seconds")
+    parser.add_argument("--dry-run", action="store_true", help="list the rows and exit (no GPU)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dry_run:
+        for d in args.dtypes:
+            for h in args.heads:
+                for n in args.seqs:
+                    for t in args.tokens:
+                        print(d, h, n, t)
+        return 0
+    Bench(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
