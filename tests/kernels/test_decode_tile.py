@@ -5,8 +5,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cula_aot.kernels.decode import  # noqa: E402 ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads
-from cula_aot.specs import DECODE_V_BLOCKS, decode_threads
+from cula_aot.kernels.decode import ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads  # noqa: E402
+from cula_aot.specs import DECODE_V_BLOCKS, decode_threads  # noqa: E402
 
 D = 128
 
