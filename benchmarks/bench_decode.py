@@ -172,7 +172,7 @@ class Bench:
             for heads in (4, 32, 64):
                 for n in self.args.seqs:
                     for tokens in (1, 4):
-                        if self.over_budget():
+                        if self.over_budget() or len(self.sweep) >= self.args.sweep_max:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
@@ -189,6 +189,8 @@ class Bench:
 
     def run(self):
         self.collect_meta()
+        if self.args.sweep:
+            self.sweep_rows()
         for dtype_name in self.args.dtypes:
             for heads in self.args.heads:
                 for n in self.args.seqs:
@@ -203,8 +205,6 @@ class Bench:
                             self.errors.append(f"{dtype_name} H={heads} N={n} T={tokens}: {type(exc).__name__}: {exc}")
                             print(self.errors[-1], flush=True)
                         torch.cuda.empty_cache()
-        if self.args.sweep:
-            self.sweep_rows()
         self.save()
 
     def collect_meta(self):
@@ -289,6 +289,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--layout", default="vk", choices=["vk", "kv"])
     parser.add_argument("--sweep", action="store_true", help="also time every built V block on a subset")
+    parser.add_argument("--sweep-max", type=int, default=1000, help="at most this many sweep entries")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="list the rows and exit (no GPU)")
     return parser.parse_args(argv)
