@@ -12,12 +12,17 @@ CUDA-graph replays (one call captured, static pointers):
 * ``ours``: kda_decode updating the pool in place (state read + write once, outputs per token);
 * ``ours_inter`` (T > 1): the same with ``intermediate_states`` (the state after every token,
   the pool dtype: T more state writes), what speculative-decoding verification needs;
-* ``fla``: flash-linear-attention's ``fused_recurrent_kda_fwd`` (Triton) in the same process
-  with the same semantics, when importable: in-place pool through ``ssm_state_indices``
-  (1-D for T = 1; ``[N, T]`` all equal to the sequence's slot for T > 1, so every token's
-  state lands in the same slot, like ours), V-first ``[V, K]`` states
-  (``state_v_first=True``), gate, q/k l2norm and β sigmoid in the kernel.  It is only called,
-  never copied.  Its output is compared with ours (rel-RMSE) on the same pool state.
+* ``fla``: flash-linear-attention's ``fused_recurrent_kda_fwd`` (Triton) with the same
+  semantics, when importable: V-first ``[V, K]`` states (``state_v_first=True``), gate, q/k
+  l2norm and β sigmoid in the kernel.  T = 1: the pool updated in place through
+  ``ssm_state_indices`` (its serving path).  T > 1: its ``[N, T]`` index path crashed with an
+  illegal address on the H200 (2026-12-01, fla-core 0.6.0), so it runs its plain path: states
+  read from an ``[N, H, V, K]`` initial_state and the final states written to a separate
+  buffer (the same bytes: one state read and one written per head).  It is only called,
+  never copied.  Its output is compared with ours (rel-RMSE) on the same initial states.
+
+``--no-fla`` / ``--fla-only`` split the two into separate processes (a crash in one cannot take
+the other's numbers down); ``--merge A.json B.json`` joins them into one JSON/markdown.
 
 Timing: before every timed replay a 256 MB buffer is *read* (evicting the pool from the 60 MB
 L2 without leaving dirty lines to write back during the timed kernel), then CUDA events
@@ -66,7 +71,7 @@ class Bench:
         self.rows, self.sweep, self.errors = [], [], []
         self.meta = {}
         self.flush_buf = None
-        self.fla = None if args.no_fla else _fla_function()
+        self.fla = None if args.mode == "ours" else _fla_function()
 
     # ---- timing ----------------------------------------------------------------------------
     def time_replay(self, graph) -> float:
@@ -117,17 +122,21 @@ class Bench:
         return run
 
     def fla_call(self, x, pool, out):
+        """fla on ``pool``: in place through the indices (T = 1), or reading ``pool`` as the
+        [N, H, V, K] initial states and returning new final states (T > 1, see the docstring)."""
         n, tokens, heads, _ = x["q"].shape
-        indices = x["indices"] if tokens == 1 else x["indices"][:, None].expand(n, tokens).contiguous()
         dt_bias = x["dt_bias"].reshape(heads * D)
+        pool_path = tokens == 1
+        common = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
+                      scale=D ** -0.5, initial_state=pool, state_v_first=self.args.layout == "vk",
+                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      lower_bound=LOWER_BOUND, out=out)
 
         def run():
             with torch.no_grad():
-                self.fla(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
-                         scale=D ** -0.5, initial_state=pool, inplace_final_state=True,
-                         state_v_first=self.args.layout == "vk", ssm_state_indices=indices,
-                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                         lower_bound=LOWER_BOUND, out=out)
+                if pool_path:
+                    return self.fla(**common, inplace_final_state=True, ssm_state_indices=x["indices"])[1]
+                return self.fla(**common, inplace_final_state=False, output_final_state=True)[1]
         return run
 
     def row(self, dtype_name, heads, n, tokens):
@@ -140,27 +149,30 @@ class Bench:
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
         from cula_aot.ops.decode import pick_v_block
 
-        row["v_block"] = pick_v_block(n, heads, torch.cuda.get_device_properties(0).multi_processor_count)
+        row["v_block"] = pick_v_block(n, heads, tokens)
         # Like for like on one pool state: ours vs fla outputs and new states.
-        if self.fla is not None:
+        row["bytes_inter"] = row["bytes"] + tokens * state_bytes
+        if self.fla is not None and self.args.mode != "ours":
+            # Like for like from one pool state: the identity permutation, so that fla's plain
+            # path (T > 1) reads the same states as the indexed kernels.
+            x["indices"] = torch.arange(n, dtype=torch.int32, device="cuda")
             pool0 = x["pool"].clone()
             fla_out = torch.empty_like(x["out"])
-            self.fla_call(x, pool0, fla_out)()
+            fla_state = self.fla_call(x, pool0, fla_out)()
             mine = x["pool"].clone()
             self.ours_call({**x, "pool": mine})()
             torch.cuda.synchronize()
             row["rmse_o_vs_fla"] = _rel_rmse(x["out"], fla_out)
-            row["rmse_state_vs_fla"] = _rel_rmse(mine, pool0)
-            del pool0, mine
-        row["ours_ms"] = self.time_replay(capture_graph(self.ours_call(x)))
-        if tokens > 1:
-            inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
-            row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
-            row["bytes_inter"] = row["bytes"] + tokens * state_bytes
-            del inter
-        if self.fla is not None:
-            fla_out = torch.empty_like(x["out"])
+            row["rmse_state_vs_fla"] = _rel_rmse(mine, fla_state)
+            del pool0, mine, fla_state
             row["fla_ms"] = self.time_replay(capture_graph(self.fla_call(x, x["pool"], fla_out)))
+            row["fla_path"] = "pool in place" if tokens == 1 else "plain (states in, new states out)"
+        if self.args.mode != "fla":
+            row["ours_ms"] = self.time_replay(capture_graph(self.ours_call(x)))
+            if tokens > 1:
+                inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
+                row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
+                del inter
         self.rows.append(row)
         del x
         self.progress(row)
@@ -189,7 +201,7 @@ class Bench:
 
     def run(self):
         self.collect_meta()
-        if self.args.sweep:
+        if self.args.sweep and self.args.mode != "fla":
             self.sweep_rows()
         for dtype_name in self.args.dtypes:
             for heads in self.args.heads:
@@ -214,7 +226,7 @@ class Bench:
             "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "fla": peers.fla_version() if self.fla is not None else None,
             "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout,
-            "copy_bandwidth": peers.copy_bandwidth("cuda"),
+            "copy_bandwidth": peers.copy_bandwidth("cuda"), "mode": self.args.mode,
         }
         print(json.dumps(self.meta), flush=True)
 
@@ -224,6 +236,21 @@ class Bench:
             Path(self.args.json).write_text(json.dumps(result, indent=1) + "\n")
         if self.args.markdown:
             Path(self.args.markdown).write_text(render_markdown(result))
+
+
+def merge(results):
+    """One result from several runs of the same rows: per row, the union of their fields."""
+    key = ("dtype", "layout", "heads", "seqs", "tokens")
+    rows, meta, sweep, errors = {}, {}, [], []
+    for res in results:
+        meta = {**res["meta"], **meta} if res["meta"].get("mode") != "ours" else {**meta, **res["meta"]}
+        sweep += res.get("sweep", [])
+        errors += res.get("errors", [])
+        for r in res["rows"]:
+            rows.setdefault(tuple(r[k] for k in key), {}).update(r)
+    meta["mode"] = "merged"
+    meta["fla"] = next((r["meta"].get("fla") for r in results if r["meta"].get("fla")), None)
+    return {"meta": meta, "rows": list(rows.values()), "sweep": sweep, "errors": errors}
 
 
 def _fla_function():
@@ -246,11 +273,14 @@ def render_markdown(res) -> str:
     lines = [f"# kda_decode on {meta.get('device')} ({meta.get('date')})", "",
              f"CUDA-graph replay, L2 flushed before each, {meta.get('warmup')} warm-up / {meta.get('iters')} "
              f"timed, IQM; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)" if bw else "", "",
-             f"fla: {meta.get('fla')}; state layout {meta.get('layout')}", "",
+             f"fla: {meta.get('fla')} (T = 1: pool in place via ssm_state_indices; T > 1: plain path, "
+             f"states in / new states out); state layout {meta.get('layout')}", "",
              "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
              "| o vs fla | state vs fla |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
+        if "ours_ms" not in r:
+            continue
         gbs = r["bytes"] / (r["ours_ms"] * 1e-3) / 1e9
         pct = f"{100 * gbs * 1e9 / bw:.0f}%" if bw else ""
         fla = r.get("fla_ms")
@@ -282,7 +312,10 @@ def parse_args(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--quick", action="store_true", help="5 warm-up / 30 timed instead of 25 / 100")
-    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--no-fla", dest="mode", action="store_const", const="ours", default="both",
+                        help="time cula_aot only")
+    parser.add_argument("--fla-only", dest="mode", action="store_const", const="fla", help="time fla only")
+    parser.add_argument("--merge", nargs="+", help="join the rows of these JSON results (ours + fla) and exit")
     parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
     parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
@@ -297,6 +330,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        if args.json:
+            Path(args.json).write_text(json.dumps(merged, indent=1) + "\n")
+        if args.markdown:
+            Path(args.markdown).write_text(render_markdown(merged))
+        return 0
     if args.dry_run:
         for d in args.dtypes:
             for h in args.heads:

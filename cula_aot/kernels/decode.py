@@ -158,33 +158,27 @@ def _f32x8(base: cute.Pointer, offset):
     return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load()
 
 
-def _store8(dst: cute.Tensor, offset, values: cute.Tensor):
-    """Eight fp32 (a register fragment) into shared memory at ``offset`` (32-byte aligned)."""
-    cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values.load())
+def _store8(dst: cute.Tensor, offset, values):
+    """Eight fp32 values (a TensorSSA) into shared memory at ``offset`` (32-byte aligned)."""
+    cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values)
 
 
 def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, row_local,
                 scale, v_block: int):
     """One token on this thread's 64 values: decay, the two row dot products (reduced over the
     group), u, o (staged in ``s_o``; every lane of a group holds bit-identical sums, so all of
-    them store the same value) and the rank-1 update."""
-    alpha, khat, qhat = [], [], []
+    them store the same value) and the rank-1 update.  α, q̂ are read per key where used and
+    k̂ again for the update, so only the state and the dot products stay live (registers)."""
+    dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
+    dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     for ki in range(tile.kt):
         key = t * D + tile.key(j, ki)
-        alpha.append(s_alpha[key])
-        khat.append(s_khat[key])
-        qhat.append(s_qhat[key])
-    dk, dq = [], []
-    for vi in range(tile.vt):
-        acc_k = cutlass.Float32(0.0)
-        acc_q = cutlass.Float32(0.0)
-        for ki in range(tile.kt):
-            s = state[vi * tile.kt + ki] * alpha[ki]
+        alpha, khat, qhat = s_alpha[key], s_khat[key], s_qhat[key]
+        for vi in range(tile.vt):
+            s = state[vi * tile.kt + ki] * alpha
             state[vi * tile.kt + ki] = s
-            acc_k = acc_k + s * khat[ki]
-            acc_q = acc_q + s * qhat[ki]
-        dk.append(acc_k)
-        dq.append(acc_q)
+            dk[vi] = dk[vi] + s * khat
+            dq[vi] = dq[vi] + s * qhat
     # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
     for off in tile.xor_offsets:
         for vi in range(tile.vt):
@@ -192,54 +186,63 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, 
             dq[vi] = dq[vi] + cute.arch.shuffle_sync_bfly(dq[vi], offset=off)
     b = s_b[t]
     kq = s_kq[t]
+    u = []
     for vi in range(tile.vt):
-        u = b * (s_v[t * v_block + row_local + vi] - dk[vi])
-        s_o[t * v_block + row_local + vi] = scale * (dq[vi] + u * kq)
-        for ki in range(tile.kt):
-            state[vi * tile.kt + ki] = state[vi * tile.kt + ki] + u * khat[ki]
+        u.append(b * (s_v[t * v_block + row_local + vi] - dk[vi]))
+        s_o[t * v_block + row_local + vi] = scale * (dq[vi] + u[vi] * kq)
+    for ki in range(tile.kt):
+        khat = s_khat[t * D + tile.key(j, ki)]
+        for vi in range(tile.vt):
+            state[vi * tile.kt + ki] = state[vi * tile.kt + ki] + u[vi] * khat
 
 
-@cute.jit
-def _prepare_token(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
-                   dt_bias: cute.Pointer, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
-                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, q_at, k_at, g_at, beta_at, head,
-                   lower_bound: cutlass.Float32, heads: cutlass.Constexpr[int]):
-    """One half-warp (lane ``hl`` owns columns 8·hl .. 8·hl + 7) prepares token ``t``."""
+def _token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
+                 dt_bias: cute.Pointer, hl, q_at, k_at, g_at, beta_at, head):
+    """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
+    dt_bias, β, A_log); the values are consumed by ``_token_prepare``."""
     col = hl * 8
-    vq = _bf16_row8(q, q_at + col)
-    vk = _bf16_row8(k, k_at + col)
-    vg = _bf16_row8(g, g_at + col)
-    bias = _f32x8(dt_bias, head * D + col)
+    return (_bf16_row8(q, q_at + col), _bf16_row8(k, k_at + col), _bf16_row8(g, g_at + col),
+            _f32x8(dt_bias, head * D + col),
+            cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(a_log + head, cute.make_layout(1))[0])
+
+
+def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_kq: cute.Tensor,
+                   s_b: cute.Tensor, t, hl, lower_bound):
+    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
+    ``t`` into shared memory.  The half-warp's lanes hold bit-identical sums after the
+    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
+    vq, vk, vg, bias, logit, a_log_value = inputs
+    col = hl * 8
     ssq = cutlass.Float32(0.0)
     ssk = cutlass.Float32(0.0)
-    for e in cutlass.range_constexpr(8):
-        ssq += vq[e] * vq[e]
-        ssk += vk[e] * vk[e]
-    for b in cutlass.range_constexpr(4):
-        ssq += cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
-        ssk += cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
+    for e in range(8):
+        ssq = ssq + vq[e] * vq[e]
+        ssk = ssk + vk[e] * vk[e]
+    for b in range(4):
+        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
+        ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
     rq = cute.math.rsqrt(ssq + 1e-6)
     rk = cute.math.rsqrt(ssk + 1e-6)
-    decay_rate = exp2_fast(cute.make_tensor(a_log + head, cute.make_layout(1))[0] * cutlass.Float32(LOG2E))
+    decay_rate = exp2_fast(a_log_value * cutlass.Float32(LOG2E))
     fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     kq = cutlass.Float32(0.0)
-    for e in cutlass.range_constexpr(8):
+    for e in range(8):
         fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
         fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-        kq += fq[e] * fk[e]
+        kq = kq + fq[e] * fk[e]
         gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
         fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
-    for b in cutlass.range_constexpr(4):
-        kq += cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    for b in range(4):
+        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
     row = t * D + col
-    _store8(s_qhat, row, fq)
-    _store8(s_khat, row, fk)
-    _store8(s_alpha, row, fa)
-    if hl == 0:
-        s_kq[t] = kq
-        s_b[t] = sigmoid(cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32))
+    _store8(s_qhat, row, fq.load())
+    _store8(s_khat, row, fk.load())
+    _store8(s_alpha, row, fa.load())
+    s_kq[t] = kq
+    s_b[t] = sigmoid(logit)
 
 
 @cute.kernel
@@ -300,51 +303,58 @@ def kda_decode_kernel(
     s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * v_block), 32)
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
-    # v / out staging: thread i < T·v_block/8 moves 8 columns of one token's rows of this block.
+    # v / out staging: thread i moves 8 columns of token i // (v_block / 8) of this block's rows
+    # (2·v_block threads cover 16 ≥ MAX_TOKENS tokens); threads past the last token repeat it
+    # (identical values: a benign duplicate store).
     chunks = v_block // 8
     io_t = tid // chunks
     io_col = (tid % chunks) * 8
     io_active = io_t < num_tokens
+    io_tc = cutlass.min(io_t, num_tokens - 1)
+    hl = tid % HALF
+    half_id = tid // HALF
+    n_half = threads(v_block) // HALF
 
+    # ---- issued before the slot is known: the first round of token inputs (token half_id,
+    # clamped) and the v rows; the state loads then wait only for the index ------------------
+    t0 = cutlass.min(half_id, num_tokens - 1)
+    inputs0 = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                           n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+                           n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+                           n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+                           cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
+                           + head, head)
+    v_rows = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
+
+    # The _Tile is a trace-time object: it is never bound to a local name here, since a Python
+    # object live across a dynamic `if`/`for` cannot be staged.
+    group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
+    # First of this thread's VT rows in the block.
+    row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
+    lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
+    state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
     if seq < num_seqs and slot >= 0 and slot < num_slots:
-        # The _Tile is a trace-time object: it is never bound to a local name here, since a
-        # Python object live across a dynamic `if`/`for` cannot be staged.
-        group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
-        # First of this thread's VT rows in the block.
-        row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
-        state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
-        lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
         # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
         pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
                                                divby=_tile(kv_layout, bf16_state).ce)
         _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
 
-        # ---- prologue: per-token q̂, k̂, α, k̂·q̂, b (one half-warp per token) and v rows ----
-        hl = tid % HALF
-        half_id = tid // HALF
-        # Unrolled over the rounds a token count up to MAX_TOKENS needs, with the token clamped
-        # to the last one (a repeat recomputes and rewrites identical values): the loads of all
-        # rounds are independent and go out together.
-        n_half = threads(v_block) // HALF
-        for rnd in cutlass.range_constexpr(-(-MAX_TOKENS // n_half)):
-            t = cutlass.min(half_id + rnd * n_half, num_tokens - 1)
-            t64 = cutlass.Int64(t)
-            _prepare_token(
-                q, k, g, beta, a_log, dt_bias, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl,
-                n64 * q_stride_n + t64 * q_stride_t + head * D,
-                n64 * k_stride_n + t64 * k_stride_t + head * D,
-                n64 * g_stride_n + t64 * g_stride_t + head * D,
-                cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head,
-                head, lower_bound, heads)
-        if io_active:
-            v_at = n64 * v_stride_n + cutlass.Int64(io_t) * v_stride_t + head * D + v0 + io_col
-            vv = _bf16_row8(v, v_at)
-            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for e in cutlass.range_constexpr(8):
-                frag[e] = vv[e]
-            _store8(s_v, io_t * v_block + io_col, frag)
-        cute.arch.sync_threads()
+    # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
+    _token_prepare(inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    _store8(s_v, io_tc * v_block + io_col, v_rows)
+    for t in cutlass.range(half_id + n_half, num_tokens, n_half, unroll=1):  # T > n_half only
+        t64 = cutlass.Int64(t)
+        inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                              n64 * q_stride_n + t64 * q_stride_t + head * D,
+                              n64 * k_stride_n + t64 * k_stride_t + head * D,
+                              n64 * g_stride_n + t64 * g_stride_t + head * D,
+                              cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
+        _token_prepare(inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
+    cute.arch.sync_threads()
 
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
+                                               divby=_tile(kv_layout, bf16_state).ce)
         write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
         for t in cutlass.range(num_tokens, unroll=1):
             _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,

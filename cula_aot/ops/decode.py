@@ -10,15 +10,15 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DECODE_V_BLOCKS, DecodeSpec
+from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeSpec
 from .prefill import STATE_LAYOUTS, KDAInputError
 from .prepare import DEFAULT_SCALE
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 _INT32_MAX = 2**31 - 1
-# A decode CTA holds 16·warps V rows; the smallest blocks give tiny batches the most CTAs.
-_SMALL_CTAS_PER_SM = 8
+# N·H from which T > 1 calls use 64-row CTAs (see pick_v_block).
+_WIDE_MIN_HEADS = 2048
 
 
 def _fail(message: str):
@@ -202,24 +202,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-def pick_v_block(num_seqs: int, heads: int, sm_count: int) -> int:
-    """V rows per CTA: the largest built block that still gives every SM
-    ``_SMALL_CTAS_PER_SM`` CTAs, else the smallest (tiny batches: most CTAs, least latency)."""
-    for v_block in sorted(DECODE_V_BLOCKS, reverse=True):
-        if num_seqs * heads * (D // v_block) >= _SMALL_CTAS_PER_SM * sm_count:
-            return v_block
-    return min(DECODE_V_BLOCKS)
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SM_COUNT.get(index)
-    if count is None:
-        count = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+def pick_v_block(num_seqs: int, heads: int, tokens: int) -> int:
+    """V rows per CTA, by measurement on an H200 (docs/PERFORMANCE.md, decode): 32 (4 CTAs per
+    head) everywhere, except several tokens over many heads, where 64 (less per-CTA prologue)
+    is ~5% faster.  16 loses everywhere (its prologue takes more rounds)."""
+    if tokens > 1 and num_seqs * heads >= _WIDE_MIN_HEADS:
+        return 64
+    return 32
 
 
 def _aligned_down(t) -> tuple[int, int]:
@@ -240,7 +229,7 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         state_layout=state_layout, intermediate_states=intermediate_states)
     device = q.device
     if v_block is None:
-        v_block = pick_v_block(num_seqs, heads, _sm_count(device))
+        v_block = pick_v_block(num_seqs, heads, tokens)
     spec = DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=state_pool.dtype == torch.bfloat16,
                       v_block=v_block)
     kernel = default_loader().get(device, spec)  # an unbuilt H fails here, before anything is written

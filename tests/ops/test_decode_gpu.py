@@ -132,8 +132,8 @@ def test_several_calls_on_one_pool():
     common = dict(A_log=x1["A_log"], dt_bias=x1["dt_bias"], lower_bound=-5.0)
     s0 = from_pool_layout(before[a.long()].double(), layout)
     r1, st1 = decode_reference(**{n: x1[n] for n in ("q", "k", "v", "g", "beta")}, **common, initial_state=s0)
-    r2, st2 = decode_reference(**{n: x2[n] for n in ("q", "k", "v", "g", "beta")}, **common,
-                               initial_state=st1[:, -1])
+    r2, st2 = decode_reference(**{n: x2[n] for n in ("q", "k", "v", "g", "beta")}, A_log=x2["A_log"],
+                               dt_bias=x2["dt_bias"], lower_bound=-5.0, initial_state=st1[:, -1])
     rows_b = [0, 2, 3]
     sy = from_pool_layout(before[b[rows_b].long()].double(), layout)
     ry, sty = decode_reference(**{n: y[n][rows_b] for n in ("q", "k", "v", "g", "beta")},
