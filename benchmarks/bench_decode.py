@@ -36,8 +36,9 @@ T·128 per head) + β + indices.  ``% copy`` = (bytes / time) / the device-to-de
 measured in this run (read + write per second, 4 GB copy).  ``vs fla`` = fla time / ours
 (> 1: we are faster).
 
-``--sweep`` also times every built V block (``specs.DECODE_V_BLOCKS``) on a subset (T = 1 and
-4, H ∈ {4, 32, 64}) to check ``ops.decode.pick_v_block``.
+Rows with N·H ≥ ``--variants-min-nh`` (default 256) also time every (v_block, items) kernel in
+``VARIANTS`` (``row["variants"]``, µs), the data ``ops.decode.pick_variant`` is chosen from;
+``--sweep`` times them (and 16-row blocks) on a subset of every size.
 """
 
 import argparse
@@ -61,6 +62,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
+# (v_block, items) kernels timed per row (16-row blocks lost everywhere on 2026-12-01).
+VARIANTS = ((32, 1), (64, 1), (32, 2), (64, 2))
 
 
 class Bench:
@@ -112,13 +115,13 @@ class Bench:
         x["out"] = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
         return x
 
-    def ours_call(self, x, inter=None, v_block=None):
+    def ours_call(self, x, inter=None, variant=None):
         from cula_aot.ops.decode import decode
 
         def run():
             decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                    lower_bound=LOWER_BOUND, state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
-                   state_layout=self.args.layout, intermediate_states=inter, v_block=v_block)
+                   state_layout=self.args.layout, intermediate_states=inter, variant=variant)
         return run
 
     def fla_call(self, x, pool, out):
@@ -147,9 +150,10 @@ class Bench:
         io_bytes = 5 * n * tokens * heads * D * 2 + n * tokens * heads * 2 + 4 * n
         row = {"dtype": dtype_name, "layout": self.args.layout, "heads": heads, "seqs": n, "tokens": tokens,
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
-        from cula_aot.ops.decode import pick_v_block
+        from cula_aot.ops.decode import pick_variant
 
-        row["v_block"] = pick_v_block(n, heads, tokens)
+        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16)
+        row["v_block"] = "x".join(map(str, chosen))
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
         if self.fla is not None and self.args.mode != "ours":
@@ -173,12 +177,16 @@ class Bench:
                 inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
                 row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
                 del inter
+            if n * heads >= self.args.variants_min_nh:
+                row["variants"] = {"x".join(map(str, v)): (row["ours_ms"] if v == chosen else
+                                                            self.time_replay(capture_graph(self.ours_call(x, variant=v))))
+                                   for v in VARIANTS}
         self.rows.append(row)
         del x
         self.progress(row)
 
     def sweep_rows(self):
-        from cula_aot.specs import DECODE_V_BLOCKS
+        variants = ((16, 1),) + VARIANTS
 
         for dtype_name in self.args.dtypes:
             for heads in (4, 32, 64):
@@ -188,8 +196,8 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for vb in DECODE_V_BLOCKS:
-                            entry[f"v{vb}_ms"] = self.time_replay(capture_graph(self.ours_call(x, v_block=vb)))
+                        for v in variants:
+                            entry["v{}x{}_ms".format(*v)] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
                         del x
@@ -295,6 +303,16 @@ def render_markdown(res) -> str:
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | {r['nh']} | {r['v_block']} "
             f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
             f"| {rmse_o:.1e} | {rmse_s:.1e} |")
+    with_variants = [r for r in res["rows"] if r.get("variants")]
+    if with_variants:
+        names = list(with_variants[0]["variants"])
+        lines += ["", "Every (v_block × items) kernel, µs (the default pick is the v_block column above)", "",
+                  "| pool | H | N | T | " + " | ".join(names) + " | best |",
+                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |"]
+        for r in with_variants:
+            v = r["variants"]
+            lines.append(f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | "
+                         + " | ".join(f"{1e3 * v[k]:.1f}" for k in names) + f" | {min(v, key=v.get)} |")
     if res.get("sweep"):
         keys = [k for k in res["sweep"][0] if k.endswith("_ms")]
         lines += ["", "V-block sweep (µs)", "", "| pool | H | N | T | " + " | ".join(keys) + " |",
@@ -322,6 +340,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--layout", default="vk", choices=["vk", "kv"])
     parser.add_argument("--sweep", action="store_true", help="also time every built V block on a subset")
+    parser.add_argument("--variants-min-nh", type=int, default=256, help="time every variant from this N·H")
     parser.add_argument("--sweep-max", type=int, default=1000, help="at most this many sweep entries")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="list the rows and exit (no GPU)")

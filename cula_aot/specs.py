@@ -232,7 +232,10 @@ class MergeSpec(KernelSpec):
 # ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
-DECODE_V_BLOCKS = (16, 32, 64)  # V rows per CTA (one warp per 16); the runtime picks by size
+DECODE_V_BLOCKS = (16, 32, 64)  # V rows per item (one warp per 16); the runtime picks by size
+# Items per CTA: with 2, the second item's state streams into shared memory (cp.async) while
+# the first computes; built for these V blocks.
+DECODE_PAIRED_V_BLOCKS = (32, 64)
 
 DECODE_PARAMS = (
     pointer("q", "bf16"),
@@ -278,6 +281,7 @@ class DecodeSpec(KernelSpec):
     kv_layout: bool
     bf16_state: bool
     v_block: int
+    items: int = 1
 
     @property
     def params(self) -> tuple:
@@ -286,7 +290,7 @@ class DecodeSpec(KernelSpec):
 
     @property
     def grid(self) -> tuple:
-        return (128 // self.v_block, "heads", "num_seqs")
+        return (128 // (self.items * self.v_block), "heads", "num_seqs")
 
     @property
     def block(self) -> tuple:
@@ -296,8 +300,9 @@ class DecodeSpec(KernelSpec):
 def decode_specs(heads) -> list[KernelSpec]:
     """Every decode specialization for the given head counts (both layouts, both pool dtypes,
     every ``DECODE_V_BLOCKS``)."""
-    return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb)
-            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True) for vb in DECODE_V_BLOCKS]
+    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+    return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
+            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True) for vb, items in variants]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

@@ -52,6 +52,7 @@ import cutlass.cute as cute
 from ..layout import D
 from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS
 from .common import LOG2E, exp2_fast, sigmoid
+from .warp_mma import cp_async_16
 
 WARP = 32
 ROWS_PER_WARP = 16
@@ -64,10 +65,17 @@ def threads(v_block: int) -> int:
     return WARP * (v_block // ROWS_PER_WARP)
 
 
-def smem_bytes(v_block: int) -> int:
+def smem_bytes(v_block: int, items: int = 1) -> int:
     """α, k̂, q̂ (fp32 [MAX_TOKENS, 128] each), k̂·q̂ and b per token, v and o staging (fp32
-    [MAX_TOKENS, v_block] each), alignment slack."""
-    return 3 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * v_block * 4 + 128
+    [MAX_TOKENS, items·v_block] each), the staged states of items after the first (16 bytes ×
+    16 vectors per thread each), alignment slack."""
+    return (3 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
+            + _stage_bytes(v_block, items) + 256)
+
+
+def _stage_bytes(v_block: int, items: int) -> int:
+    """Shared memory for the staged states of items 1 .. items − 1 (a placeholder if none)."""
+    return max((items - 1) * threads(v_block) * (VALUES // 4) * 16, 128)
 
 
 class _Tile:
@@ -101,6 +109,17 @@ class _Tile:
         if self.kv:
             return j + self.lanes * ki
         return (ki // self.ce) * (self.lanes * self.ce) + j * self.ce + ki % self.ce
+
+    def key_chunks(self):
+        """[(first value column ki, count)]: runs of value columns whose keys are contiguous
+        (one shared-memory vector read each): CE-key chunks for "vk", single keys for "kv"."""
+        if self.kv:
+            return [(ki, 1) for ki in range(self.kt)]
+        return [(m * self.ce, self.ce) for m in range(self.kt // self.ce)]
+
+    def row_offset(self, rows: int) -> int:
+        """Element offset of the same thread tile ``rows`` V rows further."""
+        return rows if self.kv else rows * D
 
     def lane_offset(self, row0, j):
         """Element offset (in a head state) of this thread's first vector; ``row0`` = its first V row."""
@@ -163,22 +182,35 @@ def _store8(dst: cute.Tensor, offset, values):
     cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values)
 
 
-def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, row_local,
-                scale, v_block: int):
+def _smem_run(array: cute.Tensor, at, count: int):
+    """``count`` consecutive fp32 of a shared-memory array (one vector read when count > 1)."""
+    if count == 1:
+        return [array[at]]
+    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=count), cute.make_layout(count)).load()
+    return [vec[e] for e in range(count)]
+
+
+def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, v_row,
+                scale, v_stride: int):
     """One token on this thread's 64 values: decay, the two row dot products (reduced over the
     group), u, o (staged in ``s_o``; every lane of a group holds bit-identical sums, so all of
-    them store the same value) and the rank-1 update.  α, q̂ are read per key where used and
-    k̂ again for the update, so only the state and the dot products stay live (registers)."""
+    them store the same value) and the rank-1 update.  α, q̂, k̂ are read from shared memory in
+    runs where they are used (k̂ again for the update), so only the state and the dot products
+    stay live.  ``v_row``: this thread's first V row within the CTA's staged v / o rows."""
     dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
-    for ki in range(tile.kt):
-        key = t * D + tile.key(j, ki)
-        alpha, khat, qhat = s_alpha[key], s_khat[key], s_qhat[key]
-        for vi in range(tile.vt):
-            s = state[vi * tile.kt + ki] * alpha
-            state[vi * tile.kt + ki] = s
-            dk[vi] = dk[vi] + s * khat
-            dq[vi] = dq[vi] + s * qhat
+    for ki0, count in tile.key_chunks():
+        at = t * D + tile.key(j, ki0)
+        alphas = _smem_run(s_alpha, at, count)
+        khats = _smem_run(s_khat, at, count)
+        qhats = _smem_run(s_qhat, at, count)
+        for c in range(count):
+            ki = ki0 + c
+            for vi in range(tile.vt):
+                s = state[vi * tile.kt + ki] * alphas[c]
+                state[vi * tile.kt + ki] = s
+                dk[vi] = dk[vi] + s * khats[c]
+                dq[vi] = dq[vi] + s * qhats[c]
     # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
     for off in tile.xor_offsets:
         for vi in range(tile.vt):
@@ -188,12 +220,31 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, 
     kq = s_kq[t]
     u = []
     for vi in range(tile.vt):
-        u.append(b * (s_v[t * v_block + row_local + vi] - dk[vi]))
-        s_o[t * v_block + row_local + vi] = scale * (dq[vi] + u[vi] * kq)
-    for ki in range(tile.kt):
-        khat = s_khat[t * D + tile.key(j, ki)]
-        for vi in range(tile.vt):
-            state[vi * tile.kt + ki] = state[vi * tile.kt + ki] + u[vi] * khat
+        u.append(b * (s_v[t * v_stride + v_row + vi] - dk[vi]))
+        s_o[t * v_stride + v_row + vi] = scale * (dq[vi] + u[vi] * kq)
+    for ki0, count in tile.key_chunks():
+        khats = _smem_run(s_khat, t * D + tile.key(j, ki0), count)
+        for c in range(count):
+            for vi in range(tile.vt):
+                state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * khats[c]
+
+
+def _stage_state(tile: _Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
+    """cp.async this thread's 16 state vectors at ``base`` into shared memory (vector i of
+    thread tid at ``stage_address + (i·threads + tid)·16``: a warp's copies are contiguous)."""
+    for i, (static_off, _) in enumerate(tile.vectors()):
+        src = base + cute.assume(lane_off + static_off, divby=tile.ce)
+        cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
+
+
+def _unstage_state(tile: _Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_threads: int, dtype):
+    """This thread's staged vectors (``_stage_state``) from shared memory into ``state`` (fp32)."""
+    for i, (_, regs) in enumerate(tile.vectors()):
+        at = cute.assume((i * n_threads + tid) * tile.ce, divby=tile.ce)
+        vec = cute.make_tensor(cute.recast_ptr(stage.iterator, dtype=dtype) + at,
+                               cute.make_layout(tile.ce)).load().to(cutlass.Float32)
+        for e in range(tile.ce):
+            state[regs[e]] = vec[e]
 
 
 def _token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
@@ -283,12 +334,15 @@ def kda_decode_kernel(
     kv_layout: cutlass.Constexpr[bool],
     bf16_state: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
     warp = tid // WARP
     lane = tid % WARP
-    v0 = vblk * v_block
+    rows = items * v_block  # V rows of this CTA: items blocks of v_block, one after the other
+    n_threads = threads(v_block)
+    v0 = vblk * rows
     n64 = cutlass.Int64(seq)
     head_elems = cutlass.Int64(head) * (D * D)
 
@@ -299,21 +353,23 @@ def kda_decode_kernel(
     s_qhat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
     s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
     s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * v_block), 32)
-    s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * v_block), 32)
+    s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
+    s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
+    stage_bytes = _stage_bytes(v_block, items)
+    s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
-    # v / out staging: thread i moves 8 columns of token i // (v_block / 8) of this block's rows
-    # (2·v_block threads cover 16 ≥ MAX_TOKENS tokens); threads past the last token repeat it
-    # (identical values: a benign duplicate store).
-    chunks = v_block // 8
+    # v / out staging: thread i moves 8 columns of token i // (rows / 8) of this CTA's rows
+    # (all MAX_TOKENS tokens in one pass: 2·v_block threads · 8 = 16·v_block ≥ 8·rows);
+    # threads past the last token repeat it (identical values: a benign duplicate store).
+    chunks = rows // 8
     io_t = tid // chunks
     io_col = (tid % chunks) * 8
     io_active = io_t < num_tokens
     io_tc = cutlass.min(io_t, num_tokens - 1)
     hl = tid % HALF
     half_id = tid // HALF
-    n_half = threads(v_block) // HALF
+    n_half = n_threads // HALF
 
     # ---- issued before the slot is known: the first round of token inputs (token half_id,
     # clamped) and the v rows; the state loads then wait only for the index ------------------
@@ -329,7 +385,7 @@ def kda_decode_kernel(
     # The _Tile is a trace-time object: it is never bound to a local name here, since a Python
     # object live across a dynamic `if`/`for` cannot be staged.
     group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
-    # First of this thread's VT rows in the block.
+    # First of this thread's VT rows within a v_block item.
     row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
     lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
     state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
@@ -338,11 +394,20 @@ def kda_decode_kernel(
         pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
                                                divby=_tile(kv_layout, bf16_state).ce)
         _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
+        # Later items' states stream into shared memory while the first item computes.
+        for item in cutlass.range_constexpr(1, items):
+            _stage_state(_tile(kv_layout, bf16_state), pool_head,
+                         lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block),
+                         s_stage.iterator.toint() + (item - 1) * n_threads * VALUES // 4 * 16, tid, n_threads)
+        cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
     _token_prepare(inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
-    _store8(s_v, io_tc * v_block + io_col, v_rows)
-    for t in cutlass.range(half_id + n_half, num_tokens, n_half, unroll=1):  # T > n_half only
+    _store8(s_v, io_tc * rows + io_col, v_rows)
+    # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
+    # the whole warp), with the token clamped like round 0.
+    for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
+        t = cutlass.min(base + half_id, num_tokens - 1)
         t64 = cutlass.Int64(t)
         inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
                               n64 * q_stride_n + t64 * q_stride_t + head * D,
@@ -356,20 +421,28 @@ def kda_decode_kernel(
         pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
                                                divby=_tile(kv_layout, bf16_state).ce)
         write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
-        for t in cutlass.range(num_tokens, unroll=1):
-            _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                        t, j, row_local, scale, v_block)
-            if write_inter:
-                inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
-                inter_head = intermediate + cute.assume(inter_at, divby=D * D)
-                _store_state(state, inter_head, _tile(kv_layout, bf16_state), lane_off)
-        _store_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
+        for item in cutlass.range_constexpr(items):
+            item_off = lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block)
+            if cutlass.const_expr(item > 0):
+                cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
+                _unstage_state(_tile(kv_layout, bf16_state), state,
+                               cute.make_tensor(s_stage.iterator + (item - 1) * n_threads * VALUES // 4 * 16,
+                                                cute.make_layout(n_threads * VALUES // 4 * 16)),
+                               tid, n_threads, _tile(kv_layout, bf16_state).dtype)
+            for t in cutlass.range(num_tokens, unroll=1):
+                _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
+                            t, j, item * v_block + row_local, scale, rows)
+                if write_inter:
+                    inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
+                    inter_head = intermediate + cute.assume(inter_at, divby=D * D)
+                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off)
+            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off)
         cute.arch.sync_threads()
         if io_active:
             o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
             frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
             for e in cutlass.range_constexpr(8):
-                frag[e] = s_o[io_t * v_block + io_col + e]
+                frag[e] = s_o[io_t * rows + io_col + e]
             cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
                 frag.load().to(cutlass.BFloat16))
     else:
@@ -421,12 +494,13 @@ def kda_decode_launch(
     kv_layout: cutlass.Constexpr[bool],
     bf16_state: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
 ):
     kda_decode_kernel(
         q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, kv_layout, bf16_state, v_block,
-    ).launch(grid=[D // v_block, heads, num_seqs], block=[threads(v_block), 1, 1], smem=smem_bytes(v_block),
-             stream=stream)
+        heads, kv_layout, bf16_state, v_block, items,
+    ).launch(grid=[D // (items * v_block), heads, num_seqs], block=[threads(v_block), 1, 1],
+             smem=smem_bytes(v_block, items), stream=stream)

@@ -202,13 +202,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-def pick_v_block(num_seqs: int, heads: int, tokens: int) -> int:
-    """V rows per CTA, by measurement on an H200 (docs/PERFORMANCE.md, decode): 32 (4 CTAs per
-    head) everywhere, except several tokens over many heads, where 64 (less per-CTA prologue)
-    is ~5% faster.  16 loses everywhere (its prologue takes more rounds)."""
+def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
+    """(v_block, items) by measurement on an H200 (docs/PERFORMANCE.md, decode): 32-row items,
+    one per CTA, everywhere, except several tokens over many heads, where 64 (less per-CTA
+    prologue) is ~5% faster.  16 loses everywhere (its prologue takes more rounds)."""
     if tokens > 1 and num_seqs * heads >= _WIDE_MIN_HEADS:
-        return 64
-    return 32
+        return 64, 1
+    return 32, 1
 
 
 def _aligned_down(t) -> tuple[int, int]:
@@ -219,8 +219,9 @@ def _aligned_down(t) -> tuple[int, int]:
 
 
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-           num_tokens=None, state_layout="vk", intermediate_states=None, v_block=None):
+           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
+    ``variant``: (v_block, items) of a built DecodeSpec (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
@@ -228,10 +229,10 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
         state_layout=state_layout, intermediate_states=intermediate_states)
     device = q.device
-    if v_block is None:
-        v_block = pick_v_block(num_seqs, heads, tokens)
-    spec = DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=state_pool.dtype == torch.bfloat16,
-                      v_block=v_block)
+    bf16_state = state_pool.dtype == torch.bfloat16
+    v_block, items = pick_variant(num_seqs, heads, tokens, bf16_state) if variant is None else variant
+    spec = DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
+                      items=items)
     kernel = default_loader().get(device, spec)  # an unbuilt H fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)

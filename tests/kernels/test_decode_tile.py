@@ -5,8 +5,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cula_aot.kernels.decode import ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads  # noqa: E402
-from cula_aot.specs import DECODE_V_BLOCKS, decode_threads  # noqa: E402
+from cula_aot.kernels.decode import MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads  # noqa: E402
+from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS, decode_threads  # noqa: E402
 
 D = 128
 
@@ -61,9 +61,21 @@ def test_a_vector_instruction_reads_whole_sectors(kv_layout, bf16_state):
 
 
 def test_block_shapes():
-    for v_block in DECODE_V_BLOCKS:
-        assert D % v_block == 0 and v_block % ROWS_PER_WARP == 0
+    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+    for v_block, items in variants:
+        rows = v_block * items
+        assert D % rows == 0 and v_block % ROWS_PER_WARP == 0
         assert threads(v_block) == decode_threads(v_block)
-        # v and out staging: one 8-column piece per thread for MAX_TOKENS tokens
-        assert 8 * (v_block // 8) <= threads(v_block) * 8
-        assert smem_bytes(v_block) <= 48 * 1024
+        # v and out staging: one 8-column piece per thread covers MAX_TOKENS tokens in one pass
+        assert threads(v_block) // (rows // 8) >= MAX_TOKENS
+        assert smem_bytes(v_block, items) <= 227 * 1024
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+def test_second_item_is_the_same_tile_further_down(kv_layout):
+    tile = _Tile(kv_layout, False)
+    for rows in (32, 64):
+        assert tile.lane_offset(rows, 3) == tile.lane_offset(0, 3) + tile.row_offset(rows)
+    # vk keys come in contiguous runs (one shared-memory vector each), kv keys one by one
+    for ki0, count in tile.key_chunks():
+        assert [tile.key(5, ki0 + c) for c in range(count)] == list(range(tile.key(5, ki0), tile.key(5, ki0) + count))

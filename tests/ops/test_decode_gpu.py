@@ -12,7 +12,7 @@ import torch
 import cula_aot
 from cula_aot import reference
 from cula_aot.ops.decode import decode
-from cula_aot.specs import DECODE_V_BLOCKS
+from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS
 from tests.decode_helpers import decode_reference, from_pool_layout, fused_inputs, to_pool_layout
 from tests.helpers import fresh_seed, standard_inputs
 
@@ -33,7 +33,7 @@ def _pool(slots, heads, dtype, layout, *, pad=0, seed=0):
     return pool
 
 
-def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), v_block=None, inter=True, label=""):
+def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=None, inter=True, label=""):
     seed = fresh_seed()
     x = fused_inputs(n, tokens, heads, device="cuda", seed=seed)
     slots = n + 5
@@ -47,7 +47,7 @@ def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), v_block=Non
     inter_buf = (torch.full((n, tokens, heads, D, D), float("nan"), device="cuda", dtype=dtype) if inter else None)
     o = decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                lower_bound=x["lower_bound"], state_pool=pool, state_indices=indices, out=out,
-               state_layout=layout, intermediate_states=inter_buf, v_block=v_block)
+               state_layout=layout, intermediate_states=inter_buf, variant=variant)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     valid = [i for i in range(n) if i not in padding]
@@ -100,12 +100,18 @@ def test_matches_float64_recurrence(case):
               label=f"N={n} T={tokens} H={heads} {str(dtype)[6:]} {layout} pad={pad} padding={padding}")
 
 
-@pytest.mark.parametrize("v_block", DECODE_V_BLOCKS)
+VARIANTS = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
-def test_every_variant_and_v_block(v_block, dtype, layout):
-    _run_case(6, 3, 8, dtype, layout, padding=(4,), v_block=v_block,
-              label=f"v_block={v_block} {str(dtype)[6:]} {layout}")
+def test_every_built_variant(variant, dtype, layout):
+    """Every (v_block, items) kernel, with T = 3 (two prologue rounds for 16-row blocks) and
+    T = 8 (the most tokens), padding rows and intermediate states."""
+    for tokens in (3, 8):
+        _run_case(6, tokens, 8, dtype, layout, padding=(4,), variant=variant, pad=8 if tokens == 8 else 0,
+                  label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}")
 
 
 def _plain_call(x, pool, indices, layout="vk", **kw):
