@@ -17,8 +17,9 @@ from .prepare import DEFAULT_SCALE
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 _INT32_MAX = 2**31 - 1
-# N·H from which T > 1 calls use 64-row CTAs (see pick_v_block).
-_WIDE_MIN_HEADS = 2048
+# N·H thresholds of pick_variant.
+_PAIRED_MIN_HEADS = 256
+_FP32_SINGLE_HEADS = (512, 2048)
 
 
 def _fail(message: str):
@@ -203,12 +204,24 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
 
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
-    """(v_block, items) by measurement on an H200 (docs/PERFORMANCE.md, decode): 32-row items,
-    one per CTA, everywhere, except several tokens over many heads, where 64 (less per-CTA
-    prologue) is ~5% faster.  16 loses everywhere (its prologue takes more rounds)."""
-    if tokens > 1 and num_seqs * heads >= _WIDE_MIN_HEADS:
-        return 64, 1
-    return 32, 1
+    """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
+    H200 (docs/PERFORMANCE.md "Decode", docs/bench/decode_2026-12-01.md):
+
+    * N·H < 256: 32-row items, one per CTA (the most CTAs; latency-bound sizes);
+    * bf16 pools: 64-row items, two per CTA (the second item's state streams into shared
+      memory while the first computes): up to 15% faster at T = 4, 1-4% at T = 1;
+    * fp32 pools: 32-row items, two per CTA (10-17% faster at T = 4 from N·H = 2048 and at
+      N·H = 256), except N·H in [512, 2048), where one per CTA is 1-4% faster.
+
+    16-row items lost everywhere (their prologue needs more rounds): built for completeness."""
+    nh = num_seqs * heads
+    if nh < _PAIRED_MIN_HEADS:
+        return 32, 1
+    if bf16_state:
+        return 64, 2
+    if _FP32_SINGLE_HEADS[0] <= nh < _FP32_SINGLE_HEADS[1]:
+        return 32, 1
+    return 32, 2
 
 
 def _aligned_down(t) -> tuple[int, int]:
