@@ -31,14 +31,14 @@ shuffles over the group:
 * "kv" (V contiguous): one vector of CE V columns per key (VT = CE), keys ``j + L·i``
   (KT = 64 / CE): fp32 L = 8, bf16 L = 16.
 
-Per CTA, before the recurrence (overlapping the state loads, issued first): one half-warp per
-token computes q̂, k̂ (l2norm, bf16 rounding), k̂·q̂ and α for all 128 keys into shared memory,
-b = σ(β), and the CTA's v rows of every token; outputs are staged in shared memory and written
-as 16-byte vectors at the end.
+Per CTA: the index load and the first token inputs go out together, the state loads then wait
+for the index only; half-warps compute q̂, k̂, α, k̂·q̂, b per token into shared memory while
+the state arrives; with ``items = 2`` the second V block's state streams into shared memory
+(cp.async) while the first computes.  Outputs are staged in smem, stored as 16-byte vectors.
 
-Launch: grid (128 / v_block, H, N), block (2·v_block, 1, 1) (one warp per 16 V rows),
-``SMEM_BYTES(v_block)`` dynamic shared memory.  Compile-time: H, kv_layout, bf16_state,
-v_block.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
+Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
+``smem_bytes(v_block, items)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
+items.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
 token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
 128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
 (whose pointers are passed rounded down to 16 bytes), scale, lower_bound, flags.
