@@ -126,3 +126,20 @@ def test_runtime_never_imports_cutlass():
 
     code = "import sys, cula_aot, cula_aot.ops.decode; assert 'cutlass' not in sys.modules, 'cutlass imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_pick_is_a_built_kernel():
+    from cula_aot.ops.decode import pick_variant
+    from cula_aot.specs import DecodeSpec, default_specs
+
+    built = {s.name for s in default_specs() if isinstance(s, DecodeSpec)}
+    for n in (1, 3, 16, 64, 100, 256, 1024, 4096):
+        for heads in (1, 4, 8, 64, 128):
+            for tokens in (1, 2, 4, 8):
+                for bf16 in (False, True):
+                    v_block, items = pick_variant(n, heads, tokens, bf16)
+                    for kv in (False, True):
+                        spec = DecodeSpec(heads=heads, kv_layout=kv, bf16_state=bf16, v_block=v_block, items=items)
+                        assert spec.name in built
+    # latency-bound sizes get the most CTAs; large bf16 pools the paired 64-row kernel
+    assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True) == (64, 2)
