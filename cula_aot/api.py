@@ -2,6 +2,7 @@
 
 import torch
 
+from .ops.decode import decode
 from .ops.prefill import KDAInputError, prefill
 from .runtime.loader import default_loader
 
@@ -64,3 +65,36 @@ def preload(device=None, heads=None) -> int:
     first use: all of them, or only those for the head counts in ``heads``.  Returns how many."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     return default_loader().preload(device, heads=heads)
+
+
+def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
+               num_tokens=None, state_layout="vk", intermediate_states=None):
+    """KDA decode (the recurrent step, SPEC §10): T = 1..8 tokens per sequence applied to states
+    in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
+
+    q, k, v, g: bf16 ``[N, T, H, 128]`` (or token-major ``[N·T, H, 128]`` with ``num_tokens`` = T);
+    token-strided views are fine (unit stride along D, a token's heads packed, 16-byte aligned
+    rows: e.g. slices of one fused projection), nothing is copied.  beta: bf16 ``[N, T, H]``
+    logits (``[N·T, H]``), unit stride along H.  A_log fp32 ``[H]``, dt_bias fp32 ``[H, 128]``,
+    lower_bound in [-5, 0), scale defaults to 128**-0.5.  ``num_tokens`` defaults to q.shape[1]
+    (4-D) or 1 (3-D); when given it must match.
+
+    state_pool: fp32 or bf16 ``[slots, H, 128, 128]``, per head ``[V, K]`` (``state_layout="vk"``,
+    the default, like kda_prefill) or ``[K, V]`` (``"kv"``); contiguous within a slot, the slot
+    stride may be padded (``stride(0) >= H·128·128``, a multiple of 16 bytes).  Sequence n's
+    state ``state_pool[state_indices[n]]`` is read, advanced over its T tokens (fp32 inside) and
+    written back in place (rounded once to the pool dtype).  state_indices: int32 ``[N]`` on the
+    GPU, never read by the host.  An index < 0 (or ≥ slots) is a padding row: nothing is read
+    or written for it and its outputs are zeros.  Indices must be distinct within one call
+    (two sequences updating one slot race).
+
+    intermediate_states (optional): ``[N, T, H, 128, 128]`` contiguous, the pool's dtype and
+    per-head layout; receives the state after every token (t = T−1 equals the new pool state),
+    what a rejected speculative draft rolls back to.  Padding rows are left unwritten.
+
+    out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
+    Every rule is checked before anything is written (``KDAInputError`` names the argument).
+    """
+    return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                  state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
+                  state_layout=state_layout, intermediate_states=intermediate_states)

@@ -240,6 +240,82 @@ class MergeSpec(KernelSpec):
     heads: int
 
 
+# ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
+DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
+DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
+DECODE_V_BLOCKS = (16, 32, 64)  # V rows per item (one warp per 16); the runtime picks by size
+# Items per CTA: with 2, the second item's state streams into shared memory (cp.async) while
+# the first computes; built for these V blocks.
+DECODE_PAIRED_V_BLOCKS = (32, 64)
+
+DECODE_PARAMS = (
+    pointer("q", "bf16"),
+    pointer("k", "bf16"),
+    pointer("v", "bf16"),
+    pointer("g", "bf16"),
+    pointer("beta", "bf16"),  # rounded down to 16 bytes; beta_offset elements added on device
+    pointer("a_log", "f32"),
+    pointer("dt_bias", "f32"),
+    pointer("state_indices", "i32"),  # rounded down to 16 bytes; index_offset added on device
+    pointer("state_pool", "state"),  # element dtype: f32 or bf16 by spec (see DecodeSpec.params)
+    pointer("intermediate", "state"),
+    pointer("out", "bf16"),
+    scalar("num_seqs", "i32"),
+    scalar("num_tokens", "i32"),
+    scalar("num_slots", "i32"),
+    scalar("slot_stride", "i32"),
+    *(scalar(f"{name}_stride_{axis}", "i32") for name in ("q", "k", "v", "g", "beta") for axis in ("n", "t")),
+    scalar("beta_offset", "i32"),
+    scalar("index_offset", "i32"),
+    scalar("out_stride_n", "i32"),
+    scalar("out_stride_t", "i32"),
+    scalar("scale", "f32"),
+    scalar("lower_bound", "f32"),
+    scalar("flags", "i32"),
+)
+
+
+def decode_threads(v_block: int) -> int:
+    """Threads per decode CTA: one warp per 16 V rows."""
+    return 32 * (v_block // 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec(KernelSpec):
+    """KDA decode: one CTA per (V block, head, sequence); the state of sequence n is
+    ``state_pool[state_indices[n]]``, ``[V, K]`` per head (``kv_layout=False``) or ``[K, V]``,
+    fp32 or bf16 (``bf16_state``)."""
+
+    kernel: ClassVar[str] = "kda_decode"
+
+    heads: int
+    kv_layout: bool
+    bf16_state: bool
+    v_block: int
+    items: int = 1
+
+    @property
+    def params(self) -> tuple:
+        state = "bf16" if self.bf16_state else "f32"
+        return tuple(dataclasses.replace(p, dtype=state) if p.dtype == "state" else p for p in DECODE_PARAMS)
+
+    @property
+    def grid(self) -> tuple:
+        return (128 // (self.items * self.v_block), "heads", "num_seqs")
+
+    @property
+    def block(self) -> tuple:
+        return (decode_threads(self.v_block), 1, 1)
+
+
+def decode_specs(heads) -> list[KernelSpec]:
+    """Every decode specialization for the given head counts (both layouts, both pool dtypes,
+    every ``DECODE_V_BLOCKS``)."""
+    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+    return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
+            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True) for vb, items in variants]
+
+
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
     """Every specialization the build produces for the given head counts."""
     specs: list[KernelSpec] = []
@@ -251,4 +327,5 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
         # fixed and varlen input.
         specs.append(K2Spec(heads=h, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
         specs.append(MergeSpec(heads=h))
+    specs.extend(decode_specs(heads))
     return specs

@@ -5,7 +5,7 @@ import inspect
 import os
 
 from ..specs import KernelSpec, Param
-from . import cp_merge, k1_prepare, k2_recurrence
+from . import cp_merge, decode, k1_prepare, k2_recurrence
 
 # kernel name → (host launch function, device kernel, dynamic shared memory bytes of a spec)
 _KERNELS = {
@@ -16,6 +16,7 @@ _KERNELS = {
         lambda spec: k2_recurrence.smem_bytes(spec.v_block),
     ),
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.SMEM_BYTES),
+    "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items)),
 }
 
 

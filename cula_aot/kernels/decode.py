@@ -1,0 +1,506 @@
+"""KDA decode: the token recurrence applied to states in a pool, in place (SPEC §10).
+
+What it computes, for one sequence n, one head h and one block of ``v_block`` value rows of
+its state S (``[V, K]``, fp32 inside), for the tokens t = 0 .. T−1 in order
+(T = ``num_tokens`` ≤ ``MAX_TOKENS``):
+
+    γ = lower_bound·σ(exp(A_log[h])·(g + dt_bias[h]))   α = e^γ          (per key)
+    q̂, k̂ = x·rsqrt(Σx² + 1e-6) rounded to bf16         b = σ(β)
+    S ← S·diag(α);   u = b·(v − S k̂);   o = scale·(S q̂ + u·(k̂·q̂));   S ← S + u k̂ᵀ
+
+(``o = scale·S_new q̂`` written with the decayed state before the rank-1 update, so both dot
+products of a row come from one pass and one reduction).  Every V row evolves independently,
+so the work splits over (V block, head, sequence) with no communication between CTAs.
+
+State.  ``slot = state_indices[index_offset + n]``; the head state is at
+``state_pool + slot·slot_stride + h·128·128`` with S[v, k] at ``v·128 + k`` ("vk") or
+``k·128 + v`` ("kv", ``kv_layout``), fp32 or bf16 (``bf16_state``; loaded once, carried fp32,
+rounded once per store).  ``slot < 0`` or ``slot ≥ num_slots`` is a padding row: the CTA writes
+zeros to its ``out`` rows and nothing else (no state read or written, never an out-of-range
+access).  With ``flags & FLAG_INTERMEDIATE`` the state after every token t is also written to
+``intermediate + ((n·T + t)·H + h)·128·128`` (same dtype and per-head layout as the pool).
+
+Thread tile.  Each thread owns 64 state values, ``VT`` V rows × ``KT`` keys, loaded and stored
+as 16-byte vectors; the ``L = 128 / KT`` lanes that share its rows (a "group", one warp holds
+``32 / L`` groups = 16 V rows) cover all 128 keys, and the row dot products are butterfly
+shuffles over the group:
+
+* "vk" (keys contiguous): VT = 4 rows, KT = 16 keys as 16/CE vectors of CE = 16 B / element
+  keys; lane j of a group reads columns ``m·8·CE + j·CE ..``, so a group's lanes read 128
+  contiguous bytes of a row per vector: L = 8.
+* "kv" (V contiguous): one vector of CE V columns per key (VT = CE), keys ``j + L·i``
+  (KT = 64 / CE): fp32 L = 8, bf16 L = 16.
+
+Per CTA: the index load and the first token inputs go out together, the state loads then wait
+for the index only; half-warps compute q̂, k̂, α, k̂·q̂, b per token into shared memory while
+the state arrives; with ``items = 2`` the second V block's state streams into shared memory
+(cp.async) while the first computes.  Outputs are staged in smem, stored as 16-byte vectors.
+
+Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
+``smem_bytes(v_block, items)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
+items.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
+token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
+128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
+(whose pointers are passed rounded down to 16 bytes), scale, lower_bound, flags.
+"""
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import D
+from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS
+from .common import LOG2E, exp2_fast, sigmoid
+from .warp_mma import cp_async_16
+
+WARP = 32
+ROWS_PER_WARP = 16
+VALUES = 64  # state values per thread
+HALF = 16  # lanes per token in the prologue (8 columns each)
+MAX_TOKENS = DECODE_MAX_TOKENS
+
+
+def threads(v_block: int) -> int:
+    return WARP * (v_block // ROWS_PER_WARP)
+
+
+def smem_bytes(v_block: int, items: int = 1) -> int:
+    """α, k̂, q̂ (fp32 [MAX_TOKENS, 128] each), k̂·q̂ and b per token, v and o staging (fp32
+    [MAX_TOKENS, items·v_block] each), the staged states of items after the first (16 bytes ×
+    16 vectors per thread each), alignment slack."""
+    return (3 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
+            + _stage_bytes(v_block, items) + 256)
+
+
+def _stage_bytes(v_block: int, items: int) -> int:
+    """Shared memory for the staged states of items 1 .. items − 1 (a placeholder if none)."""
+    return max((items - 1) * threads(v_block) * (VALUES // 4) * 16, 128)
+
+
+class _Tile:
+    """Trace-time description of a thread's 64 state values for one variant."""
+
+    def __init__(self, kv_layout: bool, bf16_state: bool):
+        self.dtype = cutlass.BFloat16 if bf16_state else cutlass.Float32
+        self.ce = 8 if bf16_state else 4  # elements per 16-byte vector
+        self.kv = kv_layout
+        if kv_layout:
+            self.vt = self.ce
+            self.kt = VALUES // self.ce
+        else:
+            self.vt = 4
+            self.kt = VALUES // 4
+        self.lanes = D // self.kt  # L: lanes of a group (they share the V rows)
+        self.groups = WARP // self.lanes
+        assert self.groups * self.vt == ROWS_PER_WARP
+        # Lane = j + L·group ("vk") or group + groups·j ("kv"): the reduction partners.
+        stride = 1 if not kv_layout else self.groups
+        self.xor_offsets = [stride << b for b in range(self.lanes.bit_length() - 1)]
+
+    def lane_parts(self, lane):
+        """(group, j) of a lane: which V rows, which keys."""
+        if self.kv:
+            return lane % self.groups, lane // self.groups
+        return lane // self.lanes, lane % self.lanes
+
+    def key(self, j, ki: int):
+        """Key of value column ``ki`` for group lane ``j``."""
+        if self.kv:
+            return j + self.lanes * ki
+        return (ki // self.ce) * (self.lanes * self.ce) + j * self.ce + ki % self.ce
+
+    def key_chunks(self):
+        """[(first value column ki, count)]: runs of value columns whose keys are contiguous
+        (one shared-memory vector read each): CE-key chunks for "vk", single keys for "kv"."""
+        if self.kv:
+            return [(ki, 1) for ki in range(self.kt)]
+        return [(m * self.ce, self.ce) for m in range(self.kt // self.ce)]
+
+    def row_offset(self, rows: int) -> int:
+        """Element offset of the same thread tile ``rows`` V rows further."""
+        return rows if self.kv else rows * D
+
+    def lane_offset(self, row0, j):
+        """Element offset (in a head state) of this thread's first vector; ``row0`` = its first V row."""
+        if self.kv:
+            return j * D + row0
+        return row0 * D + j * self.ce
+
+    def vectors(self):
+        """[(static element offset from lane_offset, [register index per vector element])]:
+        register ``vi·KT + ki`` holds S[row0 + vi, key(j, ki)]."""
+        out = []
+        if self.kv:
+            for ki in range(self.kt):
+                out.append((self.lanes * ki * D, [vi * self.kt + ki for vi in range(self.vt)]))
+        else:
+            for vi in range(self.vt):
+                for m in range(self.kt // self.ce):
+                    regs = [vi * self.kt + m * self.ce + e for e in range(self.ce)]
+                    out.append((vi * D + m * self.lanes * self.ce, regs))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tile(kv_layout: bool, bf16_state: bool) -> _Tile:
+    return _Tile(bool(kv_layout), bool(bf16_state))
+
+
+# Plain Python helpers (trace-time loops, no dynamic control flow): they may take the _Tile.
+def _load_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
+    """This thread's 64 values of the head state at ``base`` into ``state`` (fp32)."""
+    for static_off, regs in tile.vectors():
+        at = cute.assume(lane_off + static_off, divby=tile.ce)  # lane_off: a multiple of CE
+        vec = cute.make_tensor(base + at, cute.make_layout(tile.ce)).load().to(cutlass.Float32)
+        for e in range(tile.ce):
+            state[regs[e]] = vec[e]
+
+
+def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
+    """``state`` rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
+    frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
+    for static_off, regs in tile.vectors():
+        for e in range(tile.ce):
+            frag[e] = state[regs[e]]
+        at = cute.assume(lane_off + static_off, divby=tile.ce)
+        cute.make_tensor(base + at, cute.make_layout(tile.ce)).store(frag.load().to(tile.dtype))
+
+
+def _bf16_row8(base: cute.Pointer, offset):
+    """Eight bf16 at ``base + offset`` (16-byte aligned) widened to fp32."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load().to(cutlass.Float32)
+
+
+def _f32x8(base: cute.Pointer, offset):
+    """Eight fp32 at ``base + offset`` (32-byte aligned: two 16-byte vectors)."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load()
+
+
+def _store8(dst: cute.Tensor, offset, values):
+    """Eight fp32 values (a TensorSSA) into shared memory at ``offset`` (32-byte aligned)."""
+    cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values)
+
+
+def _smem_run(array: cute.Tensor, at, count: int):
+    """``count`` consecutive fp32 of a shared-memory array (one vector read when count > 1)."""
+    if count == 1:
+        return [array[at]]
+    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=count), cute.make_layout(count)).load()
+    return [vec[e] for e in range(count)]
+
+
+def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, v_row,
+                scale, v_stride: int):
+    """One token on this thread's 64 values: decay, the two row dot products (reduced over the
+    group), u, o (staged in ``s_o``; every lane of a group holds bit-identical sums, so all of
+    them store the same value) and the rank-1 update.  α, q̂, k̂ are read from shared memory in
+    runs where they are used (k̂ again for the update), so only the state and the dot products
+    stay live.  ``v_row``: this thread's first V row within the CTA's staged v / o rows."""
+    dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
+    dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
+    for ki0, count in tile.key_chunks():
+        at = t * D + tile.key(j, ki0)
+        alphas = _smem_run(s_alpha, at, count)
+        khats = _smem_run(s_khat, at, count)
+        qhats = _smem_run(s_qhat, at, count)
+        for c in range(count):
+            ki = ki0 + c
+            for vi in range(tile.vt):
+                s = state[vi * tile.kt + ki] * alphas[c]
+                state[vi * tile.kt + ki] = s
+                dk[vi] = dk[vi] + s * khats[c]
+                dq[vi] = dq[vi] + s * qhats[c]
+    # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
+    for off in tile.xor_offsets:
+        for vi in range(tile.vt):
+            dk[vi] = dk[vi] + cute.arch.shuffle_sync_bfly(dk[vi], offset=off)
+            dq[vi] = dq[vi] + cute.arch.shuffle_sync_bfly(dq[vi], offset=off)
+    b = s_b[t]
+    kq = s_kq[t]
+    u = []
+    for vi in range(tile.vt):
+        u.append(b * (s_v[t * v_stride + v_row + vi] - dk[vi]))
+        s_o[t * v_stride + v_row + vi] = scale * (dq[vi] + u[vi] * kq)
+    for ki0, count in tile.key_chunks():
+        khats = _smem_run(s_khat, t * D + tile.key(j, ki0), count)
+        for c in range(count):
+            for vi in range(tile.vt):
+                state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * khats[c]
+
+
+def _stage_state(tile: _Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
+    """cp.async this thread's 16 state vectors at ``base`` into shared memory (vector i of
+    thread tid at ``stage_address + (i·threads + tid)·16``: a warp's copies are contiguous)."""
+    for i, (static_off, _) in enumerate(tile.vectors()):
+        src = base + cute.assume(lane_off + static_off, divby=tile.ce)
+        cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
+
+
+def _unstage_state(tile: _Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_threads: int, dtype):
+    """This thread's staged vectors (``_stage_state``) from shared memory into ``state`` (fp32)."""
+    for i, (_, regs) in enumerate(tile.vectors()):
+        at = cute.assume((i * n_threads + tid) * tile.ce, divby=tile.ce)
+        vec = cute.make_tensor(cute.recast_ptr(stage.iterator, dtype=dtype) + at,
+                               cute.make_layout(tile.ce)).load().to(cutlass.Float32)
+        for e in range(tile.ce):
+            state[regs[e]] = vec[e]
+
+
+def _token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
+                 dt_bias: cute.Pointer, hl, q_at, k_at, g_at, beta_at, head):
+    """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
+    dt_bias, β, A_log); the values are consumed by ``_token_prepare``."""
+    col = hl * 8
+    return (_bf16_row8(q, q_at + col), _bf16_row8(k, k_at + col), _bf16_row8(g, g_at + col),
+            _f32x8(dt_bias, head * D + col),
+            cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(a_log + head, cute.make_layout(1))[0])
+
+
+def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_kq: cute.Tensor,
+                   s_b: cute.Tensor, t, hl, lower_bound):
+    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
+    ``t`` into shared memory.  The half-warp's lanes hold bit-identical sums after the
+    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
+    vq, vk, vg, bias, logit, a_log_value = inputs
+    col = hl * 8
+    ssq = cutlass.Float32(0.0)
+    ssk = cutlass.Float32(0.0)
+    for e in range(8):
+        ssq = ssq + vq[e] * vq[e]
+        ssk = ssk + vk[e] * vk[e]
+    for b in range(4):
+        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
+        ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
+    rq = cute.math.rsqrt(ssq + 1e-6)
+    rk = cute.math.rsqrt(ssk + 1e-6)
+    decay_rate = exp2_fast(a_log_value * cutlass.Float32(LOG2E))
+    fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    kq = cutlass.Float32(0.0)
+    for e in range(8):
+        fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+        fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+        kq = kq + fq[e] * fk[e]
+        gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
+        fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
+    for b in range(4):
+        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    row = t * D + col
+    _store8(s_qhat, row, fq.load())
+    _store8(s_khat, row, fk.load())
+    _store8(s_alpha, row, fa.load())
+    s_kq[t] = kq
+    s_b[t] = sigmoid(logit)
+
+
+@cute.kernel
+def kda_decode_kernel(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    heads: cutlass.Constexpr[int],
+    kv_layout: cutlass.Constexpr[bool],
+    bf16_state: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    vblk, head, seq = cute.arch.block_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+    rows = items * v_block  # V rows of this CTA: items blocks of v_block, one after the other
+    n_threads = threads(v_block)
+    v0 = vblk * rows
+    n64 = cutlass.Int64(seq)
+    head_elems = cutlass.Int64(head) * (D * D)
+
+    smem = cutlass.utils.SmemAllocator()
+    token_layout = cute.make_layout(MAX_TOKENS * D)
+    s_alpha = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_khat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_qhat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
+    s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
+    stage_bytes = _stage_bytes(v_block, items)
+    s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
+
+    slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
+    # v / out staging: thread i moves 8 columns of token i // (rows / 8) of this CTA's rows
+    # (all MAX_TOKENS tokens in one pass: 2·v_block threads · 8 = 16·v_block ≥ 8·rows);
+    # threads past the last token repeat it (identical values: a benign duplicate store).
+    chunks = rows // 8
+    io_t = tid // chunks
+    io_col = (tid % chunks) * 8
+    io_active = io_t < num_tokens
+    io_tc = cutlass.min(io_t, num_tokens - 1)
+    hl = tid % HALF
+    half_id = tid // HALF
+    n_half = n_threads // HALF
+
+    # ---- issued before the slot is known: the first round of token inputs (token half_id,
+    # clamped) and the v rows; the state loads then wait only for the index ------------------
+    t0 = cutlass.min(half_id, num_tokens - 1)
+    inputs0 = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                           n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+                           n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+                           n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+                           cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
+                           + head, head)
+    v_rows = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
+
+    # The _Tile is a trace-time object: it is never bound to a local name here, since a Python
+    # object live across a dynamic `if`/`for` cannot be staged.
+    group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
+    # First of this thread's VT rows within a v_block item.
+    row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
+    lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
+    state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
+        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
+                                               divby=_tile(kv_layout, bf16_state).ce)
+        _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
+        # Later items' states stream into shared memory while the first item computes.
+        for item in cutlass.range_constexpr(1, items):
+            _stage_state(_tile(kv_layout, bf16_state), pool_head,
+                         lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block),
+                         s_stage.iterator.toint() + (item - 1) * n_threads * VALUES // 4 * 16, tid, n_threads)
+        cute.arch.cp_async_commit_group()
+
+    # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
+    _token_prepare(inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    _store8(s_v, io_tc * rows + io_col, v_rows)
+    # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
+    # the whole warp), with the token clamped like round 0.
+    for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
+        t = cutlass.min(base + half_id, num_tokens - 1)
+        t64 = cutlass.Int64(t)
+        inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                              n64 * q_stride_n + t64 * q_stride_t + head * D,
+                              n64 * k_stride_n + t64 * k_stride_t + head * D,
+                              n64 * g_stride_n + t64 * g_stride_t + head * D,
+                              cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
+        _token_prepare(inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
+    cute.arch.sync_threads()
+
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
+                                               divby=_tile(kv_layout, bf16_state).ce)
+        write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
+        for item in cutlass.range_constexpr(items):
+            item_off = lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block)
+            if cutlass.const_expr(item > 0):
+                cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
+                _unstage_state(_tile(kv_layout, bf16_state), state,
+                               cute.make_tensor(s_stage.iterator + (item - 1) * n_threads * VALUES // 4 * 16,
+                                                cute.make_layout(n_threads * VALUES // 4 * 16)),
+                               tid, n_threads, _tile(kv_layout, bf16_state).dtype)
+            for t in cutlass.range(num_tokens, unroll=1):
+                _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
+                            t, j, item * v_block + row_local, scale, rows)
+                if write_inter:
+                    inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
+                    inter_head = intermediate + cute.assume(inter_at, divby=D * D)
+                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off)
+            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off)
+        cute.arch.sync_threads()
+        if io_active:
+            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for e in cutlass.range_constexpr(8):
+                frag[e] = s_o[io_t * rows + io_col + e]
+            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16))
+    else:
+        # Padding row: zeros out, nothing else.
+        if seq < num_seqs and io_active:
+            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            frag.fill(0.0)
+            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def kda_decode_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    stream,
+    heads: cutlass.Constexpr[int],
+    kv_layout: cutlass.Constexpr[bool],
+    bf16_state: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
+):
+    kda_decode_kernel(
+        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
+        num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
+        v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
+        index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
+        heads, kv_layout, bf16_state, v_block, items,
+    ).launch(grid=[D // (items * v_block), heads, num_seqs], block=[threads(v_block), 1, 1],
+             smem=smem_bytes(v_block, items), stream=stream)

@@ -1,0 +1,81 @@
+"""CPU checks of the decode kernel's thread tile: which state values each lane holds, where
+they live in a head state of either layout, and which lanes reduce together."""
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from cula_aot.kernels.decode import MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads  # noqa: E402
+from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS, decode_threads  # noqa: E402
+
+D = 128
+
+
+def _address(v, k, kv_layout):
+    return k * D + v if kv_layout else v * D + k
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+@pytest.mark.parametrize("bf16_state", [False, True])
+def test_tile_covers_the_block_once_at_the_right_addresses(kv_layout, bf16_state):
+    tile = _Tile(kv_layout, bf16_state)
+    assert tile.vt * tile.kt == VALUES and tile.lanes * tile.kt == D
+    vectors = tile.vectors()
+    assert sorted(r for _, regs in vectors for r in regs) == list(range(VALUES))
+    assert all(len(regs) == tile.ce for _, regs in vectors)
+    seen = {}
+    for lane in range(WARP):
+        group, j = tile.lane_parts(lane)
+        row0 = group * tile.vt
+        base = tile.lane_offset(row0, j)
+        assert base % tile.ce == 0  # 16-byte vectors
+        for static_off, regs in vectors:
+            for e, reg in enumerate(regs):
+                vi, ki = divmod(reg, tile.kt)
+                v, k = row0 + vi, tile.key(j, ki)
+                assert base + static_off + e == _address(v, k, kv_layout)
+                assert (v, k) not in seen
+                seen[(v, k)] = lane
+    assert set(seen) == {(v, k) for v in range(ROWS_PER_WARP) for k in range(D)}
+    # The reduction partners of a lane are exactly the lanes holding the same rows.
+    for lane in range(WARP):
+        group, _ = tile.lane_parts(lane)
+        partners = {lane}
+        for off in tile.xor_offsets:
+            partners |= {p ^ off for p in partners}
+        assert partners == {p for p in range(WARP) if tile.lane_parts(p)[0] == group}
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+@pytest.mark.parametrize("bf16_state", [False, True])
+def test_a_vector_instruction_reads_whole_sectors(kv_layout, bf16_state):
+    """For each vector the warp loads, its 32 lanes' 16-byte pieces form runs of >= 32 bytes."""
+    tile = _Tile(kv_layout, bf16_state)
+    size = 2 if bf16_state else 4
+    for static_off, _ in tile.vectors():
+        starts = sorted((tile.lane_offset(tile.lane_parts(l)[0] * tile.vt, tile.lane_parts(l)[1]) + static_off) * size
+                        for l in range(WARP))
+        assert all(s % 16 == 0 for s in starts)
+        sectors = {s // 32 for s in starts}
+        assert len(sectors) * 32 == WARP * 16  # every touched 32-byte sector fully used
+
+
+def test_block_shapes():
+    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+    for v_block, items in variants:
+        rows = v_block * items
+        assert D % rows == 0 and v_block % ROWS_PER_WARP == 0
+        assert threads(v_block) == decode_threads(v_block)
+        # v and out staging: one 8-column piece per thread covers MAX_TOKENS tokens in one pass
+        assert threads(v_block) // (rows // 8) >= MAX_TOKENS
+        assert smem_bytes(v_block, items) <= 227 * 1024
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+def test_second_item_is_the_same_tile_further_down(kv_layout):
+    tile = _Tile(kv_layout, False)
+    for rows in (32, 64):
+        assert tile.lane_offset(rows, 3) == tile.lane_offset(0, 3) + tile.row_offset(rows)
+    # vk keys come in contiguous runs (one shared-memory vector each), kv keys one by one
+    for ki0, count in tile.key_chunks():
+        assert [tile.key(5, ki0 + c) for c in range(count)] == list(range(tile.key(5, ki0), tile.key(5, ki0) + count))
