@@ -66,10 +66,11 @@ def threads(v_block: int) -> int:
 
 
 def smem_bytes(v_block: int, items: int = 1) -> int:
-    """α, k̂, q̂ (fp32 [MAX_TOKENS, 128] each), k̂·q̂ and b per token, v and o staging (fp32
-    [MAX_TOKENS, items·v_block] each), the staged states of items after the first (16 bytes ×
-    16 vectors per thread each), alignment slack."""
-    return (3 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
+    """The four per-token key vectors (fp32 [MAX_TOKENS, 128] each: α then k̂/A, k̂ then A⊙k̂,
+    q̂ then A⊙q̂, and A), k̂·q̂ and b per token, v and o staging (fp32 [MAX_TOKENS,
+    items·v_block] each), the staged states of items after the first (16 bytes × 16 vectors per
+    thread each), alignment slack."""
+    return (4 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
             + _stage_bytes(v_block, items) + 256)
 
 
@@ -157,12 +158,17 @@ def _load_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
             state[regs[e]] = vec[e]
 
 
-def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
-    """``state`` rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
+def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off, s_decay, t, j):
+    """The state ``state``·diag(A_t) (the deferred decay, A_t of token ``t`` from ``s_decay``)
+    rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
+    decay = {}
+    for ki0, count in tile.key_chunks():
+        for c, value in enumerate(_smem_run(s_decay, t * D + tile.key(j, ki0), count)):
+            decay[ki0 + c] = value
     frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
     for static_off, regs in tile.vectors():
         for e in range(tile.ce):
-            frag[e] = state[regs[e]]
+            frag[e] = state[regs[e]] * decay[regs[e] % tile.kt]
         at = cute.assume(lane_off + static_off, divby=tile.ce)
         cute.make_tensor(base + at, cute.make_layout(tile.ce)).store(frag.load().to(tile.dtype))
 
@@ -190,27 +196,27 @@ def _smem_run(array: cute.Tensor, at, count: int):
     return [vec[e] for e in range(count)]
 
 
-def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o, t, j, v_row,
+def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, j, v_row,
                 scale, v_stride: int):
-    """One token on this thread's 64 values: decay, the two row dot products (reduced over the
-    group), u, o (staged in ``s_o``; every lane of a group holds bit-identical sums, so all of
-    them store the same value) and the rank-1 update.  α, q̂, k̂ are read from shared memory in
-    runs where they are used (k̂ again for the update), so only the state and the dot products
-    stay live.  ``v_row``: this thread's first V row within the CTA's staged v / o rows."""
+    """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
+    see ``_defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂)
+    (reduced over the group), u, o (staged in ``s_o``; every lane of a group holds bit-identical
+    sums, so all of them store the same value) and the rank-1 update S' += u (k̂/A_t)ᵀ: three
+    FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs where
+    they are used, so only the state and the dot products stay live.  ``v_row``: this thread's
+    first V row within the CTA's staged v / o rows."""
     dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     for ki0, count in tile.key_chunks():
         at = t * D + tile.key(j, ki0)
-        alphas = _smem_run(s_alpha, at, count)
-        khats = _smem_run(s_khat, at, count)
-        qhats = _smem_run(s_qhat, at, count)
+        kds = _smem_run(s_kd, at, count)
+        qds = _smem_run(s_qd, at, count)
         for c in range(count):
             ki = ki0 + c
             for vi in range(tile.vt):
-                s = state[vi * tile.kt + ki] * alphas[c]
-                state[vi * tile.kt + ki] = s
-                dk[vi] = dk[vi] + s * khats[c]
-                dq[vi] = dq[vi] + s * qhats[c]
+                s = state[vi * tile.kt + ki]
+                dk[vi] = dk[vi] + s * kds[c]
+                dq[vi] = dq[vi] + s * qds[c]
     # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
     for off in tile.xor_offsets:
         for vi in range(tile.vt):
@@ -223,10 +229,10 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_alpha, s_khat, s_qhat, s_kq, 
         u.append(b * (s_v[t * v_stride + v_row + vi] - dk[vi]))
         s_o[t * v_stride + v_row + vi] = scale * (dq[vi] + u[vi] * kq)
     for ki0, count in tile.key_chunks():
-        khats = _smem_run(s_khat, t * D + tile.key(j, ki0), count)
+        kinvs = _smem_run(s_kinv, t * D + tile.key(j, ki0), count)
         for c in range(count):
             for vi in range(tile.vt):
-                state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * khats[c]
+                state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * kinvs[c]
 
 
 def _stage_state(tile: _Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
@@ -296,6 +302,28 @@ def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cu
     s_b[t] = sigmoid(logit)
 
 
+@cute.jit
+def _defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_decay: cute.Tensor, num_tokens,
+                 tid, n_threads: cutlass.Constexpr[int]):
+    """Deferred decay, in place per key: with A_t = α_0·…·α_t, the state after token t is
+    S_t = S'_t·diag(A_t) where S' only takes rank-1 updates, so token t needs A_t⊙k̂ and A_t⊙q̂
+    (for the dot products, over k̂ and q̂) and k̂/A_t (for the update, over α), and a stored state
+    is S'·diag(A_t) (``s_decay``).  A_t ≥ e^(−5·8) stays a normal fp32 (lower_bound ≥ −5,
+    T ≤ 8), and every product is exact to fp32 rounding relative to the state it contributes
+    to."""
+    for i in cutlass.range_constexpr(D // n_threads):
+        key = tid + i * n_threads
+        decay = cutlass.Float32(1.0)
+        for t in cutlass.range(num_tokens, unroll=1):
+            at = t * D + key
+            decay = decay * s_alpha[at]
+            khat = s_khat[at]
+            s_khat[at] = khat * decay
+            s_qhat[at] = s_qhat[at] * decay
+            s_alpha[at] = khat / decay
+            s_decay[at] = decay
+
+
 @cute.kernel
 def kda_decode_kernel(
     q: cute.Pointer,
@@ -351,6 +379,7 @@ def kda_decode_kernel(
     s_alpha = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
     s_khat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
     s_qhat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
+    s_decay = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
     s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
     s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
     s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
@@ -416,6 +445,8 @@ def kda_decode_kernel(
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
         _token_prepare(inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
     cute.arch.sync_threads()
+    _defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    cute.arch.sync_threads()
 
     if seq < num_seqs and slot >= 0 and slot < num_slots:
         pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
@@ -435,8 +466,8 @@ def kda_decode_kernel(
                 if write_inter:
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
-                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off)
-            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off)
+                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j)
+            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j)
         cute.arch.sync_threads()
         if io_active:
             o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col

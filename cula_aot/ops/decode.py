@@ -11,7 +11,8 @@ import torch
 from ..layout import D
 from ..runtime.loader import default_loader
 from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeSpec
-from .prefill import STATE_LAYOUTS, KDAInputError
+from .checks import check_dtype_shape, fail
+from .prefill import STATE_LAYOUTS
 from .prepare import DEFAULT_SCALE
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -22,28 +23,14 @@ _PAIRED_MIN_HEADS = 256
 _FP32_SINGLE_HEADS = (512, 2048)
 
 
-def _fail(message: str):
-    raise KDAInputError(message)
-
-
 def _is_tensor(name, t):
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_dtype_shape(name, t, dtype, shape, device):
-    _is_tensor(name, t)
-    if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}; convert it with {name}.to({dtype})")
-    if tuple(t.shape) != tuple(shape):
-        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def _check_base(name, t):
     if t.data_ptr() % _ALIGN:
-        _fail(f"{name} must start on a {_ALIGN}-byte boundary (data_ptr {t.data_ptr():#x}); "
+        fail(f"{name} must start on a {_ALIGN}-byte boundary (data_ptr {t.data_ptr():#x}); "
               f"pass {name}.clone() or a view of an aligned buffer")
 
 
@@ -52,12 +39,12 @@ def _check_rows(name, t):
     (stride 128), any token and sequence strides that keep rows 16-byte aligned."""
     n, tokens, heads, _ = t.shape
     if t.stride(3) != 1 or (heads > 1 and t.stride(2) != D):
-        _fail(f"{name} must have unit stride along D and head stride {D} (a token's heads packed), got "
+        fail(f"{name} must have unit stride along D and head stride {D} (a token's heads packed), got "
               f"strides {list(t.stride())}; slice heads from a fused projection along its last dim "
               f"or call {name}.contiguous()")
     for axis, size in ((0, n), (1, tokens)):
         if size > 1 and t.stride(axis) % 8:
-            _fail(f"{name}.stride({axis}) = {t.stride(axis)} must be a multiple of 8 elements (16-byte "
+            fail(f"{name}.stride({axis}) = {t.stride(axis)} must be a multiple of 8 elements (16-byte "
                   f"aligned rows); call {name}.contiguous()")
     _check_base(name, t)
 
@@ -93,7 +80,7 @@ def _aliases(a, b) -> bool:
 def _as_4d(name, t, num_tokens):
     """[N·T, H, 128] (or [N·T, H] for β) token-major input viewed as [N, T, ...] (no copy)."""
     if t.shape[0] % num_tokens:
-        _fail(f"{name} has {t.shape[0]} token rows, not a multiple of num_tokens = {num_tokens}")
+        fail(f"{name} has {t.shape[0]} token rows, not a multiple of num_tokens = {num_tokens}")
     return t.unflatten(0, (t.shape[0] // num_tokens, num_tokens))
 
 
@@ -103,9 +90,9 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     (num_seqs, num_tokens, heads, scale)."""
     _is_tensor("q", q)
     if q.dim() not in (3, 4):
-        _fail(f"q must be [N, T, H, {D}] (or token-major [N·T, H, {D}] with num_tokens), got shape {list(q.shape)}")
+        fail(f"q must be [N, T, H, {D}] (or token-major [N·T, H, {D}] with num_tokens), got shape {list(q.shape)}")
     if num_tokens is not None and (type(num_tokens) is not int or not 1 <= num_tokens <= DECODE_MAX_TOKENS):
-        _fail(f"num_tokens must be an int in [1, {DECODE_MAX_TOKENS}], got {num_tokens!r}")
+        fail(f"num_tokens must be an int in [1, {DECODE_MAX_TOKENS}], got {num_tokens!r}")
     if q.dim() == 3:
         tokens = 1 if num_tokens is None else num_tokens
         q = _as_4d("q", q, tokens)
@@ -118,88 +105,88 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
         out = None if out is None else _as_4d("out", out, tokens)
     num_seqs, tokens, heads, dim = q.shape
     if dim != D:
-        _fail(f"head dim must be {D} (cula_aot builds D = K = V = {D} only), got q.shape[-1] = {dim}")
+        fail(f"head dim must be {D} (cula_aot builds D = K = V = {D} only), got q.shape[-1] = {dim}")
     if num_tokens is not None and tokens != num_tokens:
-        _fail(f"num_tokens = {num_tokens} but q has T = {tokens} tokens per sequence (q.shape[1])")
+        fail(f"num_tokens = {num_tokens} but q has T = {tokens} tokens per sequence (q.shape[1])")
     if not 1 <= tokens <= DECODE_MAX_TOKENS:
-        _fail(f"decode runs T = 1..{DECODE_MAX_TOKENS} tokens per sequence, got T = {tokens} "
+        fail(f"decode runs T = 1..{DECODE_MAX_TOKENS} tokens per sequence, got T = {tokens} "
               f"(q.shape[1]); use kda_prefill for longer chunks")
     if heads == 0:
-        _fail(f"q must have H > 0, got shape {list(q.shape)}")
+        fail(f"q must have H > 0, got shape {list(q.shape)}")
     device = q.device
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
-        _check_dtype_shape(name, t, torch.bfloat16, (num_seqs, tokens, heads, D), device)
+        check_dtype_shape(name, t, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows(name, t)
-    _check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
+    check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
     if heads > 1 and beta.stride(2) != 1:
-        _fail(f"beta must have unit stride along H, got strides {list(beta.stride())}; call beta.contiguous()")
-    _check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
-    _check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
+        fail(f"beta must have unit stride along H, got strides {list(beta.stride())}; call beta.contiguous()")
+    check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
+    check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not t.is_contiguous():
-            _fail(f"{name} must be contiguous; call {name}.contiguous()")
+            fail(f"{name} must be contiguous; call {name}.contiguous()")
         _check_base(name, t)
     lower_bound = float(lower_bound)
     if not -5.0 <= lower_bound < 0.0:
-        _fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
+        fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
     scale = DEFAULT_SCALE if scale is None else float(scale)
     if not (scale == scale and abs(scale) != float("inf")):
-        _fail(f"scale must be a finite number, got {scale}")
+        fail(f"scale must be a finite number, got {scale}")
     if state_layout not in STATE_LAYOUTS:
-        _fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+        fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
     _is_tensor("state_pool", state_pool)
     if state_pool.dtype not in STATE_DTYPES:
-        _fail(f"state_pool must be torch.float32 or torch.bfloat16, got {state_pool.dtype}")
+        fail(f"state_pool must be torch.float32 or torch.bfloat16, got {state_pool.dtype}")
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (heads, D, D) or state_pool.shape[0] == 0:
-        _fail(f"state_pool must be [slots, H, {D}, {D}] = [slots, {heads}, {D}, {D}] with slots >= 1, got "
+        fail(f"state_pool must be [slots, H, {D}, {D}] = [slots, {heads}, {D}, {D}] with slots >= 1, got "
               f"{list(state_pool.shape)}")
     if state_pool.device != device:
-        _fail(f"state_pool is on {state_pool.device} but q is on {device}; move all inputs to one CUDA device")
+        fail(f"state_pool is on {state_pool.device} but q is on {device}; move all inputs to one CUDA device")
     slots = state_pool.shape[0]
     if tuple(state_pool.stride()[1:]) != (D * D, D, 1) and not (heads == 1 and state_pool.stride()[2:] == (D, 1)):
-        _fail(f"state_pool must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got "
+        fail(f"state_pool must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got "
               f"{list(state_pool.stride())}; only the slot stride may be padded")
     slot_stride = state_pool.stride(0) if slots > 1 else heads * D * D
     if slot_stride < heads * D * D:
-        _fail(f"state_pool.stride(0) = {slot_stride} must be >= H·128·128 = {heads * D * D} (slots must not overlap)")
+        fail(f"state_pool.stride(0) = {slot_stride} must be >= H·128·128 = {heads * D * D} (slots must not overlap)")
     if slot_stride * state_pool.element_size() % _ALIGN:
-        _fail(f"state_pool.stride(0) = {slot_stride} elements must be a multiple of {_ALIGN} bytes")
+        fail(f"state_pool.stride(0) = {slot_stride} elements must be a multiple of {_ALIGN} bytes")
     if slot_stride > _INT32_MAX or slots > _INT32_MAX:
-        _fail(f"state_pool slot stride {slot_stride} / slot count {slots} must fit in int32")
+        fail(f"state_pool slot stride {slot_stride} / slot count {slots} must fit in int32")
     _check_base("state_pool", state_pool)
 
     _is_tensor("state_indices", state_indices)
     if state_indices.dtype != torch.int32:
-        _fail(f"state_indices must be torch.int32, got {state_indices.dtype}; convert it with .to(torch.int32)")
+        fail(f"state_indices must be torch.int32, got {state_indices.dtype}; convert it with .to(torch.int32)")
     if tuple(state_indices.shape) != (num_seqs,):
-        _fail(f"state_indices must have shape [{num_seqs}] (one slot per sequence), got {list(state_indices.shape)}")
+        fail(f"state_indices must have shape [{num_seqs}] (one slot per sequence), got {list(state_indices.shape)}")
     if num_seqs > 1 and state_indices.stride(0) != 1:
-        _fail("state_indices must be contiguous; call state_indices.contiguous()")
+        fail("state_indices must be contiguous; call state_indices.contiguous()")
     if state_indices.device != device:
-        _fail(f"state_indices is on {state_indices.device} but q is on {device}; keep it on the GPU "
+        fail(f"state_indices is on {state_indices.device} but q is on {device}; keep it on the GPU "
               "(it is never read on the host)")
 
     if intermediate_states is not None:
-        _check_dtype_shape("intermediate_states", intermediate_states, state_pool.dtype,
+        check_dtype_shape("intermediate_states", intermediate_states, state_pool.dtype,
                            (num_seqs, tokens, heads, D, D), device)
         if not intermediate_states.is_contiguous():
-            _fail("intermediate_states must be contiguous")
+            fail("intermediate_states must be contiguous")
         _check_base("intermediate_states", intermediate_states)
         if _overlaps(intermediate_states, state_pool):
-            _fail("intermediate_states must not overlap state_pool")
+            fail("intermediate_states must not overlap state_pool")
     if out is not None:
-        _check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
+        check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows("out", out)
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool)):
             if _aliases(out, t):
-                _fail(f"out must not alias {name}")
+                fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
         if t is not None and any(abs(s) > _INT32_MAX for s in t.stride()):
-            _fail(f"{name} strides {list(t.stride())} must fit in int32")
+            fail(f"{name} strides {list(t.stride())} must fit in int32")
     # Last, so every rule above is also checked (and testable) on the CPU.
     if device.type != "cuda":
-        _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
+        fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 

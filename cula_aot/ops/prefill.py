@@ -38,6 +38,7 @@ from ..layout import (
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
+from .checks import KDAInputError, check_dtype_shape, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
 from .workspace import ARENA, SEGMENT_TABLES
 
@@ -46,55 +47,33 @@ STATE_DTYPES = (torch.float32, torch.bfloat16)
 SEQLEN_CHECKS = ("auto", "host", "off")
 
 
-class KDAInputError(ValueError):
-    """A kda_prefill argument is invalid; the message names it and the fix."""
-
-
-def _fail(message: str):
-    raise KDAInputError(message)
-
-
 def _check_tensor(name, t, dtype, shape, device):
-    if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}; convert it with {name}.to({dtype})")
-    if tuple(t.shape) != tuple(shape):
-        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+    check_dtype_shape(name, t, dtype, shape, device)
     if not t.is_contiguous():
-        _fail(f"{name} must be contiguous; call {name}.contiguous()")
+        fail(f"{name} must be contiguous; call {name}.contiguous()")
 
 
 def _check_token_tensor(name, t, dtype, shape, device, packed: tuple, aligned_rows: bool = True) -> int:
     """Check a token-major input/output ``[B, T, *packed dims]`` that may be a token-strided view
     (e.g. a slice of one fused projection): the trailing dims must be packed, rows 16-byte
     aligned, and batches ``T`` rows apart.  Returns the token stride in elements."""
-    if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        _fail(f"{name} must be {dtype}, got {t.dtype}; convert it with {name}.to({dtype})")
-    if tuple(t.shape) != tuple(shape):
-        _fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+    check_dtype_shape(name, t, dtype, shape, device)
     strides, inner = t.stride(), 1
     for dim in range(t.dim() - 1, 1, -1):  # the packed dims, innermost first (size-1 dims: any stride)
         if shape[dim] > 1 and strides[dim] != inner:
-            _fail(f"{name} must have its last {t.dim() - 2} dims packed (strides ..., {', '.join(map(str, packed))}); "
+            fail(f"{name} must have its last {t.dim() - 2} dims packed (strides ..., {', '.join(map(str, packed))}); "
                   f"got strides {list(strides)}: only the token dim may be strided; call {name}.contiguous()")
         inner *= shape[dim]
     batch, seq_len = shape[0], shape[1]
     row = strides[1] if seq_len > 1 else (strides[0] if batch > 1 else inner)
     if row < inner:
-        _fail(f"{name}'s token stride {row} is smaller than a token's {inner} elements (overlapping rows); "
+        fail(f"{name}'s token stride {row} is smaller than a token's {inner} elements (overlapping rows); "
               f"call {name}.contiguous()")
     if batch > 1 and seq_len > 1 and strides[0] != seq_len * row:
-        _fail(f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
+        fail(f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
               f"call {name}.contiguous() or flatten to varlen [1, B*T, ...] with cu_seqlens")
     if aligned_rows and row * t.element_size() % 16:
-        _fail(f"{name} must have 16-byte aligned rows (token stride {row} elements); call {name}.contiguous()")
+        fail(f"{name} must have 16-byte aligned rows (token stride {row} elements); call {name}.contiguous()")
     return row
 
 
@@ -102,41 +81,41 @@ def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -
     """A state tensor ``[leading, H, 128, 128]`` in fp32 or bf16 whose slots may be padded apart
     (a state pool); returns its slot stride in elements."""
     if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in STATE_DTYPES:
-        _fail(f"{name} must be torch.float32 or torch.bfloat16, got {t.dtype}; convert it with {name}.float()")
+        fail(f"{name} must be torch.float32 or torch.bfloat16, got {t.dtype}; convert it with {name}.float()")
     if t.dim() != 4 or tuple(t.shape[1:]) != (heads, D, D) or (leading >= 0 and t.shape[0] != leading):
         want = [leading if leading >= 0 else leading_what, heads, D, D]
-        _fail(f"{name} must have shape {want} ({leading_what}), got {list(t.shape)}")
+        fail(f"{name} must have shape {want} ({leading_what}), got {list(t.shape)}")
     if t.device != device:
-        _fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+        fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
     slot = D * D * heads
     strides = t.stride()
     if strides[2:] != (D, 1) or (heads > 1 and strides[1] != D * D):
-        _fail(f"{name} must be packed within each state (strides [*, {D * D}, {D}, 1]), got strides "
+        fail(f"{name} must be packed within each state (strides [*, {D * D}, {D}, 1]), got strides "
               f"{list(strides)}; call {name}.contiguous()")
     stride = strides[0] if t.shape[0] > 1 else slot
     if stride < slot:
-        _fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
+        fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
     if stride * t.element_size() % 16:
-        _fail(f"{name} must have 16-byte aligned slots (slot stride {stride})")
+        fail(f"{name} must have 16-byte aligned slots (slot stride {stride})")
     if stride >= 2**31:
-        _fail(f"{name}'s slot stride {stride} does not fit in int32")
+        fail(f"{name}'s slot stride {stride} does not fit in int32")
     return stride
 
 
 def _check_device(device) -> None:
     if device.type != "cuda":
-        _fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
+        fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
 def _check_scalars(lower_bound, scale) -> tuple[float, float]:
     lower_bound = float(lower_bound)
     if not -5.0 <= lower_bound < 0.0:
-        _fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
+        fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
     scale = DEFAULT_SCALE if scale is None else float(scale)
     if not (scale == scale and abs(scale) != float("inf")):
-        _fail(f"scale must be a finite number, got {scale}")
+        fail(f"scale must be a finite number, got {scale}")
     return lower_bound, scale
 
 
@@ -145,27 +124,27 @@ def _check_addresses(named: dict, inputs: tuple) -> None:
     assumption) and outputs that do not alias an input."""
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
-            _fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
+            fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
     for name in ("out", "final_state"):
         t = named.get(name)
         if t is not None and t.data_ptr() in inputs:
-            _fail(f"{name} must not alias an input tensor")
+            fail(f"{name} must not alias an input tensor")
 
 
 def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
     source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     values = [int(x) for x in source.tolist()]
     if cu_seqlens_cpu is not None and cu_seqlens.numel() != len(values):
-        _fail(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {cu_seqlens.numel()}")
+        fail(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {cu_seqlens.numel()}")
     if values[0] != 0:
-        _fail(f"cu_seqlens must start at 0, got {values[0]}")
+        fail(f"cu_seqlens must start at 0, got {values[0]}")
     for n, (a, b) in enumerate(zip(values, values[1:])):
         if b < a:
-            _fail(f"cu_seqlens must be non-decreasing: cu_seqlens[{n + 1}] = {b} < cu_seqlens[{n}] = {a}")
+            fail(f"cu_seqlens must be non-decreasing: cu_seqlens[{n + 1}] = {b} < cu_seqlens[{n}] = {a}")
         if b == a:
-            _fail(f"cu_seqlens describes an empty sequence {n} ({a}..{b}); drop empty sequences")
+            fail(f"cu_seqlens describes an empty sequence {n} ({a}..{b}); drop empty sequences")
     if values[-1] != total_tokens:
-        _fail(f"cu_seqlens must end at T = {total_tokens} (q.shape[1]), got {values[-1]}")
+        fail(f"cu_seqlens must end at T = {total_tokens} (q.shape[1]), got {values[-1]}")
     return values
 
 
@@ -187,12 +166,12 @@ class Checked:
 def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
     """Whether to check cu_seqlens values on the host (see ``prefill``)."""
     if check_seqlens not in SEQLEN_CHECKS:
-        _fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
+        fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
     if check_seqlens == "off":
         return False
     if check_seqlens == "host":
         if cu_seqlens_cpu is None and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-            _fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
+            fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
                   "pass cu_seqlens_cpu, or check_seqlens='off'")
         return True
     return cu_seqlens_cpu is not None or not cu_seqlens.is_cuda  # "auto": only when it costs no sync
@@ -204,14 +183,14 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     """Check every argument before anything launches (the device rule last, so every other rule
     is testable on the CPU)."""
     if not isinstance(q, torch.Tensor):
-        _fail(f"q must be a torch.Tensor, got {type(q).__name__}")
+        fail(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
-        _fail(f"q must be [B, T, H, {D}], got shape {list(q.shape)}")
+        fail(f"q must be [B, T, H, {D}], got shape {list(q.shape)}")
     batch, seq_len, heads, dim = q.shape
     if dim != D:
-        _fail(f"head dim must be {D} (cula_aot builds D = K = V = {D} only), got q.shape[-1] = {dim}")
+        fail(f"head dim must be {D} (cula_aot builds D = K = V = {D} only), got q.shape[-1] = {dim}")
     if seq_len == 0 or batch == 0 or heads == 0:
-        _fail(f"q must have B, T, H > 0, got shape {list(q.shape)}")
+        fail(f"q must have B, T, H > 0, got shape {list(q.shape)}")
     device = q.device
     token_shape = (batch, seq_len, heads, D)
     strides = {name: _check_token_tensor(name, t, torch.bfloat16, token_shape, device, (D, 1))
@@ -222,41 +201,41 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     _check_tensor("dt_bias", dt_bias, torch.float32, (heads, D), device)
     lower_bound, scale = _check_scalars(lower_bound, scale)
     if state_layout not in STATE_LAYOUTS:
-        _fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+        fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
     # Identity tests: 0 == False and 1 == True, but 0 is no s_split.
     if not (intracard_cp is True or intracard_cp is False or (isinstance(intracard_cp, str) and intracard_cp == "auto")
             or (type(intracard_cp) is int and intracard_cp >= 1)):
-        _fail(f"intracard_cp must be 'auto', True, False or an int s_split >= 1, got {intracard_cp!r}")
+        fail(f"intracard_cp must be 'auto', True, False or an int s_split >= 1, got {intracard_cp!r}")
 
     num_seqs = batch
     host_cu = None
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            _fail("cu_seqlens must be an int32 or int64 tensor")
+            fail("cu_seqlens must be an int32 or int64 tensor")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            _fail(f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {list(cu_seqlens.shape)}")
+            fail(f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {list(cu_seqlens.shape)}")
         if cu_seqlens.device not in (device, torch.device("cpu")):
-            _fail(f"cu_seqlens is on {cu_seqlens.device}; put it on {device} (or the CPU)")
+            fail(f"cu_seqlens is on {cu_seqlens.device}; put it on {device} (or the CPU)")
         if batch != 1:
-            _fail(f"varlen input (cu_seqlens) needs batch size 1, got B = {batch}; flatten to [1, total, H, {D}]")
+            fail(f"varlen input (cu_seqlens) needs batch size 1, got B = {batch}; flatten to [1, total, H, {D}]")
         num_seqs = cu_seqlens.numel() - 1
         if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
-            _fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
+            fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
         if _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu):
             host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
         elif cu_seqlens_cpu is not None:  # unchecked, but free to read (CP planning uses it)
             host_cu = [int(x) for x in cu_seqlens_cpu.tolist()]
     elif cu_seqlens_cpu is not None:
-        _fail("cu_seqlens_cpu was given without cu_seqlens")
+        fail("cu_seqlens_cpu was given without cu_seqlens")
     elif check_seqlens not in SEQLEN_CHECKS:
-        _fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
+        fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
 
     # States: plain [N, H, 128, 128], or pools [slots, H, 128, 128] addressed by state_indices.
     if state_indices is not None:
         _check_tensor("state_indices", state_indices, torch.int32, (num_seqs,), device)
         if initial_state is None and final_state is None:
-            _fail("state_indices selects slots of a state pool: pass the pool as initial_state and/or final_state")
+            fail("state_indices selects slots of a state pool: pass the pool as initial_state and/or final_state")
     leading, leading_what = (-1, "pool slots") if state_indices is not None else (num_seqs, "N sequences")
     init_slot = final_slot = 0
     if initial_state is not None:
@@ -283,7 +262,7 @@ def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, dev
         # Lengths live on the device only: planning would need a sync.
         if intracard_cp == "auto":
             return 1
-        _fail("intracard_cp needs the sequence lengths on the host: pass cu_seqlens_cpu "
+        fail("intracard_cp needs the sequence lengths on the host: pass cu_seqlens_cpu "
               "(or check_seqlens='host', which copies cu_seqlens and synchronises)")
     if type(intracard_cp) is int:
         return intracard_cp
@@ -503,7 +482,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
 
     uploaded = SEGMENT_TABLES.get(plan_key, table_values, device, torch_stream)
     if uploaded is None:
-        _fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
+        fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
               "call (same lengths) once before capturing, or pass intracard_cp=False")
     table = uploaded[: n_rows * SEGMENT_FIELDS].view(n_rows, SEGMENT_FIELDS)
     seq_segments = uploaded[n_rows * SEGMENT_FIELDS :]

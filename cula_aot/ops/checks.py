@@ -1,0 +1,23 @@
+"""Argument checks shared by the prefill and decode entry points (CPU-testable: no launch)."""
+
+import torch
+
+
+class KDAInputError(ValueError):
+    """A cula_aot call's argument is invalid; the message names it and the fix."""
+
+
+def fail(message: str):
+    raise KDAInputError(message)
+
+
+def check_dtype_shape(name, t, dtype, shape, device) -> None:
+    """``t`` is a tensor of ``dtype`` and ``shape`` on ``device`` (q's device)."""
+    if not isinstance(t, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        fail(f"{name} must be {dtype}, got {t.dtype}; convert it with {name}.to({dtype})")
+    if tuple(t.shape) != tuple(shape):
+        fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
