@@ -2,6 +2,10 @@
 
 import torch
 
+from ..layout import D
+
+DEFAULT_SCALE = D**-0.5
+
 
 class KDAInputError(ValueError):
     """A cula_aot call's argument is invalid; the message names it and the fix."""
@@ -21,3 +25,14 @@ def check_dtype_shape(name, t, dtype, shape, device) -> None:
         fail(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.device != device:
         fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+
+
+def check_scalars(lower_bound, scale) -> tuple[float, float]:
+    """``(lower_bound, scale)`` as floats: lower_bound in [-5, 0), scale finite (None: 128^-0.5)."""
+    lower_bound = float(lower_bound)
+    if not -5.0 <= lower_bound < 0.0:
+        fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
+    scale = DEFAULT_SCALE if scale is None else float(scale)
+    if not (scale == scale and abs(scale) != float("inf")):
+        fail(f"scale must be a finite number, got {scale}")
+    return lower_bound, scale

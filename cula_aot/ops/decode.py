@@ -11,9 +11,8 @@ import torch
 from ..layout import D
 from ..runtime.loader import default_loader
 from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeSpec
-from .checks import check_dtype_shape, fail
+from .checks import check_dtype_shape, check_scalars, fail
 from .prefill import STATE_LAYOUTS
-from .prepare import DEFAULT_SCALE
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
@@ -126,12 +125,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
         if not t.is_contiguous():
             fail(f"{name} must be contiguous; call {name}.contiguous()")
         _check_base(name, t)
-    lower_bound = float(lower_bound)
-    if not -5.0 <= lower_bound < 0.0:
-        fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
-    scale = DEFAULT_SCALE if scale is None else float(scale)
-    if not (scale == scale and abs(scale) != float("inf")):
-        fail(f"scale must be a finite number, got {scale}")
+    lower_bound, scale = check_scalars(lower_bound, scale)
     if state_layout not in STATE_LAYOUTS:
         fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 

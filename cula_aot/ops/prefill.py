@@ -38,8 +38,8 @@ from ..layout import (
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
-from .checks import KDAInputError, check_dtype_shape, fail  # noqa: F401 (KDAInputError: re-exported)
-from .prepare import DEFAULT_SCALE, launch_prepare, workspace_values
+from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
+from .prepare import launch_prepare, workspace_values
 from .workspace import ARENA, SEGMENT_TABLES
 
 STATE_LAYOUTS = ("vk", "kv")
@@ -107,16 +107,6 @@ def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -
 def _check_device(device) -> None:
     if device.type != "cuda":
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
-
-
-def _check_scalars(lower_bound, scale) -> tuple[float, float]:
-    lower_bound = float(lower_bound)
-    if not -5.0 <= lower_bound < 0.0:
-        fail(f"lower_bound must be in [-5, 0), got {lower_bound}")
-    scale = DEFAULT_SCALE if scale is None else float(scale)
-    if not (scale == scale and abs(scale) != float("inf")):
-        fail(f"scale must be a finite number, got {scale}")
-    return lower_bound, scale
 
 
 def _check_addresses(named: dict, inputs: tuple) -> None:
@@ -199,7 +189,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
                                       aligned_rows=False)
     _check_tensor("A_log", A_log, torch.float32, (heads,), device)
     _check_tensor("dt_bias", dt_bias, torch.float32, (heads, D), device)
-    lower_bound, scale = _check_scalars(lower_bound, scale)
+    lower_bound, scale = check_scalars(lower_bound, scale)
     if state_layout not in STATE_LAYOUTS:
         fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
@@ -353,7 +343,7 @@ class _SerialPlan:
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices):
         c, device = self.c, self.device
-        lower_bound, scale = _check_scalars(lower_bound, scale)
+        lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
         qp, kp, vp, gp, bp, ap, dp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                                       A_log.data_ptr(), dt_bias.data_ptr())

@@ -7,9 +7,8 @@ import torch
 from ..layout import D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec
+from .checks import DEFAULT_SCALE
 from .workspace import ARENA
-
-DEFAULT_SCALE = D**-0.5
 
 
 @dataclasses.dataclass
