@@ -102,14 +102,18 @@ class SegmentTables:
     """Device copies of CP segment tables, one per plan (lengths, split, flags), built once:
     a repeated plan costs no table building, no upload and no GPU wait on the host, and a CUDA
     graph captured with it reads a buffer that lives as long as the process (entries a capture
-    used are never evicted).  A capture needs its plan's table to exist already: run the same
-    call once before capturing (graph users warm up anyway: it also sizes the arena)."""
+    used are never evicted).  Uploads run on a private stream per device that carries nothing
+    else, so they finish within microseconds: consumers wait on the upload's event, and a
+    capture (which may not wait on an outside event) only needs it to have completed.  A capture
+    needs its plan's table to exist already: run the same call once before capturing (graph
+    users warm up anyway: it also sizes the arena)."""
 
     LIMIT = 256
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._entries: dict = {}  # key -> [table, ready event, owner stream, used by a capture]
+        self._entries: dict = {}  # key -> [table, ready event, used by a capture]
+        self._streams: dict[int, torch.cuda.Stream] = {}
 
     def get(self, key, build, device: torch.device, stream: torch.cuda.Stream):
         """The device table of plan ``key`` (``build()`` gives its int32 values on a miss), usable
@@ -118,26 +122,33 @@ class SegmentTables:
         with self._lock:
             entry = self._entries.get(key)
         if entry is not None:
-            table, ready, owner, _ = entry
-            if owner != stream.cuda_stream:
-                if capturing:
-                    ready.synchronize()  # the eager upload (an event outside the capture)
-                else:
-                    stream.wait_event(ready)
-                    table.record_stream(stream)
-            entry[3] = entry[3] or capturing
+            table, ready, _ = entry
+            if capturing:
+                while not ready.query():  # a few-KB copy on an otherwise idle stream
+                    pass
+                entry[2] = True
+            else:
+                stream.wait_event(ready)
+                table.record_stream(stream)
             return table
         if capturing:
             return None
         values = torch.tensor(build(), dtype=torch.int32)
         table = torch.empty(values.numel(), dtype=torch.int32, device=device)
-        TABLE_STAGING.upload(values, table, stream)
-        ready = torch.cuda.Event()
-        ready.record(stream)
+        with self._lock:
+            upload = self._streams.get(device.index)
+            if upload is None:
+                upload = self._streams[device.index] = torch.cuda.Stream(device)
+        with torch.cuda.stream(upload):
+            TABLE_STAGING.upload(values, table, upload)
+            ready = torch.cuda.Event()
+            ready.record(upload)
+        table.record_stream(upload)
+        stream.wait_event(ready)
         with self._lock:
             if len(self._entries) >= self.LIMIT:
-                self._entries = {k: e for k, e in self._entries.items() if e[3]}
-            self._entries[key] = [table, ready, stream.cuda_stream, False]
+                self._entries = {k: e for k, e in self._entries.items() if e[2]}
+            self._entries[key] = [table, ready, False]
         return table
 
 
