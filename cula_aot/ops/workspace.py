@@ -100,55 +100,49 @@ class TableStaging:
 
 class SegmentTables:
     """Device copies of CP segment tables, one per plan (lengths, split, flags), built once:
-    a repeated plan costs no table building, no upload and no GPU wait on the host, and a CUDA
-    graph captured with it reads a buffer that lives as long as the process (entries a capture
-    used are never evicted).  Uploads run on a private stream per device that carries nothing
-    else, so they finish within microseconds: consumers wait on the upload's event, and a
-    capture (which may not wait on an outside event) only needs it to have completed.  A capture
-    needs its plan's table to exist already: run the same call once before capturing (graph
-    users warm up anyway: it also sizes the arena)."""
+    a repeated plan costs no table building and no upload, and a CUDA graph captured with it
+    reads a buffer that lives as long as the process (entries a capture used are never
+    evicted).  A new plan is uploaded on a private stream per device that carries nothing else,
+    and the host waits for that copy alone (microseconds, never for compute work): an entry is
+    complete once stored, so users on any stream, captures included (which may not touch events
+    made outside them), need no wait.  A capture needs its plan's table to exist already: run
+    the same call once before capturing (graph users warm up anyway: it also sizes the arena)."""
 
     LIMIT = 256
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._entries: dict = {}  # key -> [table, ready event, used by a capture]
+        self._entries: dict = {}  # key -> [table, used by a capture]
         self._streams: dict[int, torch.cuda.Stream] = {}
 
     def get(self, key, build, device: torch.device, stream: torch.cuda.Stream):
         """The device table of plan ``key`` (``build()`` gives its int32 values on a miss), usable
-        on ``stream`` (current) in stream order; None when capturing a plan not seen before."""
+        on ``stream`` (current); None when capturing a plan not seen before."""
         capturing = torch.cuda.is_current_stream_capturing()
         with self._lock:
             entry = self._entries.get(key)
         if entry is not None:
-            table, ready, _ = entry
-            if capturing:
-                while not ready.query():  # a few-KB copy on an otherwise idle stream
-                    pass
-                entry[2] = True
-            else:
-                stream.wait_event(ready)
-                table.record_stream(stream)
-            return table
+            entry[0].record_stream(stream)  # allocator bookkeeping: keeps it alive for this stream's work
+            entry[1] = entry[1] or capturing
+            return entry[0]
         if capturing:
             return None
         values = torch.tensor(build(), dtype=torch.int32)
-        table = torch.empty(values.numel(), dtype=torch.int32, device=device)
         with self._lock:
             upload = self._streams.get(device.index)
             if upload is None:
                 upload = self._streams[device.index] = torch.cuda.Stream(device)
         with torch.cuda.stream(upload):
+            table = torch.empty(values.numel(), dtype=torch.int32, device=device)
             TABLE_STAGING.upload(values, table, upload)
-            ready = torch.cuda.Event()
-            ready.record(upload)
-        table.record_stream(upload)
-        stream.wait_event(ready)
+            done = torch.cuda.Event()
+            done.record(upload)
+        done.synchronize()  # the copy alone: nothing else runs on the upload stream
+        table.record_stream(stream)
         with self._lock:
             if len(self._entries) >= self.LIMIT:
-                self._entries = {k: e for k, e in self._entries.items() if e[2]}
-            self._entries[key] = [table, ready, False]
+                self._entries = {k: e for k, e in self._entries.items() if e[1]}
+            self._entries[key] = [table, False]
         return table
 
 
