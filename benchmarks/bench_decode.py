@@ -38,7 +38,7 @@ measured in this run (read + write per second, 4 GB copy).  ``vs fla`` = fla tim
 
 Rows with N·H ≥ ``--variants-min-nh`` (default 256) also time every (v_block, items) kernel in
 ``VARIANTS`` (``row["variants"]``, µs), the data ``ops.decode.pick_variant`` is chosen from;
-``--sweep`` times them (and 16-row blocks) on a subset of every size.
+``--sweep`` times them on a subset of every size (all N, H ∈ {4, 32, 64}).
 """
 
 import argparse
@@ -62,8 +62,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
-# (v_block, items) kernels timed per row (16-row blocks lost everywhere on 2026-12-01).
-VARIANTS = ((32, 1), (64, 1), (32, 2), (64, 2))
+# (v_block, items) kernels timed per row.
+VARIANTS = ((32, 1), (32, 2), (64, 2))  # the built ones (specs.DECODE_*V_BLOCKS)
 
 
 class Bench:
@@ -186,8 +186,7 @@ class Bench:
         self.progress(row)
 
     def sweep_rows(self):
-        variants = ((16, 1),) + VARIANTS
-
+        variants = VARIANTS
         for dtype_name in self.args.dtypes:
             for heads in (4, 32, 64):
                 for n in self.args.seqs:

@@ -243,7 +243,10 @@ class MergeSpec(KernelSpec):
 # ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
-DECODE_V_BLOCKS = (16, 32, 64)  # V rows per item (one warp per 16); the runtime picks by size
+# V rows per item (one warp per 16), one item per CTA; only the variants ``ops.decode.pick_variant``
+# launches are built (16- and 64-row single items lost on every row of the 2026-12-01 sweep,
+# docs/PERFORMANCE.md "Decode").
+DECODE_V_BLOCKS = (32,)
 # Items per CTA: with 2, the second item's state streams into shared memory (cp.async) while
 # the first computes; built for these V blocks.
 DECODE_PAIRED_V_BLOCKS = (32, 64)

@@ -194,7 +194,8 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tu
     * fp32 pools: 32-row items, two per CTA (10-17% faster at T = 4 from N·H = 2048 and at
       N·H = 256), except N·H in [512, 2048), where one per CTA is 1-4% faster.
 
-    16-row items lost everywhere (their prologue needs more rounds): built for completeness."""
+    16-row items lost everywhere (their prologue needs more rounds), and 64-row single items were
+    never faster: neither is built."""
     nh = num_seqs * heads
     if nh < _PAIRED_MIN_HEADS:
         return 32, 1
