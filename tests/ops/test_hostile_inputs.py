@@ -31,10 +31,12 @@ CORRUPTIONS = {
     # argument: replacement builders, each an invalid value for it
     "q": [lambda x: x["q"].float(), lambda x: x["q"][..., :64].contiguous(), lambda x: x["q"][:, :-1].contiguous(),
           lambda x: x["q"].transpose(1, 2).contiguous().transpose(1, 2), lambda x: x["q"][0]],
+    # token-strided views that break a rule: rows not 16-byte aligned, overlapping rows
+    "v": [lambda x: x["v"].to(torch.float64), lambda x: x["v"][:, ::2].contiguous(),
+          lambda x: torch.zeros(1, T, H * 128 + 4, dtype=torch.bfloat16)[..., :H * 128].unflatten(-1, (H, 128)),
+          lambda x: torch.zeros(T * H * 128, dtype=torch.bfloat16).as_strided((1, T, H, 128), (T * 128, 128, 128, 1))],
     "k": [lambda x: x["k"].half(), lambda x: x["k"][:, :, :1].contiguous(), lambda x: x["k"].expand(2, -1, -1, -1)],
-    "v": [lambda x: x["v"].to(torch.float64), lambda x: x["v"][:, ::2].contiguous()],
     "g": [lambda x: x["g"].float(), lambda x: x["g"][..., :127].contiguous()],
-    "beta": [lambda x: x["beta"].float(), lambda x: x["beta"][..., None], lambda x: x["beta"][:, 1:].contiguous()],
     "A_log": [lambda x: x["A_log"].double(), lambda x: x["A_log"][:1].contiguous(), lambda x: x["A_log"].bfloat16()],
     "dt_bias": [lambda x: x["dt_bias"].t().contiguous(), lambda x: x["dt_bias"].half()],
     "lower_bound": [lambda x: 0.0, lambda x: 0.5, lambda x: -5.01, lambda x: float("nan")],
@@ -42,10 +44,16 @@ CORRUPTIONS = {
                    lambda x: _cu([1, 5, T]), lambda x: _cu([0, 5, 5, T]), lambda x: _cu([0.0, T * 1.0], torch.float32),
                    lambda x: _cu([[0, T]]), lambda x: _cu([0]), lambda x: _cu([0, T], torch.int16)],
     "initial_state": [lambda x: x["initial_state"][:2].contiguous(), lambda x: x["initial_state"].double(),
-                      lambda x: x["initial_state"].transpose(-1, -2)],
+                      lambda x: x["initial_state"].transpose(-1, -2), lambda x: x["initial_state"].half(),
+                      lambda x: torch.zeros(3 * H * 128 * 128).as_strided((3, H, 128, 128), (128, 16384, 128, 1))],
     "state_layout": [lambda x: "KV", lambda x: None],
     "scale": [lambda x: float("inf")],
     "intracard_cp": [lambda x: -1, lambda x: 0, lambda x: "on", lambda x: 1.5],
+    "state_indices": [lambda x: torch.zeros(2, dtype=torch.int32), lambda x: torch.zeros(3, dtype=torch.int64),
+                      lambda x: torch.zeros(3, 1, dtype=torch.int32), lambda x: [0, 1, 2]],
+    "check_seqlens": [lambda x: "never", lambda x: True],
+    "beta": [lambda x: x["beta"].float(), lambda x: x["beta"][..., None], lambda x: x["beta"][:, 1:].contiguous(),
+             lambda x: torch.zeros(1, T, H + 1, dtype=torch.bfloat16)[..., 1:]],
 }
 CASES = [(arg, i) for arg, builders in CORRUPTIONS.items() for i in range(len(builders))]
 
