@@ -1,8 +1,8 @@
 """``torch.ops.cula_aot.kda_prefill``: the prefill as a torch.library custom op.
 
 Functional (allocates its outputs), with a fake implementation so it traces under
-``torch.compile`` and ``torch.export``, and CUDA-graph capturable (serial path; under capture
-pass ``cu_seqlens_cpu`` so validation needs no GPU→CPU copy).  The final state is always
+``torch.compile`` and ``torch.export``, and CUDA-graph capturable (the serial path reads nothing
+back to the host, also with only a device ``cu_seqlens``).  The final state is always
 returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intracard_cp``:
 -1 = "auto", 0 = off, n ≥ 1 = s_split.
 
