@@ -17,6 +17,7 @@ prompt, and a graph replay with new requests equals the eager call.
 import torch
 
 import cula_aot
+from cula_aot.reference import rel_rmse
 
 HEADS = 8  # a tensor-parallel shard of the model's heads
 D = 128
@@ -55,10 +56,6 @@ def fused_projection(tokens: int, gen):
 
 def cu_of(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-
-
-def rel_rmse(a, b):
-    return float((a.float() - b.float()).pow(2).mean().sqrt() / b.float().pow(2).mean().sqrt())
 
 
 def chunked_prefill_matches_one_shot():

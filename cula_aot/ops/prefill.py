@@ -32,14 +32,12 @@ from ..layout import (
     SEGMENT_FIELDS,
     WORKSPACE_DTYPES,
     D,
-    fixed_total_slots,
-    varlen_total_slots,
 )
 from ..runtime.loader import default_loader
 from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
-from .prepare import launch_prepare, workspace_values
+from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
 from .workspace import ARENA, SEGMENT_TABLES
 
 STATE_LAYOUTS = ("vk", "kv")
@@ -109,14 +107,16 @@ def _check_device(device) -> None:
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
-def _check_addresses(named: dict, inputs: tuple) -> None:
+def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices) -> None:
     """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
     assumption) and outputs that do not alias an input."""
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
+             "initial_state": initial_state, "final_state": final_state, "out": out, "state_indices": state_indices}
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
             fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
-    for name in ("out", "final_state"):
-        t = named.get(name)
+    inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr())
+    for name, t in (("out", out), ("final_state", final_state)):
         if t is not None and t.data_ptr() in inputs:
             fail(f"{name} must not alias an input tensor")
 
@@ -148,6 +148,7 @@ class Checked:
     num_seqs: int
     scale: float
     host_cu: list | None  # host copy of cu_seqlens values when available without a sync
+    seqlens_checked: bool  # host_cu's values were checked (and must be again on every call)
     strides: dict  # token strides (elements) of q, k, v, g, beta and out (when given)
     init_slot_stride: int
     final_slot_stride: int
@@ -155,8 +156,6 @@ class Checked:
 
 def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
     """Whether to check cu_seqlens values on the host (see ``prefill``)."""
-    if check_seqlens not in SEQLEN_CHECKS:
-        fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
     if check_seqlens == "off":
         return False
     if check_seqlens == "host":
@@ -192,6 +191,8 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     lower_bound, scale = check_scalars(lower_bound, scale)
     if state_layout not in STATE_LAYOUTS:
         fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    if check_seqlens not in SEQLEN_CHECKS:
+        fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
 
     # Identity tests: 0 == False and 1 == True, but 0 is no s_split.
     if not (intracard_cp is True or intracard_cp is False or (isinstance(intracard_cp, str) and intracard_cp == "auto")
@@ -200,6 +201,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
 
     num_seqs = batch
     host_cu = None
+    seqlens_checked = False
     if cu_seqlens is not None:
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
             fail("cu_seqlens must be an int32 or int64 tensor")
@@ -212,14 +214,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         num_seqs = cu_seqlens.numel() - 1
         if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
             fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
-        if _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu):
+        seqlens_checked = _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu)
+        if seqlens_checked:
             host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
         elif cu_seqlens_cpu is not None:  # unchecked, but free to read (CP planning uses it)
             host_cu = [int(x) for x in cu_seqlens_cpu.tolist()]
     elif cu_seqlens_cpu is not None:
         fail("cu_seqlens_cpu was given without cu_seqlens")
-    elif check_seqlens not in SEQLEN_CHECKS:
-        fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
 
     # States: plain [N, H, 128, 128], or pools [slots, H, 128, 128] addressed by state_indices.
     if state_indices is not None:
@@ -234,15 +235,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         final_slot = _check_state("final_state", final_state, leading, leading_what, heads, device)
     if out is not None:
         out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
-    _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                      "initial_state": initial_state, "final_state": final_state, "out": out,
-                      "state_indices": state_indices}, (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()))
+    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices)
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     _check_device(device)
     strides["beta"] = beta_stride
     if out is not None:
         strides["out"] = out_stride
-    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, strides, init_slot, final_slot)
+    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, seqlens_checked, strides, init_slot, final_slot)
 
 
 def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, device) -> int:
@@ -322,17 +321,13 @@ class _SerialPlan:
     validated kernels and launch templates, so a repeated call only re-checks what the
     signature does not fix (addresses, scalars, host cu_seqlens values) and launches."""
 
-    def __init__(self, c: Checked, k1, k2, *, varlen, want_final, alloc_final, state_layout, indexed,
-                 init_flags, final_flags, host_checks, device):
+    def __init__(self, c: Checked, k1, k2, *, cu_seqlens, want_final, alloc_final, state_layout, init_flags,
+                 final_flags, device):
         self.c, self.device, self.want_final, self.alloc_final = c, device, want_final, alloc_final
-        self.host_checks = host_checks
-        self.slots = c.heads * (varlen_total_slots(c.seq_len, c.num_seqs) if varlen else fixed_total_slots(c.batch, c.seq_len))
-        geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": self.slots // c.heads,
-                    "heads": c.heads}
-        self.k1 = k1.template({
-            **geometry, "rows": c.batch * c.seq_len, "row_elems": c.heads * D,
-            "q_row_bytes": c.strides["q"] * 2, "k_row_bytes": c.strides["k"] * 2, "g_row_bytes": c.strides["g"] * 2,
-            "beta_row_stride": c.strides["beta"]}, _K1_DYNAMIC)
+        total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
+        self.slots = c.heads * total_slots
+        geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
+        self.k1 = k1.template({**geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides)}, _K1_DYNAMIC)
         stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
         self.k2 = k2.template({
             **geometry, "segments": 0, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
@@ -352,10 +347,8 @@ class _SerialPlan:
         op = 0 if out is None else out.data_ptr()
         xp = 0 if state_indices is None else state_indices.data_ptr()
         if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp) & 15 or op in (qp, kp, vp, gp) or fp in (qp, kp, vp, gp):
-            _check_addresses({"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-                              "initial_state": initial_state, "final_state": final_state, "out": out,
-                              "state_indices": state_indices}, (qp, kp, vp, gp))
-        if self.host_checks:
+            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices)
+        if c.seqlens_checked:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
@@ -431,14 +424,13 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     indexed = state_indices is not None
     want_final = output_final_state or final_state is not None
     init_flags = _state_flags(initial_state, "init", indexed)
-    final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else \
-        _state_flags(final_state if want_final else None, "final", indexed)
+    # An allocated final state is plain fp32; without want_final there is no final_state.
+    final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else _state_flags(final_state, "final", indexed)
     if segments is None:
         k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
-        plan = _SerialPlan(c, k1, k2, varlen=varlen, want_final=want_final, alloc_final=want_final and final_state is None,
-                           state_layout=state_layout, indexed=indexed, init_flags=init_flags, final_flags=final_flags,
-                           host_checks=varlen and c.host_cu is not None and _check_seqlens_choice(
-                               check_seqlens, cu_seqlens, cu_seqlens_cpu), device=device)
+        plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, want_final=want_final,
+                           alloc_final=want_final and final_state is None, state_layout=state_layout,
+                           init_flags=init_flags, final_flags=final_flags, device=device)
         # The serial decision is the signature's alone unless CP was planned from host lengths.
         if key is not None and (intracard_cp is False or c.host_cu is None or not varlen):
             if len(_PLANS) >= _PLAN_LIMIT:

@@ -58,19 +58,22 @@ def contiguous_strides(heads: int) -> dict:
     return {"q": heads * D, "k": heads * D, "v": heads * D, "g": heads * D, "out": heads * D, "beta": heads}
 
 
+def input_geometry(batch: int, seq_len: int, heads: int, strides: dict) -> dict:
+    """K1's values for its inputs' layout: the TMA views of q, k, g as [rows, H·128] with their
+    own token strides (recipe names, see ``specs.token_tma``) and β's token stride."""
+    return {"rows": batch * seq_len, "row_elems": heads * D,
+            "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
+            "beta_row_stride": strides["beta"]}
+
+
 def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common`` and
     the inputs' token ``strides`` (elements, see ``contiguous_strides``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
-        **common,
+        **common, **input_geometry(batch, seq_len, heads, strides),
         "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
-        # TMA views of the token-major inputs as [rows, H·128] with their own token strides
-        # (recipe names, see specs.token_tma)
-        "rows": batch * seq_len, "row_elems": heads * D,
-        "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
-        "beta_row_stride": strides["beta"],
         "scale": float(scale), "lower_bound": float(lower_bound),
     }, stream)
 
@@ -90,4 +93,4 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     return workspaces
 
 
-__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "launch_prepare", "plan_slots", "prepare", "workspace_values"]
+__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "input_geometry", "launch_prepare", "plan_slots", "prepare", "workspace_values"]

@@ -1,5 +1,5 @@
 """Runtime-owned device memory: the workspace arena (one raw byte buffer per (device, stream),
-grow-only), the staging of small host tables and the per-plan CP segment tables.
+grow-only), and the per-plan CP segment tables.
 
 Workspaces are carved from it as typed views at 256-byte aligned offsets, so after warm-up a
 prefill allocates no device memory.  Views are valid until the next call on the same stream
@@ -72,32 +72,6 @@ class WorkspaceArena:
         return pointers
 
 
-class TableStaging:
-    """Host→device upload of small int32 tables (CP segment plans) without pinning memory per
-    call (``pin_memory`` costs ~100 µs): per (device, stream) a grow-only pinned host buffer and
-    an event that guards it until its last copy has run."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._slots: dict[tuple[int, int], tuple] = {}
-
-    def upload(self, values: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """Copy ``values`` (CPU int32, 1-D) into the device tensor ``dst`` on ``stream`` (which must
-        be current), asynchronously."""
-        key, n = (dst.device.index, stream.cuda_stream), values.numel()
-        with self._lock:
-            host, copied = self._slots.get(key, (None, None))
-            if copied is not None:
-                copied.synchronize()  # the previous copy out of `host` has run (normally long ago)
-            if host is None or host.numel() < n:
-                host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
-            host[:n].copy_(values)
-            dst.copy_(host[:n], non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record(stream)
-            self._slots[key] = (host, copied)
-
-
 class SegmentTables:
     """Device copies of CP segment tables, one per plan (lengths, split, flags), built once:
     a repeated plan costs no table building and no upload, and a CUDA graph captured with it
@@ -113,7 +87,9 @@ class SegmentTables:
     def __init__(self):
         self._lock = threading.Lock()
         self._entries: dict = {}  # key -> [table, used by a capture]
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        # Per device: the upload stream and a grow-only pinned host buffer (``pin_memory`` per
+        # call costs ~100 µs; the buffer is free again once the host has waited for its copy).
+        self._uploads: dict[int, tuple] = {}
 
     def get(self, key, build, device: torch.device, stream: torch.cuda.Stream):
         """The device table of plan ``key`` (``build()`` gives its int32 values on a miss), usable
@@ -128,16 +104,21 @@ class SegmentTables:
         if capturing:
             return None
         values = torch.tensor(build(), dtype=torch.int32)
+        n = values.numel()
         with self._lock:
-            upload = self._streams.get(device.index)
+            upload, host = self._uploads.get(device.index, (None, None))
             if upload is None:
-                upload = self._streams[device.index] = torch.cuda.Stream(device)
-        with torch.cuda.stream(upload):
-            table = torch.empty(values.numel(), dtype=torch.int32, device=device)
-            TABLE_STAGING.upload(values, table, upload)
-            done = torch.cuda.Event()
-            done.record(upload)
-        done.synchronize()  # the copy alone: nothing else runs on the upload stream
+                upload = torch.cuda.Stream(device)
+            if host is None or host.numel() < n:
+                host = torch.empty(max(n, 1024), dtype=torch.int32, pin_memory=True)
+            self._uploads[device.index] = (upload, host)
+            host[:n].copy_(values)
+            with torch.cuda.stream(upload):
+                table = torch.empty(n, dtype=torch.int32, device=device)
+                table.copy_(host[:n], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(upload)
+            done.synchronize()  # the copy alone: nothing else runs on the upload stream
         table.record_stream(stream)
         with self._lock:
             if len(self._entries) >= self.LIMIT:
@@ -147,5 +128,4 @@ class SegmentTables:
 
 
 ARENA = WorkspaceArena()
-TABLE_STAGING = TableStaging()
 SEGMENT_TABLES = SegmentTables()

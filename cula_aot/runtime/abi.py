@@ -8,8 +8,6 @@ the ``.entry`` parameters (the build checked that).
 import struct
 
 _SCALAR_CODES = {"i32": "i", "f32": "f"}
-# The address alignment every pointer parameter was compiled to assume (specs.POINTER_ALIGN).
-POINTER_ALIGN = 16
 
 
 class ParamPacker:
@@ -33,8 +31,8 @@ class ParamPacker:
         self.struct = struct.Struct(fmt)
         self.size = self.struct.size
         self.names = [r["name"] for r in records]
-        self.pointer_names = {r["name"] for r in records if r["kind"] == "pointer"}
-        self._pointer_aligns = {r["name"]: r["address_align"] for r in records if r["kind"] == "pointer"}
+        # Pointer name → the address alignment the kernel was compiled to assume.
+        self.pointer_aligns = {r["name"]: r["address_align"] for r in records if r["kind"] == "pointer"}
         self._i32 = {r["name"] for r in records if r["kind"] == "scalar" and r["dtype"] == "i32"}
         self._descriptors = {r["name"]: r["size"] for r in records if r["kind"] == "tma_descriptor"}
 
@@ -44,7 +42,7 @@ class ParamPacker:
             raise ValueError(f"{self.kernel_name}: no value for parameters {missing}")
         ordered = [values[n] for n in self.names]
         for name, value in zip(self.names, ordered):
-            align = self._pointer_aligns.get(name)
+            align = self.pointer_aligns.get(name)
             if align is not None and value % align:
                 raise ValueError(
                     f"{self.kernel_name}: pointer '{name}' = {value:#x} is not {align}-byte aligned; "

@@ -12,7 +12,7 @@ import threading
 import torch
 from cuda.bindings import driver as cu
 
-from .abi import POINTER_ALIGN, ParamPacker
+from .abi import ParamPacker
 from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
 from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
@@ -88,14 +88,18 @@ class LaunchTemplate:
         unknown = [n for n in dynamic if n not in names and not any(src == n for _, src, _ in kernel.descriptors)]
         if unknown:
             raise ValueError(f"{kernel.name}: {unknown} are no parameters or descriptor sources")
-        probe = {**static, **{n: 0 for n in dynamic}}
+        aligns = kernel.packer.pointer_aligns
+        # Static values as given; per-call ones as placeholders of their kind (an aligned
+        # address, 0, an empty descriptor), so packing once checks every static value.
+        values = {n: aligns.get(n, 0) if n in dynamic_index else static[n]
+                  for n in names if n in static or n in dynamic_index}
         # Descriptors: shapes from the static values, the address (a dynamic source) per call.
         self._descriptors = []
         for name, source, cache in kernel.descriptors:
-            probe[name] = bytes(TMA_DESCRIPTOR_BYTES)
+            values[name] = bytes(TMA_DESCRIPTOR_BYTES)
             self._descriptors.append((names.index(name), dynamic_index[source], cache.resolved(static)))
-        kernel.packer.pack({n: (probe[n] if n not in dynamic_index else _placeholder(kernel, n)) for n in names})
-        self._values = [probe[n] for n in names]
+        kernel.packer.pack(values)
+        self._values = [values[n] for n in names]
         # Dynamic parameters as runs (ABI position, dynamic index, length) filled by slices.
         pairs = sorted((names.index(n), i) for n, i in dynamic_index.items() if n in names)
         self._runs = []
@@ -105,17 +109,14 @@ class LaunchTemplate:
             else:
                 self._runs.append([at, i, 1])
         self._runs = [(at, i, i + n, at + n) for at, i, n in self._runs]
-        self._pointer_checks = [(i, n) for n, i in dynamic_index.items() if n in kernel.packer.pointer_names]
+        self._pointer_checks = [(i, n, aligns[n]) for n, i in dynamic_index.items() if n in aligns]
         self._struct = kernel.packer.struct
 
     def launch(self, dynamic: tuple, stream: int) -> None:
-        bits = 0
-        for i, _ in self._pointer_checks:
-            bits |= dynamic[i]
-        if bits % POINTER_ALIGN:
-            name = next(n for i, n in self._pointer_checks if dynamic[i] % POINTER_ALIGN)
-            raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {POINTER_ALIGN}-byte aligned; "
-                             "pass tensors whose storage starts on a 16-byte boundary")
+        for i, name, align in self._pointer_checks:
+            if dynamic[i] % align:
+                raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
+                                 "pass tensors whose storage starts on a 16-byte boundary")
         if min(self.grid) <= 0:
             return
         values = self._values.copy()
@@ -124,11 +125,6 @@ class LaunchTemplate:
         for at, i, encode in self._descriptors:
             values[at] = encode(dynamic[i])
         self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream)
-
-
-def _placeholder(kernel: LoadedKernel, name: str):
-    """A value of the right kind for checking a template's static values."""
-    return POINTER_ALIGN if name in kernel.packer.pointer_names else 0
 
 
 class KernelLoader:

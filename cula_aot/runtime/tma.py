@@ -37,15 +37,17 @@ class DescriptorCache:
         self.what = what
         self._encoded: dict[tuple, bytes] = {}
 
+    def _shape(self, values: dict) -> tuple:
+        """(dims, strides) of the recipe with its runtime names resolved from ``values``."""
+        return (tuple(_resolve(d, values) for d in self.recipe["global_dims"]),
+                tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"]))
+
     def get(self, base_address: int, values: dict) -> bytes:
-        dims = tuple(_resolve(d, values) for d in self.recipe["global_dims"])
-        strides = tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"])
-        return self._get(base_address, dims, strides)
+        return self._get(base_address, *self._shape(values))
 
     def resolved(self, values: dict):
         """``address -> descriptor`` for the shape that ``values`` fix (a launch template's)."""
-        dims = tuple(_resolve(d, values) for d in self.recipe["global_dims"])
-        strides = tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"])
+        dims, strides = self._shape(values)
         last = [(None, None)]  # the previous call's (address, descriptor): serving loops repeat it
 
         def encoded(base_address: int) -> bytes:
