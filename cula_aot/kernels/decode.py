@@ -112,11 +112,43 @@ class _Tile:
         return (ki // self.ce) * (self.lanes * self.ce) + j * self.ce + ki % self.ce
 
     def key_chunks(self):
-        """[(first value column ki, count)]: runs of value columns whose keys are contiguous
-        (one shared-memory vector read each): CE-key chunks for "vk", single keys for "kv"."""
+        """[(first value column ki, 4)]: runs of four value columns whose keys sit at consecutive
+        shared-memory positions (``key_pos``): one 16-byte vector read each."""
+        return [(ki, 4) for ki in range(0, self.kt, 4)]
+
+    def key_pos(self, j, ki):
+        """Shared-memory position (within a token's 128) of the key of value column ``ki`` for
+        group lane ``j``: a lane's runs of four columns are 16 contiguous bytes and the lanes of a
+        group lie side by side, so a warp's vector read of a run is conflict-free (each 8-lane
+        phase reads 128 contiguous bytes; the groups read the same ones)."""
+        return (ki // 4) * (4 * self.lanes) + 4 * j + ki % 4
+
+    def pos_of_key(self, key):
+        """``key_pos`` of a key (works on trace-time ints and on dynamic Int32)."""
         if self.kv:
-            return [(ki, 1) for ki in range(self.kt)]
-        return [(m * self.ce, self.ce) for m in range(self.kt // self.ce)]
+            return self.key_pos(key % self.lanes, key // self.lanes)
+        span = self.lanes * self.ce
+        rem = key % span
+        return self.key_pos(rem // self.ce, (key // span) * self.ce + rem % self.ce)
+
+    def row_of(self, j):
+        """The row (0 .. VT − 1) whose two dot products lane ``j`` of a group holds after
+        ``_reduce_rows``: reduction level b keeps the upper half of the remaining rows when bit b
+        of j is set, until one row is left."""
+        row = 0
+        for b in range(self.vt.bit_length() - 1):
+            row = row + ((j >> b) & 1) * (self.vt >> (b + 1))
+        return row
+
+    def holder(self, row: int) -> int:
+        """A group lane holding ``row`` after ``_reduce_rows`` (the bit-reversal of ``row``)."""
+        return next(j for j in range(self.lanes) if self.row_of(j) == row)
+
+    def lane_of(self, group, j):
+        """Warp lane of (group, j): the inverse of ``lane_parts``."""
+        if self.kv:
+            return group + self.groups * j
+        return j + self.lanes * group
 
     def row_offset(self, rows: int) -> int:
         """Element offset of the same thread tile ``rows`` V rows further."""
@@ -163,7 +195,7 @@ def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off, 
     rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
     decay = {}
     for ki0, count in tile.key_chunks():
-        for c, value in enumerate(_smem_run(s_decay, t * D + tile.key(j, ki0), count)):
+        for c, value in enumerate(_smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)):
             decay[ki0 + c] = value
     frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
     for static_off, regs in tile.vectors():
@@ -196,19 +228,43 @@ def _smem_run(array: cute.Tensor, at, count: int):
     return [vec[e] for e in range(count)]
 
 
-def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, j, v_row,
+def _reduce_rows(tile: _Tile, dk, dq, j):
+    """Reduce-scatter of the VT row pairs (S k, S q) over the L lanes of a group: each level
+    halves the rows a lane keeps (it sends the other half to its partner), so level b costs
+    VT / 2^b pairs of shuffles instead of VT; once one row is left the pair is all-reduced
+    (a + b on both partners: bit-identical).  Returns the totals of row ``tile.row_of(j)``."""
+    pairs = [(dk[vi], dq[vi]) for vi in range(tile.vt)]
+    for level, off in enumerate(tile.xor_offsets):
+        if len(pairs) > 1:
+            half = len(pairs) // 2
+            upper = ((j >> level) & 1) != 0
+            kept = []
+            for lo, hi in zip(pairs[:half], pairs[half:]):
+                pair = []
+                for lo_x, hi_x in zip(lo, hi):
+                    keep = cutlass.Float32(cutlass.select_(upper, hi_x, lo_x))
+                    send = cutlass.Float32(cutlass.select_(upper, lo_x, hi_x))
+                    pair.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                kept.append(tuple(pair))
+            pairs = kept
+        else:
+            pairs = [tuple(x + cute.arch.shuffle_sync_bfly(x, offset=off) for x in pairs[0])]
+    return pairs[0]
+
+
+def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
                 scale, v_stride: int):
     """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
-    see ``_defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂)
-    (reduced over the group), u, o (staged in ``s_o``; every lane of a group holds bit-identical
-    sums, so all of them store the same value) and the rank-1 update S' += u (k̂/A_t)ᵀ: three
-    FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs where
-    they are used, so only the state and the dot products stay live.  ``v_row``: this thread's
-    first V row within the CTA's staged v / o rows."""
+    see ``_defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
+    reduce-scattered over the group (``_reduce_rows``), u and o of the lane's row (o staged in
+    ``s_o``), u of every row gathered back by shuffles, and the rank-1 update S' += u (k̂/A_t)ᵀ:
+    three FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs
+    where they are used, so only the state and the dot products stay live.  ``v_row``: this
+    thread's first V row within the CTA's staged v / o rows."""
     dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     for ki0, count in tile.key_chunks():
-        at = t * D + tile.key(j, ki0)
+        at = t * D + tile.key_pos(j, ki0)
         kds = _smem_run(s_kd, at, count)
         qds = _smem_run(s_qd, at, count)
         for c in range(count):
@@ -217,19 +273,14 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, 
                 s = state[vi * tile.kt + ki]
                 dk[vi] = dk[vi] + s * kds[c]
                 dq[vi] = dq[vi] + s * qds[c]
-    # Butterflies: partners add the same two values in either order, so the group agrees bitwise.
-    for off in tile.xor_offsets:
-        for vi in range(tile.vt):
-            dk[vi] = dk[vi] + cute.arch.shuffle_sync_bfly(dk[vi], offset=off)
-            dq[vi] = dq[vi] + cute.arch.shuffle_sync_bfly(dq[vi], offset=off)
-    b = s_b[t]
-    kq = s_kq[t]
-    u = []
-    for vi in range(tile.vt):
-        u.append(b * (s_v[t * v_stride + v_row + vi] - dk[vi]))
-        s_o[t * v_stride + v_row + vi] = scale * (dq[vi] + u[vi] * kq)
+    dk_row, dq_row = _reduce_rows(tile, dk, dq, j)
+    row = v_row + tile.row_of(j)
+    u_row = s_b[t] * (s_v[t * v_stride + row] - dk_row)
+    # The lanes sharing a row hold bit-identical values: all of them store the same o.
+    s_o[t * v_stride + row] = scale * (dq_row + u_row * s_kq[t])
+    u = [cute.arch.shuffle_sync(u_row, offset=tile.lane_of(group, tile.holder(vi))) for vi in range(tile.vt)]
     for ki0, count in tile.key_chunks():
-        kinvs = _smem_run(s_kinv, t * D + tile.key(j, ki0), count)
+        kinvs = _smem_run(s_kinv, t * D + tile.key_pos(j, ki0), count)
         for c in range(count):
             for vi in range(tile.vt):
                 state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * kinvs[c]
@@ -264,10 +315,10 @@ def _token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.P
             cute.make_tensor(a_log + head, cute.make_layout(1))[0])
 
 
-def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_kq: cute.Tensor,
-                   s_b: cute.Tensor, t, hl, lower_bound):
+def _token_prepare(tile: _Tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
+                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound):
     """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
-    ``t`` into shared memory.  The half-warp's lanes hold bit-identical sums after the
+    ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
     butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
     vq, vk, vg, bias, logit, a_log_value = inputs
     col = hl * 8
@@ -294,10 +345,18 @@ def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cu
         fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
     for b in range(4):
         kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
-    row = t * D + col
-    _store8(s_qhat, row, fq.load())
-    _store8(s_khat, row, fk.load())
-    _store8(s_alpha, row, fa.load())
+    for run in range(2):  # keys col + 4·run .. + 3
+        at = t * D + tile.pos_of_key(col + 4 * run)
+        for dst, values in ((s_qhat, fq), (s_khat, fk), (s_alpha, fa)):
+            if tile.kv:  # consecutive keys lie 4 positions apart
+                for e in range(4):
+                    dst[at + 4 * e] = values[4 * run + e]
+            else:  # consecutive keys are consecutive positions: one 16-byte store
+                run_values = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                for e in range(4):
+                    run_values[e] = values[4 * run + e]
+                cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(
+                    run_values.load())
     s_kq[t] = kq
     s_b[t] = sigmoid(logit)
 
@@ -305,17 +364,18 @@ def _token_prepare(inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cu
 @cute.jit
 def _defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_decay: cute.Tensor, num_tokens,
                  tid, n_threads: cutlass.Constexpr[int]):
-    """Deferred decay, in place per key: with A_t = α_0·…·α_t, the state after token t is
+    """Deferred decay, in place per key (all four arrays share the key positions, so this walks
+    positions): with A_t = α_0·…·α_t, the state after token t is
     S_t = S'_t·diag(A_t) where S' only takes rank-1 updates, so token t needs A_t⊙k̂ and A_t⊙q̂
     (for the dot products, over k̂ and q̂) and k̂/A_t (for the update, over α), and a stored state
     is S'·diag(A_t) (``s_decay``).  A_t ≥ e^(−5·8) stays a normal fp32 (lower_bound ≥ −5,
     T ≤ 8), and every product is exact to fp32 rounding relative to the state it contributes
     to."""
     for i in cutlass.range_constexpr(D // n_threads):
-        key = tid + i * n_threads
+        position = tid + i * n_threads
         decay = cutlass.Float32(1.0)
         for t in cutlass.range(num_tokens, unroll=1):
-            at = t * D + key
+            at = t * D + position
             decay = decay * s_alpha[at]
             khat = s_khat[at]
             s_khat[at] = khat * decay
@@ -431,7 +491,7 @@ def kda_decode_kernel(
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
-    _token_prepare(inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    _token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     _store8(s_v, io_tc * rows + io_col, v_rows)
     # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
     # the whole warp), with the token clamped like round 0.
@@ -443,7 +503,7 @@ def kda_decode_kernel(
                               n64 * k_stride_n + t64 * k_stride_t + head * D,
                               n64 * g_stride_n + t64 * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
-        _token_prepare(inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
+        _token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
     cute.arch.sync_threads()
     _defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
@@ -462,7 +522,7 @@ def kda_decode_kernel(
                                tid, n_threads, _tile(kv_layout, bf16_state).dtype)
             for t in cutlass.range(num_tokens, unroll=1):
                 _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                            t, j, item * v_block + row_local, scale, rows)
+                            t, group, j, item * v_block + row_local, scale, rows)
                 if write_inter:
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)

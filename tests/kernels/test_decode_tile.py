@@ -1,6 +1,7 @@
 """CPU checks of the decode kernel's thread tile: which state values each lane holds, where
 they live in a head state of either layout, and which lanes reduce together."""
 
+import numpy as np
 import pytest
 
 pytest.importorskip("cutlass")
@@ -76,6 +77,70 @@ def test_second_item_is_the_same_tile_further_down(kv_layout):
     tile = _Tile(kv_layout, False)
     for rows in (32, 64):
         assert tile.lane_offset(rows, 3) == tile.lane_offset(0, 3) + tile.row_offset(rows)
-    # vk keys come in contiguous runs (one shared-memory vector each), kv keys one by one
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+@pytest.mark.parametrize("bf16_state", [False, True])
+def test_key_positions_are_a_permutation_read_without_bank_conflicts(kv_layout, bf16_state):
+    tile = _Tile(kv_layout, bf16_state)
+    positions = {}
+    for j in range(tile.lanes):
+        for ki in range(tile.kt):
+            p = tile.key_pos(j, ki)
+            assert tile.pos_of_key(tile.key(j, ki)) == p
+            positions[p] = tile.key(j, ki)
+    assert sorted(positions) == list(range(D)) and sorted(positions.values()) == list(range(D))
     for ki0, count in tile.key_chunks():
-        assert [tile.key(5, ki0 + c) for c in range(count)] == list(range(tile.key(5, ki0), tile.key(5, ki0) + count))
+        # a run is one 16-byte vector per lane ...
+        for j in range(tile.lanes):
+            assert [tile.key_pos(j, ki0 + c) for c in range(count)] == list(range(tile.key_pos(j, ki0),
+                                                                                  tile.key_pos(j, ki0) + 4))
+        # ... and each 8-lane phase of the warp's read covers 128 contiguous bytes: no conflicts
+        for phase in range(WARP // 8):
+            starts = {tile.key_pos(tile.lane_parts(lane)[1], ki0) * 4 for lane in range(8 * phase, 8 * phase + 8)}
+            banks = [(s // 4 + w) % 32 for s in starts for w in range(4)]
+            assert len(banks) == len(set(banks))
+
+
+class _LaneVectors:
+    """Stand-ins for the DSL calls of ``_reduce_rows``: a value is a numpy array over the 32
+    lanes of a warp, a butterfly shuffle reads the partner lane's entry."""
+
+    @staticmethod
+    def select_(cond, if_value, else_value):
+        return np.where(cond, if_value, else_value)
+
+    @staticmethod
+    def Float32(x):  # noqa: N802 (the DSL's name)
+        return x
+
+    class arch:  # noqa: N801
+        @staticmethod
+        def shuffle_sync_bfly(x, offset):
+            return x[np.arange(WARP) ^ offset]
+
+
+@pytest.mark.parametrize("kv_layout", [False, True])
+@pytest.mark.parametrize("bf16_state", [False, True])
+def test_reduce_rows_leaves_each_lane_the_group_totals_of_its_row(kv_layout, bf16_state, monkeypatch):
+    """Runs the kernel's own reduce-scatter on lane vectors, then the gather of u."""
+    from cula_aot.kernels import decode
+
+    tile = _Tile(kv_layout, bf16_state)
+    monkeypatch.setattr(decode, "cutlass", _LaneVectors)
+    monkeypatch.setattr(decode, "cute", _LaneVectors)
+    rng = np.random.default_rng(7)
+    dk = [rng.integers(-1000, 1000, WARP).astype(np.float64) for _ in range(tile.vt)]
+    dq = [rng.integers(-1000, 1000, WARP).astype(np.float64) for _ in range(tile.vt)]
+    parts = [tile.lane_parts(lane) for lane in range(WARP)]
+    group = np.array([g for g, _ in parts])
+    j = np.array([jj for _, jj in parts])
+    dk_row, dq_row = decode._reduce_rows(tile, dk, dq, j)
+    for lane in range(WARP):
+        row = tile.row_of(int(j[lane]))
+        members = group == group[lane]
+        assert dk_row[lane] == dk[row][members].sum() and dq_row[lane] == dq[row][members].sum()
+    for row in range(tile.vt):
+        src = tile.lane_of(group, tile.holder(row))
+        assert (group[src] == group).all() and all(tile.row_of(int(x)) == row for x in j[src])
+        assert (dk_row[src] == np.array([dk[row][group == g].sum() for g in group])).all()
