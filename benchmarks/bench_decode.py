@@ -150,10 +150,10 @@ class Bench:
         io_bytes = 5 * n * tokens * heads * D * 2 + n * tokens * heads * 2 + 4 * n
         row = {"dtype": dtype_name, "layout": self.args.layout, "heads": heads, "seqs": n, "tokens": tokens,
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
-        from cula_aot.ops.decode import pick_variant
+        from cula_aot.ops.decode import pick_variant, variant_name
 
         chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16)
-        row["v_block"] = "x".join(map(str, chosen))
+        row["v_block"] = variant_name(chosen)
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
         if self.fla is not None and self.args.mode != "ours":
@@ -178,15 +178,16 @@ class Bench:
                 row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
                 del inter
             if n * heads >= self.args.variants_min_nh:
-                row["variants"] = {"x".join(map(str, v)): (row["ours_ms"] if v == chosen else
-                                                            self.time_replay(capture_graph(self.ours_call(x, variant=v))))
+                row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
+                                                     self.time_replay(capture_graph(self.ours_call(x, variant=v))))
                                    for v in VARIANTS}
         self.rows.append(row)
         del x
         self.progress(row)
 
     def sweep_rows(self):
-        variants = VARIANTS
+        from cula_aot.ops.decode import variant_name
+
         for dtype_name in self.args.dtypes:
             for heads in (4, 32, 64):
                 for n in self.args.seqs:
@@ -195,8 +196,8 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for v in variants:
-                            entry["v{}x{}_ms".format(*v)] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
+                        for v in VARIANTS:
+                            entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
                         del x
@@ -267,10 +268,10 @@ def repick(result):
     """Rows' ``ours_ms`` become the timing of the variant ``pick_variant`` picks now (measured in
     the same run, ``row["variants"]``); ``ours_inter_ms`` stays as measured (its variant is kept
     in ``inter_variant``)."""
-    from cula_aot.ops.decode import pick_variant
+    from cula_aot.ops.decode import pick_variant, variant_name
 
     for r in result["rows"]:
-        chosen = "x".join(map(str, pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16")))
+        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16"))
         if "ours_inter_ms" in r:
             r.setdefault("inter_variant", r["v_block"])
         if r.get("variants") and chosen in r["variants"]:
@@ -325,21 +326,22 @@ def render_markdown(res) -> str:
             f"| {rmse_o:.1e} | {rmse_s:.1e} |")
     with_variants = [r for r in res["rows"] if r.get("variants")]
     if with_variants:
-        names = list(with_variants[0]["variants"])
+        names = list(dict.fromkeys(k for r in with_variants for k in r["variants"]))
         lines += ["", "Every (v_block × items) kernel, µs (the default pick is the v_block column above)", "",
                   "| pool | H | N | T | " + " | ".join(names) + " | best |",
                   "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |"]
         for r in with_variants:
             v = r["variants"]
             lines.append(f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | "
-                         + " | ".join(f"{1e3 * v[k]:.1f}" for k in names) + f" | {min(v, key=v.get)} |")
+                         + " | ".join(f"{1e3 * v[k]:.1f}" if k in v else "—" for k in names)
+                         + f" | {min(v, key=v.get)} |")
     if res.get("sweep"):
-        keys = [k for k in res["sweep"][0] if k.endswith("_ms")]
+        keys = list(dict.fromkeys(k for e in res["sweep"] for k in e if k.endswith("_ms")))
         lines += ["", "V-block sweep (µs)", "", "| pool | H | N | T | " + " | ".join(keys) + " |",
                   "| --- | --- | --- | --- | " + " | ".join("---" for _ in keys) + " |"]
         for s in res["sweep"]:
             lines.append(f"| {s['dtype']} | {s['heads']} | {s['seqs']} | {s['tokens']} | "
-                         + " | ".join(f"{1e3 * s[k]:.1f}" for k in keys) + " |")
+                         + " | ".join(f"{1e3 * s[k]:.1f}" if k in s else "—" for k in keys) + " |")
     if res.get("errors"):
         lines += ["", "Errors:", ""] + [f"* {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"

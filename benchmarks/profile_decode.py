@@ -4,6 +4,8 @@
     ncu --clock-control none -k regex:kda_decode --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \\
         python3 benchmarks/profile_decode.py --heads 64 --seqs 1024 --tokens 4 --dtype bf16
+
+``--variant 32x2`` picks the (v_block, items) kernel (default: ``pick_variant``).
 """
 
 import argparse
@@ -13,7 +15,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
-import cula_aot
+from cula_aot.ops.decode import decode
+
+
+def parse_variant(name):
+    """"32x2" → (32, 2) (``ops.decode.variant_name`` inverted)."""
+    return None if name is None else tuple(map(int, name.split("x")))
 
 
 def main():
@@ -23,6 +30,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--variant", default=None, help="e.g. 32x2 (default: pick_variant)")
     args = parser.parse_args()
     n, t, h = args.seqs, args.tokens, args.heads
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -34,8 +42,8 @@ def main():
     a_log = torch.log(torch.rand(h, generator=gen, device="cuda") * 15 + 1)
     dt_bias = 0.1 * torch.randn(h, 128, generator=gen, device="cuda")
     for _ in range(args.steps):
-        cula_aot.kda_decode(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, state_pool=pool,
-                            state_indices=indices)
+        decode(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, state_pool=pool,
+               state_indices=indices, variant=parse_variant(args.variant))
     torch.cuda.synchronize()
 
 

@@ -16,7 +16,7 @@ _KERNELS = {
         lambda spec: k2_recurrence.smem_bytes(spec.v_block),
     ),
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.SMEM_BYTES),
-    "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items)),
+    "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state)),
 }
 
 

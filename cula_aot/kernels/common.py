@@ -24,6 +24,8 @@ __all__ = [
     "row_chunk_column",
     "tile_row_as_f32",
     "sigmoid",
+    "butterfly_reduce_scatter",
+    "kept_start",
     "state_element",
     "pool_index",
     "varlen_sequence",
@@ -44,6 +46,40 @@ def sigmoid(x):
     """σ(x) = 1 / (1 + 2^(−x·log2 e)) with approximate ex2 and rcp (relative error ~1e-7, far
     below the bf16 roundings that follow): ±inf give exactly 0 and 1, NaN stays NaN."""
     return cute.arch.rcp_approx(cutlass.Float32(1.0) + exp2_fast(x * cutlass.Float32(-LOG2E)))
+
+
+def butterfly_reduce_scatter(values: list, lane_bits, offsets) -> list:
+    """Sums the tuples ``values`` (per-lane partials, a power-of-two count) over the lanes that
+    xor-ing ``offsets`` reaches.  Level b halves the tuples a lane keeps: it keeps the upper half
+    where bit b of ``lane_bits`` is set and sends the other half to its partner across
+    ``offsets[b]``, so it costs half the shuffles of an all-reduce; once one tuple is left, later
+    levels all-reduce it (a + b on both partners: bit-identical).  Returns the tuples left: the
+    totals of ``values[kept_start(..) ..]``; each total is summed by one lane (or identical pair)."""
+    for level, off in enumerate(offsets):
+        if len(values) > 1:
+            half = len(values) // 2
+            upper = ((lane_bits >> level) & 1) != 0
+            kept = []
+            for lo, hi in zip(values[:half], values[half:]):
+                total = []
+                for lo_x, hi_x in zip(lo, hi):
+                    keep = cutlass.Float32(cutlass.select_(upper, hi_x, lo_x))
+                    send = cutlass.Float32(cutlass.select_(upper, lo_x, hi_x))
+                    total.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
+                kept.append(tuple(total))
+            values = kept
+        else:
+            values = [tuple(x + cute.arch.shuffle_sync_bfly(x, offset=off) for x in values[0])]
+    return values
+
+
+def kept_start(lane_bits, count: int, levels: int):
+    """Index in ``values`` of the first tuple ``butterfly_reduce_scatter`` leaves a lane
+    (trace-time ints or dynamic Int32)."""
+    start = 0
+    for b in range(min(levels, count.bit_length() - 1)):
+        start = start + ((lane_bits >> b) & 1) * (count >> (b + 1))
+    return start
 
 
 # Token-major input tensors [rows, H, 128] are viewed as 2-D [rows, H·128] for TMA; the row

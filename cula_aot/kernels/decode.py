@@ -37,7 +37,7 @@ the state arrives; with ``items = 2`` the second V block's state streams into sh
 (cp.async) while the first computes.  Outputs are staged in smem, stored as 16-byte vectors.
 
 Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
-``smem_bytes(v_block, items)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
+``smem_bytes(v_block, items, bf16_state)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
 items.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
 token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
 128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
@@ -51,7 +51,7 @@ import cutlass.cute as cute
 
 from ..layout import D
 from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS
-from .common import LOG2E, exp2_fast, sigmoid
+from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, sigmoid
 from .warp_mma import cp_async_16
 
 WARP = 32
@@ -65,18 +65,24 @@ def threads(v_block: int) -> int:
     return WARP * (v_block // ROWS_PER_WARP)
 
 
-def smem_bytes(v_block: int, items: int = 1) -> int:
+def smem_bytes(v_block: int, items: int, bf16_state: bool) -> int:
     """The four per-token key vectors (fp32 [MAX_TOKENS, 128] each: α then k̂/A, k̂ then A⊙k̂,
     q̂ then A⊙q̂, and A), k̂·q̂ and b per token, v and o staging (fp32 [MAX_TOKENS,
-    items·v_block] each), the staged states of items after the first (16 bytes × 16 vectors per
-    thread each), alignment slack."""
+    items·v_block] each), the staged states of items after the first, alignment slack."""
     return (4 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
-            + _stage_bytes(v_block, items) + 256)
+            + _stage_bytes(v_block, items, bf16_state) + 256)
 
 
-def _stage_bytes(v_block: int, items: int) -> int:
-    """Shared memory for the staged states of items 1 .. items − 1 (a placeholder if none)."""
-    return max((items - 1) * threads(v_block) * (VALUES // 4) * 16, 128)
+def _item_stage_bytes(v_block: int, bf16_state: bool) -> int:
+    """One staged item: a 16-byte vector per 16 bytes of a thread's 64 values (fp32: 16, bf16: 8),
+    vector i of thread tid at (i·threads + tid)·16."""
+    return threads(v_block) * (VALUES * (2 if bf16_state else 4) // 16) * 16
+
+
+def _stage_bytes(v_block: int, items: int, bf16_state: bool) -> int:
+    """Shared memory for the staged states of items 1 .. items − 1 (a placeholder if none): a
+    bf16 pool stages half the bytes, which lets more CTAs share an SM."""
+    return max((items - 1) * _item_stage_bytes(v_block, bf16_state), 128)
 
 
 class _Tile:
@@ -133,12 +139,8 @@ class _Tile:
 
     def row_of(self, j):
         """The row (0 .. VT − 1) whose two dot products lane ``j`` of a group holds after
-        ``_reduce_rows``: reduction level b keeps the upper half of the remaining rows when bit b
-        of j is set, until one row is left."""
-        row = 0
-        for b in range(self.vt.bit_length() - 1):
-            row = row + ((j >> b) & 1) * (self.vt >> (b + 1))
-        return row
+        ``_reduce_rows``."""
+        return kept_start(j, self.vt, len(self.xor_offsets))
 
     def holder(self, row: int) -> int:
         """A group lane holding ``row`` after ``_reduce_rows`` (the bit-reversal of ``row``)."""
@@ -229,27 +231,9 @@ def _smem_run(array: cute.Tensor, at, count: int):
 
 
 def _reduce_rows(tile: _Tile, dk, dq, j):
-    """Reduce-scatter of the VT row pairs (S k, S q) over the L lanes of a group: each level
-    halves the rows a lane keeps (it sends the other half to its partner), so level b costs
-    VT / 2^b pairs of shuffles instead of VT; once one row is left the pair is all-reduced
-    (a + b on both partners: bit-identical).  Returns the totals of row ``tile.row_of(j)``."""
-    pairs = [(dk[vi], dq[vi]) for vi in range(tile.vt)]
-    for level, off in enumerate(tile.xor_offsets):
-        if len(pairs) > 1:
-            half = len(pairs) // 2
-            upper = ((j >> level) & 1) != 0
-            kept = []
-            for lo, hi in zip(pairs[:half], pairs[half:]):
-                pair = []
-                for lo_x, hi_x in zip(lo, hi):
-                    keep = cutlass.Float32(cutlass.select_(upper, hi_x, lo_x))
-                    send = cutlass.Float32(cutlass.select_(upper, lo_x, hi_x))
-                    pair.append(keep + cute.arch.shuffle_sync_bfly(send, offset=off))
-                kept.append(tuple(pair))
-            pairs = kept
-        else:
-            pairs = [tuple(x + cute.arch.shuffle_sync_bfly(x, offset=off) for x in pairs[0])]
-    return pairs[0]
+    """The group totals (S k, S q) of row ``tile.row_of(j)``: a reduce-scatter of the VT row
+    pairs over the L lanes of a group (VT + VT/2 + … shuffle pairs instead of VT·log2 L)."""
+    return butterfly_reduce_scatter(list(zip(dk, dq)), j, tile.xor_offsets)[0]
 
 
 def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
@@ -444,7 +428,8 @@ def kda_decode_kernel(
     s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
     s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
     s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
-    stage_bytes = _stage_bytes(v_block, items)
+    stage_bytes = _stage_bytes(v_block, items, bf16_state)
+    item_stage = _item_stage_bytes(v_block, bf16_state)
     s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
@@ -487,7 +472,7 @@ def kda_decode_kernel(
         for item in cutlass.range_constexpr(1, items):
             _stage_state(_tile(kv_layout, bf16_state), pool_head,
                          lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block),
-                         s_stage.iterator.toint() + (item - 1) * n_threads * VALUES // 4 * 16, tid, n_threads)
+                         s_stage.iterator.toint() + (item - 1) * item_stage, tid, n_threads)
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
@@ -517,8 +502,8 @@ def kda_decode_kernel(
             if cutlass.const_expr(item > 0):
                 cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
                 _unstage_state(_tile(kv_layout, bf16_state), state,
-                               cute.make_tensor(s_stage.iterator + (item - 1) * n_threads * VALUES // 4 * 16,
-                                                cute.make_layout(n_threads * VALUES // 4 * 16)),
+                               cute.make_tensor(s_stage.iterator + (item - 1) * item_stage,
+                                                cute.make_layout(item_stage)),
                                tid, n_threads, _tile(kv_layout, bf16_state).dtype)
             for t in cutlass.range(num_tokens, unroll=1):
                 _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
@@ -594,4 +579,4 @@ def kda_decode_launch(
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
         heads, kv_layout, bf16_state, v_block, items,
     ).launch(grid=[D // (items * v_block), heads, num_seqs], block=[threads(v_block), 1, 1],
-             smem=smem_bytes(v_block, items), stream=stream)
+             smem=smem_bytes(v_block, items, bf16_state), stream=stream)

@@ -17,9 +17,8 @@ from .prefill import STATE_LAYOUTS
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 _INT32_MAX = 2**31 - 1
-# N·H thresholds of pick_variant.
+# N·H from which pick_variant pairs items.
 _PAIRED_MIN_HEADS = 256
-_FP32_SINGLE_HEADS = (512, 2048)
 
 
 def _is_tensor(name, t):
@@ -186,24 +185,25 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
     """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
-    H200 (docs/PERFORMANCE.md "Decode", docs/bench/decode_2026-12-01.md):
+    H200 (docs/PERFORMANCE.md "Decode", session 11 table: docs/bench/decode_session11.md):
 
     * N·H < 256: 32-row items, one per CTA (the most CTAs; latency-bound sizes);
-    * bf16 pools: 64-row items, two per CTA (the second item's state streams into shared
-      memory while the first computes): up to 15% faster at T = 4, 1-4% at T = 1;
-    * fp32 pools: 32-row items, two per CTA (10-17% faster at T = 4 from N·H = 2048 and at
-      N·H = 256), except N·H in [512, 2048), where one per CTA is 1-4% faster.
+    * bf16 pools: 32-row items, two per CTA (the second item's state streams into shared memory
+      while the first computes; with 16 staged bytes per thread-vector of bf16 seven CTAs fit an
+      SM): 2-5% faster than 64-row pairs at T = 4, level at T = 1;
+    * fp32 pools: T = 1 the same pairs; T > 1 one 32-row item per CTA (3-4% faster: 135
+      registers, more CTAs per SM).
 
     16-row items lost everywhere (their prologue needs more rounds), and 64-row single items were
     never faster: neither is built."""
-    nh = num_seqs * heads
-    if nh < _PAIRED_MIN_HEADS:
-        return 32, 1
-    if bf16_state:
-        return 64, 2
-    if _FP32_SINGLE_HEADS[0] <= nh < _FP32_SINGLE_HEADS[1]:
+    if num_seqs * heads < _PAIRED_MIN_HEADS or (not bf16_state and tokens > 1):
         return 32, 1
     return 32, 2
+
+
+def variant_name(variant) -> str:
+    """"32x2": the (v_block, items) of a variant, as the benchmark labels it."""
+    return "x".join(map(str, variant))
 
 
 def _aligned_down(t) -> tuple[int, int]:

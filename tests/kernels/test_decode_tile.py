@@ -6,7 +6,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cula_aot.kernels.decode import MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _Tile, smem_bytes, threads  # noqa: E402
+from cula_aot.kernels.decode import (  # noqa: E402
+    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _stage_bytes, _Tile, smem_bytes, threads)
 from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS, decode_threads  # noqa: E402
 
 D = 128
@@ -69,7 +70,11 @@ def test_block_shapes():
         assert threads(v_block) == decode_threads(v_block)
         # v and out staging: one 8-column piece per thread covers MAX_TOKENS tokens in one pass
         assert threads(v_block) // (rows // 8) >= MAX_TOKENS
-        assert smem_bytes(v_block, items) <= 227 * 1024
+        for bf16_state in (False, True):
+            assert smem_bytes(v_block, items, bf16_state) <= 227 * 1024
+            # every staged vector of items 1 .. items − 1 lies inside the stage
+            vectors = len(_Tile(False, bf16_state).vectors())
+            assert (items - 1) * threads(v_block) * vectors * 16 <= _stage_bytes(v_block, items, bf16_state)
 
 
 @pytest.mark.parametrize("kv_layout", [False, True])
@@ -103,7 +108,7 @@ def test_key_positions_are_a_permutation_read_without_bank_conflicts(kv_layout, 
 
 
 class _LaneVectors:
-    """Stand-ins for the DSL calls of ``_reduce_rows``: a value is a numpy array over the 32
+    """Stand-ins for the DSL calls of ``common.butterfly_reduce_scatter``: a value is a numpy array over the 32
     lanes of a warp, a butterfly shuffle reads the partner lane's entry."""
 
     @staticmethod
@@ -124,11 +129,11 @@ class _LaneVectors:
 @pytest.mark.parametrize("bf16_state", [False, True])
 def test_reduce_rows_leaves_each_lane_the_group_totals_of_its_row(kv_layout, bf16_state, monkeypatch):
     """Runs the kernel's own reduce-scatter on lane vectors, then the gather of u."""
-    from cula_aot.kernels import decode
+    from cula_aot.kernels import common, decode
 
     tile = _Tile(kv_layout, bf16_state)
-    monkeypatch.setattr(decode, "cutlass", _LaneVectors)
-    monkeypatch.setattr(decode, "cute", _LaneVectors)
+    monkeypatch.setattr(common, "cutlass", _LaneVectors)
+    monkeypatch.setattr(common, "cute", _LaneVectors)
     rng = np.random.default_rng(7)
     dk = [rng.integers(-1000, 1000, WARP).astype(np.float64) for _ in range(tile.vt)]
     dq = [rng.integers(-1000, 1000, WARP).astype(np.float64) for _ in range(tile.vt)]
@@ -144,3 +149,4 @@ def test_reduce_rows_leaves_each_lane_the_group_totals_of_its_row(kv_layout, bf1
         src = tile.lane_of(group, tile.holder(row))
         assert (group[src] == group).all() and all(tile.row_of(int(x)) == row for x in j[src])
         assert (dk_row[src] == np.array([dk[row][group == g].sum() for g in group])).all()
+
