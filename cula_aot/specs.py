@@ -249,7 +249,7 @@ DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
 DECODE_V_BLOCKS = (32,)
 # Items per CTA: with 2, the second item's state streams into shared memory (cp.async) while
 # the first computes; built for these V blocks.
-DECODE_PAIRED_V_BLOCKS = (32, 64)
+DECODE_PAIRED_V_BLOCKS = (32,)  # 64-row pairs: never picked since session 11 (32-row pairs won or tied)
 
 DECODE_PARAMS = (
     pointer("q", "bf16"),
