@@ -63,7 +63,7 @@ LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
 # (v_block, items) kernels timed per row.
-VARIANTS = ((32, 1), (32, 2))  # the built ones (specs.DECODE_*V_BLOCKS)
+VARIANTS = ((32, 1), (32, 2), (32, 4))  # the built ones (specs.DECODE_VARIANTS)
 
 
 class Bench:

@@ -243,13 +243,12 @@ class MergeSpec(KernelSpec):
 # ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
-# V rows per item (one warp per 16), one item per CTA; only the variants ``ops.decode.pick_variant``
-# launches are built (16- and 64-row single items lost on every row of the 2026-12-01 sweep,
-# docs/PERFORMANCE.md "Decode").
-DECODE_V_BLOCKS = (32,)
-# Items per CTA: with 2, the second item's state streams into shared memory (cp.async) while
-# the first computes; built for these V blocks.
-DECODE_PAIRED_V_BLOCKS = (32,)  # 64-row pairs: never picked since session 11 (32-row pairs won or tied)
+# (V rows per item, items per CTA) of the built decode kernels: one warp per 16 rows; with
+# several items a CTA walks V blocks of one head, the next one's state streaming into shared
+# memory while the current one computes.  Only what ``ops.decode.pick_variant`` launches is
+# built: 16-row items and 64-row single items lost on every row of the first sweep, 64-row pairs
+# on the session-11 table (docs/PERFORMANCE.md "Decode").
+DECODE_VARIANTS = ((32, 1), (32, 2), (32, 4))
 
 DECODE_PARAMS = (
     pointer("q", "bf16"),
@@ -313,10 +312,10 @@ class DecodeSpec(KernelSpec):
 
 def decode_specs(heads) -> list[KernelSpec]:
     """Every decode specialization for the given head counts (both layouts, both pool dtypes,
-    every ``DECODE_V_BLOCKS``)."""
-    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+    every ``DECODE_VARIANTS``)."""
     return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
-            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True) for vb, items in variants]
+            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
+            for vb, items in DECODE_VARIANTS]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

@@ -33,8 +33,11 @@ shuffles over the group:
 
 Per CTA: the index load and the first token inputs go out together, the state loads then wait
 for the index only; half-warps compute q̂, k̂, α, k̂·q̂, b per token into shared memory while
-the state arrives; with ``items = 2`` the second V block's state streams into shared memory
-(cp.async) while the first computes.  Outputs are staged in smem, stored as 16-byte vectors.
+the state arrives; with ``items`` > 1 the CTA walks several V blocks of one head (one prologue),
+the next block's state streaming into a shared-memory stage (cp.async) while the current one
+computes: each thread refills its own part of the stage as soon as it has moved the last item
+into registers, so loads stay in flight through the whole CTA.  Outputs are staged in smem
+(bf16), stored as 16-byte vectors.
 
 Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
 ``smem_bytes(v_block, items, bf16_state)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
@@ -67,9 +70,9 @@ def threads(v_block: int) -> int:
 
 def smem_bytes(v_block: int, items: int, bf16_state: bool) -> int:
     """The four per-token key vectors (fp32 [MAX_TOKENS, 128] each: α then k̂/A, k̂ then A⊙k̂,
-    q̂ then A⊙q̂, and A), k̂·q̂ and b per token, v and o staging (fp32 [MAX_TOKENS,
-    items·v_block] each), the staged states of items after the first, alignment slack."""
-    return (4 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 4
+    q̂ then A⊙q̂, and A), k̂·q̂ and b per token, v and o staging (bf16 [MAX_TOKENS,
+    items·v_block] each), the next item's staged state, alignment slack."""
+    return (4 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 2
             + _stage_bytes(v_block, items, bf16_state) + 256)
 
 
@@ -80,9 +83,16 @@ def _item_stage_bytes(v_block: int, bf16_state: bool) -> int:
 
 
 def _stage_bytes(v_block: int, items: int, bf16_state: bool) -> int:
-    """Shared memory for the staged states of items 1 .. items − 1 (a placeholder if none): a
-    bf16 pool stages half the bytes, which lets more CTAs share an SM."""
-    return max((items - 1) * _item_stage_bytes(v_block, bf16_state), 128)
+    """Shared memory for the staged state of the next item (a placeholder if none): one item,
+    refilled with item i + 1 as soon as item i is in registers; a bf16 pool stages half the
+    bytes, which lets more CTAs share an SM."""
+    return _item_stage_bytes(v_block, bf16_state) if items > 1 else 128
+
+
+def io_rounds(v_block: int, items: int) -> int:
+    """Rounds of the v / out staging: a thread moves 8 columns of one token per round."""
+    chunks = items * v_block // 8
+    return -(-MAX_TOKENS * chunks // threads(v_block))
 
 
 class _Tile:
@@ -218,7 +228,7 @@ def _f32x8(base: cute.Pointer, offset):
 
 
 def _store8(dst: cute.Tensor, offset, values):
-    """Eight fp32 values (a TensorSSA) into shared memory at ``offset`` (32-byte aligned)."""
+    """Eight values (a TensorSSA of ``dst``'s dtype) into shared memory at ``offset`` (a multiple of 8)."""
     cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values)
 
 
@@ -259,9 +269,9 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, 
                 dq[vi] = dq[vi] + s * qds[c]
     dk_row, dq_row = _reduce_rows(tile, dk, dq, j)
     row = v_row + tile.row_of(j)
-    u_row = s_b[t] * (s_v[t * v_stride + row] - dk_row)
+    u_row = s_b[t] * (s_v[t * v_stride + row].to(cutlass.Float32) - dk_row)
     # The lanes sharing a row hold bit-identical values: all of them store the same o.
-    s_o[t * v_stride + row] = scale * (dq_row + u_row * s_kq[t])
+    s_o[t * v_stride + row] = (scale * (dq_row + u_row * s_kq[t])).to(cutlass.BFloat16)
     u = [cute.arch.shuffle_sync(u_row, offset=tile.lane_of(group, tile.holder(vi))) for vi in range(tile.vt)]
     for ki0, count in tile.key_chunks():
         kinvs = _smem_run(s_kinv, t * D + tile.key_pos(j, ki0), count)
@@ -426,21 +436,20 @@ def kda_decode_kernel(
     s_decay = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
     s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
     s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    s_v = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
-    s_o = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * rows), 32)
+    # v and o staged as bf16 (exact for v; o is rounded once, where it is rounded anyway)
+    s_v = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(MAX_TOKENS * rows), 16)
+    s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(MAX_TOKENS * rows), 16)
     stage_bytes = _stage_bytes(v_block, items, bf16_state)
     item_stage = _item_stage_bytes(v_block, bf16_state)
     s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
-    # v / out staging: thread i moves 8 columns of token i // (rows / 8) of this CTA's rows
-    # (all MAX_TOKENS tokens in one pass: 2·v_block threads · 8 = 16·v_block ≥ 8·rows);
-    # threads past the last token repeat it (identical values: a benign duplicate store).
+    # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens
+    # per round) of this CTA's rows (one round up to 64 rows, two for 128); threads past the last
+    # token repeat it (identical values: a benign duplicate store).
     chunks = rows // 8
-    io_t = tid // chunks
+    rounds = io_rounds(v_block, items)
     io_col = (tid % chunks) * 8
-    io_active = io_t < num_tokens
-    io_tc = cutlass.min(io_t, num_tokens - 1)
     hl = tid % HALF
     half_id = tid // HALF
     n_half = n_threads // HALF
@@ -454,7 +463,12 @@ def kda_decode_kernel(
                            n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
                            cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
                            + head, head)
-    v_rows = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
+    v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
+    for r in cutlass.range_constexpr(rounds):
+        io_tc = cutlass.min(tid // chunks + r * (n_threads // chunks), num_tokens - 1)
+        v_row = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
+        for e in cutlass.range_constexpr(8):
+            v_rows[8 * r + e] = v_row[e]
 
     # The _Tile is a trace-time object: it is never bound to a local name here, since a Python
     # object live across a dynamic `if`/`for` cannot be staged.
@@ -468,16 +482,19 @@ def kda_decode_kernel(
         pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
                                                divby=_tile(kv_layout, bf16_state).ce)
         _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
-        # Later items' states stream into shared memory while the first item computes.
-        for item in cutlass.range_constexpr(1, items):
+        # The next item's state streams into shared memory while the first item computes.
+        if cutlass.const_expr(items > 1):
             _stage_state(_tile(kv_layout, bf16_state), pool_head,
-                         lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block),
-                         s_stage.iterator.toint() + (item - 1) * item_stage, tid, n_threads)
+                         lane_off + _tile(kv_layout, bf16_state).row_offset(v_block),
+                         s_stage.iterator.toint(), tid, n_threads)
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
     _token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
-    _store8(s_v, io_tc * rows + io_col, v_rows)
+    for r in cutlass.range_constexpr(rounds):
+        io_tc = cutlass.min(tid // chunks + r * (n_threads // chunks), num_tokens - 1)
+        _store8(s_v, io_tc * rows + io_col,
+                cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16))
     # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
     # the whole warp), with the token clamped like round 0.
     for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
@@ -502,9 +519,14 @@ def kda_decode_kernel(
             if cutlass.const_expr(item > 0):
                 cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
                 _unstage_state(_tile(kv_layout, bf16_state), state,
-                               cute.make_tensor(s_stage.iterator + (item - 1) * item_stage,
-                                                cute.make_layout(item_stage)),
+                               cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
                                tid, n_threads, _tile(kv_layout, bf16_state).dtype)
+                if cutlass.const_expr(item + 1 < items):
+                    # Each thread refills only its own vectors: no barrier between unstage and refill.
+                    _stage_state(_tile(kv_layout, bf16_state), pool_head,
+                                 lane_off + _tile(kv_layout, bf16_state).row_offset((item + 1) * v_block),
+                                 s_stage.iterator.toint(), tid, n_threads)
+                    cute.arch.cp_async_commit_group()
             for t in cutlass.range(num_tokens, unroll=1):
                 _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
                             t, group, j, item * v_block + row_local, scale, rows)
@@ -514,21 +536,23 @@ def kda_decode_kernel(
                     _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j)
             _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j)
         cute.arch.sync_threads()
-        if io_active:
-            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
-            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for e in cutlass.range_constexpr(8):
-                frag[e] = s_o[io_t * rows + io_col + e]
-            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                frag.load().to(cutlass.BFloat16))
+        for r in cutlass.range_constexpr(rounds):
+            io_t = tid // chunks + r * (n_threads // chunks)
+            if io_t < num_tokens:
+                o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+                staged = cute.make_tensor(s_o.iterator + cute.assume(io_t * rows + io_col, divby=8),
+                                          cute.make_layout(8))
+                cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(staged.load())
     else:
         # Padding row: zeros out, nothing else.
-        if seq < num_seqs and io_active:
-            o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
-            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            frag.fill(0.0)
-            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                frag.load().to(cutlass.BFloat16))
+        for r in cutlass.range_constexpr(rounds):
+            io_t = tid // chunks + r * (n_threads // chunks)
+            if seq < num_seqs and io_t < num_tokens:
+                o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
+                frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                frag.fill(0.0)
+                cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                    frag.load().to(cutlass.BFloat16))
 
 
 @cute.jit

@@ -17,8 +17,9 @@ from .prefill import STATE_LAYOUTS
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 _INT32_MAX = 2**31 - 1
-# N·H from which pick_variant pairs items.
+# N·H thresholds of pick_variant.
 _PAIRED_MIN_HEADS = 256
+_LARGE_HEADS = 2048
 
 
 def _is_tensor(name, t):
@@ -185,20 +186,21 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
     """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
-    H200 (docs/PERFORMANCE.md "Decode", session 11 table: docs/bench/decode_session11.md):
+    H200 (docs/PERFORMANCE.md "Decode", session 11: docs/bench/decode_session11.md):
 
-    * N·H < 256: 32-row items, one per CTA (the most CTAs; latency-bound sizes);
-    * bf16 pools: 32-row items, two per CTA (the second item's state streams into shared memory
-      while the first computes; with 16 staged bytes per thread-vector of bf16 seven CTAs fit an
-      SM): 2-5% faster than 64-row pairs at T = 4, level at T = 1;
-    * fp32 pools: T = 1 the same pairs; T > 1 one 32-row item per CTA (3-4% faster: 135
-      registers, more CTAs per SM).
+    * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
+    * bf16 pools: two 32-row items per CTA (the second streams into shared memory while the
+      first computes), and for T > 1 from N·H = 2048 four (a whole head per CTA, the next item
+      always in flight): 3-4% faster at T = 4;
+    * fp32 pools: single items, except T = 1 from N·H = 2048, where pairs are 1-2% faster.
 
-    16-row items lost everywhere (their prologue needs more rounds), and 64-row single items were
-    never faster: neither is built."""
-    if num_seqs * heads < _PAIRED_MIN_HEADS or (not bf16_state and tokens > 1):
+    16-row items and 64-row single items or pairs lost everywhere: none is built."""
+    nh = num_seqs * heads
+    if nh < _PAIRED_MIN_HEADS:
         return 32, 1
-    return 32, 2
+    if bf16_state:
+        return (32, 4) if tokens > 1 and nh >= _LARGE_HEADS else (32, 2)
+    return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
 
 
 def variant_name(variant) -> str:

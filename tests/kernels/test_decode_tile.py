@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels.decode import (  # noqa: E402
-    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _stage_bytes, _Tile, smem_bytes, threads)
-from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS, decode_threads  # noqa: E402
+    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _stage_bytes, _Tile, io_rounds, smem_bytes, threads)
+from cula_aot.specs import DECODE_VARIANTS, decode_threads  # noqa: E402
 
 D = 128
 
@@ -63,18 +63,19 @@ def test_a_vector_instruction_reads_whole_sectors(kv_layout, bf16_state):
 
 
 def test_block_shapes():
-    variants = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
-    for v_block, items in variants:
+    for v_block, items in DECODE_VARIANTS:
         rows = v_block * items
         assert D % rows == 0 and v_block % ROWS_PER_WARP == 0
         assert threads(v_block) == decode_threads(v_block)
-        # v and out staging: one 8-column piece per thread covers MAX_TOKENS tokens in one pass
-        assert threads(v_block) // (rows // 8) >= MAX_TOKENS
+        # v and out staging: an 8-column piece per thread and round covers MAX_TOKENS tokens
+        chunks = rows // 8
+        assert threads(v_block) % chunks == 0
+        assert io_rounds(v_block, items) * (threads(v_block) // chunks) >= MAX_TOKENS
         for bf16_state in (False, True):
             assert smem_bytes(v_block, items, bf16_state) <= 227 * 1024
-            # every staged vector of items 1 .. items − 1 lies inside the stage
+            # the next item's staged vectors lie inside the stage (one item, refilled)
             vectors = len(_Tile(False, bf16_state).vectors())
-            assert (items - 1) * threads(v_block) * vectors * 16 <= _stage_bytes(v_block, items, bf16_state)
+            assert min(items - 1, 1) * threads(v_block) * vectors * 16 <= _stage_bytes(v_block, items, bf16_state)
 
 
 @pytest.mark.parametrize("kv_layout", [False, True])

@@ -12,7 +12,7 @@ import torch
 import cula_aot
 from cula_aot import reference
 from cula_aot.ops.decode import decode
-from cula_aot.specs import DECODE_PAIRED_V_BLOCKS, DECODE_V_BLOCKS
+from cula_aot.specs import DECODE_VARIANTS
 from tests.decode_helpers import decode_reference, from_pool_layout, fused_inputs, to_pool_layout
 from tests.helpers import fresh_seed, standard_inputs
 
@@ -100,7 +100,7 @@ def test_matches_float64_recurrence(case):
               label=f"N={n} T={tokens} H={heads} {str(dtype)[6:]} {layout} pad={pad} padding={padding}")
 
 
-VARIANTS = [(vb, 1) for vb in DECODE_V_BLOCKS] + [(vb, 2) for vb in DECODE_PAIRED_V_BLOCKS]
+VARIANTS = list(DECODE_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -141,6 +141,7 @@ def test_every_pick_is_a_built_kernel():
                     for kv in (False, True):
                         spec = DecodeSpec(heads=heads, kv_layout=kv, bf16_state=bf16, v_block=v_block, items=items)
                         assert spec.name in built
-    # latency-bound sizes get the most CTAs; large bf16 pools paired 32-row items, fp32 T > 1 single ones
-    assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True) == (32, 2)
+    # latency-bound sizes get the most CTAs; large bf16 T > 1 calls stream four items per CTA
+    assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True) == (32, 4)
+    assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(16, 64, 4, True) == (32, 2)
     assert pick_variant(1024, 64, 4, False) == (32, 1) and pick_variant(1024, 64, 1, False) == (32, 2)
