@@ -13,6 +13,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
   figures and fla.
 * ``cp``: SPEC §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
+* ``cp_long``: long contexts (issue 12): H ∈ {1, 4, 8} × [65536], [131072] and
+  [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
+  with the CP speedup over serial (``auto`` must never lose to serial).
 * ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, default V block.
 * ``varlen``: H=64, B=1, N ∈ {10, 20} sequences × total T ∈ {4096, 8192, 16384} × length
   distribution, default V block.  Lengths (see ``varlen_lengths``), seeded by the string
@@ -55,7 +58,7 @@ from benchmarks import peers
 from benchmarks.timing import capture_graph, time_cuda
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS
 
-SECTIONS = ("overhead", "spec", "cp", "fixed", "varlen")
+SECTIONS = ("overhead", "spec", "cp", "cp_long", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
 # SPEC §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
@@ -76,6 +79,9 @@ CP_WORKLOADS = [
 CP_SPLITS = (False, 2, 4, 8, 16, "auto")
 # CP splits also timed under CUDA-graph replay (CP captures once its plan has run eagerly).
 CP_GRAPH_SPLITS = (4, 8, 16, "auto")
+# Long contexts (issue 12 item 5): (heads, lengths), graph replay only.
+CP_LONG_WORKLOADS = [(h, lengths) for h in (1, 4, 8) for lengths in ([65536], [131072], [131072] + [1024] * 5)]
+CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
@@ -302,6 +308,29 @@ class Bench:
             torch.cuda.empty_cache()
             self.save()
 
+    def run_cp_long(self):
+        rows = self.results.setdefault("cp_long", [])
+        for heads, lengths in CP_LONG_WORKLOADS:
+            row = {"H": heads, "lengths": lengths}
+            if self.over_budget():
+                row["skipped"] = "time budget"
+                rows.append(row)
+                continue
+            x = make_inputs(heads, 1, lengths, None, self.device)
+            row["GB"] = peers.prefill_bytes(x) / 1e9
+            row["serial_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=False), "serial")
+            for split in CP_LONG_SPLITS:
+                row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split), f"cp s={split}")
+            from cula_aot.ops.cp_plan import auto_split
+            from cula_aot.specs import K2_SEGMENTED_V_BLOCK
+            row["auto_split"] = auto_split(lengths, heads, torch.cuda.get_device_properties(0).multi_processor_count,
+                                           128 // K2_SEGMENTED_V_BLOCK)
+            rows.append(row)
+            self.progress(f"cp_long H={heads} {len(lengths)} seqs, {sum(lengths)} tokens", row)
+            del x
+            torch.cuda.empty_cache()
+            self.save()
+
     def run_fixed(self):
         rows = self.results.setdefault("fixed", [])
         for batch, seq_len in FIXED_SWEEP:
@@ -488,6 +517,23 @@ def render_markdown(res):
                            _f(best), _f(best_peer), _ratio(best, best_peer), _rmse(r)])
         out += ["## SPEC §7 intracard-CP workloads (eager and CUDA-graph replay)", "",
                 _table(header, rows), ""]
+    if res.get("cp_long"):
+        header = (["H", "lengths", "serial graph"] + [f"s={s} graph" for s in CP_LONG_SPLITS]
+                  + ["auto split", "best CP", "serial ÷ best CP", "serial ÷ auto", "% BW (best)"])
+        rows = []
+        for r in res["cp_long"]:
+            label = f"{r['lengths'][0]}" + (f" + {len(r['lengths']) - 1}×{r['lengths'][1]}" if len(r["lengths"]) > 1 else "")
+            if r.get("skipped"):
+                rows.append([r["H"], label, f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+                continue
+            cps = [r.get(f"cp_{s}_graph_ms") for s in CP_LONG_SPLITS]
+            best = min((v for v in cps if v is not None), default=None)
+            serial, auto = r.get("serial_graph_ms"), r.get("cp_auto_graph_ms")
+            pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.0f}%" if best and bw else "–"
+            rows.append([r["H"], label, _f(serial)] + [_f(v) for v in cps]
+                        + [r.get("auto_split"), _f(best), _ratio(serial, best), _ratio(serial, auto), pct])
+        out += ["## Long contexts, intracard CP (CUDA-graph replay; ratios > 1: CP faster than serial)", "",
+                _table(header, rows), ""]
     if res.get("fixed"):
         header = ["B", "T"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
         rows = []
@@ -529,6 +575,9 @@ def dry_run(sections):
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
             print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")
+    if "cp_long" in sections:
+        for heads, lengths in CP_LONG_WORKLOADS:
+            print(f"cp_long: H={heads} lengths={lengths[:2]}{'…' if len(lengths) > 2 else ''} splits {list(CP_LONG_SPLITS)}")
     if "fixed" in sections:
         for batch, seq_len in FIXED_SWEEP:
             print(f"fixed: H={SWEEP_HEADS} B={batch} T={seq_len}")
