@@ -10,11 +10,18 @@ returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intrac
 (declared mutated, so torch.compile orders it): sequence n continues from
 ``state_pool[state_indices[n]]`` and writes its final state back (index < 0: zero start, no
 write).  Sync-free with a device ``cu_seqlens``; returns the output.
+
+``torch.ops.cula_aot.kda_decode``: the decode step (``cula_aot.kda_decode``) over a state pool,
+updated in place (``state_pool`` and, when given, ``intermediate_states`` are declared mutated);
+returns a new output shaped like ``v``.  ``intermediate_states`` is positional and required
+(pass None): torch 2.11's custom-op wrapper indexes every mutated argument among the positional
+ones and fails on an omitted optional one.  Sync-free and capturable like the eager entry.
 """
 
 import torch
 
 from .layout import D
+from .ops.decode import decode
 from .ops.prefill import prefill
 
 _CP_MODES = {-1: "auto", 0: False}
@@ -82,3 +89,32 @@ def kda_prefill_pool_op(
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
       state_layout="vk"):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
+
+
+@torch.library.custom_op("cula_aot::kda_decode", mutates_args=("state_pool", "intermediate_states"),
+                         device_types="cuda")
+def kda_decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    intermediate_states: torch.Tensor | None,
+    scale: float | None = None,
+    num_tokens: int | None = None,
+    state_layout: str = "vk",
+) -> torch.Tensor:
+    return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
+                  state_pool=state_pool, state_indices=state_indices, num_tokens=num_tokens,
+                  state_layout=state_layout, intermediate_states=intermediate_states)
+
+
+@kda_decode_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
+      num_tokens=None, state_layout="vk"):
+    return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)

@@ -53,3 +53,21 @@ def test_op_is_registered_with_a_fake_implementation():
         assert final.shape == (2, 4, 128, 128) and final.dtype == torch.float32
         _, none = torch.ops.cula_aot.kda_prefill(q, q, q, q, beta, a_log, dt_bias, -5.0)
         assert none.shape == (0,)
+
+
+def test_decode_op_is_registered_with_a_fake_implementation():
+    op = torch.ops.cula_aot.kda_decode.default
+    schema = str(op._schema)
+    assert "!) state_pool" in schema and "!)? intermediate_states" in schema  # declared mutated
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 4, 128, dtype=torch.bfloat16)
+        beta = torch.empty(3, 2, 4, dtype=torch.bfloat16)
+        a_log, dt_bias = torch.empty(4), torch.empty(4, 128)
+        pool = torch.empty(5, 4, 128, 128)
+        idx = torch.empty(3, dtype=torch.int32)
+        o = torch.ops.cula_aot.kda_decode(q, q, q, q, beta, a_log, dt_bias, -5.0, pool, idx, None)
+        assert o.shape == q.shape and o.dtype == torch.bfloat16
+        flat = torch.empty(6, 4, 128, dtype=torch.bfloat16)
+        o3 = torch.ops.cula_aot.kda_decode(flat, flat, flat, flat, beta.flatten(0, 1), a_log, dt_bias, -5.0, pool,
+                                           idx, None, num_tokens=2)
+        assert o3.shape == flat.shape

@@ -107,3 +107,30 @@ def test_pool_op_under_opcheck_and_compile():
     compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_prefill_pool(*a, cu_seqlens=cu) * 1, fullgraph=True)
     o = compiled(*args)
     assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool)
+
+
+def test_decode_op_under_opcheck_and_compile():
+    """torch.ops.cula_aot.kda_decode: opcheck (schema, fake, mutation declarations), then a
+    compiled call equals the eager entry bitwise, pool and intermediate states included."""
+    from tests.decode_helpers import fused_inputs
+
+    heads, n, tokens = 4, 3, 2
+    x = fused_inputs(n, tokens, heads, device="cuda", seed=11)
+    q, k, v, g, beta = (x[name].contiguous() for name in ("q", "k", "v", "g", "beta"))
+    pool = (0.1 * torch.randn(6, heads, 128, 128, device="cuda")).to(torch.bfloat16)
+    indices = torch.tensor([4, -1, 0], dtype=torch.int32, device="cuda")
+    inter = torch.zeros(n, tokens, heads, 128, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, k, v, g, beta, x["A_log"], x["dt_bias"], x["lower_bound"], pool, indices, inter)
+    torch.library.opcheck(torch.ops.cula_aot.kda_decode.default, args)
+    torch.library.opcheck(torch.ops.cula_aot.kda_decode.default, args[:-1] + (None,))
+
+    start = pool.clone()
+    eager_pool, eager_inter = start.clone(), torch.zeros_like(inter)
+    o_eager = cula_aot.kda_decode(q, k, v, g, beta, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                  lower_bound=x["lower_bound"], state_pool=eager_pool, state_indices=indices,
+                                  intermediate_states=eager_inter)
+    pool.copy_(start)
+    inter.zero_()
+    compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_decode(*a) * 1, fullgraph=True)
+    o = compiled(*args)
+    assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool) and torch.equal(inter, eager_inter)
