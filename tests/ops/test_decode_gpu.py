@@ -107,8 +107,9 @@ VARIANTS = list(DECODE_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 def test_every_built_variant(variant, dtype, layout):
-    """Every (v_block, items) kernel, with T = 3 (two prologue rounds for 16-row blocks) and
-    T = 8 (the most tokens), padding rows and intermediate states."""
+    """Every (v_block, items) kernel, with T = 3 and T = 8 (the most tokens: two rounds of v / o
+    staging for four-item CTAs, the stage refilled three times), padding rows and intermediate
+    states."""
     for tokens in (3, 8):
         _run_case(6, tokens, 8, dtype, layout, padding=(4,), variant=variant, pad=8 if tokens == 8 else 0,
                   label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}")
