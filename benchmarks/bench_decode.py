@@ -66,6 +66,11 @@ FLUSH_BYTES = 256 << 20
 VARIANTS = ((32, 1), (32, 2), (32, 4))  # the built ones (specs.DECODE_VARIANTS)
 
 
+def variant_name(variant) -> str:
+    """"32x2": a (v_block, items) variant as the rows label it."""
+    return "x".join(map(str, variant))
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -150,7 +155,7 @@ class Bench:
         io_bytes = 5 * n * tokens * heads * D * 2 + n * tokens * heads * 2 + 4 * n
         row = {"dtype": dtype_name, "layout": self.args.layout, "heads": heads, "seqs": n, "tokens": tokens,
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
-        from cula_aot.ops.decode import pick_variant, variant_name
+        from cula_aot.ops.decode import pick_variant
 
         chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16)
         row["v_block"] = variant_name(chosen)
@@ -186,8 +191,6 @@ class Bench:
         self.progress(row)
 
     def sweep_rows(self):
-        from cula_aot.ops.decode import variant_name
-
         for dtype_name in self.args.dtypes:
             for heads in (4, 32, 64):
                 for n in self.args.seqs:
@@ -268,7 +271,7 @@ def repick(result):
     """Rows' ``ours_ms`` become the timing of the variant ``pick_variant`` picks now (measured in
     the same run, ``row["variants"]``); ``ours_inter_ms`` stays as measured (its variant is kept
     in ``inter_variant``)."""
-    from cula_aot.ops.decode import pick_variant, variant_name
+    from cula_aot.ops.decode import pick_variant
 
     for r in result["rows"]:
         chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16"))

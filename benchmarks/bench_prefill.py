@@ -56,6 +56,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, time_cuda
+from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS
 
 SECTIONS = ("overhead", "spec", "cp", "cp_long", "fixed", "varlen")
@@ -321,10 +322,7 @@ class Bench:
             row["serial_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=False), "serial")
             for split in CP_LONG_SPLITS:
                 row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split), f"cp s={split}")
-            from cula_aot.ops.cp_plan import auto_split
-            from cula_aot.specs import K2_SEGMENTED_V_BLOCK
-            row["auto_split"] = auto_split(lengths, heads, torch.cuda.get_device_properties(0).multi_processor_count,
-                                           128 // K2_SEGMENTED_V_BLOCK)
+            row["auto_split"] = planned_split(lengths, heads, self.device)
             rows.append(row)
             self.progress(f"cp_long H={heads} {len(lengths)} seqs, {sum(lengths)} tokens", row)
             del x

@@ -19,7 +19,7 @@ from cula_aot.ops.decode import decode
 
 
 def parse_variant(name):
-    """"32x2" → (32, 2) (``ops.decode.variant_name`` inverted)."""
+    """"32x2" → (32, 2) (``bench_decode.variant_name`` inverted)."""
     return None if name is None else tuple(map(int, name.split("x")))
 
 

@@ -89,6 +89,11 @@ def _stage_bytes(v_block: int, items: int, bf16_state: bool) -> int:
     return _item_stage_bytes(v_block, bf16_state) if items > 1 else 128
 
 
+def _io_token(tid, chunks: int, n_threads: int, r: int):
+    """The token thread ``tid`` moves in v / out staging round ``r`` (8 columns of it per round)."""
+    return tid // chunks + r * (n_threads // chunks)
+
+
 def io_rounds(v_block: int, items: int) -> int:
     """Rounds of the v / out staging: a thread moves 8 columns of one token per round."""
     chunks = items * v_block // 8
@@ -465,7 +470,7 @@ def kda_decode_kernel(
                            + head, head)
     v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
     for r in cutlass.range_constexpr(rounds):
-        io_tc = cutlass.min(tid // chunks + r * (n_threads // chunks), num_tokens - 1)
+        io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
         v_row = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
         for e in cutlass.range_constexpr(8):
             v_rows[8 * r + e] = v_row[e]
@@ -492,7 +497,7 @@ def kda_decode_kernel(
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
     _token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     for r in cutlass.range_constexpr(rounds):
-        io_tc = cutlass.min(tid // chunks + r * (n_threads // chunks), num_tokens - 1)
+        io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
         _store8(s_v, io_tc * rows + io_col,
                 cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16))
     # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
@@ -537,7 +542,7 @@ def kda_decode_kernel(
             _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j)
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(rounds):
-            io_t = tid // chunks + r * (n_threads // chunks)
+            io_t = _io_token(tid, chunks, n_threads, r)
             if io_t < num_tokens:
                 o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
                 staged = cute.make_tensor(s_o.iterator + cute.assume(io_t * rows + io_col, divby=8),
@@ -546,7 +551,7 @@ def kda_decode_kernel(
     else:
         # Padding row: zeros out, nothing else.
         for r in cutlass.range_constexpr(rounds):
-            io_t = tid // chunks + r * (n_threads // chunks)
+            io_t = _io_token(tid, chunks, n_threads, r)
             if seq < num_seqs and io_t < num_tokens:
                 o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
                 frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)

@@ -203,11 +203,6 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tu
     return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
 
 
-def variant_name(variant) -> str:
-    """"32x2": the (v_block, items) of a variant, as the benchmark labels it."""
-    return "x".join(map(str, variant))
-
-
 def _aligned_down(t) -> tuple[int, int]:
     """(16-byte aligned address at or below t's first element, element offset from it)."""
     ptr = t.data_ptr()

@@ -256,9 +256,14 @@ def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, dev
     if type(intracard_cp) is int:
         return intracard_cp
     lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
-    sm_count = _sm_count(device)
-    s_split = cp_plan.auto_split(lengths, heads, sm_count, D // K2_SEGMENTED_V_BLOCK)
+    s_split = planned_split(lengths, heads, device)
     return max(s_split, 2) if intracard_cp is True else s_split
+
+
+def planned_split(lengths, heads: int, device) -> int:
+    """The s_split ``intracard_cp="auto"`` takes for these host sequence lengths on ``device``
+    (1 = serial)."""
+    return cp_plan.auto_split(lengths, heads, _sm_count(device), D // K2_SEGMENTED_V_BLOCK)
 
 
 @functools.lru_cache(maxsize=None)
