@@ -532,13 +532,19 @@ def kda_decode_kernel(
                                  lane_off + _tile(kv_layout, bf16_state).row_offset((item + 1) * v_block),
                                  s_stage.iterator.toint(), tid, n_threads)
                     cute.arch.cp_async_commit_group()
-            for t in cutlass.range(num_tokens, unroll=1):
-                _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                            t, group, j, item * v_block + row_local, scale, rows)
-                if write_inter:
+            # Two loops, not one with the store under `if`: ptxas predicates a store inside the
+            # loop, so its ~110 instructions would issue on every token of every call.
+            if write_inter:
+                for t in cutlass.range(num_tokens, unroll=1):
+                    _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
+                                t, group, j, item * v_block + row_local, scale, rows)
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
                     _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j)
+            else:
+                for t in cutlass.range(num_tokens, unroll=1):
+                    _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
+                                t, group, j, item * v_block + row_local, scale, rows)
             _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j)
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(rounds):
