@@ -62,20 +62,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
-# Kernels timed per row: (v_block, items) of the per-token kernel (specs.DECODE_VARIANTS), and
-# ("chunk", warps, tiles) of the tensor-core one (specs.DECODE_CHUNK_VARIANTS; bf16 "vk", T > 1).
-VARIANTS = ((32, 1), (32, 2), (32, 4))
-CHUNK_VARIANTS = (("chunk", 2, 2), ("chunk", 2, 4), ("chunk", 4, 2))
+# (v_block, items) kernels timed per row.
+VARIANTS = ((32, 1), (32, 2), (32, 4))  # the built ones (specs.DECODE_VARIANTS)
 
 
 def variant_name(variant) -> str:
-    """"32x2" or "chunk2x4": a variant as the rows label it."""
-    return "x".join(map(str, variant)).replace("chunkx", "chunk")
-
-
-def row_variants(dtype_name: str, layout: str, tokens: int) -> tuple:
-    """The variants built for a row's pool dtype, layout and token count."""
-    return VARIANTS + (CHUNK_VARIANTS if dtype_name == "bf16" and layout == "vk" and tokens > 1 else ())
+    """"32x2": a (v_block, items) variant as the rows label it."""
+    return "x".join(map(str, variant))
 
 
 class Bench:
@@ -164,7 +157,7 @@ class Bench:
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
         from cula_aot.ops.decode import pick_variant
 
-        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16, self.args.layout == "kv")
+        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16)
         row["v_block"] = variant_name(chosen)
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
@@ -192,7 +185,7 @@ class Bench:
             if n * heads >= self.args.variants_min_nh:
                 row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
                                                      self.time_replay(capture_graph(self.ours_call(x, variant=v))))
-                                   for v in row_variants(dtype_name, self.args.layout, tokens)}
+                                   for v in VARIANTS}
         self.rows.append(row)
         del x
         self.progress(row)
@@ -206,7 +199,7 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for v in row_variants(dtype_name, self.args.layout, tokens):
+                        for v in VARIANTS:
                             entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
@@ -281,8 +274,7 @@ def repick(result):
     from cula_aot.ops.decode import pick_variant
 
     for r in result["rows"]:
-        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16",
-                                           r.get("layout") == "kv"))
+        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16"))
         if "ours_inter_ms" in r:
             r.setdefault("inter_variant", r["v_block"])
         if r.get("variants") and chosen in r["variants"]:

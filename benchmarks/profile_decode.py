@@ -5,7 +5,7 @@
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \\
         python3 benchmarks/profile_decode.py --heads 64 --seqs 1024 --tokens 4 --dtype bf16
 
-``--variant 32x2`` (or ``chunk2x4``) picks the kernel (default: ``pick_variant``).
+``--variant 32x2`` picks the (v_block, items) kernel (default: ``pick_variant``).
 """
 
 import argparse
@@ -19,12 +19,8 @@ from cula_aot.ops.decode import decode
 
 
 def parse_variant(name):
-    """"32x2" → (32, 2), "chunk2x4" → ("chunk", 2, 4) (``bench_decode.variant_name`` inverted)."""
-    if name is None:
-        return None
-    if name.startswith("chunk"):
-        return ("chunk", *map(int, name[len("chunk"):].split("x")))
-    return tuple(map(int, name.split("x")))
+    """"32x2" → (32, 2) (``bench_decode.variant_name`` inverted)."""
+    return None if name is None else tuple(map(int, name.split("x")))
 
 
 def main():

@@ -310,43 +310,12 @@ class DecodeSpec(KernelSpec):
         return (decode_threads(self.v_block), 1, 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeChunkSpec(KernelSpec):
-    """KDA decode of T ≥ 2 tokens with the dot products on tensor cores (``kernels/decode_chunk.py``),
-    bf16 "vk" pools only: one CTA per (row block, head, sequence) of ``warps`` warps, each walking
-    ``tiles`` 16-row tiles; the same runtime ABI as ``DecodeSpec``."""
-
-    kernel: ClassVar[str] = "kda_decode_chunk"
-    params: ClassVar[tuple] = tuple(dataclasses.replace(p, dtype="bf16") if p.dtype == "state" else p
-                                    for p in DECODE_PARAMS)
-
-    heads: int
-    warps: int
-    tiles: int
-
-    @property
-    def grid(self) -> tuple:
-        return (128 // (16 * self.warps * self.tiles), "heads", "num_seqs")
-
-    @property
-    def block(self) -> tuple:
-        return (32 * self.warps, 1, 1)
-
-
-# (warps per CTA, 16-row tiles per warp) of the built tensor-core decode kernels.
-DECODE_CHUNK_VARIANTS = ((2, 2), (2, 4), (4, 2))
-
-
 def decode_specs(heads) -> list[KernelSpec]:
-    """Every decode specialization for the given head counts: the per-token kernel for both
-    layouts and pool dtypes and every ``DECODE_VARIANTS``, the tensor-core kernel for bf16 "vk"
-    pools and every ``DECODE_CHUNK_VARIANTS``."""
-    specs: list[KernelSpec] = [
-        DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
-        for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
-        for vb, items in DECODE_VARIANTS]
-    specs += [DecodeChunkSpec(heads=h, warps=w, tiles=t) for h in sorted(set(heads)) for w, t in DECODE_CHUNK_VARIANTS]
-    return specs
+    """Every decode specialization for the given head counts (both layouts, both pool dtypes,
+    every ``DECODE_VARIANTS``)."""
+    return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
+            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
+            for vb, items in DECODE_VARIANTS]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

@@ -10,7 +10,7 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeChunkSpec, DecodeSpec, KernelSpec
+from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeSpec
 from .checks import check_dtype_shape, check_scalars, fail
 from .prefill import STATE_LAYOUTS
 
@@ -184,11 +184,8 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-CHUNK = "chunk"  # first element of a tensor-core variant: (CHUNK, warps, tiles)
-
-
-def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, kv_layout: bool = False) -> tuple:
-    """The variant to launch (see ``variant_spec``), chosen from every variant timed per row on an
+def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
+    """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
     H200 (docs/PERFORMANCE.md "Decode", session 11: docs/bench/decode_session11.md):
 
     * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
@@ -206,17 +203,6 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, kv_la
     return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
 
 
-def variant_spec(heads: int, kv_layout: bool, bf16_state: bool, variant) -> KernelSpec:
-    """The kernel of a variant: (v_block, items) of the per-token kernel (``DecodeSpec``), or
-    (CHUNK, warps, tiles) of the tensor-core kernel (``DecodeChunkSpec``: bf16 "vk" pools only)."""
-    if variant[0] == CHUNK:
-        if kv_layout or not bf16_state:
-            fail(f"variant {variant!r}: the tensor-core decode is built for bf16 'vk' state pools only")
-        return DecodeChunkSpec(heads=heads, warps=variant[1], tiles=variant[2])
-    v_block, items = variant
-    return DecodeSpec(heads=heads, kv_layout=kv_layout, bf16_state=bf16_state, v_block=v_block, items=items)
-
-
 def _aligned_down(t) -> tuple[int, int]:
     """(16-byte aligned address at or below t's first element, element offset from it)."""
     ptr = t.data_ptr()
@@ -227,7 +213,7 @@ def _aligned_down(t) -> tuple[int, int]:
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
            num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    ``variant``: see ``variant_spec`` (default: ``pick_variant``).
+    ``variant``: (v_block, items) of a built DecodeSpec (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
@@ -236,10 +222,9 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         state_layout=state_layout, intermediate_states=intermediate_states)
     device = q.device
     bf16_state = state_pool.dtype == torch.bfloat16
-    kv_layout = state_layout == "kv"
-    if variant is None:
-        variant = pick_variant(num_seqs, heads, tokens, bf16_state, kv_layout)
-    spec = variant_spec(heads, kv_layout, bf16_state, variant)
+    v_block, items = pick_variant(num_seqs, heads, tokens, bf16_state) if variant is None else variant
+    spec = DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
+                      items=items)
     kernel = default_loader().get(device, spec)  # an unbuilt H fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)

@@ -11,8 +11,8 @@ import torch
 
 import cula_aot
 from cula_aot import reference
-from cula_aot.ops.decode import CHUNK, decode
-from cula_aot.specs import DECODE_CHUNK_VARIANTS, DECODE_VARIANTS
+from cula_aot.ops.decode import decode
+from cula_aot.specs import DECODE_VARIANTS
 from tests.decode_helpers import decode_reference, from_pool_layout, fused_inputs, to_pool_layout
 from tests.helpers import fresh_seed, standard_inputs
 
@@ -113,51 +113,6 @@ def test_every_built_variant(variant, dtype, layout):
     for tokens in (3, 8):
         _run_case(6, tokens, 8, dtype, layout, padding=(4,), variant=variant, pad=8 if tokens == 8 else 0,
                   label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}")
-
-
-CHUNK_VARIANTS = [(CHUNK, warps, tiles) for warps, tiles in DECODE_CHUNK_VARIANTS]
-
-
-@pytest.mark.parametrize("variant", CHUNK_VARIANTS)
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
-def test_tensor_core_variant(variant, tokens):
-    """The tensor-core kernel (bf16 "vk" pools) against the float64 recurrence at every token
-    count class (T = 8: two rounds of v / o staging for two-warp CTAs), with padding rows, a
-    padded slot stride and intermediate states."""
-    _run_case(7, tokens, 8, torch.bfloat16, "vk", padding=(2, 5), variant=variant, pad=8, inter=True,
-              label=f"variant={variant} T={tokens}")
-
-
-@pytest.mark.parametrize("variant", CHUNK_VARIANTS)
-def test_tensor_core_variant_slow_decay_matches_per_token_kernel(variant):
-    """Slow decay (A_log = −4, lower_bound = −0.05: α ≈ 1, the initial state survives every token
-    and the rank-T corrections of the chunked form matter): the tensor-core kernel's outputs and
-    states match the float64 recurrence and the per-token kernel's to bf16 rounding; and it is
-    bitwise deterministic."""
-    n, tokens, heads = 16, 8, 4
-    x = fused_inputs(n, tokens, heads, device="cuda", seed=fresh_seed())
-    x.update(A_log=torch.full((heads,), -4.0, device="cuda"), lower_bound=-0.05)
-    indices = torch.arange(n, dtype=torch.int32, device="cuda")
-    pool0 = _pool(n, heads, torch.bfloat16, "vk", seed=3)
-    results = []
-    for v in ((32, 2), variant, variant):
-        pool = pool0.clone()
-        out = decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                     lower_bound=x["lower_bound"], state_pool=pool, state_indices=indices, variant=v)
-        results.append((out, pool))
-    torch.cuda.synchronize()
-    s0 = from_pool_layout(pool0.to(torch.float64), "vk")
-    ref_o, ref_s = decode_reference(**{k: x[k] for k in ("q", "k", "v", "g", "beta")}, A_log=x["A_log"],
-                                    dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], initial_state=s0)
-    for (o, s), name in zip(results[:2], ("per-token", "tensor-core")):
-        err_o = reference.rel_rmse(o, ref_o)
-        err_s = reference.rel_rmse(from_pool_layout(s, "vk"), ref_s[:, -1])
-        print(f"slow decay {name} {variant}: o {err_o:.2e}, state {err_s:.2e}")
-        assert err_o <= BOUND and err_s <= BOUND
-    assert reference.rel_rmse(results[1][0], results[0][0]) <= 5e-3
-    assert reference.rel_rmse(results[1][1], results[0][1]) <= 5e-3
-    assert torch.equal(results[1][0].view(torch.int16), results[2][0].view(torch.int16))
-    assert torch.equal(results[1][1].view(torch.int16), results[2][1].view(torch.int16))
 
 
 def _plain_call(x, pool, indices, layout="vk", **kw):
