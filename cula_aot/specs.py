@@ -282,6 +282,17 @@ def decode_threads(v_block: int) -> int:
     return 32 * (v_block // 16)
 
 
+def decode_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int = DECODE_MAX_TOKENS) -> int:
+    """Dynamic shared memory of a decode CTA (``kernels/decode.py``) for calls of ``tokens`` tokens:
+    the next item's staged state (a placeholder if none: a 16-byte vector per 16 bytes of a thread's
+    64 values), k̂·q̂ and b, alignment slack, and per token the four fp32 key vectors (α then k̂/A,
+    k̂ then A⊙k̂, q̂ then A⊙q̂, A) and the v and o rows (bf16).  The kernel is built for
+    ``DECODE_MAX_TOKENS``; a launch asks for what its T uses, so short calls fit more CTAs per SM."""
+    stage = decode_threads(v_block) * (64 * (2 if bf16_state else 4) // 16) * 16 if items > 1 else 128
+    per_token = 4 * 128 * 4 + 2 * items * v_block * 2
+    return stage + 2 * DECODE_MAX_TOKENS * 4 + 256 + tokens * per_token
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec(KernelSpec):
     """KDA decode: one CTA per (V block, head, sequence); the state of sequence n is
@@ -308,6 +319,10 @@ class DecodeSpec(KernelSpec):
     @property
     def block(self) -> tuple:
         return (decode_threads(self.v_block), 1, 1)
+
+    def launch_smem_bytes(self, tokens: int) -> int:
+        """Dynamic shared memory a launch for ``tokens`` tokens needs (≤ the built maximum)."""
+        return decode_smem_bytes(self.v_block, self.items, self.bf16_state, tokens)
 
 
 def decode_specs(heads) -> list[KernelSpec]:

@@ -40,7 +40,8 @@ into registers, so loads stay in flight through the whole CTA.  Outputs are stag
 (bf16), stored as 16-byte vectors.
 
 Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
-``smem_bytes(v_block, items, bf16_state)`` dynamic smem.  Compile-time: H, kv_layout, bf16_state, v_block,
+``specs.decode_smem_bytes(v_block, items, bf16_state, T)`` dynamic smem (built for T = 8; a launch asks
+for its T: the per-token arrays are packed for the runtime T).  Compile-time: H, kv_layout, bf16_state, v_block,
 items.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
 token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
 128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
@@ -53,7 +54,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import D
-from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS
+from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, decode_smem_bytes
 from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, sigmoid
 from .warp_mma import cp_async_16
 
@@ -69,11 +70,8 @@ def threads(v_block: int) -> int:
 
 
 def smem_bytes(v_block: int, items: int, bf16_state: bool) -> int:
-    """The four per-token key vectors (fp32 [MAX_TOKENS, 128] each: α then k̂/A, k̂ then A⊙k̂,
-    q̂ then A⊙q̂, and A), k̂·q̂ and b per token, v and o staging (bf16 [MAX_TOKENS,
-    items·v_block] each), the next item's staged state, alignment slack."""
-    return (4 * MAX_TOKENS * D * 4 + 2 * MAX_TOKENS * 4 + 2 * MAX_TOKENS * items * v_block * 2
-            + _stage_bytes(v_block, items, bf16_state) + 256)
+    """The built maximum (``specs.decode_smem_bytes`` at ``MAX_TOKENS``)."""
+    return decode_smem_bytes(v_block, items, bf16_state)
 
 
 def _item_stage_bytes(v_block: int, bf16_state: bool) -> int:
@@ -434,19 +432,25 @@ def kda_decode_kernel(
     head_elems = cutlass.Int64(head) * (D * D)
 
     smem = cutlass.utils.SmemAllocator()
-    token_layout = cute.make_layout(MAX_TOKENS * D)
-    s_alpha = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
-    s_khat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
-    s_qhat = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
-    s_decay = smem.allocate_tensor(cutlass.Float32, token_layout, 32)
-    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    # v and o staged as bf16 (exact for v; o is rounded once, where it is rounded anyway)
-    s_v = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(MAX_TOKENS * rows), 16)
-    s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(MAX_TOKENS * rows), 16)
     stage_bytes = _stage_bytes(v_block, items, bf16_state)
     item_stage = _item_stage_bytes(v_block, bf16_state)
     s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
+    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    # Per-token arrays last, packed for this call's T (the launch asks for only what T uses:
+    # specs.decode_smem_bytes): four fp32 [T, 128] key vectors, then v and o staged as bf16
+    # [T, rows] (exact for v; o is rounded once, where it is rounded anyway).
+    per_token_floats = 4 * D + rows  # 4 key vectors + v and o rows (2 · rows bf16)
+    region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
+    token_layout = cute.make_layout(MAX_TOKENS * D)
+    token_floats = num_tokens * D
+    s_alpha = cute.make_tensor(region.iterator, token_layout)
+    s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
+    s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
+    s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
+    staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
+    s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
+    s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
     # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens

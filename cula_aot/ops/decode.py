@@ -19,6 +19,7 @@ _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-by
 _INT32_MAX = 2**31 - 1
 # N·H thresholds of pick_variant.
 _PAIRED_MIN_HEADS = 256
+_STREAMING_MIN_HEADS = 1024  # bf16 T > 1: four items per CTA from here
 _LARGE_HEADS = 2048
 
 
@@ -186,20 +187,20 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
     """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
-    H200 (docs/PERFORMANCE.md "Decode", session 11: docs/bench/decode_session11.md):
+    H200 (docs/PERFORMANCE.md "Decode", session 12: docs/bench/decode_session12.md):
 
     * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
     * bf16 pools: two 32-row items per CTA (the second streams into shared memory while the
-      first computes), and for T > 1 from N·H = 2048 four (a whole head per CTA, the next item
-      always in flight): 3-4% faster at T = 4;
-    * fp32 pools: single items, except T = 1 from N·H = 2048, where pairs are 1-2% faster.
+      first computes), and for T > 1 from N·H = 1024 four (a whole head per CTA, the next item
+      always in flight): 3-5% faster at T = 4;
+    * fp32 pools: single items, except T = 1 from N·H = 2048, where pairs are 1% faster.
 
     16-row items and 64-row single items or pairs lost everywhere: none is built."""
     nh = num_seqs * heads
     if nh < _PAIRED_MIN_HEADS:
         return 32, 1
     if bf16_state:
-        return (32, 4) if tokens > 1 and nh >= _LARGE_HEADS else (32, 2)
+        return (32, 4) if tokens > 1 and nh >= _STREAMING_MIN_HEADS else (32, 2)
     return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
 
 
@@ -250,5 +251,5 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         values[f"{name}_stride_n"] = _stride(t, 0)
         values[f"{name}_stride_t"] = _stride(t, 1)
-    kernel.launch(values, torch.cuda.current_stream(device).cuda_stream)
+    kernel.launch(values, torch.cuda.current_stream(device).cuda_stream, smem_bytes=spec.launch_smem_bytes(tokens))
     return result

@@ -46,19 +46,26 @@ class LoadedKernel:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
         return tuple(d if isinstance(d, int) else int(values[d]) for d in self.grid_rule)
 
-    def launch(self, values: dict, stream: int) -> None:
-        """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``)."""
+    def launch(self, values: dict, stream: int, smem_bytes: int | None = None) -> None:
+        """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``).
+        ``smem_bytes``: the dynamic shared memory of this launch, for kernels whose use depends
+        on a runtime value (at most the built ``dynamic_smem_bytes``, the default)."""
         grid = self.grid(values)
         if min(grid) <= 0:
             return  # nothing to do; an empty grid is an error for the driver
         for name, source, cache in self.descriptors:
             values[name] = cache.get(values[source], values)
-        self.launch_packed(self.packer.pack(values), grid, stream)
+        self.launch_packed(self.packer.pack(values), grid, stream, smem_bytes)
 
-    def launch_packed(self, packed: bytes, grid: tuple, stream: int) -> None:
+    def launch_packed(self, packed: bytes, grid: tuple, stream: int, smem_bytes: int | None = None) -> None:
         """Launch with an already packed parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
         The driver copies the parameters during the call (also under graph capture), so each
         thread reuses one buffer."""
+        if smem_bytes is None:
+            smem_bytes = self.smem
+        elif not 0 <= smem_bytes <= self.smem:
+            raise ValueError(f"{self.name}: a launch asked for {smem_bytes} B of dynamic shared memory; "
+                             f"the kernel was built for at most {self.smem} B")
         buffers = getattr(self._thread, "buffers", None)
         if buffers is None:
             buffer = ctypes.create_string_buffer(self.packer.size)
@@ -67,7 +74,7 @@ class LoadedKernel:
                                           cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
-        check(cu.cuLaunchKernel(self.function, *grid, *self.block, self.smem, cu.CUstream(stream), 0, buffers[3]),
+        check(cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
               self.what)
 
     def template(self, static: dict, dynamic: tuple) -> "LaunchTemplate":

@@ -143,5 +143,6 @@ def test_every_pick_is_a_built_kernel():
                         assert spec.name in built
     # latency-bound sizes get the most CTAs; large bf16 T > 1 calls stream four items per CTA
     assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True) == (32, 4)
-    assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(16, 64, 4, True) == (32, 2)
+    assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(8, 64, 4, True) == (32, 2)
+    assert pick_variant(16, 64, 4, True) == (32, 4)
     assert pick_variant(1024, 64, 4, False) == (32, 1) and pick_variant(1024, 64, 1, False) == (32, 2)

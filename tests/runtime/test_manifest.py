@@ -52,3 +52,18 @@ def test_manifest_record_lookup(manifest_path):
     assert name == "k1_prepare_heads8_varlen1" and record["args"] == {"heads": 8, "varlen": True}
     name, record = m.record(K2Spec(heads=8, varlen=False, v_block=16))
     assert record["args"] == {"heads": 8, "varlen": False, "v_block": 16, "segmented": False}
+
+
+def test_decode_launches_ask_for_what_their_token_count_uses(manifest):
+    """A decode launch asks for the shared memory of its T (the per-token arrays are packed for
+    the runtime T): T = DECODE_MAX_TOKENS is exactly the built maximum, fewer tokens strictly less,
+    and nothing ever exceeds what the kernel was built for."""
+    from cula_aot.specs import DECODE_MAX_TOKENS, DecodeSpec
+
+    decode = [(name, r) for name, r in manifest["kernels"].items() if r["kernel"] == "kda_decode"]
+    assert decode
+    for name, record in decode:
+        spec = DecodeSpec(**record["args"])
+        sizes = [spec.launch_smem_bytes(t) for t in range(1, DECODE_MAX_TOKENS + 1)]
+        assert sizes == sorted(set(sizes)), name
+        assert sizes[-1] == record["dynamic_smem_bytes"], name
