@@ -238,8 +238,15 @@ class Bench:
             "fla": peers.fla_version() if self.fla is not None else None,
             "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout,
             "copy_bandwidth": peers.copy_bandwidth("cuda"), "mode": self.args.mode,
+            "launch_floor_ms": self.launch_floor(),
         }
         print(json.dumps(self.meta), flush=True)
+
+    def launch_floor(self) -> float:
+        """The timing of a graph replaying one kernel that writes one element: what no row can
+        go below in this harness (graph launch, a kernel's start and end, the events)."""
+        one = torch.empty(1, device="cuda")
+        return self.time_replay(capture_graph(lambda: one.fill_(1.0)))
 
     def save(self):
         result = {"meta": self.meta, "rows": self.rows, "sweep": self.sweep, "errors": self.errors}
@@ -305,6 +312,8 @@ def render_markdown(res) -> str:
     lines = [f"# kda_decode on {meta.get('device')} ({meta.get('date')})", "",
              f"CUDA-graph replay, L2 flushed before each, {meta.get('warmup')} warm-up / {meta.get('iters')} "
              f"timed, IQM; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)" if bw else "", "",
+             f"launch floor (a graph replaying a one-element fill, same timing): "
+             f"{1e3 * meta['launch_floor_ms']:.1f} µs" if meta.get("launch_floor_ms") else "", "",
              f"fla: {meta.get('fla')} (T = 1: pool in place via ssm_state_indices; T > 1: plain path, "
              f"states in / new states out); state layout {meta.get('layout')}", "",
              "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "

@@ -33,9 +33,12 @@ def _pool(slots, heads, dtype, layout, *, pad=0, seed=0):
     return pool
 
 
-def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=None, inter=True, label=""):
+def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=None, inter=True, label="",
+              slow_decay=False):
     seed = fresh_seed()
     x = fused_inputs(n, tokens, heads, device="cuda", seed=seed)
+    if slow_decay:  # α ≈ 1: the state and every earlier token's update survive each step
+        x.update(A_log=torch.full((heads,), -4.0, device="cuda"), lower_bound=-0.05)
     slots = n + 5
     pool = _pool(slots, heads, dtype, layout, pad=pad, seed=seed + 1)
     perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:n].to(torch.int32)
@@ -113,6 +116,19 @@ def test_every_built_variant(variant, dtype, layout):
     for tokens in (3, 8):
         _run_case(6, tokens, 8, dtype, layout, padding=(4,), variant=variant, pad=8 if tokens == 8 else 0,
                   label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
+def test_slow_decay_matches_float64_recurrence(variant, tokens):
+    """Slow decay (A_log = −4, lower_bound = −0.05: α ≈ 1, so the initial state and every earlier
+    token's update survive each step, which standard draws, forgetting most keys, barely test):
+    every built variant, both pool dtypes and layouts, with and without intermediates (separate
+    token loops in the kernel)."""
+    for dtype, layout in ((torch.bfloat16, "vk"), (torch.float32, "kv")):
+        for inter in (False, True):
+            _run_case(6, tokens, 8, dtype, layout, padding=(1,), variant=variant, inter=inter, slow_decay=True,
+                      label=f"slow decay variant={variant} T={tokens} {str(dtype)[6:]} {layout} inter={inter}")
 
 
 def _plain_call(x, pool, indices, layout="vk", **kw):
