@@ -186,6 +186,13 @@ K2_V_BLOCKS = (16, 32, 64)
 K2_DEFAULT_V_BLOCK = 32
 # The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
 K2_SEGMENTED_V_BLOCK = 16
+# Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Four for the
+# serial recurrence (a tile step is ~1 µs, shorter than a cold bulk load); three for the CP
+# segmented one: 43 KB instead of 58 KB of shared memory fits five 16-column CTAs per SM
+# instead of three, so pre_scan's 2·(segments − 1) jobs run in one wave (PERFORMANCE.md,
+# session 12: SPEC CP rows 12-34% faster).
+K2_STAGES = 4
+K2_SEGMENTED_STAGES = 3
 # One K2 warp per 16 V columns (the tensor-core M dimension).
 K2_WARP_COLUMNS = 16
 
@@ -206,6 +213,7 @@ class K2Spec(KernelSpec):
     varlen: bool
     v_block: int
     segmented: bool = False
+    stages: int = K2_STAGES
 
     @property
     def grid(self) -> tuple:
@@ -214,6 +222,11 @@ class K2Spec(KernelSpec):
     @property
     def block(self) -> tuple:
         return (k2_threads(self.v_block), 1, 1)
+
+
+def segmented_k2_spec(heads: int) -> K2Spec:
+    """The CP segmented K2 (pre_scan jobs and the segment recurrence) for ``heads``."""
+    return K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True, stages=K2_SEGMENTED_STAGES)
 
 
 MERGE_PARAMS = (
@@ -342,7 +355,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
-        specs.append(K2Spec(heads=h, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
+        specs.append(segmented_k2_spec(h))
         specs.append(MergeSpec(heads=h))
     specs.extend(decode_specs(heads))
     return specs

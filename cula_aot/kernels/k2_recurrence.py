@@ -22,8 +22,8 @@ FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between 
 
 Inputs per tile come from K1's workspaces (slot = head · total_slots + tile slot, see
 ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta, each with
-one ``cp.async.bulk`` global→shared copy (no tensor map) into one of ``STAGES`` stages, issued
-``STAGES − 1`` tiles ahead.  Each warp stages its own 16 × 16 block of v per tile the same
+one ``cp.async.bulk`` global→shared copy (no tensor map) into one of ``stages`` stages, issued
+``stages − 1`` tiles ahead.  Each warp stages its own 16 × 16 block of v per tile the same
 distance ahead with one 16-byte ``cp.async`` per lane (rows past the end zero-filled) and reads
 it back as the Vᵀ accumulator fragment with one ``ldmatrix.trans``.
 
@@ -83,8 +83,6 @@ STAGE_BYTES = 0
 for _part in _STAGE_PARTS:
     _PART_OFFSET[_part] = STAGE_BYTES
     STAGE_BYTES += WORKSPACE_SLOT_BYTES[_part]
-# Tiles in flight: a tile step is ~1 µs on tensor cores, shorter than a cold bulk load.
-STAGES = 4
 STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
 assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PART_OFFSET.values())
 
@@ -93,11 +91,11 @@ assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PAR
 V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
 
 
-def smem_bytes(v_block: int) -> int:
+def smem_bytes(v_block: int, stages: int) -> int:
     """Dynamic shared memory: the workspace stages, the v stages, barriers and alignment slack
     (fragments live in registers)."""
     warps = v_block // WARP_COLUMNS
-    return STAGES * (STAGE_BYTES + warps * V_WARP_BYTES) + 8 * STAGES + 128
+    return stages * (STAGE_BYTES + warps * V_WARP_BYTES) + 8 * stages + 128
 
 
 def _stage_base(stages: cute.Tensor, stage):
@@ -206,6 +204,7 @@ def k2_recurrence_kernel(
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
+    stages: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -239,10 +238,10 @@ def k2_recurrence_kernel(
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
     smem = cutlass.utils.SmemAllocator()
-    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * STAGE_BYTES), 128)
+    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), 128)
     warps = v_block // WARP_COLUMNS
-    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(STAGES * warps * V_WARP_BYTES), 128)
-    full = smem.allocate_array(cutlass.Int64, STAGES)
+    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * warps * V_WARP_BYTES), 128)
+    full = smem.allocate_array(cutlass.Int64, stages)
 
     # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
     # key 8j + 2t + c % 2) -------------------------------------------------------------------
@@ -281,14 +280,14 @@ def k2_recurrence_kernel(
     sources = (ws_qd, ws_kd, ws_kr, ws_inv, ws_mqk, ws_gt, ws_beta)
     slot0 = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
     if tid == 0:
-        for s in cutlass.range_constexpr(STAGES):
+        for s in cutlass.range_constexpr(stages):
             cute.arch.mbarrier_init(full + s, 1)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
     v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
     v_stage_bytes = warps * V_WARP_BYTES
-    for s in cutlass.range_constexpr(STAGES - 1):
+    for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
                 _issue_stage_loads(sources, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
@@ -304,25 +303,25 @@ def k2_recurrence_kernel(
     out_stride = cutlass.Int64(out_row_stride)
     out_row_offsets = (cutlass.Int64(0), out_stride, out_stride * 8, out_stride * 9)
     for tile in cutlass.range(num_tiles, unroll=1):
-        stage = tile % STAGES
+        stage = tile % stages
         stage_base = _stage_base(s_stages, stage)
-        # The stage STAGES − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
-        ahead = tile + (STAGES - 1)
-        ahead_stage = ahead % STAGES
+        # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
+        ahead = tile + (stages - 1)
+        ahead_stage = ahead % stages
         if tid == 0:
             if ahead < num_tiles:
                 _issue_stage_loads(sources, _stage_base(s_stages, ahead_stage), full + ahead_stage,
                                    slot0 + cutlass.Int64(ahead))
         _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                       length - ahead * CHUNK, head, warp_col0, lane, load_v)
-        # One group per tile, empty past the end, so "all but the newest STAGES − 1" is tile t.
+        # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
         cute.arch.cp_async_commit_group()
         rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
-        cute.arch.cp_async_wait_group(STAGES - 1)
+        cute.arch.cp_async_wait_group(stages - 1)
         cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
         v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
-        cute.arch.mbarrier_wait(full + stage, (tile // STAGES) % 2)
+        cute.arch.mbarrier_wait(full + stage, (tile // stages) % 2)
         base = stage_base.toint()
         beta = _stage_view(stage_base, "beta", cutlass.BFloat16)
         gt = _stage_view(stage_base, "gt", cutlass.Float32)
@@ -384,7 +383,7 @@ def k2_recurrence_kernel(
                 d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
                 for c in cutlass.range_constexpr(4):
                     state[4 * j + c] = d_s[c]
-        # Frees this stage for tile t + STAGES.
+        # Frees this stage for tile t + stages.
         cute.arch.sync_threads()
 
     if write_final != 0:
@@ -435,6 +434,7 @@ def k2_recurrence_launch(
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
+    stages: cutlass.Constexpr[int],
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
@@ -442,5 +442,6 @@ def k2_recurrence_launch(
         ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
-        heads, varlen, v_block, segmented,
-    ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1], smem=smem_bytes(v_block), stream=stream)
+        heads, varlen, v_block, segmented, stages,
+    ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1], smem=smem_bytes(v_block, stages),
+             stream=stream)

@@ -34,7 +34,7 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec
+from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, segmented_k2_spec
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
@@ -443,7 +443,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
             _PLANS[key] = plan
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                         cu_seqlens, cu_seqlens_cpu, state_indices)
-    k2 = loader.get(device, K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True))
+    k2 = loader.get(device, segmented_k2_spec(heads))
     merge = loader.get(device, MergeSpec(heads=heads))
 
     if out is None:
