@@ -295,15 +295,25 @@ def decode_threads(v_block: int) -> int:
     return 32 * (v_block // 16)
 
 
+def decode_stage_bytes(v_block: int, items: int, bf16_state: bool) -> int:
+    """A decode CTA's stage for the next item's state (``v_block`` rows of 128 keys in the pool
+    dtype, refilled item by item), or a placeholder when the CTA has one item."""
+    return v_block * 128 * (2 if bf16_state else 4) if items > 1 else 128
+
+
+def decode_token_bytes(v_block: int, items: int) -> int:
+    """A decode CTA's shared memory per token: the four fp32 key vectors (α then k̂/A, k̂ then
+    A⊙k̂, q̂ then A⊙q̂, A) and the bf16 v and o rows of its ``items·v_block`` rows."""
+    return 4 * 128 * 4 + 2 * items * v_block * 2
+
+
 def decode_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int = DECODE_MAX_TOKENS) -> int:
     """Dynamic shared memory of a decode CTA (``kernels/decode.py``) for calls of ``tokens`` tokens:
-    the next item's staged state (a placeholder if none: a 16-byte vector per 16 bytes of a thread's
-    64 values), k̂·q̂ and b, alignment slack, and per token the four fp32 key vectors (α then k̂/A,
-    k̂ then A⊙k̂, q̂ then A⊙q̂, A) and the v and o rows (bf16).  The kernel is built for
-    ``DECODE_MAX_TOKENS``; a launch asks for what its T uses, so short calls fit more CTAs per SM."""
-    stage = decode_threads(v_block) * (64 * (2 if bf16_state else 4) // 16) * 16 if items > 1 else 128
-    per_token = 4 * 128 * 4 + 2 * items * v_block * 2
-    return stage + 2 * DECODE_MAX_TOKENS * 4 + 256 + tokens * per_token
+    the stage, k̂·q̂ and b, alignment slack, and ``tokens`` times the per-token arrays.  The kernel
+    is built for ``DECODE_MAX_TOKENS``; a launch asks for what its T uses, so short calls fit more
+    CTAs per SM."""
+    return (decode_stage_bytes(v_block, items, bf16_state) + 2 * DECODE_MAX_TOKENS * 4 + 256
+            + tokens * decode_token_bytes(v_block, items))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,7 +54,13 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import D
-from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, decode_smem_bytes
+from ..specs import (
+    DECODE_FLAG_INTERMEDIATE,
+    DECODE_MAX_TOKENS,
+    decode_smem_bytes,
+    decode_stage_bytes,
+    decode_token_bytes,
+)
 from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, sigmoid
 from .warp_mma import cp_async_16
 
@@ -78,13 +84,6 @@ def _item_stage_bytes(v_block: int, bf16_state: bool) -> int:
     """One staged item: a 16-byte vector per 16 bytes of a thread's 64 values (fp32: 16, bf16: 8),
     vector i of thread tid at (i·threads + tid)·16."""
     return threads(v_block) * (VALUES * (2 if bf16_state else 4) // 16) * 16
-
-
-def _stage_bytes(v_block: int, items: int, bf16_state: bool) -> int:
-    """Shared memory for the staged state of the next item (a placeholder if none): one item,
-    refilled with item i + 1 as soon as item i is in registers; a bf16 pool stages half the
-    bytes, which lets more CTAs share an SM."""
-    return _item_stage_bytes(v_block, bf16_state) if items > 1 else 128
 
 
 def _io_token(tid, chunks: int, n_threads: int, r: int):
@@ -432,7 +431,9 @@ def kda_decode_kernel(
     head_elems = cutlass.Int64(head) * (D * D)
 
     smem = cutlass.utils.SmemAllocator()
-    stage_bytes = _stage_bytes(v_block, items, bf16_state)
+    # One item, refilled with item i + 1 as soon as item i is in registers (a placeholder for single
+    # items); a bf16 pool stages half the bytes, which lets more CTAs share an SM.
+    stage_bytes = decode_stage_bytes(v_block, items, bf16_state)
     item_stage = _item_stage_bytes(v_block, bf16_state)
     s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
     s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
@@ -440,7 +441,7 @@ def kda_decode_kernel(
     # Per-token arrays last, packed for this call's T (the launch asks for only what T uses:
     # specs.decode_smem_bytes): four fp32 [T, 128] key vectors, then v and o staged as bf16
     # [T, rows] (exact for v; o is rounded once, where it is rounded anyway).
-    per_token_floats = 4 * D + rows  # 4 key vectors + v and o rows (2 · rows bf16)
+    per_token_floats = decode_token_bytes(v_block, items) // 4
     region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
     token_layout = cute.make_layout(MAX_TOKENS * D)
     token_floats = num_tokens * D

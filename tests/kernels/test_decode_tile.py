@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels.decode import (  # noqa: E402
-    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _stage_bytes, _Tile, io_rounds, smem_bytes, threads)
-from cula_aot.specs import DECODE_VARIANTS, decode_threads  # noqa: E402
+    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _Tile, io_rounds, smem_bytes, threads)
+from cula_aot.specs import DECODE_VARIANTS, decode_stage_bytes, decode_threads  # noqa: E402
 
 D = 128
 
@@ -75,7 +75,8 @@ def test_block_shapes():
             assert smem_bytes(v_block, items, bf16_state) <= 227 * 1024
             # the next item's staged vectors lie inside the stage (one item, refilled)
             vectors = len(_Tile(False, bf16_state).vectors())
-            assert min(items - 1, 1) * threads(v_block) * vectors * 16 <= _stage_bytes(v_block, items, bf16_state)
+            staged = min(items - 1, 1) * threads(v_block) * vectors * 16
+            assert staged <= decode_stage_bytes(v_block, items, bf16_state)
 
 
 @pytest.mark.parametrize("kv_layout", [False, True])
