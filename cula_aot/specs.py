@@ -186,13 +186,11 @@ K2_V_BLOCKS = (16, 32, 64)
 K2_DEFAULT_V_BLOCK = 32
 # The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
 K2_SEGMENTED_V_BLOCK = 16
-# Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Four for the
-# serial recurrence (a tile step is ~1 µs, shorter than a cold bulk load); three for the CP
-# segmented one: 43 KB instead of 58 KB of shared memory fits five 16-column CTAs per SM
-# instead of three, so pre_scan's 2·(segments − 1) jobs run in one wave (PERFORMANCE.md,
-# session 12: SPEC CP rows 12-34% faster).
-K2_STAGES = 4
-K2_SEGMENTED_STAGES = 3
+# Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:
+# 43–48 KB of shared memory instead of 58–64 KB fits five 16- or 32-column CTAs per SM instead
+# of three (58 KB was 288 B over the four-CTA limit), and two tiles in flight still cover a bulk
+# load (PERFORMANCE.md, session 12: SPEC CP rows 12–34% faster, serial rows 3–9%).
+K2_STAGES = 3
 # One K2 warp per 16 V columns (the tensor-core M dimension).
 K2_WARP_COLUMNS = 16
 
@@ -226,7 +224,7 @@ class K2Spec(KernelSpec):
 
 def segmented_k2_spec(heads: int) -> K2Spec:
     """The CP segmented K2 (pre_scan jobs and the segment recurrence) for ``heads``."""
-    return K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True, stages=K2_SEGMENTED_STAGES)
+    return K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True)
 
 
 MERGE_PARAMS = (

@@ -32,7 +32,7 @@ def test_names_cover_every_codegen_argument():
             other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
             assert other.name != spec.name
     assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
-    assert K2Spec(heads=8, varlen=False, v_block=32).name == "k2_recurrence_heads8_varlen0_v_block32_segmented0_stages4"
+    assert K2Spec(heads=8, varlen=False, v_block=32).name == "k2_recurrence_heads8_varlen0_v_block32_segmented0_stages3"
     assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
