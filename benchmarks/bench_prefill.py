@@ -11,6 +11,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 * ``spec``: SPEC §7 serial workloads (H ∈ {64, 96}: fixed 1×8192, varlen 6 seqs, uniform
   8×1024) for every K2 V block the build compiled, beside K1 alone, the published cuLA H200
   figures and fla.
+* ``serving``: the serving matrix (issue 11): H ∈ {4, 8, 16, 32} × varlen batches 1×8192,
+  8×1024, 32×256 and 4×2048 + 16×128; K1 alone, serial and ``intracard_cp="auto"``, eager and
+  graph (``auto`` must never lose to serial), fla beside when importable.
 * ``cp``: SPEC §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
 * ``cp_long``: long contexts (issue 12): H ∈ {1, 4, 8} × [65536], [131072] and
@@ -59,7 +62,7 @@ from benchmarks.timing import capture_graph, time_cuda
 from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS
 
-SECTIONS = ("overhead", "spec", "cp", "cp_long", "fixed", "varlen")
+SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
 # SPEC §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
@@ -83,6 +86,10 @@ CP_GRAPH_SPLITS = (4, 8, 16, "auto")
 # Long contexts (issue 12 item 5): (heads, lengths), graph replay only.
 CP_LONG_WORKLOADS = [(h, lengths) for h in (1, 4, 8) for lengths in ([65536], [131072], [131072] + [1024] * 5)]
 CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
+# Serving matrix (issue 11 item 5): tensor-parallel shard head counts × batch shapes, varlen.
+SERVING_HEADS = (4, 8, 16, 32)
+SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
+                   ("4x2048+16x128", [2048] * 4 + [128] * 16)]
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
@@ -289,6 +296,29 @@ class Bench:
             torch.cuda.empty_cache()
             self.save()
 
+    def run_serving(self):
+        """Serial and ``intracard_cp="auto"`` on the serving matrix, eager and graph, with K1 alone."""
+        rows = self.results.setdefault("serving", [])
+        for heads in SERVING_HEADS:
+            for label, lengths in SERVING_BATCHES:
+                row = {"H": heads, "workload": label, "lengths": lengths}
+                if self.over_budget():
+                    row["skipped"] = "time budget"
+                    rows.append(row)
+                    continue
+                x = make_inputs(heads, 1, lengths, None, self.device)
+                row["k1_ms"] = self.time(k1_runner(x))
+                auto = prefill_runner(x, intracard_cp="auto")
+                row["cp_auto_ms"] = self.time(auto)
+                row["cp_auto_graph_ms"] = self.time_graph(auto, f"serving H={heads} {label} auto")
+                row["auto_split"] = planned_split(lengths, heads, self.device)
+                row.update(self.measure(x))
+                rows.append(row)
+                self.progress(f"serving H={heads} {label} (auto split {row['auto_split']})", row)
+                del x
+                torch.cuda.empty_cache()
+                self.save()
+
     def run_cp(self):
         rows = self.results.setdefault("cp", [])
         for heads, lengths, published in CP_WORKLOADS:
@@ -494,6 +524,25 @@ def render_markdown(res):
         title = (f"## SPEC §7 serial workloads (ours graph: default V block {meta.get('default_v_block')}; "
                  "'ours eager ms' = the best V block)")
         out += [title, "", _table(header, rows), ""]
+    if res.get("serving"):
+        header = (["H", "workload", "K1 ms", "serial eager", "serial graph", "auto split", "auto eager",
+                   "auto graph", "serial ÷ auto (graph)", "fla graph", "ours best graph / fla graph", "GB",
+                   "% BW (best graph)", "RMSE o / state"])
+        rows = []
+        for r in res["serving"]:
+            if r.get("skipped"):
+                rows.append([r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+                continue
+            graphs = [v for v in (r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")) if v is not None]
+            best = min(graphs, default=None)
+            pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.1f}%" if best and bw else "–"
+            rows.append([r["H"], r["workload"], _f(r.get("k1_ms")), _f(r.get("ours_eager_ms")),
+                         _f(r.get("ours_graph_ms")), r.get("auto_split"), _f(r.get("cp_auto_ms")),
+                         _f(r.get("cp_auto_graph_ms")), _ratio(r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")),
+                         _f(r.get("fla_graph_ms")), _ratio(best, r.get("fla_graph_ms")), _f(r["GB"], 3), pct,
+                         _rmse(r)])
+        out += ["## Serving matrix (varlen, initial + final state; auto must never lose to serial)", "",
+                _table(header, rows), ""]
     if res.get("cp"):
         header = (["H", "lengths", "serial eager"] + [f"s={s} eager" for s in CP_SPLITS[1:-1]]
                   + ["auto eager"] + [f"s={s} graph" for s in CP_GRAPH_SPLITS]
@@ -570,6 +619,10 @@ def dry_run(sections):
         for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
             print(f"spec: H={heads} {label} T={seq_len or sum(lengths)} lengths={lengths} "
                   f"V blocks {list(K2_V_BLOCKS)} cuLA {published} ms")
+    if "serving" in sections:
+        for heads in SERVING_HEADS:
+            for label, lengths in SERVING_BATCHES:
+                print(f"serving: H={heads} {label} ({len(lengths)} seqs, {sum(lengths)} tokens): serial and auto")
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
             print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")

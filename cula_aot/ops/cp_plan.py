@@ -15,9 +15,11 @@ tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = S
 (pre_scan: two chains per non-last segment; merge: one step per segment; the segmented K2
 re-runs every tile from its merged carry; OVERHEAD: two more launches plus host table work
 that the GPU waits on).  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when
-CP does not beat serial by MIN_GAIN.  Constants refitted for the tensor-core K2 and merge to 30
-timings (6 SPEC §7 CP workloads × serial and s_split 2/4/8/16, H200, 2026-11-29) by a grid
-search on log time: rms error 8.0%, tile step 0.90 µs (docs/PERFORMANCE.md).
+CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 SPEC §7 CP workloads
+× serial and s_split 2/4/8/16, H200, 2026-11-29; tile step 0.90 µs), then CTAS_PER_SM and
+MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (SPEC rows and long contexts,
+the five-CTA segmented K2): every SPEC pick stays the measured best, the worst long-context loss
+against the best split drops from 23% to 9% (docs/PERFORMANCE.md, session 12/13).
 """
 
 import dataclasses
@@ -26,8 +28,8 @@ from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
-CTAS_PER_SM = 3.0
-MERGE_STEP = 16.0
+CTAS_PER_SM = 2.5
+MERGE_STEP = 4.0
 OVERHEAD = 120.0
 MIN_GAIN = 1.05
 
