@@ -56,9 +56,12 @@ from .common import (
     tile_row_as_f32,
     varlen_slot_lookup,
 )
-from .warp_mma import mma_tf32_m16n8k8, to_tf32
+from .warp_mma import f32_bits, mma_tf32_m16n8k8, tf32_ready, to_tf32
 
 assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
+# Phase B2: a warp's lanes as B2_ROWS rows × B2_COLS columns.
+B2_ROWS = 8
+B2_COLS = 4
 
 # Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
 # row-major; phase B reuses them for the qd, kd, kr K_INTER images, since phase A has read them
@@ -77,13 +80,17 @@ CTAS_PER_SM = 4
 
 @cute.jit
 def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass.Constexpr[bool], k_steps: int,
-                      n_tile, lane, acc: cute.Tensor):
+                      n_tile, lane, acc: cute.Tensor, a_ready: cutlass.Constexpr[bool] = False,
+                      b_ready: cutlass.Constexpr[bool] = False):
     """acc += a · b[:, 8·n_tile : 8·n_tile + 8] on tensor cores (tf32 operands, fp32 C fragment).
 
     ``a`` is a 16 × 8·k_steps fp32 smem matrix; ``b`` is ``b_rows`` itself (8·k_steps × 16), or its
     transpose when ``b_transposed`` (then ``b_rows`` is 16 × 8·k_steps, e.g. kinv for ·kinvᵀ).
+    ``a_ready`` / ``b_ready``: that operand was stored with ``tf32_ready`` (no conversion per load).
     Two accumulation chains (even and odd k-steps) halve the dependent MMA latency.
     """
+    a_operand = f32_bits if cutlass.const_expr(a_ready) else to_tf32
+    b_operand = f32_bits if cutlass.const_expr(b_ready) else to_tf32
     g = lane // 4
     t = lane % 4
     n = n_tile * 8 + g
@@ -91,12 +98,12 @@ def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass
     odd.fill(0.0)
     for ks in cutlass.range_constexpr(k_steps):
         k0 = ks * 8
-        frag_a = [to_tf32(a[g, k0 + t]), to_tf32(a[g + 8, k0 + t]), to_tf32(a[g, k0 + t + 4]),
-                  to_tf32(a[g + 8, k0 + t + 4])]
+        frag_a = [a_operand(a[g, k0 + t]), a_operand(a[g + 8, k0 + t]), a_operand(a[g, k0 + t + 4]),
+                  a_operand(a[g + 8, k0 + t + 4])]
         if cutlass.const_expr(b_transposed):
-            frag_b = [to_tf32(b_rows[n, k0 + t]), to_tf32(b_rows[n, k0 + t + 4])]
+            frag_b = [b_operand(b_rows[n, k0 + t]), b_operand(b_rows[n, k0 + t + 4])]
         else:
-            frag_b = [to_tf32(b_rows[k0 + t, n]), to_tf32(b_rows[k0 + t + 4, n])]
+            frag_b = [b_operand(b_rows[k0 + t, n]), b_operand(b_rows[k0 + t + 4, n])]
         chain = acc if ks % 2 == 0 else odd
         d = mma_tf32_m16n8k8(frag_a, frag_b, [chain[c] for c in range(4)])
         for c in cutlass.range_constexpr(4):
@@ -107,12 +114,12 @@ def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass
 
 @cute.jit
 def _p_plus_p_times_x(p: cute.Tensor, x: cute.Tensor, n_tile, lane, acc: cute.Tensor):
-    """acc = (p + p·x)[:, 8·n_tile : 8·n_tile + 8] as a C fragment (p, x: fp32 16×16 smem), one
-    Neumann factor (I + X) applied to the running product P."""
+    """acc = (p + p·x)[:, 8·n_tile : 8·n_tile + 8] as a C fragment (p, x: fp32 16×16 smem, x
+    stored ``tf32_ready``), one Neumann factor (I + X) applied to the running product P."""
     for c in cutlass.range_constexpr(4):
         i, j = _fragment_entry(lane, n_tile, c)
         acc[c] = p[i, j]
-    _fragment_product(p, x, False, 2, n_tile, lane, acc)
+    _fragment_product(p, x, False, 2, n_tile, lane, acc, b_ready=True)
 
 
 def _fragment_entry(lane, n_tile, c: int):
@@ -211,11 +218,16 @@ def k1_prepare_kernel(
         vk = tile_row_as_f32(s_inputs[1], row, lane_in_row, row_valid)
         vg = tile_row_as_f32(s_inputs[2], row, lane_in_row, row_valid)
 
-        ssq = cutlass.Float32(0.0)
-        ssk = cutlass.Float32(0.0)
-        for c in cutlass.range_constexpr(ROW_CHUNKS * ROW_CHUNK_COLS):
-            ssq += vq[c] * vq[c]
-            ssk += vk[c] * vk[c]
+        # Chunk partials summed in pairs, (0 + 1) + (2 + 3): the same bits in either visiting order.
+        ssq_chunk = [cutlass.Float32(0.0) for _ in range(ROW_CHUNKS)]
+        ssk_chunk = [cutlass.Float32(0.0) for _ in range(ROW_CHUNKS)]
+        for m in cutlass.range_constexpr(ROW_CHUNKS):
+            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
+                c = m * ROW_CHUNK_COLS + e
+                ssq_chunk[m] = ssq_chunk[m] + vq[c] * vq[c]
+                ssk_chunk[m] = ssk_chunk[m] + vk[c] * vk[c]
+        ssq = (ssq_chunk[0] + ssq_chunk[1]) + (ssq_chunk[2] + ssq_chunk[3])
+        ssk = (ssk_chunk[0] + ssk_chunk[1]) + (ssk_chunk[2] + ssk_chunk[3])
         for offset in cutlass.range_constexpr(3):
             ssq += cute.arch.shuffle_sync_bfly(ssq, offset=1 << offset)
             ssk += cute.arch.shuffle_sync_bfly(ssk, offset=1 << offset)
@@ -227,7 +239,7 @@ def k1_prepare_kernel(
         chunk_k = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
         chunk_g = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
         for m in cutlass.range_constexpr(ROW_CHUNKS):
-            col = row_chunk_column(lane_in_row, m)
+            col = row_chunk_column(lane_in_row, m, row)
             g_bias = cute.make_tensor(dt_bias + head * D + cute.assume(col, divby=ROW_CHUNK_COLS),
                                       cute.make_layout(ROW_CHUNK_COLS)).load()
             for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
@@ -253,32 +265,47 @@ def k1_prepare_kernel(
             out_beta[row] = logit.to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
-        # ---- phase B: column-wise cumsum (log2 units) and decayed operands (thread = column) -
-        # The bf16 images go to the workspaces; L and Mqk use the fp32 values (kept in place
-        # of q̂, k̂, γ: this thread alone reads and writes column ``col``), so they do not
-        # inherit the operands' bf16 rounding: with cancellation in q̂·k̂ that rounding can
-        # dominate a 16×16 entry.
+        # ---- phase B: column-wise cumsum (log2 units) and decayed operands --------------------
+        # B1, thread = column: G (inclusive cumsum of γ) in place of γ, and gtot.
         col = tid
         cum = cutlass.Float32(0.0)
         for r in cutlass.range_constexpr(CHUNK):
             cum += s_gamma[r, col]
-        g_total = cum
-        cum = cutlass.Float32(0.0)
-        for r in cutlass.range_constexpr(CHUNK):
-            cum += s_gamma[r, col]
-            qh = s_qhat[r, col]
-            kh = s_khat[r, col]
-            idx = k_inter_index(r, col)
-            qd = qh * exp2_fast(cum) * scale
-            kd = kh * exp2_fast(cum)
-            s_qd[idx] = qd.to(cutlass.BFloat16)
-            s_kd[idx] = kd.to(cutlass.BFloat16)
-            s_kr[idx] = (kh * exp2_fast(g_total - cum)).to(cutlass.BFloat16)
-            s_qhat[r, col] = qd
-            s_khat[r, col] = kd
-            s_gamma[r, col] = kh * exp2_fast(-cum)
+            s_gamma[r, col] = cum
         out_gt = cute.make_tensor(ws_gt + slot_index * D, cute.make_layout(D))
-        out_gt[col] = exp2_fast(g_total)
+        out_gt[col] = exp2_fast(cum)
+        # B2: warp w still owns columns 32w..32w+31 (so a warp barrier suffices), now as 8 passes
+        # of 4 columns × 16 rows: lane (q, cl) takes rows q and q+8 of column 4·pass + cl.  A
+        # warp's K_INTER stores then cover 8 consecutive rows of one 8-column group (128 bytes,
+        # one wavefront) where a row-at-a-time column store hit the same 4 banks from 4 groups.
+        # The bf16 images go to the workspaces; L and Mqk use the fp32 values (kept in place of
+        # q̂, k̂, G), so they do not inherit the operands' bf16 rounding: with cancellation in
+        # q̂·k̂ that rounding can dominate a 16×16 entry.  Those are stored as tf32-ready operands,
+        # the form phase C's MMAs take.
+        warp = tid // 32
+        lane = tid % 32
+        quad_row = lane // B2_COLS
+        pass_cols = [warp * 32 + B2_COLS * p + lane % B2_COLS for p in range(32 // B2_COLS)]
+        # k_inter_index is additive here: no carry between the lane's part and the pass's part.
+        image_base = k_inter_index(quad_row, warp * 32 + lane % B2_COLS)
+        totals = [s_gamma[CHUNK - 1, c] for c in pass_cols]
+        cute.arch.sync_warp()
+        for p in cutlass.range_constexpr(32 // B2_COLS):
+            c = pass_cols[p]
+            for half in cutlass.range_constexpr(CHUNK // B2_ROWS):
+                r = quad_row + B2_ROWS * half
+                cum = s_gamma[r, c]
+                qh = s_qhat[r, c]
+                kh = s_khat[r, c]
+                idx = image_base + k_inter_index(B2_ROWS * half, B2_COLS * p)
+                qd = qh * exp2_fast(cum) * scale
+                kd = kh * exp2_fast(cum)
+                s_qd[idx] = qd.to(cutlass.BFloat16)
+                s_kd[idx] = kd.to(cutlass.BFloat16)
+                s_kr[idx] = (kh * exp2_fast(totals[p] - cum)).to(cutlass.BFloat16)
+                s_qhat[r, c] = tf32_ready(qd)
+                s_khat[r, c] = tf32_ready(kd)
+                s_gamma[r, c] = tf32_ready(kh * exp2_fast(-cum))
 
         # The bulk copy engine reads the images through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
@@ -293,20 +320,18 @@ def k1_prepare_kernel(
 
         # ---- phase C: L and Mqk on tensor cores; warp w: product w // 2 (L from kd, Mqk from
         # qd, both · kinvᵀ), columns of n-tile w % 2 -----------------------------------------
-        warp = tid // 32
-        lane = tid % 32
         half_n = warp % 2
         acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         acc.fill(0.0)
         out_mqk = cute.make_tensor(ws_mqk + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
                                                                                            stride=(CHUNK, 1)))
         if warp < 2:
-            _fragment_product(s_khat, s_gamma, True, D // 8, half_n, lane, acc)
+            _fragment_product(s_khat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
         else:
-            _fragment_product(s_qhat, s_gamma, True, D // 8, half_n, lane, acc)
+            _fragment_product(s_qhat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 out_mqk[i, j] = (acc[c] if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
@@ -315,12 +340,14 @@ def k1_prepare_kernel(
         # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
         # Round 0: warps 0-1 X0 = L·L (one n-tile each), warps 2-3 P0 = I - L.  Rounds 1-2:
         # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
+        # X is only ever an MMA operand, so it is stored tf32_ready; P and L are also summed as
+        # values (P + P·X, I - L) and keep full fp32.
         if warp < 2:
             acc.fill(0.0)
             _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
-                s_x0[i, j] = acc[c]
+                s_x0[i, j] = tf32_ready(acc[c])
         else:
             for e in cutlass.range_constexpr(4):
                 flat = (tid - 64) * 4 + e
@@ -338,10 +365,10 @@ def k1_prepare_kernel(
                     p_dst[i, j] = acc[c]
             else:
                 acc.fill(0.0)
-                _fragment_product(x_src, x_src, False, 2, half_n, lane, acc)
+                _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
                 for c in cutlass.range_constexpr(4):
                     i, j = _fragment_entry(lane, half_n, c)
-                    x_dst[i, j] = acc[c]
+                    x_dst[i, j] = tf32_ready(acc[c])
             cute.arch.sync_threads()
         if warp < 2:
             out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),

@@ -70,6 +70,19 @@ def to_tf32(x):
     return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Float32(x).ir_value()], "cvt.rna.tf32.f32 $0, $1;", "=r,f"))
 
 
+def tf32_ready(x):
+    """fp32 ``x`` with half a tf32 ulp added to its bits, kept as fp32: the MMA ignores the low 13
+    bits, so this operand rounds to nearest (ties away) as ``to_tf32`` does for finite values, at
+    one integer add per stored element instead of a conversion per fragment load (``f32_bits``)."""
+    bits = cutlass.Int32(llvm.bitcast(T.i32(), cutlass.Float32(x).ir_value())) + cutlass.Int32(0x1000)
+    return cutlass.Float32(llvm.bitcast(T.f32(), bits.ir_value()))
+
+
+def f32_bits(x):
+    """The b32 register of an fp32 value (an MMA operand stored with ``tf32_ready``)."""
+    return cutlass.Int32(llvm.bitcast(T.i32(), cutlass.Float32(x).ir_value()))
+
+
 def tf32_split(x) -> tuple:
     """(hi, lo) tf32 registers with hi + lo = x to ~2^-21 relative: three tf32 MMAs
     (lo·hi + hi·lo + hi·hi) then multiply with nearly fp32 accuracy ("3xTF32")."""
