@@ -74,6 +74,7 @@ from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, 
 
 WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
+KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile loop)
 
 # One pipeline stage: the seven per-tile workspaces back to back (each 16-byte aligned), each
 # filled by one bulk copy.
@@ -327,20 +328,29 @@ def k2_recurrence_kernel(
         gt = _stage_view(stage_base, "gt", cutlass.Float32)
 
         # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ: 8 k-steps over the keys, two token n-tiles each -----------
-        ks = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        # Sᵀ·kdᵀ is on the tile-to-tile critical path (→ W → U → Sᵀ): k-step kt accumulates in
+        # chain kt % KS_CHAINS, the chains are summed at the end (dependent MMA depth
+        # 8 / KS_CHAINS).  Sᵀ·qdᵀ only feeds O and keeps one chain.
+        ks_chains = [cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32) for _ in range(KS_CHAINS)]
         qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-        ks.fill(0.0)
+        for chain in ks_chains:
+            chain.fill(0.0)
         qs.fill(0.0)
         for kt in cutlass.range_constexpr(D // 16):
             a = accumulators_as_a(state, 8 * kt)
             b_kd = ldmatrix_x4(base + _PART_OFFSET["kd"] + kt * 2 * CHUNK * 16 + image_lane)
             b_qd = ldmatrix_x4(base + _PART_OFFSET["qd"] + kt * 2 * CHUNK * 16 + image_lane)
+            ks_kt = ks_chains[kt % KS_CHAINS]
             for n in cutlass.range_constexpr(2):
-                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks[4 * n + c] for c in range(4)])
+                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
                 d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
                 for c in cutlass.range_constexpr(4):
-                    ks[4 * n + c] = d_k[c]
+                    ks_kt[4 * n + c] = d_k[c]
                     qs[4 * n + c] = d_q[c]
+        ks = ks_chains[0]
+        for chain in ks_chains[1:]:
+            for i in cutlass.range_constexpr(8):
+                ks[i] = ks[i] + chain[i]
 
         # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), 0 past the end ------------------------------------
         # v_regs[2·n_tile + half] holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half).
