@@ -2,7 +2,7 @@
 """One serial prefill for a profiler to look at (K1 and K2 launches):
 
     ncu --clock-control none -k regex:k2_recurrence --launch-count 1 --set full \\
-        python3 benchmarks/profile_k2.py --heads 4 --seq-len 8192
+        python3 benchmarks/profile_k2.py --heads 4 --seq-len 8192 [--batch 8]
 """
 
 import argparse
@@ -19,12 +19,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1, help="fixed-length sequences of --seq-len tokens each")
     parser.add_argument("--intracard-cp", default="false", help="false, auto or an int s_split")
     args = parser.parse_args()
     choices = {"false": False, "auto": "auto"}
     split = choices[args.intracard_cp] if args.intracard_cp in choices else int(args.intracard_cp)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    shape = (1, args.seq_len, args.heads, 128)
+    shape = (args.batch, args.seq_len, args.heads, 128)
     q, k, v, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(4))
     beta = torch.randn(*shape[:3], generator=gen).to(torch.bfloat16).cuda()
     a_log = torch.log(torch.rand(args.heads, generator=gen) * 15 + 1).cuda()

@@ -56,7 +56,7 @@ from .common import (
     tile_row_as_f32,
     varlen_slot_lookup,
 )
-from .warp_mma import f32_bits, mma_tf32_m16n8k8, tf32_ready, to_tf32
+from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
 assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
 # Phase B2: a warp's lanes as B2_ROWS rows × B2_COLS columns.
@@ -125,6 +125,15 @@ def _p_plus_p_times_x(p: cute.Tensor, x: cute.Tensor, n_tile, lane, acc: cute.Te
 def _fragment_entry(lane, n_tile, c: int):
     """(row, column) of value ``c`` of this lane's 16×8 C fragment of n-tile ``n_tile``."""
     return lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
+
+
+def _store_fragment_bf16(matrix: cute.Pointer, acc: cute.Tensor, n_tile, lane):
+    """This lane's C fragment of n-tile ``n_tile`` into a row-major bf16 16×16 global matrix:
+    values 2h, 2h + 1 are adjacent columns, so each pair is one 4-byte store."""
+    words = cute.make_tensor(cute.recast_ptr(matrix, dtype=cutlass.Int32), cute.make_layout(CHUNK * CHUNK // 2))
+    for pair in range(2):
+        i, j = _fragment_entry(lane, n_tile, 2 * pair)
+        words[(i * CHUNK + j) // 2] = pack_bf16x2(acc[2 * pair], acc[2 * pair + 1])
 
 
 @cute.kernel
@@ -323,8 +332,6 @@ def k1_prepare_kernel(
         half_n = warp % 2
         acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         acc.fill(0.0)
-        out_mqk = cute.make_tensor(ws_mqk + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
-                                                                                           stride=(CHUNK, 1)))
         if warp < 2:
             _fragment_product(s_khat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
@@ -334,7 +341,8 @@ def k1_prepare_kernel(
             _fragment_product(s_qhat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
-                out_mqk[i, j] = (acc[c] if j <= i else cutlass.Float32(0.0)).to(cutlass.BFloat16)
+                acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
+            _store_fragment_bf16(ws_mqk + slot_index * (CHUNK * CHUNK), acc, half_n, lane)
         cute.arch.sync_threads()
 
         # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
@@ -371,12 +379,8 @@ def k1_prepare_kernel(
                     x_dst[i, j] = tf32_ready(acc[c])
             cute.arch.sync_threads()
         if warp < 2:
-            out_inv = cute.make_tensor(ws_inv + slot_index * (CHUNK * CHUNK), cute.make_layout((CHUNK, CHUNK),
-                                                                                               stride=(CHUNK, 1)))
             _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                out_inv[i, j] = acc[c].to(cutlass.BFloat16)
+            _store_fragment_bf16(ws_inv + slot_index * (CHUNK * CHUNK), acc, half_n, lane)
 
         if tid == 0:
             # Shared memory must outlive the bulk reads of the images.
