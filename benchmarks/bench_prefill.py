@@ -19,9 +19,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 * ``cp_long``: long contexts (issue 12): H ∈ {1, 4, 8} × [65536], [131072] and
   [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
   with the CP speedup over serial (``auto`` must never lose to serial).
-* ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, default V block.
+* ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, automatic V block.
 * ``varlen``: H=64, B=1, N ∈ {10, 20} sequences × total T ∈ {4096, 8192, 16384} × length
-  distribution, default V block.  Lengths (see ``varlen_lengths``), seeded by the string
+  distribution, automatic V block.  Lengths (see ``varlen_lengths``), seeded by the string
   ``"N-total-dist"`` (Python's ``random.Random``, version-2 string seeding: the same on every
   machine): ``uniform`` = total/N each; ``random`` = weights U(0.25, 1.75); ``skewed`` = Zipf
   weights 1/i^1.5 (the longest ≈ half the tokens) in a seeded random order; each apportioned
@@ -60,7 +60,7 @@ import torch
 from benchmarks import peers
 from benchmarks.timing import capture_graph, time_cuda
 from cula_aot.ops.prefill import planned_split
-from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS
+from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 
 SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "fixed", "varlen")
 LOWER_BOUND = -5.0
@@ -184,6 +184,7 @@ class Bench:
         self.start = time.perf_counter()
         self.results = {"meta": {}, "errors": []}
         self.use_fla = not args.no_fla and peers.fla_version() is not None
+        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.fla_heads = None if args.fla_heads is None else {int(h) for h in args.fla_heads.split(",")}
 
     def fla_for(self, heads):
@@ -215,9 +216,10 @@ class Bench:
         return budget is not None and time.perf_counter() - self.start > budget
 
     def measure(self, x, ours_eager_ms=None):
-        """Ours eager (unless already timed) + graph (serial, default V block), fla eager + graph,
+        """Ours eager (unless already timed) + graph (serial, automatic V block), fla eager + graph,
         and fla-vs-ours relative RMSE."""
-        row = {"GB": peers.prefill_bytes(x) / 1e9}
+        heads, num_seqs = x["q"].shape[2], (x["q"].shape[0] if x["cu"] is None else x["cu"].numel() - 1)
+        row = {"GB": peers.prefill_bytes(x) / 1e9, "auto_v_block": auto_v_block(heads, num_seqs, self.sm_count)}
         ours = prefill_runner(x, intracard_cp=False)
         row["ours_eager_ms"] = self.time(ours) if ours_eager_ms is None else ours_eager_ms
         row["ours_graph_ms"] = self.time_graph(ours, "ours")
@@ -288,7 +290,8 @@ class Bench:
             row["k1_ms"] = self.time(k1_runner(x))
             for vb in K2_V_BLOCKS:
                 row[f"ours_eager_ms_vb{vb}"] = self.time(prefill_runner(x, intracard_cp=False, v_block=vb))
-            row.update(self.measure(x, ours_eager_ms=row[f"ours_eager_ms_vb{K2_DEFAULT_V_BLOCK}"]))
+            picked = auto_v_block(heads, 1 if lengths is None else len(lengths), self.sm_count)
+            row.update(self.measure(x, ours_eager_ms=row[f"ours_eager_ms_vb{picked}"]))
             row["ours_eager_ms"] = min(row[f"ours_eager_ms_vb{vb}"] for vb in K2_V_BLOCKS)
             rows.append(row)
             self.progress(f"spec H={heads} {label}", row)
@@ -521,7 +524,7 @@ def render_markdown(res):
                         + [_f(r["published_cula_ms"]), _ratio(r.get("ours_graph_ms"), r["published_cula_ms"]),
                            _f(best_peer), _ratio(r.get("ours_graph_ms"), best_peer), _f(r["GB"], 3),
                            _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        title = (f"## SPEC §7 serial workloads (ours graph: default V block {meta.get('default_v_block')}; "
+        title = ("## SPEC §7 serial workloads (ours graph: the automatic V block, see the JSON's auto_v_block; "
                  "'ours eager ms' = the best V block)")
         out += [title, "", _table(header, rows), ""]
     if res.get("serving"):
@@ -590,7 +593,7 @@ def render_markdown(res):
                 continue
             rows.append([r["B"], r["T"]] + _peer_cells(r) + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw),
                                                              _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        out += [f"## Sweep: fixed length, H={SWEEP_HEADS}, default V block", "", _table(header, rows), ""]
+        out += [f"## Sweep: fixed length, H={SWEEP_HEADS}, automatic V block", "", _table(header, rows), ""]
     if res.get("varlen"):
         header = ["N", "total T", "length dist", "max len"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW",
                                                                          "RMSE o / state"]
@@ -602,7 +605,7 @@ def render_markdown(res):
                 continue
             rows.append([r["N"], r["T"], r["dist"], r["max_len"]] + _peer_cells(r)
                         + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        out += [f"## Sweep: varlen, H={SWEEP_HEADS}, B=1, default V block (lengths: see the JSON)", "",
+        out += [f"## Sweep: varlen, H={SWEEP_HEADS}, B=1, automatic V block (lengths: see the JSON)", "",
                 _table(header, rows), ""]
     if res.get("errors"):
         out += ["## Errors", ""] + [f"- {e}" for e in res["errors"]] + [""]

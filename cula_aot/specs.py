@@ -184,6 +184,20 @@ K2_PARAMS = (
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
 K2_DEFAULT_V_BLOCK = 32
+# Many-CTA serial calls take 64 columns instead: each CTA stages a tile's 13.9 KB of workspace
+# for its V block, so halving the CTAs per (sequence, head) halves the L2 reads that bound those
+# rows (ncu, H64 8×1024: L2 87% busy).  Chosen when the 32-column grid is at least
+# K2_WIDE_V_BLOCK_WAVES waves of K2_CTAS_PER_SM resident CTAs (PERFORMANCE.md, session 13).
+K2_WIDE_V_BLOCK = 64
+K2_WIDE_V_BLOCK_WAVES = 3
+K2_CTAS_PER_SM = 5  # 32-column CTAs resident per SM (shared memory: 3 stages of 14.4 KB)
+
+
+def auto_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
+    """The serial K2 V block for a call of ``num_seqs`` sequences × ``heads`` heads."""
+    ctas = (128 // K2_DEFAULT_V_BLOCK) * heads * num_seqs
+    waves = ctas / (K2_CTAS_PER_SM * sm_count)
+    return K2_WIDE_V_BLOCK if waves >= K2_WIDE_V_BLOCK_WAVES else K2_DEFAULT_V_BLOCK
 # The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
 K2_SEGMENTED_V_BLOCK = 16
 # Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:

@@ -34,7 +34,7 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, segmented_k2_spec
+from ..specs import K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, segmented_k2_spec
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
@@ -384,7 +384,7 @@ def _signature(*tensors) -> tuple:
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=K2_DEFAULT_V_BLOCK):
+            v_block=None):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -395,6 +395,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     ``state_indices`` (int32 [N], device): initial/final states are pools ``[slots, H, 128, 128]``
     and sequence n uses slot ``state_indices[n]`` (< 0: zero start, no write); in place when the
     same pool is both.  Indices are not range-checked (that would need a sync).
+
+    ``v_block``: V columns per serial K2 CTA (16, 32 or 64, as built); None picks 32 or 64 from
+    the grid size (``specs.auto_v_block``).
 
     The serial path of a call signature seen before skips the structural checks (they depend on
     nothing else) and launches from cached templates (``_SerialPlan``)."""
@@ -432,6 +435,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     # An allocated final state is plain fp32; without want_final there is no final_state.
     final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else _state_flags(final_state, "final", indexed)
     if segments is None:
+        if v_block is None:
+            v_block = auto_v_block(heads, num_seqs, _sm_count(device))
         k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
         plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, want_final=want_final,
                            alloc_final=want_final and final_state is None, state_layout=state_layout,

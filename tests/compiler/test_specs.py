@@ -43,3 +43,14 @@ def test_abi_layout_offsets_respect_alignment():
         assert r["offset"] % r["align"] == 0 and r["offset"] >= cursor
         cursor = r["offset"] + r["size"]
     assert [r["name"] for r in records][:3] == ["tma_q", "tma_k", "tma_g"]
+
+
+def test_auto_v_block_widens_only_many_cta_grids():
+    from cula_aot.specs import K2_WIDE_V_BLOCK, auto_v_block
+
+    # SPEC §7 rows on a 132-SM H200: one long sequence stays at 32 columns, 8 × 1024 at H = 64 widens.
+    assert auto_v_block(64, 1, 132) == K2_DEFAULT_V_BLOCK
+    assert auto_v_block(96, 1, 132) == K2_DEFAULT_V_BLOCK
+    assert auto_v_block(64, 8, 132) == K2_WIDE_V_BLOCK
+    assert auto_v_block(4, 32, 132) == K2_DEFAULT_V_BLOCK
+    assert {K2_DEFAULT_V_BLOCK, K2_WIDE_V_BLOCK} <= set(K2_V_BLOCKS)
