@@ -10,7 +10,6 @@ import dataclasses
 import functools
 from typing import ClassVar
 
-from .layout import WORKSPACE_DTYPES
 
 DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
@@ -121,9 +120,10 @@ class KernelSpec:
         return "_".join(parts)
 
 
-# K1's outputs and K2's / pre_scan's inputs (``layout.WORKSPACE_DTYPES``), then the sequence
-# geometry both kernels read (``ops.prepare.workspace_values`` supplies all of them).
-WORKSPACE_POINTERS = tuple(pointer(f"ws_{name}", dtype) for name, dtype in WORKSPACE_DTYPES.items())
+# K1's outputs and K2's / pre_scan's inputs: the workspace records (``layout.WORKSPACE_RECORD_*``,
+# bytes), then the sequence geometry both kernels read (``ops.prepare.workspace_values`` supplies
+# all of them).
+WORKSPACE_POINTERS = (pointer("workspace", "u8"),)
 SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
 
 K1_PARAMS = (

@@ -13,7 +13,8 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
-Workspaces (slot = head · total_slots + tile slot; see ``slot_base`` below):
+Workspaces: one record of ``layout.WORKSPACE_RECORD_BYTES`` per slot (slot = head · total_slots +
+tile slot; see ``slot_base`` below), its parts at ``layout.WORKSPACE_PART_OFFSETS``:
 
 * qd, kd, kr: 4096 B raw byte images of the bf16 16×128 tile in the K_INTER layout, element
   (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``; each written with one ``cp.async.bulk``
@@ -56,6 +57,7 @@ from .common import (
     tile_row_as_f32,
     varlen_slot_lookup,
 )
+from ..layout import WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES
 from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
 assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
@@ -127,6 +129,11 @@ def _fragment_entry(lane, n_tile, c: int):
     return lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
+def _record_part(record: cute.Pointer, part: str, dtype):
+    """Workspace ``part`` of one slot's record (``layout.WORKSPACE_PART_OFFSETS``) as ``dtype``."""
+    return cute.recast_ptr(record + WORKSPACE_PART_OFFSETS[part], dtype=dtype)
+
+
 def _store_fragment_bf16(matrix: cute.Pointer, acc: cute.Tensor, n_tile, lane):
     """This lane's C fragment of n-tile ``n_tile`` into a row-major bf16 16×16 global matrix:
     values 2h, 2h + 1 are adjacent columns, so each pair is one 4-byte store."""
@@ -145,13 +152,7 @@ def k1_prepare_kernel(
     a_log: cute.Pointer,
     dt_bias: cute.Pointer,
     cu_seqlens: cute.Pointer,
-    ws_qd: cute.Pointer,
-    ws_kd: cute.Pointer,
-    ws_kr: cute.Pointer,
-    ws_gt: cute.Pointer,
-    ws_inv: cute.Pointer,
-    ws_mqk: cute.Pointer,
-    ws_beta: cute.Pointer,
+    workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -198,6 +199,7 @@ def k1_prepare_kernel(
         s_p1 = smem.allocate_tensor(cutlass.Float32, small, 16)
 
         slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
+        record = workspace + cute.assume(slot_index * WORKSPACE_RECORD_BYTES, divby=16)
         token0 = seq_start + cutlass.Int64(tile * CHUNK)
 
         # ---- TMA: the q, k, g tiles of rows [token0, token0 + 16) of this head -------------
@@ -270,7 +272,7 @@ def k1_prepare_kernel(
                 beta_at = beta + (token0 + cutlass.Int64(row)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             s_b[row] = sigmoid(logit)
-            out_beta = cute.make_tensor(ws_beta + slot_index * CHUNK, cute.make_layout(CHUNK))
+            out_beta = cute.make_tensor(_record_part(record, "beta", cutlass.BFloat16), cute.make_layout(CHUNK))
             out_beta[row] = logit.to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
@@ -281,7 +283,7 @@ def k1_prepare_kernel(
         for r in cutlass.range_constexpr(CHUNK):
             cum += s_gamma[r, col]
             s_gamma[r, col] = cum
-        out_gt = cute.make_tensor(ws_gt + slot_index * D, cute.make_layout(D))
+        out_gt = cute.make_tensor(_record_part(record, "gt", cutlass.Float32), cute.make_layout(D))
         out_gt[col] = exp2_fast(cum)
         # B2: warp w still owns columns 32w..32w+31 (so a warp barrier suffices), now as 8 passes
         # of 4 columns × 16 rows: lane (q, cl) takes rows q and q+8 of column 4·pass + cl.  A
@@ -322,8 +324,8 @@ def k1_prepare_kernel(
         bulk_s2g = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), cutlass.BFloat16, num_bits_per_copy=IMAGE_BYTES * 8)
         if tid == 0:
             # CuTeDSL 4.8.1 does not elect a lane for CopyBulkS2GOp: one thread issues.
-            for src, dst in ((s_qd, ws_qd), (s_kd, ws_kd), (s_kr, ws_kr)):
-                g_img = cute.make_tensor(dst + slot_index * (CHUNK * D), image_layout)
+            for src, part in ((s_qd, "qd"), (s_kd, "kd"), (s_kr, "kr")):
+                g_img = cute.make_tensor(_record_part(record, part, cutlass.BFloat16), image_layout)
                 cute.copy(bulk_s2g, src, g_img)
             cute.arch.cp_async_bulk_commit_group()
 
@@ -342,7 +344,7 @@ def k1_prepare_kernel(
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
-            _store_fragment_bf16(ws_mqk + slot_index * (CHUNK * CHUNK), acc, half_n, lane)
+            _store_fragment_bf16(_record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
         cute.arch.sync_threads()
 
         # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
@@ -380,7 +382,7 @@ def k1_prepare_kernel(
             cute.arch.sync_threads()
         if warp < 2:
             _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-            _store_fragment_bf16(ws_inv + slot_index * (CHUNK * CHUNK), acc, half_n, lane)
+            _store_fragment_bf16(_record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
 
         if tid == 0:
             # Shared memory must outlive the bulk reads of the images.
@@ -396,13 +398,7 @@ def k1_prepare_launch(
     a_log: cute.Pointer,
     dt_bias: cute.Pointer,
     cu_seqlens: cute.Pointer,
-    ws_qd: cute.Pointer,
-    ws_kd: cute.Pointer,
-    ws_kr: cute.Pointer,
-    ws_gt: cute.Pointer,
-    ws_inv: cute.Pointer,
-    ws_mqk: cute.Pointer,
-    ws_beta: cute.Pointer,
+    workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -420,7 +416,7 @@ def k1_prepare_launch(
     tma_g, _ = make_token_tma(g, heads)
     k1_prepare_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
-        ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
+        workspace,
         seq_len, num_seqs, total_slots, beta_row_stride, scale, lower_bound, token_coords, heads, varlen,
     ).launch(grid=[total_slots, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
              # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing

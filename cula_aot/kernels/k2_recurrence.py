@@ -20,10 +20,11 @@ way, and kd, qd, INV, Mqk (``ldmatrix``) and kr (``ldmatrix.trans``) come straig
 stage: the K_INTER image's 16-byte rows are ldmatrix rows.  Rounding points are those of the
 FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between tiles.
 
-Inputs per tile come from K1's workspaces (slot = head · total_slots + tile slot, see
-``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta, each with
-one ``cp.async.bulk`` global→shared copy (no tensor map) into one of ``stages`` stages, issued
-``stages − 1`` tiles ahead.  Each warp stages its own 16 × 16 block of v per tile the same
+Inputs per tile come from K1's workspace record of the slot (slot = head · total_slots + tile
+slot, see ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta
+back to back (``layout.WORKSPACE_PART_OFFSETS``), with one ``cp.async.bulk`` global→shared copy
+of the whole record (no tensor map) into one of ``stages`` stages, issued ``stages − 1`` tiles
+ahead.  Each warp stages its own 16 × 16 block of v per tile the same
 distance ahead with one 16-byte ``cp.async`` per lane (rows past the end zero-filled) and reads
 it back as the Vᵀ accumulator fragment with one ``ldmatrix.trans``.
 
@@ -65,6 +66,8 @@ from ..layout import (
     SEG_INIT_INDEX,
     SEG_TOKENS,
     SEGMENT_FIELDS,
+    WORKSPACE_PART_OFFSETS,
+    WORKSPACE_RECORD_BYTES,
     WORKSPACE_SLOT_BYTES,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
@@ -76,14 +79,10 @@ WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
 KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile loop)
 
-# One pipeline stage: the seven per-tile workspaces back to back (each 16-byte aligned), each
-# filled by one bulk copy.
-_STAGE_PARTS = ("qd", "kd", "kr", "inv", "mqk", "gt", "beta")
-_PART_OFFSET = {}
-STAGE_BYTES = 0
-for _part in _STAGE_PARTS:
-    _PART_OFFSET[_part] = STAGE_BYTES
-    STAGE_BYTES += WORKSPACE_SLOT_BYTES[_part]
+# One pipeline stage: one slot's workspace record, as K1 lays it out (the seven parts back to
+# back), filled by one bulk copy.
+_PART_OFFSET = WORKSPACE_PART_OFFSETS
+STAGE_BYTES = WORKSPACE_RECORD_BYTES
 STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
 assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PART_OFFSET.values())
 
@@ -111,14 +110,14 @@ def _stage_view(stage_base: cute.Pointer, part: str, dtype):
     return cute.make_tensor(ptr, cute.make_layout(nbytes * 8 // dtype.width))
 
 
-def _issue_stage_loads(sources, stage_base: cute.Pointer, barrier: cute.Pointer, slot):
-    """One thread: arm ``barrier`` with the stage's byte count, then one bulk copy per part."""
+def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot):
+    """One thread: arm ``barrier`` with the stage's byte count, then one bulk copy of slot
+    ``slot``'s workspace record."""
     cute.arch.mbarrier_arrive_and_expect_tx(barrier, STAGE_BYTES)
-    for part, src in zip(_STAGE_PARTS, sources):
-        nbytes = WORKSPACE_SLOT_BYTES[part]
-        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
-        g_src = cute.make_tensor(cute.recast_ptr(src, dtype=cutlass.Uint8) + slot * nbytes, cute.make_layout(nbytes))
-        cute.copy(atom, g_src, _stage_view(stage_base, part, cutlass.Uint8), mbar_ptr=barrier)
+    atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=STAGE_BYTES * 8)
+    g_src = cute.make_tensor(workspace + cute.assume(slot * STAGE_BYTES, divby=STAGE_ALIGN), cute.make_layout(STAGE_BYTES))
+    s_dst = cute.make_tensor(stage_base, cute.make_layout(STAGE_BYTES))
+    cute.copy(atom, g_src, s_dst, mbar_ptr=barrier)
 
 
 def _fragment_value(i: int):
@@ -182,13 +181,7 @@ def k2_recurrence_kernel(
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
     state_indices: cute.Pointer,
-    ws_qd: cute.Pointer,
-    ws_kd: cute.Pointer,
-    ws_kr: cute.Pointer,
-    ws_gt: cute.Pointer,
-    ws_inv: cute.Pointer,
-    ws_mqk: cute.Pointer,
-    ws_beta: cute.Pointer,
+    workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -278,7 +271,6 @@ def k2_recurrence_kernel(
     load_v = (flags & FLAG_ZERO_V) == 0
     write_out = (flags & FLAG_NO_OUTPUT) == 0
 
-    sources = (ws_qd, ws_kd, ws_kr, ws_inv, ws_mqk, ws_gt, ws_beta)
     slot0 = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
     if tid == 0:
         for s in cutlass.range_constexpr(stages):
@@ -291,7 +283,7 @@ def k2_recurrence_kernel(
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                _issue_stage_loads(sources, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
+                _issue_stage_loads(workspace, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
         _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                       length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
@@ -311,7 +303,7 @@ def k2_recurrence_kernel(
         ahead_stage = ahead % stages
         if tid == 0:
             if ahead < num_tiles:
-                _issue_stage_loads(sources, _stage_base(s_stages, ahead_stage), full + ahead_stage,
+                _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage), full + ahead_stage,
                                    slot0 + cutlass.Int64(ahead))
         _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                       length - ahead * CHUNK, head, warp_col0, lane, load_v)
@@ -420,13 +412,7 @@ def k2_recurrence_launch(
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
     state_indices: cute.Pointer,
-    ws_qd: cute.Pointer,
-    ws_kd: cute.Pointer,
-    ws_kr: cute.Pointer,
-    ws_gt: cute.Pointer,
-    ws_inv: cute.Pointer,
-    ws_mqk: cute.Pointer,
-    ws_beta: cute.Pointer,
+    workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -449,7 +435,7 @@ def k2_recurrence_launch(
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
         v, out, initial_state, final_state, cu_seqlens, segments, state_indices,
-        ws_qd, ws_kd, ws_kr, ws_gt, ws_inv, ws_mqk, ws_beta,
+        workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
         heads, varlen, v_block, segmented, stages,

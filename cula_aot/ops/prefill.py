@@ -30,11 +30,10 @@ from ..layout import (
     SEG_SEQ,
     SEG_TOKENS,
     SEGMENT_FIELDS,
-    WORKSPACE_DTYPES,
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, segmented_k2_spec
+from ..specs import WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, segmented_k2_spec
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
@@ -316,7 +315,7 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                               lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 # K1's and K2's per-call parameters (everything else is fixed by a _SerialPlan's signature).
-_WORKSPACES = tuple(f"ws_{name}" for name in WORKSPACE_DTYPES)
+_WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
 _K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSPACES, "scale", "lower_bound")
 _K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
 

@@ -15,8 +15,9 @@ from .workspace import ARENA
 class Workspaces:
     """K1's outputs for H heads × ``total_slots`` tile slots (slot = head · total_slots + tile).
 
-    qd/kd/kr: bf16 ``[H·total_slots, 2048]`` raw K_INTER images; gt: fp32 ``[·, 128]``;
-    inv/mqk: bf16 ``[·, 256]`` row-major 16×16; beta: bf16 ``[·, 16]`` logits (-inf = padding).
+    Views of the slot records: qd/kd/kr: bf16 ``[H·total_slots, 2048]`` raw K_INTER images; gt: fp32
+    ``[·, 128]``; inv/mqk: bf16 ``[·, 256]`` row-major 16×16; beta: bf16 ``[·, 16]`` logits (-inf =
+    padding); rows are ``layout.WORKSPACE_RECORD_BYTES`` apart.
     """
 
     total_slots: int
@@ -46,7 +47,7 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, s
     cu32 = None if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.int32)
     values = {
         "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
-        **{f"ws_{name}": view.data_ptr() for name, view in views.items()},
+        "workspace": ARENA.pointers(device, heads * total_slots, stream)[0],
         "seq_len": seq_len, "num_seqs": batch if cu32 is None else cu32.numel() - 1,
         "total_slots": total_slots, "heads": heads,
     }

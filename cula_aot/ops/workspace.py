@@ -1,8 +1,10 @@
 """Runtime-owned device memory: the workspace arena (one raw byte buffer per (device, stream),
 grow-only), and the per-plan CP segment tables.
 
-Workspaces are carved from it as typed views at 256-byte aligned offsets, so after warm-up a
-prefill allocates no device memory.  Views are valid until the next call on the same stream
+A call's workspaces are its slots' records (``layout.WORKSPACE_RECORD_BYTES`` each, the parts at
+``layout.WORKSPACE_PART_OFFSETS``) from the start of the buffer, so after warm-up a prefill
+allocates no device memory; typed per-part views (strided: one row per slot) serve tests and
+tools.  Views are valid until the next call on the same stream
 (calls on one stream run in order, so reuse there is safe; other streams get other arenas).
 """
 
@@ -10,7 +12,8 @@ import threading
 
 import torch
 
-from ..layout import WORKSPACE_DTYPES, WORKSPACE_SLOT_BYTES
+from ..layout import (WORKSPACE_DTYPES, WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES, WORKSPACE_RECORD_ORDER,
+                      WORKSPACE_SLOT_BYTES)
 
 _ALIGN = 256
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -20,8 +23,8 @@ class WorkspaceArena:
     def __init__(self):
         self._lock = threading.Lock()
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
-        # (device, stream, slots) → views of the current buffer (and their addresses, in ABI
-        # order); dropped when a buffer grows.
+        # (device, stream, slots) → views of the current buffer (and the kernels' workspace
+        # pointer); dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self._pointers: dict[tuple[int, int, int], tuple] = {}
 
@@ -38,21 +41,18 @@ class WorkspaceArena:
             return buf
 
     def carve(self, device: torch.device, slots: int, stream: int) -> dict[str, torch.Tensor]:
-        """Typed views of every workspace for ``slots`` (head, tile) slots, laid out per the ABI:
-        workspace ``name`` has shape ``[slots, slot_bytes / itemsize]``.  ``stream`` is the raw
+        """Typed views of every workspace for ``slots`` (head, tile) slots: workspace ``name`` has
+        shape ``[slots, slot_bytes / itemsize]``, rows one record apart.  ``stream`` is the raw
         stream the views are for."""
         views = self._views.get((device.index, stream, slots))
         if views is not None:
             return views
-        offsets, cursor = {}, 0
-        for name, per_slot in WORKSPACE_SLOT_BYTES.items():
-            offsets[name] = cursor
-            cursor += -(-per_slot * slots // _ALIGN) * _ALIGN
-        buf = self.buffer(device, max(cursor, _ALIGN), stream)
+        buf = self.buffer(device, max(slots * WORKSPACE_RECORD_BYTES, _ALIGN), stream)
+        records = buf[: slots * WORKSPACE_RECORD_BYTES].view(slots, WORKSPACE_RECORD_BYTES)
         views = {}
         for name, per_slot in WORKSPACE_SLOT_BYTES.items():
-            raw = buf[offsets[name] : offsets[name] + per_slot * slots]
-            views[name] = raw.view(_TORCH_DTYPES[WORKSPACE_DTYPES[name]]).view(slots, -1)
+            offset = WORKSPACE_PART_OFFSETS[name]
+            views[name] = records[:, offset : offset + per_slot].view(_TORCH_DTYPES[WORKSPACE_DTYPES[name]])
         with self._lock:
             if self._buffers.get((device.index, stream)) is buf:
                 self._views[(device.index, stream, slots)] = views
@@ -60,12 +60,12 @@ class WorkspaceArena:
 
 
     def pointers(self, device: torch.device, slots: int, stream: int) -> tuple:
-        """The addresses of ``carve``'s views, in ``WORKSPACE_DTYPES`` (kernel parameter) order."""
+        """The kernels' workspace parameters (``specs.WORKSPACE_POINTERS``): the first record."""
         key = (device.index, stream, slots)
         pointers = self._pointers.get(key)
         if pointers is None:
             views = self.carve(device, slots, stream)
-            pointers = tuple(views[name].data_ptr() for name in WORKSPACE_DTYPES)
+            pointers = (views[WORKSPACE_RECORD_ORDER[0]].data_ptr(),)
             with self._lock:
                 if self._views.get(key) is views:
                     self._pointers[key] = pointers

@@ -44,15 +44,20 @@ def _variant(params):
     return Variant(heads=1, varlen=True)
 
 
+def _replaced(params, new):
+    """``params`` with the parameter of ``new``'s name replaced by ``new``."""
+    return [new if p.name == new.name else p for p in params]
+
+
 @pytest.mark.parametrize(
     "mutate",
     [
         lambda ps: ps[:-1],  # a parameter missing
         lambda ps: [*ps, scalar("extra", "i32")],  # one too many
         lambda ps: [*ps[:-1], scalar("lower_bound", "i32")],  # f32 declared as i32
-        lambda ps: [*ps[:14], scalar("seq_len", "f32"), *ps[15:]],  # i32 declared as f32
-        lambda ps: [*ps[:13], scalar("ws_beta", "i32"), *ps[14:]],  # pointer declared as scalar
-        lambda ps: [*ps[:14], pointer("seq_len", "i32"), *ps[15:]],  # scalar declared as pointer
+        lambda ps: _replaced(ps, scalar("seq_len", "f32")),  # i32 declared as f32
+        lambda ps: _replaced(ps, scalar("workspace", "i32")),  # pointer declared as scalar
+        lambda ps: _replaced(ps, pointer("seq_len", "i32")),  # scalar declared as pointer
         lambda ps: [pointer("tma_q", "bf16"), *ps[1:]],  # descriptor declared as pointer
         lambda ps: [*ps[:3], ps[0], *ps[4:]],  # pointer declared as descriptor
     ],

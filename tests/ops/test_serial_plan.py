@@ -88,7 +88,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
         | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
     # Same workspaces on both calls: the arena's cached addresses.
-    assert recorder.values(1)[1]["ws_qd"] == v2["ws_qd"] and v1["ws_kd"] == v2["ws_kd"]
+    assert recorder.values(1)[1]["workspace"] == v2["workspace"] and v1["workspace"] == v2["workspace"]
 
 
 def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):

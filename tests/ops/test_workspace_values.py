@@ -2,6 +2,7 @@
 
 import torch
 
+from cula_aot.layout import WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES
 from cula_aot.ops import prepare
 from cula_aot.ops.workspace import WorkspaceArena
 from cula_aot.specs import K1_PARAMS, K2_PARAMS, SEQUENCE_SCALARS, WORKSPACE_POINTERS
@@ -17,7 +18,11 @@ def test_values_cover_the_shared_abi(monkeypatch):
     assert set(values) == shared | {"heads"}
     assert cu32.dtype == torch.int32 and values["cu_seqlens"] == cu32.data_ptr()
     assert values["num_seqs"] == 2 and values["total_slots"] == ws.total_slots == (40 + 15 * 2) // 16
-    assert values["ws_gt"] == ws.gt.data_ptr()
+    # One pointer, to the first slot's record; the parts of slot s at s·record + offset.
+    assert values["workspace"] == ws.qd.data_ptr()
+    assert ws.gt.data_ptr() == values["workspace"] + WORKSPACE_PART_OFFSETS["gt"]
+    assert ws.beta[1].data_ptr() == values["workspace"] + WORKSPACE_RECORD_BYTES + WORKSPACE_PART_OFFSETS["beta"]
+    assert ws.inv.shape == (3 * ws.total_slots, 256) and ws.gt.dtype == torch.float32
     _, fixed, none = prepare.workspace_values(torch.device("cpu"), 3, 17, 3, None, 0)
     assert none is None and fixed["cu_seqlens"] == 0 and fixed["num_seqs"] == 3 and fixed["total_slots"] == 6
 
