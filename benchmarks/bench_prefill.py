@@ -211,9 +211,14 @@ class Bench:
         print(f"[bench] {message}", flush=True)
         self.results["errors"].append(message)
 
-    def over_budget(self):
+    def skipped_for_budget(self, rows, row):
+        """Past ``--budget-s``: record ``row`` as skipped and say so."""
         budget = self.args.budget_s
-        return budget is not None and time.perf_counter() - self.start > budget
+        if budget is None or time.perf_counter() - self.start <= budget:
+            return False
+        row["skipped"] = "time budget"
+        rows.append(row)
+        return True
 
     def measure(self, x, ours_eager_ms=None):
         """Ours eager (unless already timed) + graph (serial, automatic V block), fla eager + graph,
@@ -282,9 +287,7 @@ class Bench:
         for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
             row = {"workload": label, "H": heads, "lengths": lengths, "T": seq_len or sum(lengths),
                    "published_cula_ms": published}
-            if self.over_budget():
-                row["skipped"] = "time budget"
-                rows.append(row)
+            if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(heads, 1, lengths, seq_len, self.device)
             row["k1_ms"] = self.time(k1_runner(x))
@@ -293,11 +296,8 @@ class Bench:
             picked = auto_v_block(heads, 1 if lengths is None else len(lengths), self.sm_count)
             row.update(self.measure(x, ours_eager_ms=row[f"ours_eager_ms_vb{picked}"]))
             row["ours_eager_ms"] = min(row[f"ours_eager_ms_vb{vb}"] for vb in K2_V_BLOCKS)
-            rows.append(row)
-            self.progress(f"spec H={heads} {label}", row)
             del x
-            torch.cuda.empty_cache()
-            self.save()
+            self.finish_row(rows, row, f"spec H={heads} {label}")
 
     def run_serving(self):
         """Serial and ``intracard_cp="auto"`` on the serving matrix, eager and graph, with K1 alone."""
@@ -305,9 +305,7 @@ class Bench:
         for heads in SERVING_HEADS:
             for label, lengths in SERVING_BATCHES:
                 row = {"H": heads, "workload": label, "lengths": lengths}
-                if self.over_budget():
-                    row["skipped"] = "time budget"
-                    rows.append(row)
+                if self.skipped_for_budget(rows, row):
                     continue
                 x = make_inputs(heads, 1, lengths, None, self.device)
                 row["k1_ms"] = self.time(k1_runner(x))
@@ -316,19 +314,14 @@ class Bench:
                 row["cp_auto_graph_ms"] = self.time_graph(auto, f"serving H={heads} {label} auto")
                 row["auto_split"] = planned_split(lengths, heads, self.device)
                 row.update(self.measure(x))
-                rows.append(row)
-                self.progress(f"serving H={heads} {label} (auto split {row['auto_split']})", row)
                 del x
-                torch.cuda.empty_cache()
-                self.save()
+                self.finish_row(rows, row, f"serving H={heads} {label} (auto split {row['auto_split']})")
 
     def run_cp(self):
         rows = self.results.setdefault("cp", [])
         for heads, lengths, published in CP_WORKLOADS:
             row = {"H": heads, "lengths": lengths, "published_cula_ms": published}
-            if self.over_budget():
-                row["skipped"] = "time budget"
-                rows.append(row)
+            if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(heads, 1, lengths, None, self.device)
             for split in CP_SPLITS:
@@ -336,19 +329,14 @@ class Bench:
             for split in CP_GRAPH_SPLITS:
                 row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split), f"cp s={split}")
             row.update(self.measure(x, ours_eager_ms=row["cp_False_ms"]))
-            rows.append(row)
-            self.progress(f"cp H={heads} {lengths}", row)
             del x
-            torch.cuda.empty_cache()
-            self.save()
+            self.finish_row(rows, row, f"cp H={heads} {lengths}")
 
     def run_cp_long(self):
         rows = self.results.setdefault("cp_long", [])
         for heads, lengths in CP_LONG_WORKLOADS:
             row = {"H": heads, "lengths": lengths}
-            if self.over_budget():
-                row["skipped"] = "time budget"
-                rows.append(row)
+            if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(heads, 1, lengths, None, self.device)
             row["GB"] = peers.prefill_bytes(x) / 1e9
@@ -356,44 +344,38 @@ class Bench:
             for split in CP_LONG_SPLITS:
                 row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split), f"cp s={split}")
             row["auto_split"] = planned_split(lengths, heads, self.device)
-            rows.append(row)
-            self.progress(f"cp_long H={heads} {len(lengths)} seqs, {sum(lengths)} tokens", row)
             del x
-            torch.cuda.empty_cache()
-            self.save()
+            self.finish_row(rows, row, f"cp_long H={heads} {len(lengths)} seqs, {sum(lengths)} tokens")
 
     def run_fixed(self):
         rows = self.results.setdefault("fixed", [])
         for batch, seq_len in FIXED_SWEEP:
             row = {"H": SWEEP_HEADS, "B": batch, "T": seq_len}
-            if self.over_budget():
-                row["skipped"] = "time budget"
-                rows.append(row)
+            if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(SWEEP_HEADS, batch, None, seq_len, self.device)
             row.update(self.measure(x))
-            rows.append(row)
-            self.progress(f"fixed {batch}x{seq_len}", row)
             del x
-            torch.cuda.empty_cache()
-            self.save()
+            self.finish_row(rows, row, f"fixed {batch}x{seq_len}")
 
     def run_varlen(self):
         rows = self.results.setdefault("varlen", [])
         for n, total, dist in VARLEN_SWEEP:
             lengths = varlen_lengths(n, total, dist)
             row = {"H": SWEEP_HEADS, "N": n, "T": total, "dist": dist, "max_len": max(lengths), "lengths": lengths}
-            if self.over_budget():
-                row["skipped"] = "time budget"
-                rows.append(row)
+            if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(SWEEP_HEADS, 1, lengths, None, self.device)
             row.update(self.measure(x))
-            rows.append(row)
-            self.progress(f"varlen N={n} T={total} {dist}", row)
             del x
-            torch.cuda.empty_cache()
-            self.save()
+            self.finish_row(rows, row, f"varlen N={n} T={total} {dist}")
+
+    def finish_row(self, rows, row, what):
+        """Keep a measured workload: record it, report it, free its memory, save the files."""
+        rows.append(row)
+        self.progress(what, row)
+        torch.cuda.empty_cache()
+        self.save()
 
     def progress(self, what, row):
         keys = ("ours_eager_ms", "ours_graph_ms", "fla_eager_ms", "fla_graph_ms")
