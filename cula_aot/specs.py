@@ -198,6 +198,8 @@ def auto_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
     ctas = (128 // K2_DEFAULT_V_BLOCK) * heads * num_seqs
     waves = ctas / (K2_CTAS_PER_SM * sm_count)
     return K2_WIDE_V_BLOCK if waves >= K2_WIDE_V_BLOCK_WAVES else K2_DEFAULT_V_BLOCK
+
+
 # The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
 K2_SEGMENTED_V_BLOCK = 16
 # Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:

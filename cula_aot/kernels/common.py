@@ -4,7 +4,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from ..layout import CHUNK, D, IMAGE_BYTES, k_inter_index
+from ..layout import CHUNK, D, IMAGE_BYTES, WORKSPACE_PART_OFFSETS, k_inter_index
 
 THREADS = 128
 
@@ -18,6 +18,7 @@ __all__ = [
     "k_inter_index",
     "input_tile_layout",
     "make_token_tma",
+    "record_part",
     "ROW_CHUNKS",
     "ROW_CHUNK_COLS",
     "ROW_THREADS",
@@ -96,6 +97,12 @@ def make_token_tma(base: cute.Pointer, heads: int):
     """(TMA load atom, coordinate tensor) for 16×128 boxes of a [rows, heads·128] bf16 tensor."""
     view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, heads * D), stride=(heads * D, 1)))
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(), (CHUNK, D))
+
+
+def record_part(record: cute.Pointer, part: str, dtype):
+    """Workspace ``part`` of one slot's record (global, or a K2 stage holding a copy of it) as a
+    pointer to ``dtype`` (``layout.WORKSPACE_PART_OFFSETS``)."""
+    return cute.recast_ptr(record + WORKSPACE_PART_OFFSETS[part], dtype=dtype)
 
 
 # Row-parallel phases: 8 threads per row, each owning 4 chunks of 4 columns at stride 32, so a

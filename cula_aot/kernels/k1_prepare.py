@@ -52,12 +52,13 @@ from .common import (
     k_inter_index,
     input_tile_layout,
     make_token_tma,
+    record_part,
     row_chunk_column,
     sigmoid,
     tile_row_as_f32,
     varlen_slot_lookup,
 )
-from ..layout import WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES
+from ..layout import WORKSPACE_RECORD_BYTES
 from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
 assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
@@ -127,11 +128,6 @@ def _p_plus_p_times_x(p: cute.Tensor, x: cute.Tensor, n_tile, lane, acc: cute.Te
 def _fragment_entry(lane, n_tile, c: int):
     """(row, column) of value ``c`` of this lane's 16×8 C fragment of n-tile ``n_tile``."""
     return lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
-
-
-def _record_part(record: cute.Pointer, part: str, dtype):
-    """Workspace ``part`` of one slot's record (``layout.WORKSPACE_PART_OFFSETS``) as ``dtype``."""
-    return cute.recast_ptr(record + WORKSPACE_PART_OFFSETS[part], dtype=dtype)
 
 
 def _store_fragment_bf16(matrix: cute.Pointer, acc: cute.Tensor, n_tile, lane):
@@ -272,7 +268,7 @@ def k1_prepare_kernel(
                 beta_at = beta + (token0 + cutlass.Int64(row)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             s_b[row] = sigmoid(logit)
-            out_beta = cute.make_tensor(_record_part(record, "beta", cutlass.BFloat16), cute.make_layout(CHUNK))
+            out_beta = cute.make_tensor(record_part(record, "beta", cutlass.BFloat16), cute.make_layout(CHUNK))
             out_beta[row] = logit.to(cutlass.BFloat16)
         cute.arch.sync_threads()
 
@@ -283,7 +279,7 @@ def k1_prepare_kernel(
         for r in cutlass.range_constexpr(CHUNK):
             cum += s_gamma[r, col]
             s_gamma[r, col] = cum
-        out_gt = cute.make_tensor(_record_part(record, "gt", cutlass.Float32), cute.make_layout(D))
+        out_gt = cute.make_tensor(record_part(record, "gt", cutlass.Float32), cute.make_layout(D))
         out_gt[col] = exp2_fast(cum)
         # B2: warp w still owns columns 32w..32w+31 (so a warp barrier suffices), now as 8 passes
         # of 4 columns × 16 rows: lane (q, cl) takes rows q and q+8 of column 4·pass + cl.  A
@@ -325,7 +321,7 @@ def k1_prepare_kernel(
         if tid == 0:
             # CuTeDSL 4.8.1 does not elect a lane for CopyBulkS2GOp: one thread issues.
             for src, part in ((s_qd, "qd"), (s_kd, "kd"), (s_kr, "kr")):
-                g_img = cute.make_tensor(_record_part(record, part, cutlass.BFloat16), image_layout)
+                g_img = cute.make_tensor(record_part(record, part, cutlass.BFloat16), image_layout)
                 cute.copy(bulk_s2g, src, g_img)
             cute.arch.cp_async_bulk_commit_group()
 
@@ -344,7 +340,7 @@ def k1_prepare_kernel(
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
-            _store_fragment_bf16(_record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
+            _store_fragment_bf16(record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
         cute.arch.sync_threads()
 
         # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
@@ -382,7 +378,7 @@ def k1_prepare_kernel(
             cute.arch.sync_threads()
         if warp < 2:
             _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-            _store_fragment_bf16(_record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
+            _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
 
         if tid == 0:
             # Shared memory must outlive the bulk reads of the images.

@@ -72,7 +72,7 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, pool_index, sigmoid, state_element, varlen_sequence
+from .common import CHUNK, D, pool_index, record_part, sigmoid, state_element, varlen_sequence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
 WARP = 32
@@ -81,10 +81,9 @@ KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile lo
 
 # One pipeline stage: one slot's workspace record, as K1 lays it out (the seven parts back to
 # back), filled by one bulk copy.
-_PART_OFFSET = WORKSPACE_PART_OFFSETS
 STAGE_BYTES = WORKSPACE_RECORD_BYTES
 STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
-assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in _PART_OFFSET.values())
+assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in WORKSPACE_PART_OFFSETS.values())
 
 
 # Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
@@ -106,8 +105,7 @@ def _stage_base(stages: cute.Tensor, stage):
 def _stage_view(stage_base: cute.Pointer, part: str, dtype):
     """The ``part`` workspace inside a stage buffer, as a 1-D tensor of ``dtype``."""
     nbytes = WORKSPACE_SLOT_BYTES[part]
-    ptr = cute.recast_ptr(stage_base + _PART_OFFSET[part], dtype=dtype)
-    return cute.make_tensor(ptr, cute.make_layout(nbytes * 8 // dtype.width))
+    return cute.make_tensor(record_part(stage_base, part, dtype), cute.make_layout(nbytes * 8 // dtype.width))
 
 
 def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot):
@@ -330,8 +328,8 @@ def k2_recurrence_kernel(
         qs.fill(0.0)
         for kt in cutlass.range_constexpr(D // 16):
             a = accumulators_as_a(state, 8 * kt)
-            b_kd = ldmatrix_x4(base + _PART_OFFSET["kd"] + kt * 2 * CHUNK * 16 + image_lane)
-            b_qd = ldmatrix_x4(base + _PART_OFFSET["qd"] + kt * 2 * CHUNK * 16 + image_lane)
+            b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + image_lane)
+            b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
             ks_kt = ks_chains[kt % KS_CHAINS]
             for n in cutlass.range_constexpr(2):
                 d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
@@ -356,7 +354,7 @@ def k2_recurrence_kernel(
 
         # -- Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV) --------------
         a_w = accumulators_as_a(w, 0)
-        b_inv = ldmatrix_x4(base + _PART_OFFSET["inv"] + square_lane)
+        b_inv = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["inv"] + square_lane)
         u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for n in cutlass.range_constexpr(2):
             d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
@@ -365,7 +363,7 @@ def k2_recurrence_kernel(
         a_u = accumulators_as_a(u, 0)
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ -----------------------------------------------------------
-        b_mqk = ldmatrix_x4(base + _PART_OFFSET["mqk"] + square_lane)
+        b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
         out_tile = out + ((token0 + cutlass.Int64(2 * t)) * out_stride + cutlass.Int64(head * D + v_col))
         for n in cutlass.range_constexpr(2):
             d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
@@ -378,7 +376,7 @@ def k2_recurrence_kernel(
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
         for pair in cutlass.range_constexpr(N_TILES // 2):
-            b_kr = ldmatrix_x4(base + _PART_OFFSET["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
+            b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
             for n in cutlass.range_constexpr(2):
                 j = 2 * pair + n
                 scaled = [state[4 * j + c] * gt[8 * j + 2 * t + c % 2] for c in range(4)]

@@ -18,8 +18,8 @@ that the GPU waits on).  ``auto_split`` returns the s ∈ SPLITS with the lowest
 CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 SPEC §7 CP workloads
 × serial and s_split 2/4/8/16, H200, 2026-11-29; tile step 0.90 µs), then CTAS_PER_SM and
 MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (SPEC rows and long contexts,
-the five-CTA segmented K2): every SPEC pick stays the measured best, the worst long-context loss
-against the best split drops from 23% to 9% (docs/PERFORMANCE.md, session 12/13).
+the five-CTA segmented K2): every SPEC pick stays the measured best, and the worst long-context
+loss against the best split, 23% before, measured 3.7% after (docs/PERFORMANCE.md, sessions 12-13).
 """
 
 import dataclasses

@@ -1,6 +1,7 @@
 import dataclasses
 
-from cula_aot.specs import DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K2_V_BLOCKS, K2_WARP_COLUMNS, K1Spec, K2Spec, abi_layout, default_specs
+from cula_aot.specs import (DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K2_V_BLOCKS, K2_WARP_COLUMNS,
+                            K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs)
 
 
 def test_default_heads_cover_the_spec_list():
@@ -46,8 +47,6 @@ def test_abi_layout_offsets_respect_alignment():
 
 
 def test_auto_v_block_widens_only_many_cta_grids():
-    from cula_aot.specs import K2_WIDE_V_BLOCK, auto_v_block
-
     # SPEC §7 rows on a 132-SM H200: one long sequence stays at 32 columns, 8 × 1024 at H = 64 widens.
     assert auto_v_block(64, 1, 132) == K2_DEFAULT_V_BLOCK
     assert auto_v_block(96, 1, 132) == K2_DEFAULT_V_BLOCK
