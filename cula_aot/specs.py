@@ -107,6 +107,10 @@ class KernelSpec:
     cluster: ClassVar[tuple] = (1, 1, 1)
     # Grid dimensions: an int or the name of a scalar parameter / codegen argument.
     grid: ClassVar[tuple]
+    # The kernel runs ``griddepcontrol.wait`` before it reads anything the kernel before it on the
+    # stream may write, so it may be launched as a programmatic dependent (PDL): its CTAs start
+    # while that kernel drains.  The build checks the PTX for the instruction.
+    dependent_launch: ClassVar[bool] = False
 
     @property
     def args(self) -> dict:
@@ -222,6 +226,7 @@ class K2Spec(KernelSpec):
 
     kernel: ClassVar[str] = "k2_recurrence"
     params: ClassVar[tuple] = K2_PARAMS
+    dependent_launch: ClassVar[bool] = True
 
     heads: int
     varlen: bool
@@ -253,7 +258,13 @@ MERGE_PARAMS = (
     *state_params("init"),
     scalar("flags", "i32"),
 )
-MERGE_V_BLOCK = 16
+MERGE_V_BLOCKS = (8, 16)  # state columns per merge CTA, both built
+
+
+def merge_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
+    """The merge's column block: 8 while its grid of one-CTA-per-SM blocks still fits the SMs
+    in one wave (twice the CTAs for the same chain), else 16."""
+    return 8 if (128 // 8) * heads * num_seqs <= sm_count else 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,9 +273,14 @@ class MergeSpec(KernelSpec):
 
     kernel: ClassVar[str] = "cp_merge"
     params: ClassVar[tuple] = MERGE_PARAMS
-    grid: ClassVar[tuple] = (128 // MERGE_V_BLOCK, "heads", "num_seqs")
+    dependent_launch: ClassVar[bool] = True
 
     heads: int
+    v_block: int = 16
+
+    @property
+    def grid(self) -> tuple:
+        return (128 // self.v_block, "heads", "num_seqs")
 
 
 # ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
@@ -380,6 +396,6 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
         specs.append(segmented_k2_spec(h))
-        specs.append(MergeSpec(heads=h))
+        specs.extend(MergeSpec(heads=h, v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.extend(decode_specs(heads))
     return specs

@@ -134,6 +134,7 @@ def _kernel_record(spec: KernelSpec, ptx: str, cubin: bytes, rel_path: str, key:
         "entry": entry["symbol"],
         "block": list(spec.block),
         "cluster": list(spec.cluster),
+        "dependent_launch": spec.dependent_launch,
         "dynamic_smem_bytes": dynamic_smem_bytes(spec),
         "grid": list(spec.grid),
         "params": abi,

@@ -1,7 +1,9 @@
 """Read the facts the runtime depends on out of generated PTX, and check them against a spec.
 
 The build refuses to write a manifest whose declared ABI disagrees with what the compiler
-actually emitted: parameter count, order, PTX type, size and alignment, block and cluster shape.
+actually emitted: parameter count, order, PTX type, size and alignment, block and cluster shape,
+and whether the kernel waits for its predecessor's grid (``griddepcontrol.wait``, required of a
+kernel the runtime launches as a programmatic dependent).
 """
 
 import re
@@ -42,6 +44,7 @@ def parse_entry(ptx: str) -> dict:
     return {
         "symbol": symbol,
         "tma_ranks": re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", ptx),
+        "grid_wait": "griddepcontrol.wait" in ptx,
         "params": params,
         "block": tuple(int(x) for x in block.groups()) if block else None,
         "cluster": tuple(int(x) for x in re.findall(r"\d+", cluster.group(1))) if cluster else (1, 1, 1),
@@ -79,6 +82,10 @@ def check_abi(spec: KernelSpec, entry: dict) -> list[dict]:
         raise AbiMismatch(f"{where}: declared block {spec.block}, PTX .reqntid {entry['block']}")
     if entry["cluster"] != tuple(spec.cluster):
         raise AbiMismatch(f"{where}: declared cluster {spec.cluster}, PTX {entry['cluster']}")
+    if entry["grid_wait"] != spec.dependent_launch:
+        # A dependent launch of a kernel that never waits would race its predecessor's writes.
+        raise AbiMismatch(f"{where}: declared dependent_launch={spec.dependent_launch}, but the PTX "
+                          f"{'has' if entry['grid_wait'] else 'has no'} griddepcontrol.wait")
     return declared
 
 

@@ -1,7 +1,7 @@
 """Intracard CP "merge": chain the segment transitions of each sequence into start states.
 
 What it computes (shared/design/SPEC.md §2, CP), for one sequence, one head and one block of
-``MERGE_V_BLOCK`` state columns: with ``carry_0`` = the sequence's initial state (or 0),
+``v_block`` (8 or 16) state columns: with ``carry_0`` = the sequence's initial state (or 0),
 
     carries[s] = carry_i,   carry_{i+1} = M_i · carry_i + B_i
 
@@ -11,41 +11,55 @@ segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``.  All states here are
 [K, V] row-major per head ("kv"); the user's initial state is read with its own strides and
 dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags`` say so.
 
-Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×16 product done as three tf32
+Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×v_block product done as three tf32
 ``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
-per product), since the carries are states and must not lose precision here.  Warp w owns
-rows [32w, 32w + 32) (two m16 tiles) × the block's 16 columns (two n8 tiles); its carry slice
-lives in accumulator fragments.  Only the carries form a chain: M_{i+1} (64 KB) streams into
-the other of two padded smem stages with 16-byte ``cp.async`` while step i computes, and
-carry_i's split B fragments are shared through smem.
+per product), since the carries are states and must not lose precision here; the three
+products accumulate in three chains (B_i seeds the hi·hi one), summed once per step.  Warp w
+owns rows [32w, 32w + 32) (two m16 tiles) × the block's columns (v_block / 8 n8 tiles); its
+carry slice lives in accumulator fragments.  Only the carries form a chain: M_{i+1} (64 KB) and
+B_{i+1}'s block stream into the other of two smem stages with 16-byte ``cp.async`` while step i
+computes, and carry_i's split B fragments are shared through smem.
 
-Launch: grid (128 / MERGE_V_BLOCK, H, N), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared
-memory.  ``seq_segments`` (int32 [N + 1]) gives each sequence's segment range.
+Launch: grid (128 / v_block, H, N), block (128, 1, 1), ``smem_bytes(v_block)`` dynamic shared
+memory (one CTA per SM: the M stages).  ``seq_segments`` (int32 [N + 1]) gives each sequence's
+segment range.  8-column blocks give twice the CTAs for the same chain where the 16-column grid
+leaves SMs idle (``specs.merge_v_block``).  Launched as the pre_scan's programmatic dependent
+(``griddepcontrol.wait`` before the first transition read).
 """
 
 import cutlass
 import cutlass.cute as cute
 
 from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
-from ..specs import MERGE_V_BLOCK
 from .common import D, THREADS, pool_index, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
-# carry_i as split tf32 (hi, lo) bits, [128 rows][MERGE_V_BLOCK] with rows padded to 24 words:
-# the B fragment loads (rows 2t.., column g) then hit 32 distinct banks.
-_CARRY_ROW = MERGE_V_BLOCK + 8
+# carry_i as split tf32 (hi, lo) bits, [128 rows][v_block] with rows padded so the B fragment
+# loads (rows 2t.., column g) hit 32 distinct banks: 24 words for 16 columns, 8 for 8.
+def _carry_row(v_block: int) -> int:
+    return {8: 8, 16: 24}[v_block]
+
+
 # M_i stages: fp32 [128][128] with rows padded to 132 words, so the A fragment loads (rows g,
 # columns t) hit 32 distinct banks.
 _M_ROW = D + 4
 _M_STAGE_BYTES = D * _M_ROW * 4
 _CHUNKS_PER_THREAD = D * D * 4 // 16 // THREADS
-SMEM_BYTES = 2 * _M_STAGE_BYTES + 2 * D * _CARRY_ROW * 4 + 128
 _M_TILES = 2  # per warp: rows [32w, 32w + 32)
-_N_TILES = MERGE_V_BLOCK // 8
 
 
-def _fragment_index(m_tile: int, n_tile: int, c: int) -> int:
-    return (m_tile * _N_TILES + n_tile) * 4 + c
+def _b_stage_bytes(v_block: int) -> int:
+    """One stage of B_i's block: fp32 [128][v_block], unpadded."""
+    return D * v_block * 4
+
+
+def smem_bytes(v_block: int) -> int:
+    """Two M stages, two B stages, the split carry (hi, lo), alignment slack."""
+    return 2 * _M_STAGE_BYTES + 2 * _b_stage_bytes(v_block) + 2 * D * _carry_row(v_block) * 4 + 128
+
+
+def _fragment_index(m_tile: int, n_tile: int, c: int, n_tiles: int) -> int:
+    return (m_tile * n_tiles + n_tile) * 4 + c
 
 
 def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
@@ -53,16 +67,31 @@ def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
     return warp * 32 + m_tile * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
+def _entry_of_value(warp, lane, i: int, n_tiles: int):
+    """(row k, column) of value i of a thread's carry (``_fragment_index`` order)."""
+    return _fragment_entry(warp, lane, i // (4 * n_tiles), (i // 4) % n_tiles, i % 4)
+
+
 @cute.jit
-def _prefetch_transition(prescan: cute.Pointer, seg, heads: cutlass.Constexpr[int], head, stage_address, tid):
-    """Issue this thread's 16-byte ``cp.async`` chunks of M_seg into a padded smem stage: a warp
-    copies one 512-byte row per round, so the reads coalesce."""
+def _prefetch_transition(prescan: cute.Pointer, seg, heads: cutlass.Constexpr[int], head, col0, m_stage_address,
+                         b_stage_address, tid, v_block: cutlass.Constexpr[int]):
+    """Issue this thread's 16-byte ``cp.async`` chunks of M_seg into a padded smem stage (a warp
+    copies one 512-byte row per round, so the reads coalesce) and of B_seg's [128][v_block] block
+    into a B stage, so the step's bias comes from shared memory too."""
     m_base = (cutlass.Int64(2 * seg) * heads + cutlass.Int64(head)) * (D * D)
     for j in cutlass.range_constexpr(_CHUNKS_PER_THREAD):
         row = tid // 32 + j * (THREADS // 32)
         col = (tid % 32) * 4
-        cp_async_16(stage_address + (row * _M_ROW + col) * 4,
+        cp_async_16(m_stage_address + (row * _M_ROW + col) * 4,
                     (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
+    b_base = m_base + heads * (D * D)
+    row_chunks = v_block // 4
+    for j in cutlass.range_constexpr(D * row_chunks // THREADS):
+        chunk = tid + j * THREADS
+        row = chunk // row_chunks
+        col = (chunk % row_chunks) * 4
+        cp_async_16(b_stage_address + (row * v_block + col) * 4,
+                    (prescan + b_base + cutlass.Int64(row * D + col0 + col)).toint(), 16)
 
 
 @cute.kernel
@@ -78,6 +107,7 @@ def cp_merge_kernel(
     init_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
     heads: cutlass.Constexpr[int],
+    v_block: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -85,20 +115,24 @@ def cp_merge_kernel(
     lane = tid % 32
     g = lane // 4
     t = lane % 4
-    col0 = vblk * MERGE_V_BLOCK
+    col0 = vblk * v_block
+    n_tiles = v_block // 8
 
     smem = cutlass.utils.SmemAllocator()
-    carry_layout = cute.make_layout((D, MERGE_V_BLOCK), stride=(_CARRY_ROW, 1))
+    carry_layout = cute.make_layout((D, v_block), stride=(_carry_row(v_block), 1))
     s_hi = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
     s_lo = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
     s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, D, D), stride=(D * _M_ROW, _M_ROW, 1)), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, D, v_block), stride=(D * v_block, v_block, 1)),
+                               16)
     m_stage_address = s_m.iterator.toint()
+    b_stage_address = s_b.iterator.toint()
 
     bounds = cute.make_tensor(seq_segments, cute.make_layout(num_seqs + 1))
     first = bounds[seq]
     last = bounds[seq + 1]
 
-    n_values = _M_TILES * _N_TILES * 4
+    n_values = _M_TILES * n_tiles * 4
     carry = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     carry.fill(0.0)
     read_init = flags & FLAG_INITIAL_STATE
@@ -110,44 +144,53 @@ def cp_merge_kernel(
     if read_init != 0:
         if (flags & FLAG_BF16_INIT) != 0:
             for i in cutlass.range_constexpr(n_values):
-                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                k, c = _entry_of_value(warp, lane, i, n_tiles)
                 carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
                                          init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
         else:
             for i in cutlass.range_constexpr(n_values):
-                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                k, c = _entry_of_value(warp, lane, i, n_tiles)
                 carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
                                          init_stride_v)[0]
 
+    # Launched as the pre_scan's programmatic dependent: the lengths and the caller's start state
+    # above overlap its tail; the transition pairs are its output.
+    cute.arch.griddepcontrol_wait()
     if first + 1 < last:
-        _prefetch_transition(prescan, first, heads, head, m_stage_address, tid)
+        _prefetch_transition(prescan, first, heads, head, col0, m_stage_address, b_stage_address, tid, v_block)
     cute.arch.cp_async_commit_group()
+    acc_lh = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
+    acc_hl = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     for seg in cutlass.range(first, last, unroll=1):
         stage = (seg - first) % 2
-        # M_{seg+1} into the other stage (last read by step seg − 1, freed by its barrier).
+        # M_{seg+1}, B_{seg+1} into the other stage (last read by step seg − 1, freed by its barrier).
         if seg + 2 < last:
-            _prefetch_transition(prescan, seg + 1, heads, head, m_stage_address + (1 - stage) * _M_STAGE_BYTES, tid)
+            _prefetch_transition(prescan, seg + 1, heads, head, col0, m_stage_address + (1 - stage) * _M_STAGE_BYTES,
+                                 b_stage_address + (1 - stage) * _b_stage_bytes(v_block), tid, v_block)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
-            k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+            k, c = _entry_of_value(warp, lane, i, n_tiles)
             element = state_element(carries, seg, heads * D * D, head, k, col0 + c, D, 1)
             element[0] = carry[i]
         if seg + 1 < last:
             for i in cutlass.range_constexpr(n_values):
-                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
+                k, c = _entry_of_value(warp, lane, i, n_tiles)
                 hi, lo = tf32_split(carry[i])
                 s_hi[k, c] = hi
                 s_lo[k, c] = lo
-            cute.arch.cp_async_wait_group(1)  # this thread's chunks of M_seg have landed
+            cute.arch.cp_async_wait_group(1)  # this thread's chunks of M_seg and B_seg have landed
             cute.arch.sync_threads()  # everyone's chunks, and the split carry, are visible
-            b_base = (cutlass.Int64(2 * seg + 1) * heads + cutlass.Int64(head)) * (D * D)
+            # Three accumulation chains, one per product (hi·hi from the bias B_seg, lo·hi, hi·lo),
+            # summed once at the end: each chain is 16 MMAs deep instead of one chain of 48.
             for i in cutlass.range_constexpr(n_values):
-                k, c = _fragment_entry(warp, lane, i // (4 * _N_TILES), (i // 4) % _N_TILES, i % 4)
-                carry[i] = cute.make_tensor(prescan + b_base + cutlass.Int64(k * D + col0 + c), cute.make_layout(1))[0]
+                k, c = _entry_of_value(warp, lane, i, n_tiles)
+                carry[i] = s_b[stage, k, c]
+            acc_lh.fill(0.0)
+            acc_hl.fill(0.0)
             for ks in cutlass.range_constexpr(D // 8):
                 k0 = ks * 8
-                b_hi = [[s_hi[k0 + t, n * 8 + g], s_hi[k0 + t + 4, n * 8 + g]] for n in range(_N_TILES)]
-                b_lo = [[s_lo[k0 + t, n * 8 + g], s_lo[k0 + t + 4, n * 8 + g]] for n in range(_N_TILES)]
+                b_hi = [[s_hi[k0 + t, n * 8 + g], s_hi[k0 + t + 4, n * 8 + g]] for n in range(n_tiles)]
+                b_lo = [[s_lo[k0 + t, n * 8 + g], s_lo[k0 + t + 4, n * 8 + g]] for n in range(n_tiles)]
                 for m in cutlass.range_constexpr(_M_TILES):
                     row = warp * 32 + m * 16 + g
                     m_at = [(row, k0 + t), (row + 8, k0 + t), (row, k0 + t + 4), (row + 8, k0 + t + 4)]
@@ -156,14 +199,14 @@ def cp_merge_kernel(
                         hi, lo = tf32_split(s_m[stage, r, kk])
                         a_hi.append(hi)
                         a_lo.append(lo)
-                    for n in cutlass.range_constexpr(_N_TILES):
-                        base = _fragment_index(m, n, 0)
-                        acc = [carry[base + c] for c in range(4)]
-                        acc = mma_tf32_m16n8k8(a_lo, b_hi[n], acc)
-                        acc = mma_tf32_m16n8k8(a_hi, b_lo[n], acc)
-                        acc = mma_tf32_m16n8k8(a_hi, b_hi[n], acc)
-                        for c in cutlass.range_constexpr(4):
-                            carry[base + c] = acc[c]
+                    for n in cutlass.range_constexpr(n_tiles):
+                        base = _fragment_index(m, n, 0, n_tiles)
+                        for acc, a, b in ((acc_lh, a_lo, b_hi[n]), (acc_hl, a_hi, b_lo[n]), (carry, a_hi, b_hi[n])):
+                            out = mma_tf32_m16n8k8(a, b, [acc[base + c] for c in range(4)])
+                            for c in cutlass.range_constexpr(4):
+                                acc[base + c] = out[c]
+            for i in cutlass.range_constexpr(n_values):
+                carry[i] = carry[i] + (acc_lh[i] + acc_hl[i])
             # s_hi/s_lo are rewritten by the next segment's step.
             cute.arch.sync_threads()
 
@@ -182,8 +225,9 @@ def cp_merge_launch(
     flags: cutlass.Int32,
     stream,
     heads: cutlass.Constexpr[int],
+    v_block: cutlass.Constexpr[int],
 ):
     cp_merge_kernel(
         initial_state, prescan, carries, seq_segments, state_indices, num_seqs, init_slot_stride, init_stride_k,
-        init_stride_v, flags, heads,
-    ).launch(grid=[D // MERGE_V_BLOCK, heads, num_seqs], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream)
+        init_stride_v, flags, heads, v_block,
+    ).launch(grid=[D // v_block, heads, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)

@@ -37,7 +37,9 @@ start, real v, no output → its end state) and the segmented recurrence (start 
 carry).
 
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
-columns), ``smem_bytes(v_block)`` dynamic shared memory.  Runtime: lengths, cu_seqlens or the
+columns), ``smem_bytes(v_block)`` dynamic shared memory, as a programmatic dependent of the
+kernel before it (K1, or the CP merge): ``griddepcontrol.wait`` comes before the first read of a
+workspace record (serial) or of the start state (segmented).  Runtime: lengths, cu_seqlens or the
 segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D
 packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
 pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
@@ -249,6 +251,10 @@ def k2_recurrence_kernel(
         final_index = pool_index(state_indices, final_index)
         if final_index < 0:
             write_final = cutlass.Int32(0)
+    if cutlass.const_expr(segmented):
+        # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
+        # is the merge's output, so nothing of the predecessor's is read before its grid is done.
+        cute.arch.griddepcontrol_wait()
     state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
     if read_init != 0:
@@ -275,6 +281,11 @@ def k2_recurrence_kernel(
             cute.arch.mbarrier_init(full + s, 1)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
+    if cutlass.const_expr(not segmented):
+        # Serial K2 is K1's programmatic dependent: everything above reads the caller's tensors
+        # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
+        # records are K1's and come after its grid is done.
+        cute.arch.griddepcontrol_wait()
     # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
     v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
     v_stage_bytes = warps * V_WARP_BYTES

@@ -33,7 +33,8 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, segmented_k2_spec
+from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, merge_v_block,
+                     segmented_k2_spec)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
@@ -317,6 +318,10 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
 # K1's and K2's per-call parameters (everything else is fixed by a _SerialPlan's signature).
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
 _K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSPACES, "scale", "lower_bound")
+# Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →
+# pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
+# its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
+DEPENDENT_LAUNCH = True
 _K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
 
 
@@ -337,7 +342,7 @@ class _SerialPlan:
             **geometry, "segments": 0, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
             "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags}, _K2_DYNAMIC)
+            "flags": init_flags | final_flags}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices):
@@ -448,7 +453,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                         cu_seqlens, cu_seqlens_cpu, state_indices)
     k2 = loader.get(device, segmented_k2_spec(heads))
-    merge = loader.get(device, MergeSpec(heads=heads))
+    merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, num_seqs, _sm_count(device))))
 
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
@@ -495,13 +500,14 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
                "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
                "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
-               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream)
+               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
     merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
                   "seq_segments": seq_segments.data_ptr(), "state_indices": user_indices,
                   "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
-                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream)
+                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream,
+                 dependent=DEPENDENT_LAUNCH)
     k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
                "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": final_state.data_ptr()
                if want_final else 0, "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
-               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream)
+               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
     return out, (final_state if want_final else None)

@@ -39,6 +39,7 @@ class LoadedKernel:
         self.packer = ParamPacker(record["params"], name, record["param_bytes"])
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
+        self.dependent_launch = record.get("dependent_launch", False)
         self._thread = threading.local()  # per-thread launch buffers
         self.what = f"cuLaunchKernel({name})"
 
@@ -46,26 +47,38 @@ class LoadedKernel:
         """Evaluate the manifest's grid rule: each dimension an int or a named value."""
         return tuple(d if isinstance(d, int) else int(values[d]) for d in self.grid_rule)
 
-    def launch(self, values: dict, stream: int, smem_bytes: int | None = None) -> None:
+    def launch(self, values: dict, stream: int, smem_bytes: int | None = None, dependent: bool = False) -> None:
         """Pack ``values`` per the ABI and launch on ``stream`` (a raw ``cudaStream_t``).
         ``smem_bytes``: the dynamic shared memory of this launch, for kernels whose use depends
-        on a runtime value (at most the built ``dynamic_smem_bytes``, the default)."""
+        on a runtime value (at most the built ``dynamic_smem_bytes``, the default).
+        ``dependent``: launch as a programmatic dependent of the previous kernel on the stream
+        (see ``launch_packed``)."""
         grid = self.grid(values)
         if min(grid) <= 0:
             return  # nothing to do; an empty grid is an error for the driver
         for name, source, cache in self.descriptors:
             values[name] = cache.get(values[source], values)
-        self.launch_packed(self.packer.pack(values), grid, stream, smem_bytes)
+        self.launch_packed(self.packer.pack(values), grid, stream, smem_bytes, dependent)
 
-    def launch_packed(self, packed: bytes, grid: tuple, stream: int, smem_bytes: int | None = None) -> None:
+    def launch_packed(self, packed: bytes, grid: tuple, stream: int, smem_bytes: int | None = None,
+                      dependent: bool = False) -> None:
         """Launch with an already packed parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
         The driver copies the parameters during the call (also under graph capture), so each
-        thread reuses one buffer."""
+        thread reuses one buffer.
+
+        ``dependent``: programmatic dependent launch (PDL, ``cuLaunchKernelEx`` with programmatic
+        stream serialization): this grid's CTAs may start once every CTA of the previous kernel
+        has run ``griddepcontrol.launch_dependents``, and wait in ``griddepcontrol.wait`` for
+        its end.  Only for kernels the manifest records as waiting (``dependent_launch``); under
+        stream capture it becomes a programmatic graph edge."""
         if smem_bytes is None:
             smem_bytes = self.smem
         elif not 0 <= smem_bytes <= self.smem:
             raise ValueError(f"{self.name}: a launch asked for {smem_bytes} B of dynamic shared memory; "
                              f"the kernel was built for at most {self.smem} B")
+        if dependent and not self.dependent_launch:
+            raise ValueError(f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
+                             "launched as a programmatic dependent")
         buffers = getattr(self._thread, "buffers", None)
         if buffers is None:
             buffer = ctypes.create_string_buffer(self.packer.size)
@@ -74,11 +87,31 @@ class LoadedKernel:
                                           cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
+        if dependent:
+            config = self._dependent_config(grid, smem_bytes, stream)
+            check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[3]), self.what)
+            return
         check(cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
               self.what)
 
-    def template(self, static: dict, dynamic: tuple) -> "LaunchTemplate":
-        return LaunchTemplate(self, static, dynamic)
+    def _dependent_config(self, grid: tuple, smem_bytes: int, stream: int):
+        """This thread's ``CUlaunchConfig`` for a programmatic dependent launch, set for this call."""
+        config = getattr(self._thread, "config", None)
+        if config is None:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            config = self._thread.config = cu.CUlaunchConfig()
+            config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+            config.attrs = [attribute]
+            config.numAttrs = 1
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.sharedMemBytes = smem_bytes
+        config.hStream = cu.CUstream(stream)
+        return config
+
+    def template(self, static: dict, dynamic: tuple, dependent: bool = False) -> "LaunchTemplate":
+        return LaunchTemplate(self, static, dynamic, dependent)
 
 
 class LaunchTemplate:
@@ -87,8 +120,12 @@ class LaunchTemplate:
     static values (checked once) and the TMA descriptor shapes are worked out at construction,
     so a call only fills the dynamic slots, packs and launches (the serving fast path)."""
 
-    def __init__(self, kernel: LoadedKernel, static: dict, dynamic: tuple):
+    def __init__(self, kernel: LoadedKernel, static: dict, dynamic: tuple, dependent: bool = False):
+        if dependent and not kernel.dependent_launch:
+            raise ValueError(f"{kernel.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
+                             "launched as a programmatic dependent")
         self.kernel = kernel
+        self.dependent = dependent
         self.grid = kernel.grid(static)
         names = kernel.packer.names
         dynamic_index = {name: i for i, name in enumerate(dynamic)}
@@ -131,7 +168,7 @@ class LaunchTemplate:
             values[at:end] = dynamic[first:stop]
         for at, i, encode in self._descriptors:
             values[at] = encode(dynamic[i])
-        self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream)
+        self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream, dependent=self.dependent)
 
 
 class KernelLoader:

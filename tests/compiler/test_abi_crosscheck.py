@@ -91,3 +91,20 @@ def test_bulk_copies_are_issued_by_one_thread(compiled):
     assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 3
     assert ptx.count("cp.async.bulk.tensor.2d") == 3
     assert ptx.count("elect.sync") == 3
+
+
+def test_dependent_launch_declaration_matches_the_ptx(compiled):
+    # K1 never waits for the kernel before it: declaring it a
+    # programmatic dependent would let the runtime race whatever ran before it.
+    spec, ptx, _ = compiled
+    entry = parse_entry(ptx)
+    assert not entry["grid_wait"]
+
+    @dataclasses.dataclass(frozen=True)
+    class Dependent(K1Spec):
+        dependent_launch = True
+
+    with pytest.raises(AbiMismatch, match="griddepcontrol.wait"):
+        check_abi(Dependent(heads=1, varlen=True), entry)
+    with pytest.raises(AbiMismatch, match="dependent_launch=False"):
+        check_abi(spec, {**entry, "grid_wait": True})

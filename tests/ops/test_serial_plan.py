@@ -27,13 +27,14 @@ class _Recorder:
             def get(self, device, spec):
                 name, record = manifest.record(spec)
                 kernel = LoadedKernel(name, record, function=None)
-                kernel.launch_packed = lambda packed, grid, stream: recorder.launches.append((kernel, packed, grid))
+                kernel.launch_packed = lambda packed, grid, stream, dependent=False: recorder.launches.append(
+                    (kernel, packed, grid, dependent))
                 return kernel
 
         return FakeLoader()
 
     def values(self, index):
-        kernel, packed, grid = self.launches[index]
+        kernel, packed, grid, _ = self.launches[index]
         decoded = kernel.packer.struct.unpack(packed)
         return kernel, dict(zip(kernel.packer.names, decoded)), grid
 
@@ -89,6 +90,8 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
     # Same workspaces on both calls: the arena's cached addresses.
     assert recorder.values(1)[1]["workspace"] == v2["workspace"] and v1["workspace"] == v2["workspace"]
+    # K1 waits for whatever ran before it; K2 starts as K1's programmatic dependent.
+    assert [launch[3] for launch in recorder.launches] == [False, True, False, True]
 
 
 def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):

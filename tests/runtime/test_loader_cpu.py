@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from cula_aot.runtime.abi import ParamPacker
+from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import ENV_ARTIFACTS, ArtifactError, Manifest, find_manifest
-from cula_aot.specs import K1Spec, abi_layout
+from cula_aot.specs import K1Spec, MergeSpec, abi_layout, segmented_k2_spec
 
 
 def _record(m, heads=8):
@@ -203,3 +204,19 @@ def test_runtime_never_imports_cutlass():
     )
     env = {k: v for k, v in os.environ.items() if k != ENV_ARTIFACTS}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).resolve().parents[2])
+
+
+def test_dependent_launch_only_for_kernels_that_wait(manifest_path):
+    # Launching a kernel without griddepcontrol.wait as a programmatic dependent would let it
+    # read its predecessor's output early: refused before the driver is reached.
+    manifest = Manifest(manifest_path)
+    for spec, waits in ((K1Spec(heads=4, varlen=True), False), (MergeSpec(heads=4, v_block=8), True),
+                        (segmented_k2_spec(4), True)):
+        name, record = manifest.record(spec)
+        assert record["dependent_launch"] is waits, name
+    name, record = manifest.record(K1Spec(heads=4, varlen=True))
+    kernel = LoadedKernel(name, record, function=None)
+    with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
+        kernel.launch_packed(bytes(kernel.packer.size), (1, 1, 1), 0, dependent=True)
+    with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
+        kernel.template({}, (), dependent=True)
