@@ -18,6 +18,7 @@ from .manifest import ArtifactError, Manifest
 from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
+_CONFIG_LIMIT = 64  # cached dependent-launch configs per kernel and thread (one per grid, stream)
 _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
 
 
@@ -95,19 +96,26 @@ class LoadedKernel:
               self.what)
 
     def _dependent_config(self, grid: tuple, smem_bytes: int, stream: int):
-        """This thread's ``CUlaunchConfig`` for a programmatic dependent launch, set for this call."""
-        config = getattr(self._thread, "config", None)
+        """This thread's ``CUlaunchConfig`` for a programmatic dependent launch of this shape on
+        ``stream`` (built once per shape: filling one costs microseconds of host time)."""
+        configs = getattr(self._thread, "configs", None)
+        if configs is None:
+            configs = self._thread.configs = {}
+        key = (grid, smem_bytes, stream)
+        config = configs.get(key)
         if config is None:
+            if len(configs) >= _CONFIG_LIMIT:
+                configs.clear()
             attribute = cu.CUlaunchAttribute()
             attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
-            config = self._thread.config = cu.CUlaunchConfig()
+            config = configs[key] = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+            config.sharedMemBytes = smem_bytes
+            config.hStream = cu.CUstream(stream)
             config.attrs = [attribute]
             config.numAttrs = 1
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.sharedMemBytes = smem_bytes
-        config.hStream = cu.CUstream(stream)
         return config
 
     def template(self, static: dict, dynamic: tuple, dependent: bool = False) -> "LaunchTemplate":

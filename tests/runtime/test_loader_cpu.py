@@ -220,3 +220,19 @@ def test_dependent_launch_only_for_kernels_that_wait(manifest_path):
         kernel.launch_packed(bytes(kernel.packer.size), (1, 1, 1), 0, dependent=True)
     with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
         kernel.template({}, (), dependent=True)
+
+
+def test_dependent_launch_config_carries_the_pdl_attribute(manifest_path):
+    from cuda.bindings import driver as cu
+
+    name, record = Manifest(manifest_path).record(segmented_k2_spec(4))
+    kernel = LoadedKernel(name, record, function=None)
+    config = kernel._dependent_config((8, 4, 3), 4096, 0)
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (8, 4, 3)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == tuple(record["block"])
+    assert config.sharedMemBytes == 4096 and config.numAttrs == 1
+    attribute = config.attrs[0]
+    assert attribute.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attribute.value.programmaticStreamSerializationAllowed == 1
+    assert kernel._dependent_config((8, 4, 3), 4096, 0) is config  # built once per shape
+    assert kernel._dependent_config((8, 4, 2), 4096, 0) is not config
