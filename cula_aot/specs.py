@@ -204,8 +204,10 @@ def auto_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
     return K2_WIDE_V_BLOCK if waves >= K2_WIDE_V_BLOCK_WAVES else K2_DEFAULT_V_BLOCK
 
 
-# The CP segmented K2: few heads (its use case) need the most CTAs per (head, segment).
-K2_SEGMENTED_V_BLOCK = 16
+# The CP segmented K2: two warps per CTA share each staged tile (half the record traffic of
+# 16-column CTAs, twice the warps per SM at five CTAs per SM): 5–31% faster on every CP row
+# (PERFORMANCE.md, session 14).
+K2_SEGMENTED_V_BLOCK = 32
 # Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:
 # 43–48 KB of shared memory instead of 58–64 KB fits five 16- or 32-column CTAs per SM instead
 # of three (58 KB was 288 B over the four-CTA limit), and two tiles in flight still cover a bulk
