@@ -206,8 +206,11 @@ def auto_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
 
 # The CP segmented K2: two warps per CTA share each staged tile (half the record traffic of
 # 16-column CTAs, twice the warps per SM at five CTAs per SM): 5–31% faster on every CP row
-# (PERFORMANCE.md, session 14).
+# (PERFORMANCE.md, session 14).  The planner counts its V blocks.
 K2_SEGMENTED_V_BLOCK = 32
+# Four warps per CTA (four CTAs per SM) for a launch whose 32-column grid would not fit one wave.
+K2_SEGMENTED_WIDE_V_BLOCK = 64
+K2_SEGMENTED_V_BLOCKS = (K2_SEGMENTED_V_BLOCK, K2_SEGMENTED_WIDE_V_BLOCK)
 # Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:
 # 43–48 KB of shared memory instead of 58–64 KB fits five 16- or 32-column CTAs per SM instead
 # of three (58 KB was 288 B over the four-CTA limit), and two tiles in flight still cover a bulk
@@ -245,9 +248,18 @@ class K2Spec(KernelSpec):
         return (k2_threads(self.v_block), 1, 1)
 
 
-def segmented_k2_spec(heads: int) -> K2Spec:
+def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK) -> K2Spec:
     """The CP segmented K2 (pre_scan jobs and the segment recurrence) for ``heads``."""
-    return K2Spec(heads=heads, varlen=True, v_block=K2_SEGMENTED_V_BLOCK, segmented=True)
+    return K2Spec(heads=heads, varlen=True, v_block=v_block, segmented=True)
+
+
+def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:
+    """The segmented K2's V block for a launch over ``rows`` segment-table rows: 32 columns, or
+    64 once the 32-column grid exceeds one wave of ``K2_CTAS_PER_SM`` CTAs per SM (then 64
+    holds it in one wave of four: H8 [8192, 2048] at s = 8, 896 pre_scan CTAs, 5% faster;
+    PERFORMANCE.md, session 14)."""
+    ctas = (128 // K2_SEGMENTED_V_BLOCK) * heads * rows
+    return K2_SEGMENTED_WIDE_V_BLOCK if ctas > K2_CTAS_PER_SM * sm_count else K2_SEGMENTED_V_BLOCK
 
 
 MERGE_PARAMS = (
@@ -397,7 +409,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
-        specs.append(segmented_k2_spec(h))
+        specs.extend(segmented_k2_spec(h, vb) for vb in K2_SEGMENTED_V_BLOCKS)
         specs.extend(MergeSpec(heads=h, v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.extend(decode_specs(heads))
     return specs

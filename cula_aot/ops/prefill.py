@@ -34,7 +34,7 @@ from ..layout import (
 )
 from ..runtime.loader import default_loader
 from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, merge_v_block,
-                     segmented_k2_spec)
+                     segmented_k2_spec, segmented_v_block)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
@@ -452,8 +452,15 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
             _PLANS[key] = plan
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                         cu_seqlens, cu_seqlens_cpu, state_indices)
-    k2 = loader.get(device, segmented_k2_spec(heads))
-    merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, num_seqs, _sm_count(device))))
+    # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's V
+    # block for the pre_scan rows and for the recurrence rows.
+    sm_count = _sm_count(device)
+    merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, num_seqs, sm_count)))
+    n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
+    n_segments = sum(len(seq) for seq in segments)
+    n_rows = n_prescan + n_segments
+    prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count)))
+    recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
 
     if out is None:
         out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
@@ -468,9 +475,6 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     # per-sequence bounds (at a multiple of 32 bytes).
     plan_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
                 final_flags)
-    n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
-    n_segments = sum(len(seq) for seq in segments)
-    n_rows = n_prescan + n_segments
 
     def table_values():
         prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
@@ -497,7 +501,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)
     packed_slot = heads * D * D
     row_bytes = table.element_size() * table.shape[1]
-    k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
+    prescan_k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
                "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
                "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
                "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
@@ -506,7 +510,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                   "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
                   "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream,
                  dependent=DEPENDENT_LAUNCH)
-    k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
+    recurrence_k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
                "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": final_state.data_ptr()
                if want_final else 0, "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
                "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)

@@ -1,7 +1,8 @@
 import dataclasses
 
-from cula_aot.specs import (DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK, K2_V_BLOCKS, K2_WARP_COLUMNS,
-                            K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs)
+from cula_aot.specs import (DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
+                            K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs,
+                            segmented_v_block)
 
 
 def test_default_heads_cover_the_spec_list():
@@ -11,11 +12,11 @@ def test_default_heads_cover_the_spec_list():
     k2 = {(s.heads, s.varlen, s.v_block) for s in specs if isinstance(s, K2Spec)}
     assert k1 == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
     assert k2 == {(h, v, b) for h in DEFAULT_HEADS for v in (False, True) for b in K2_V_BLOCKS}
-    assert {K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCK} <= set(K2_V_BLOCKS)
+    assert {K2_DEFAULT_V_BLOCK, *K2_SEGMENTED_V_BLOCKS} <= set(K2_V_BLOCKS)
     # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
     assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
     segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
-    assert {s.v_block for s in segmented} == {K2_SEGMENTED_V_BLOCK}
+    assert {(s.heads, s.v_block) for s in segmented} == {(h, b) for h in DEFAULT_HEADS for b in K2_SEGMENTED_V_BLOCKS}
     assert all(s.block == (2 * s.v_block, 1, 1) for s in specs if isinstance(s, K2Spec))
 
 
@@ -53,3 +54,10 @@ def test_auto_v_block_widens_only_many_cta_grids():
     assert auto_v_block(64, 8, 132) == K2_WIDE_V_BLOCK
     assert auto_v_block(4, 32, 132) == K2_DEFAULT_V_BLOCK
     assert {K2_DEFAULT_V_BLOCK, K2_WIDE_V_BLOCK} <= set(K2_V_BLOCKS)
+
+
+def test_segmented_v_block_widens_only_past_one_wave():
+    # 32 columns while 4·H·rows CTAs fit one wave of five per SM, then 64 (four warps per CTA).
+    assert segmented_v_block(8, 14, 132) == 32  # H8 [8192] at s = 8: 448 CTAs
+    assert segmented_v_block(8, 28, 132) == 64  # H8 [8192, 2048] at s = 8: 896 pre_scan CTAs
+    assert segmented_v_block(4, 41, 132) == 32 and segmented_v_block(4, 42, 132) == 64  # 656 / 672
