@@ -29,7 +29,7 @@ SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_
 SEGMENT_FIELDS = 8  # padded to 32 bytes
 
 # The per-slot workspaces: element dtype and bytes per (tile, head) slot.
-WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "beta": "bf16"}
+WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "b": "f32"}
 WORKSPACE_SLOT_BYTES = {
     "qd": IMAGE_BYTES,
     "kd": IMAGE_BYTES,
@@ -37,19 +37,19 @@ WORKSPACE_SLOT_BYTES = {
     "gt": D * 4,
     "inv": CHUNK * CHUNK * 2,
     "mqk": CHUNK * CHUNK * 2,
-    "beta": CHUNK * 2,
+    "b": CHUNK * 4,
 }
 
 # One slot's workspaces are one record: the parts back to back in this order (every offset a
 # multiple of 16), records ``WORKSPACE_RECORD_BYTES`` apart, slot-major.  K2 then stages a tile
 # with one bulk copy of the whole record.
-WORKSPACE_RECORD_ORDER = ("qd", "kd", "kr", "inv", "mqk", "gt", "beta")
+WORKSPACE_RECORD_ORDER = ("qd", "kd", "kr", "inv", "mqk", "gt", "b")
 WORKSPACE_PART_OFFSETS = {}
 _offset = 0
 for _part in WORKSPACE_RECORD_ORDER:
     WORKSPACE_PART_OFFSETS[_part] = _offset
     _offset += WORKSPACE_SLOT_BYTES[_part]
-WORKSPACE_RECORD_BYTES = _offset  # 13 856
+WORKSPACE_RECORD_BYTES = _offset  # 13 888
 assert WORKSPACE_RECORD_BYTES % 16 == 0 and all(o % 16 == 0 for o in WORKSPACE_PART_OFFSETS.values())
 assert set(WORKSPACE_RECORD_ORDER) == set(WORKSPACE_SLOT_BYTES)
 

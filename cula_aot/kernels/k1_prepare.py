@@ -20,7 +20,7 @@ tile slot; see ``slot_base`` below), its parts at ``layout.WORKSPACE_PART_OFFSET
   (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``; each written with one ``cp.async.bulk``
   shared→global copy.
 * gt: fp32[128] gtot.  inv, mqk: bf16 16×16 row-major (element (i, j) at ``i·16 + j``).
-* beta: bf16[16] raw β logits, -inf for padded rows (K2 applies σ itself, losslessly).
+* b: fp32[16] σ(β) per row, 0 for padded rows (so K2's W is 0 there with no test of its own).
 
 Tile slots.  Fixed mode (B sequences of T tokens): slot = b·ceil(T/16) + tile.  Varlen mode
 (cu_seqlens, N sequences): sequence s owns slots from ``(cu[s] + 15·s) // 16``; since
@@ -267,9 +267,9 @@ def k1_prepare_kernel(
                 # A one-element view at the element itself: a size-1 layout has stride 0.
                 beta_at = beta + (token0 + cutlass.Int64(row)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
-            s_b[row] = sigmoid(logit)
-            out_beta = cute.make_tensor(record_part(record, "beta", cutlass.BFloat16), cute.make_layout(CHUNK))
-            out_beta[row] = logit.to(cutlass.BFloat16)
+            b = sigmoid(logit)
+            s_b[row] = b
+            cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[row] = b
         cute.arch.sync_threads()
 
         # ---- phase B: column-wise cumsum (log2 units) and decayed operands --------------------

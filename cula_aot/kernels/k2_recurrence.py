@@ -8,8 +8,8 @@ the sequence in order.  Written transposed, so that V is the MMA's M dimension:
     Wᵀ = (Vᵀ − Sᵀ·kdᵀ)·diag(b)     Uᵀ = Wᵀ·INVᵀ
     Oᵀ = Sᵀ·qdᵀ + Uᵀ·Mqkᵀ          Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr
 
-``b = σ(β)`` from the raw logits K1 stored (rows past the sequence end have β = −inf and W is
-forced to 0 there, so nothing from another sequence leaks in).
+``b = σ(β)`` as K1 stored it (fp32; 0 on rows past the sequence end, whose staged v rows are zero
+too, so W is 0 there and nothing from another sequence leaks in).
 
 Tensor cores.  Each warp owns 16 V columns: its slice of Sᵀ (16 × 128, fp32) lives in the
 accumulator fragments of 16 m16n8 tiles, which is also the update's output.  Every product is
@@ -21,7 +21,7 @@ stage: the K_INTER image's 16-byte rows are ldmatrix rows.  Rounding points are 
 FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between tiles.
 
 Inputs per tile come from K1's workspace record of the slot (slot = head · total_slots + tile
-slot, see ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and beta
+slot, see ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and b
 back to back (``layout.WORKSPACE_PART_OFFSETS``), with one ``cp.async.bulk`` global→shared copy
 of the whole record (no tensor map) into one of ``stages`` stages, issued ``stages − 1`` tiles
 ahead.  Each warp stages its own 16 × 16 block of v per tile the same
@@ -74,7 +74,7 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, pool_index, record_part, sigmoid, state_element, varlen_sequence
+from .common import CHUNK, D, pool_index, record_part, state_element, varlen_sequence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
 WARP = 32
@@ -325,7 +325,7 @@ def k2_recurrence_kernel(
         v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
         cute.arch.mbarrier_wait(full + stage, (tile // stages) % 2)
         base = stage_base.toint()
-        beta = _stage_view(stage_base, "beta", cutlass.BFloat16)
+        b_rows = _stage_view(stage_base, "b", cutlass.Float32)
         gt = _stage_view(stage_base, "gt", cutlass.Float32)
 
         # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ: 8 k-steps over the keys, two token n-tiles each -----------
@@ -353,15 +353,13 @@ def k2_recurrence_kernel(
             for i in cutlass.range_constexpr(8):
                 ks[i] = ks[i] + chain[i]
 
-        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), 0 past the end ------------------------------------
+        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0 --------------
         # v_regs[2·n_tile + half] holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half).
         w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for i in cutlass.range_constexpr(8):
             n_tile, half, column = _fragment_value(i)
-            row = n_tile * 8 + 2 * t + column
-            b = sigmoid(beta[row].to(cutlass.Float32))
             v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
-            w[i] = b * (v_value - ks[i]) if row < rows_valid else cutlass.Float32(0.0)
+            w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks[i])
 
         # -- Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV) --------------
         a_w = accumulators_as_a(w, 0)

@@ -16,8 +16,8 @@ class Workspaces:
     """K1's outputs for H heads × ``total_slots`` tile slots (slot = head · total_slots + tile).
 
     Views of the slot records: qd/kd/kr: bf16 ``[H·total_slots, 2048]`` raw K_INTER images; gt: fp32
-    ``[·, 128]``; inv/mqk: bf16 ``[·, 256]`` row-major 16×16; beta: bf16 ``[·, 16]`` logits (-inf =
-    padding); rows are ``layout.WORKSPACE_RECORD_BYTES`` apart.
+    ``[·, 128]``; inv/mqk: bf16 ``[·, 256]`` row-major 16×16; b: fp32 ``[·, 16]`` σ(β) (0 = padding);
+    rows are ``layout.WORKSPACE_RECORD_BYTES`` apart.
     """
 
     total_slots: int

@@ -21,8 +21,8 @@ def test_values_cover_the_shared_abi(monkeypatch):
     # One pointer, to the first slot's record; the parts of slot s at s·record + offset.
     assert values["workspace"] == ws.qd.data_ptr()
     assert ws.gt.data_ptr() == values["workspace"] + WORKSPACE_PART_OFFSETS["gt"]
-    assert ws.beta[1].data_ptr() == values["workspace"] + WORKSPACE_RECORD_BYTES + WORKSPACE_PART_OFFSETS["beta"]
-    assert ws.inv.shape == (3 * ws.total_slots, 256) and ws.gt.dtype == torch.float32
+    assert ws.b[1].data_ptr() == values["workspace"] + WORKSPACE_RECORD_BYTES + WORKSPACE_PART_OFFSETS["b"]
+    assert ws.inv.shape == (3 * ws.total_slots, 256) and ws.gt.dtype == ws.b.dtype == torch.float32
     _, fixed, none = prepare.workspace_values(torch.device("cpu"), 3, 17, 3, None, 0)
     assert none is None and fixed["cu_seqlens"] == 0 and fixed["num_seqs"] == 3 and fixed["total_slots"] == 6
 
