@@ -61,3 +61,12 @@ def test_segmented_v_block_widens_only_past_one_wave():
     assert segmented_v_block(8, 14, 132) == 32  # H8 [8192] at s = 8: 448 CTAs
     assert segmented_v_block(8, 28, 132) == 64  # H8 [8192, 2048] at s = 8: 896 pre_scan CTAs
     assert segmented_v_block(4, 41, 132) == 32 and segmented_v_block(4, 42, 132) == 64  # 656 / 672
+
+
+def test_merge_v_block_keeps_one_wave_and_both_are_built():
+    from cula_aot.specs import MERGE_V_BLOCKS, MergeSpec, merge_v_block
+
+    assert merge_v_block(4, 2, 132) == 8  # 16 · 4 · 2 = 128 one-CTA-per-SM blocks
+    assert merge_v_block(8, 2, 132) == 16 and merge_v_block(1, 9, 132) == 16
+    built = {(s.heads, s.v_block) for s in default_specs() if isinstance(s, MergeSpec)}
+    assert built == {(h, b) for h in DEFAULT_HEADS for b in MERGE_V_BLOCKS}
