@@ -278,7 +278,8 @@ MERGE_V_BLOCKS = (8, 16)  # state columns per merge CTA, both built
 def merge_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
     """The merge's column block: 8 while its grid of one-CTA-per-SM blocks still fits the SMs
     in one wave (twice the CTAs for the same chain), else 16."""
-    return 8 if (128 // 8) * heads * num_seqs <= sm_count else 16
+    narrow, wide = MERGE_V_BLOCKS
+    return narrow if (128 // narrow) * heads * num_seqs <= sm_count else wide
 
 
 @dataclasses.dataclass(frozen=True)

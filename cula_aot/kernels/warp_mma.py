@@ -89,7 +89,7 @@ def tf32_split(x) -> tuple:
     to nearest tf32 by integer ops (half an ulp added to the bits, the low 13 cleared); lo = x − hi
     is exact in fp32 and goes in as is: the MMA truncates it to tf32, an error of at most 2^-10·|lo|
     ≤ 2^-21·|x|.  Three instructions, where ``to_tf32`` twice and a subtract are seven."""
-    hi_bits = (f32_bits(x) + cutlass.Int32(0x1000)) & cutlass.Int32(-0x2000)
+    hi_bits = f32_bits(tf32_ready(x)) & cutlass.Int32(-0x2000)
     lo = cutlass.Float32(x) - cutlass.Float32(llvm.bitcast(T.f32(), hi_bits.ir_value()))
     return hi_bits, f32_bits(lo)
 

@@ -502,16 +502,17 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     packed_slot = heads * D * D
     row_bytes = table.element_size() * table.shape[1]
     prescan_k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
-               "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
-               "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
-               "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
+                       "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
+                       "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
+                       "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
     merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
                   "seq_segments": seq_segments.data_ptr(), "state_indices": user_indices,
                   "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
                   "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream,
                  dependent=DEPENDENT_LAUNCH)
     recurrence_k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
-               "num_seqs": n_segments, "initial_state": carries.data_ptr(), "final_state": final_state.data_ptr()
-               if want_final else 0, "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
-               "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
+                          "num_seqs": n_segments, "initial_state": carries.data_ptr(),
+                          "final_state": final_state.data_ptr() if want_final else 0,
+                          "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
+                          "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
     return out, (final_state if want_final else None)

@@ -69,17 +69,16 @@ class LoadedKernel:
 
         ``dependent``: programmatic dependent launch (PDL, ``cuLaunchKernelEx`` with programmatic
         stream serialization): this grid's CTAs may start once every CTA of the previous kernel
-        has run ``griddepcontrol.launch_dependents``, and wait in ``griddepcontrol.wait`` for
-        its end.  Only for kernels the manifest records as waiting (``dependent_launch``); under
+        has run ``griddepcontrol.launch_dependents`` or exited (none of ours triggers early), and
+        wait in ``griddepcontrol.wait`` for its end.  Only for kernels the manifest records as waiting (``dependent_launch``); under
         stream capture it becomes a programmatic graph edge."""
         if smem_bytes is None:
             smem_bytes = self.smem
         elif not 0 <= smem_bytes <= self.smem:
             raise ValueError(f"{self.name}: a launch asked for {smem_bytes} B of dynamic shared memory; "
                              f"the kernel was built for at most {self.smem} B")
-        if dependent and not self.dependent_launch:
-            raise ValueError(f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
-                             "launched as a programmatic dependent")
+        if dependent:
+            self.check_dependent()
         buffers = getattr(self._thread, "buffers", None)
         if buffers is None:
             buffer = ctypes.create_string_buffer(self.packer.size)
@@ -94,6 +93,12 @@ class LoadedKernel:
             return
         check(cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
               self.what)
+
+    def check_dependent(self) -> None:
+        """Refuse a programmatic dependent launch of a kernel that does not wait for its predecessor."""
+        if not self.dependent_launch:
+            raise ValueError(f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
+                             "launched as a programmatic dependent")
 
     def _dependent_config(self, grid: tuple, smem_bytes: int, stream: int):
         """This thread's ``CUlaunchConfig`` for a programmatic dependent launch of this shape on
@@ -129,9 +134,8 @@ class LaunchTemplate:
     so a call only fills the dynamic slots, packs and launches (the serving fast path)."""
 
     def __init__(self, kernel: LoadedKernel, static: dict, dynamic: tuple, dependent: bool = False):
-        if dependent and not kernel.dependent_launch:
-            raise ValueError(f"{kernel.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
-                             "launched as a programmatic dependent")
+        if dependent:
+            kernel.check_dependent()
         self.kernel = kernel
         self.dependent = dependent
         self.grid = kernel.grid(static)

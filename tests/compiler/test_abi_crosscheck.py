@@ -94,8 +94,8 @@ def test_bulk_copies_are_issued_by_one_thread(compiled):
 
 
 def test_dependent_launch_declaration_matches_the_ptx(compiled):
-    # K1 never waits for the kernel before it: declaring it a
-    # programmatic dependent would let the runtime race whatever ran before it.
+    # K1 never waits for the kernel before it: declaring it a programmatic dependent would let
+    # the runtime race whatever ran before it.
     spec, ptx, _ = compiled
     entry = parse_entry(ptx)
     assert not entry["grid_wait"]
