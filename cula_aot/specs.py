@@ -273,6 +273,7 @@ MERGE_PARAMS = (
     scalar("flags", "i32"),
 )
 MERGE_V_BLOCKS = (8, 16)  # state columns per merge CTA, both built
+MERGE_THREADS = 256  # eight warps, one m16 tile of the 128 state rows each
 
 
 def merge_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
@@ -292,6 +293,7 @@ class MergeSpec(KernelSpec):
 
     heads: int
     v_block: int = 16
+    block: ClassVar[tuple] = (MERGE_THREADS, 1, 1)
 
     @property
     def grid(self) -> tuple:

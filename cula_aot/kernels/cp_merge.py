@@ -14,13 +14,14 @@ dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags``
 Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×v_block product done as three tf32
 ``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
 per product), since the carries are states and must not lose precision here; the three
-products accumulate in three chains (B_i seeds the hi·hi one), summed once per step.  Warp w
-owns rows [32w, 32w + 32) (two m16 tiles) × the block's columns (v_block / 8 n8 tiles); its
-carry slice lives in accumulator fragments.  Only the carries form a chain: M_{i+1} (64 KB) and
-B_{i+1}'s block stream into the other of two smem stages with 16-byte ``cp.async`` while step i
-computes, and carry_i's split B fragments are shared through smem.
+products accumulate in three chains (B_i seeds the hi·hi one), summed once per step.  Eight warps:
+warp w owns rows [16w, 16w + 16) (one m16 tile) × the block's columns (v_block / 8 n8 tiles); its
+carry slice lives in accumulator fragments.  Only the carries form a chain: the transitions
+(M_i, 64 KB, and B_i's block) stream ``stages(v_block) − 1`` steps ahead into smem stages with
+16-byte ``cp.async`` (three stages for 8 columns, two for 16: 227 KB), and carry_i's split B
+fragments are shared through smem.
 
-Launch: grid (128 / v_block, H, N), block (128, 1, 1), ``smem_bytes(v_block)`` dynamic shared
+Launch: grid (128 / v_block, H, N), block (256, 1, 1), ``smem_bytes(v_block)`` dynamic shared
 memory (one CTA per SM: the M stages).  ``seq_segments`` (int32 [N + 1]) gives each sequence's
 segment range.  8-column blocks give twice the CTAs for the same chain where the 16-column grid
 leaves SMs idle (``specs.merge_v_block``).  Launched as the pre_scan's programmatic dependent
@@ -31,7 +32,8 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
-from .common import D, THREADS, pool_index, state_element
+from ..specs import MERGE_THREADS as THREADS
+from .common import D, pool_index, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
 # carry_i as split tf32 (hi, lo) bits, [128 rows][v_block] with rows padded so the B fragment
@@ -45,7 +47,7 @@ def _carry_row(v_block: int) -> int:
 _M_ROW = D + 4
 _M_STAGE_BYTES = D * _M_ROW * 4
 _CHUNKS_PER_THREAD = D * D * 4 // 16 // THREADS
-_M_TILES = 2  # per warp: rows [32w, 32w + 32)
+_M_TILES = D // 16 // (THREADS // 32)  # m16 tiles per warp: warp w owns rows [16·_M_TILES·w, …)
 
 
 def _b_stage_bytes(v_block: int) -> int:
@@ -53,9 +55,15 @@ def _b_stage_bytes(v_block: int) -> int:
     return D * v_block * 4
 
 
+def stages(v_block: int) -> int:
+    """(M, B) stages: three where they fit the 227 KB of shared memory (8 columns), else two."""
+    return 3 if v_block == 8 else 2
+
+
 def smem_bytes(v_block: int) -> int:
-    """Two M stages, two B stages, the split carry (hi, lo), alignment slack."""
-    return 2 * _M_STAGE_BYTES + 2 * _b_stage_bytes(v_block) + 2 * D * _carry_row(v_block) * 4 + 128
+    """The M and B stages, the split carry (hi, lo), alignment slack."""
+    n = stages(v_block)
+    return n * _M_STAGE_BYTES + n * _b_stage_bytes(v_block) + 2 * D * _carry_row(v_block) * 4 + 128
 
 
 def _fragment_index(m_tile: int, n_tile: int, c: int, n_tiles: int) -> int:
@@ -64,7 +72,7 @@ def _fragment_index(m_tile: int, n_tile: int, c: int, n_tiles: int) -> int:
 
 def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
     """(row k, column within the block) of accumulator value c of tile (m_tile, n_tile)."""
-    return warp * 32 + m_tile * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
+    return (warp * _M_TILES + m_tile) * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
 def _entry_of_value(warp, lane, i: int, n_tiles: int):
@@ -117,13 +125,15 @@ def cp_merge_kernel(
     t = lane % 4
     col0 = vblk * v_block
     n_tiles = v_block // 8
+    n_stages = stages(v_block)
 
     smem = cutlass.utils.SmemAllocator()
     carry_layout = cute.make_layout((D, v_block), stride=(_carry_row(v_block), 1))
     s_hi = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
     s_lo = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
-    s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, D, D), stride=(D * _M_ROW, _M_ROW, 1)), 16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout((2, D, v_block), stride=(D * v_block, v_block, 1)),
+    s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((n_stages, D, D), stride=(D * _M_ROW, _M_ROW, 1)),
+                               16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout((n_stages, D, v_block), stride=(D * v_block, v_block, 1)),
                                16)
     m_stage_address = s_m.iterator.toint()
     b_stage_address = s_b.iterator.toint()
@@ -156,17 +166,22 @@ def cp_merge_kernel(
     # Launched as the pre_scan's programmatic dependent: the lengths and the caller's start state
     # above overlap its tail; the transition pairs are its output.
     cute.arch.griddepcontrol_wait()
-    if first + 1 < last:
-        _prefetch_transition(prescan, first, heads, head, col0, m_stage_address, b_stage_address, tid, v_block)
-    cute.arch.cp_async_commit_group()
+    for j in cutlass.range_constexpr(n_stages - 1):  # the first steps' transitions, one group each
+        if first + j + 1 < last:
+            _prefetch_transition(prescan, first + j, heads, head, col0, m_stage_address + j * _M_STAGE_BYTES,
+                                 b_stage_address + j * _b_stage_bytes(v_block), tid, v_block)
+        cute.arch.cp_async_commit_group()
     acc_lh = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     acc_hl = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     for seg in cutlass.range(first, last, unroll=1):
-        stage = (seg - first) % 2
-        # M_{seg+1}, B_{seg+1} into the other stage (last read by step seg − 1, freed by its barrier).
-        if seg + 2 < last:
-            _prefetch_transition(prescan, seg + 1, heads, head, col0, m_stage_address + (1 - stage) * _M_STAGE_BYTES,
-                                 b_stage_address + (1 - stage) * _b_stage_bytes(v_block), tid, v_block)
+        stage = (seg - first) % n_stages
+        # The transition n_stages − 1 steps ahead into the stage step seg − 1 read (freed by its
+        # barrier).
+        ahead = seg + (n_stages - 1)
+        ahead_stage = (stage + (n_stages - 1)) % n_stages
+        if ahead + 1 < last:
+            _prefetch_transition(prescan, ahead, heads, head, col0, m_stage_address + ahead_stage * _M_STAGE_BYTES,
+                                 b_stage_address + ahead_stage * _b_stage_bytes(v_block), tid, v_block)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
             k, c = _entry_of_value(warp, lane, i, n_tiles)
@@ -178,7 +193,8 @@ def cp_merge_kernel(
                 hi, lo = tf32_split(carry[i])
                 s_hi[k, c] = hi
                 s_lo[k, c] = lo
-            cute.arch.cp_async_wait_group(1)  # this thread's chunks of M_seg and B_seg have landed
+            # This thread's chunks of M_seg and B_seg have landed (the later steps' may not have).
+            cute.arch.cp_async_wait_group(n_stages - 1)
             cute.arch.sync_threads()  # everyone's chunks, and the split carry, are visible
             # Three accumulation chains, one per product (hi·hi from the bias B_seg, lo·hi, hi·lo),
             # summed once at the end: each chain is 16 MMAs deep instead of one chain of 48.
@@ -192,7 +208,7 @@ def cp_merge_kernel(
                 b_hi = [[s_hi[k0 + t, n * 8 + g], s_hi[k0 + t + 4, n * 8 + g]] for n in range(n_tiles)]
                 b_lo = [[s_lo[k0 + t, n * 8 + g], s_lo[k0 + t + 4, n * 8 + g]] for n in range(n_tiles)]
                 for m in cutlass.range_constexpr(_M_TILES):
-                    row = warp * 32 + m * 16 + g
+                    row = (warp * _M_TILES + m) * 16 + g
                     m_at = [(row, k0 + t), (row + 8, k0 + t), (row, k0 + t + 4), (row + 8, k0 + t + 4)]
                     a_hi, a_lo = [], []
                     for r, kk in m_at:

@@ -105,7 +105,9 @@ def test_accumulator_fragments_cover_their_tiles_once():
     for n in range(2):
         seen = [k1_prepare._fragment_entry(lane, n, c) for lane in range(LANES) for c in range(4)]
         assert sorted(seen) == [(i, j) for i in range(CHUNK) for j in range(8 * n, 8 * n + 8)]
-    # Merge: 4 warps × (2 m-tiles × 2 n-tiles) cover the 128 × 16 carry block once.
-    seen = [cp_merge._fragment_entry(warp, lane, m, n, c)
-            for warp in range(4) for lane in range(LANES) for m in range(2) for n in range(2) for c in range(4)]
-    assert sorted(seen) == [(k, c) for k in range(D) for c in range(16)]
+    # Merge: its warps × (m-tiles × n-tiles) cover the 128 × v_block carry block once.
+    warps = cp_merge.THREADS // LANES
+    for v_block in (8, 16):
+        seen = [cp_merge._entry_of_value(warp, lane, i, v_block // 8)
+                for warp in range(warps) for lane in range(LANES) for i in range(cp_merge._M_TILES * v_block // 8 * 4)]
+        assert sorted(seen) == [(k, c) for k in range(D) for c in range(v_block)]
