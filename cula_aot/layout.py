@@ -42,14 +42,18 @@ WORKSPACE_SLOT_BYTES = {
 
 # One slot's workspaces are one record: the parts back to back in this order (every offset a
 # multiple of 16), records ``WORKSPACE_RECORD_BYTES`` apart, slot-major.  K2 then stages a tile
-# with one bulk copy of the whole record.
-WORKSPACE_RECORD_ORDER = ("qd", "kd", "kr", "inv", "mqk", "gt", "b")
+# with one bulk copy of the whole record.  The parts the CP pre_scan reads come first (it writes
+# no output, so it needs neither qd nor Mqk): its copy is the record's first
+# ``PRESCAN_RECORD_BYTES``.
+WORKSPACE_RECORD_ORDER = ("kd", "kr", "inv", "gt", "b", "qd", "mqk")
+PRESCAN_RECORD_PARTS = WORKSPACE_RECORD_ORDER[:5]
 WORKSPACE_PART_OFFSETS = {}
 _offset = 0
 for _part in WORKSPACE_RECORD_ORDER:
     WORKSPACE_PART_OFFSETS[_part] = _offset
     _offset += WORKSPACE_SLOT_BYTES[_part]
 WORKSPACE_RECORD_BYTES = _offset  # 13 888
+PRESCAN_RECORD_BYTES = sum(WORKSPACE_SLOT_BYTES[part] for part in PRESCAN_RECORD_PARTS)  # 9 280
 assert WORKSPACE_RECORD_BYTES % 16 == 0 and all(o % 16 == 0 for o in WORKSPACE_PART_OFFSETS.values())
 assert set(WORKSPACE_RECORD_ORDER) == set(WORKSPACE_SLOT_BYTES)
 

@@ -237,7 +237,14 @@ class K2Spec(KernelSpec):
     varlen: bool
     v_block: int
     segmented: bool = False
+    # The CP pre_scan's variant: no output (no qd, Mqk or O work), and each tile stages only the
+    # record's first ``layout.PRESCAN_RECORD_BYTES``.
+    prescan: bool = False
     stages: int = K2_STAGES
+
+    def __post_init__(self):
+        if self.prescan and not self.segmented:
+            raise ValueError("K2Spec: prescan=True needs segmented=True (the pre_scan runs segment-table rows)")
 
     @property
     def grid(self) -> tuple:
@@ -248,9 +255,10 @@ class K2Spec(KernelSpec):
         return (k2_threads(self.v_block), 1, 1)
 
 
-def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK) -> K2Spec:
-    """The CP segmented K2 (pre_scan jobs and the segment recurrence) for ``heads``."""
-    return K2Spec(heads=heads, varlen=True, v_block=v_block, segmented=True)
+def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
+    """The CP segmented K2 for ``heads``: the segment recurrence, or (``prescan``) the pre_scan
+    jobs, which write states only."""
+    return K2Spec(heads=heads, varlen=True, v_block=v_block, segmented=True, prescan=prescan)
 
 
 def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:
@@ -412,7 +420,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
-        specs.extend(segmented_k2_spec(h, vb) for vb in K2_SEGMENTED_V_BLOCKS)
+        specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
         specs.extend(MergeSpec(heads=h, v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.extend(decode_specs(heads))
     return specs

@@ -13,7 +13,7 @@ _KERNELS = {
     "k2_recurrence": (
         k2_recurrence.k2_recurrence_launch,
         k2_recurrence.k2_recurrence_kernel,
-        lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages),
+        lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state)),

@@ -32,9 +32,11 @@ Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqle
 B×T (fixed) on the device.  Segmented (intracard CP, ``segmented=True``): one per row of a
 segment table built by the host planner (``cula_aot.layout.SEG_*``): first token, first tile
 slot, token count, the state rows it reads/writes and its flags.  The same kernel serves the CP
-pre_scan (flags: identity start, v = 0, no output → the segment's transition matrix; or zero
-start, real v, no output → its end state) and the segmented recurrence (start from the merged
-carry).
+pre_scan (flags: identity start, v = 0 → the segment's transition matrix; or zero start, real
+v → its end state) and the segmented recurrence (start from the merged carry).  The pre_scan's
+variant (``prescan``) writes states only: it stages the record's first
+``layout.PRESCAN_RECORD_BYTES`` (kd, kr, inv, gt, b) and drops the qd and Mqk products and the
+output stores, a third of the tile's MMAs.
 
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
 columns), ``smem_bytes(v_block)`` dynamic shared memory, as a programmatic dependent of the
@@ -44,7 +46,7 @@ segment table, the token strides of v and out (elements; rows 16-byte aligned, h
 packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
 pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
 states exist, pool indexing, fp32 or bf16 states).  Compile-time: H, varlen, v_block (16, 32,
-64, ...), segmented.
+64, ...), segmented, prescan, stages.
 """
 
 import cutlass
@@ -68,6 +70,7 @@ from ..layout import (
     SEG_INIT_INDEX,
     SEG_TOKENS,
     SEGMENT_FIELDS,
+    PRESCAN_RECORD_BYTES,
     WORKSPACE_PART_OFFSETS,
     WORKSPACE_RECORD_BYTES,
     WORKSPACE_SLOT_BYTES,
@@ -81,27 +84,31 @@ WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
 KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile loop)
 
-# One pipeline stage: one slot's workspace record, as K1 lays it out (the seven parts back to
-# back), filled by one bulk copy.
-STAGE_BYTES = WORKSPACE_RECORD_BYTES
-STAGE_ALIGN = 32  # every part offset and STAGE_BYTES are multiples of this
-assert STAGE_BYTES % STAGE_ALIGN == 0 and all(o % STAGE_ALIGN == 0 for o in WORKSPACE_PART_OFFSETS.values())
+STAGE_ALIGN = 32  # every part offset and stage size is a multiple of this
+assert all(o % STAGE_ALIGN == 0 for o in (WORKSPACE_RECORD_BYTES, PRESCAN_RECORD_BYTES, *WORKSPACE_PART_OFFSETS.values()))
+
+
+def stage_bytes(prescan: bool) -> int:
+    """One pipeline stage: one slot's workspace record as K1 lays it out (the parts back to
+    back), filled by one bulk copy; the pre_scan stages only the record's leading parts."""
+    return PRESCAN_RECORD_BYTES if prescan else WORKSPACE_RECORD_BYTES
 
 
 # Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
 V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
 
 
-def smem_bytes(v_block: int, stages: int) -> int:
+def smem_bytes(v_block: int, stages: int, prescan: bool = False) -> int:
     """Dynamic shared memory: the workspace stages, the v stages, barriers and alignment slack
     (fragments live in registers)."""
     warps = v_block // WARP_COLUMNS
-    return stages * (STAGE_BYTES + warps * V_WARP_BYTES) + 8 * stages + 128
+    return stages * (stage_bytes(prescan) + warps * V_WARP_BYTES) + 8 * stages + 128
 
 
-def _stage_base(stages: cute.Tensor, stage):
-    """Start of stage ``stage`` (dynamic) with its alignment stated, so copies stay vectorised."""
-    return stages.iterator + cute.assume(stage * STAGE_BYTES, divby=STAGE_ALIGN)
+def _stage_base(stages: cute.Tensor, stage, nbytes: int):
+    """Start of stage ``stage`` (dynamic; stages ``nbytes`` apart) with its alignment stated, so
+    copies stay vectorised."""
+    return stages.iterator + cute.assume(stage * nbytes, divby=STAGE_ALIGN)
 
 
 def _stage_view(stage_base: cute.Pointer, part: str, dtype):
@@ -110,13 +117,14 @@ def _stage_view(stage_base: cute.Pointer, part: str, dtype):
     return cute.make_tensor(record_part(stage_base, part, dtype), cute.make_layout(nbytes * 8 // dtype.width))
 
 
-def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot):
-    """One thread: arm ``barrier`` with the stage's byte count, then one bulk copy of slot
-    ``slot``'s workspace record."""
-    cute.arch.mbarrier_arrive_and_expect_tx(barrier, STAGE_BYTES)
-    atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=STAGE_BYTES * 8)
-    g_src = cute.make_tensor(workspace + cute.assume(slot * STAGE_BYTES, divby=STAGE_ALIGN), cute.make_layout(STAGE_BYTES))
-    s_dst = cute.make_tensor(stage_base, cute.make_layout(STAGE_BYTES))
+def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot, nbytes: int):
+    """One thread: arm ``barrier`` with the stage's byte count, then one bulk copy of the first
+    ``nbytes`` of slot ``slot``'s workspace record."""
+    cute.arch.mbarrier_arrive_and_expect_tx(barrier, nbytes)
+    atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
+    g_src = cute.make_tensor(workspace + cute.assume(slot * WORKSPACE_RECORD_BYTES, divby=STAGE_ALIGN),
+                             cute.make_layout(nbytes))
+    s_dst = cute.make_tensor(stage_base, cute.make_layout(nbytes))
     cute.copy(atom, g_src, s_dst, mbar_ptr=barrier)
 
 
@@ -198,6 +206,7 @@ def k2_recurrence_kernel(
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
+    prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
@@ -232,7 +241,8 @@ def k2_recurrence_kernel(
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
     smem = cutlass.utils.SmemAllocator()
-    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), 128)
+    stage_nbytes = stage_bytes(prescan)
+    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * stage_nbytes), 128)
     warps = v_block // WARP_COLUMNS
     s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * warps * V_WARP_BYTES), 128)
     full = smem.allocate_array(cutlass.Int64, stages)
@@ -292,7 +302,8 @@ def k2_recurrence_kernel(
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                _issue_stage_loads(workspace, _stage_base(s_stages, s), full + s, slot0 + cutlass.Int64(s))
+                _issue_stage_loads(workspace, _stage_base(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
+                                   stage_nbytes)
         _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                       length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
@@ -306,14 +317,14 @@ def k2_recurrence_kernel(
     out_row_offsets = (cutlass.Int64(0), out_stride, out_stride * 8, out_stride * 9)
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % stages
-        stage_base = _stage_base(s_stages, stage)
+        stage_base = _stage_base(s_stages, stage, stage_nbytes)
         # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
         ahead = tile + (stages - 1)
         ahead_stage = ahead % stages
         if tid == 0:
             if ahead < num_tiles:
-                _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage), full + ahead_stage,
-                                   slot0 + cutlass.Int64(ahead))
+                _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
+                                   slot0 + cutlass.Int64(ahead), stage_nbytes)
         _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                       length - ahead * CHUNK, head, warp_col0, lane, load_v)
         # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
@@ -340,14 +351,17 @@ def k2_recurrence_kernel(
         for kt in cutlass.range_constexpr(D // 16):
             a = accumulators_as_a(state, 8 * kt)
             b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + image_lane)
-            b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
             ks_kt = ks_chains[kt % KS_CHAINS]
             for n in cutlass.range_constexpr(2):
                 d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
-                d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
                 for c in cutlass.range_constexpr(4):
                     ks_kt[4 * n + c] = d_k[c]
-                    qs[4 * n + c] = d_q[c]
+            if cutlass.const_expr(not prescan):
+                b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
+                for n in cutlass.range_constexpr(2):
+                    d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                    for c in cutlass.range_constexpr(4):
+                        qs[4 * n + c] = d_q[c]
         ks = ks_chains[0]
         for chain in ks_chains[1:]:
             for i in cutlass.range_constexpr(8):
@@ -371,17 +385,18 @@ def k2_recurrence_kernel(
                 u[4 * n + c] = d_u[c]
         a_u = accumulators_as_a(u, 0)
 
-        # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ -----------------------------------------------------------
-        b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
-        out_tile = out + ((token0 + cutlass.Int64(2 * t)) * out_stride + cutlass.Int64(head * D + v_col))
-        for n in cutlass.range_constexpr(2):
-            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
-            for c in cutlass.range_constexpr(4):
-                row = n * 8 + 2 * t + c % 2
-                if row < rows_valid and write_out:
-                    element = cute.make_tensor(out_tile + (out_row_offsets[2 * n + c % 2] + 8 * (c // 2)),
-                                               cute.make_layout(1))
-                    element[0] = d_o[c].to(cutlass.BFloat16)
+        # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
+        if cutlass.const_expr(not prescan):
+            b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
+            out_tile = out + ((token0 + cutlass.Int64(2 * t)) * out_stride + cutlass.Int64(head * D + v_col))
+            for n in cutlass.range_constexpr(2):
+                d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    row = n * 8 + 2 * t + c % 2
+                    if row < rows_valid and write_out:
+                        element = cute.make_tensor(out_tile + (out_row_offsets[2 * n + c % 2] + 8 * (c // 2)),
+                                                   cute.make_layout(1))
+                        element[0] = d_o[c].to(cutlass.BFloat16)
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
         for pair in cutlass.range_constexpr(N_TILES // 2):
@@ -437,6 +452,7 @@ def k2_recurrence_launch(
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
+    prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
@@ -445,6 +461,6 @@ def k2_recurrence_launch(
         workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
-        heads, varlen, v_block, segmented, stages,
-    ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1], smem=smem_bytes(v_block, stages),
-             stream=stream)
+        heads, varlen, v_block, segmented, prescan, stages,
+    ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1],
+             smem=smem_bytes(v_block, stages, prescan), stream=stream)

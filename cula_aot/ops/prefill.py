@@ -459,7 +459,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
     n_segments = sum(len(seq) for seq in segments)
     n_rows = n_prescan + n_segments
-    prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count)))
+    prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count), prescan=True))
     recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
 
     if out is None:

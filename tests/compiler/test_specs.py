@@ -1,5 +1,7 @@
 import dataclasses
 
+import pytest
+
 from cula_aot.specs import (DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
                             K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs,
                             segmented_v_block)
@@ -16,7 +18,9 @@ def test_default_heads_cover_the_spec_list():
     # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
     assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
     segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
-    assert {(s.heads, s.v_block) for s in segmented} == {(h, b) for h in DEFAULT_HEADS for b in K2_SEGMENTED_V_BLOCKS}
+    assert sorted((s.heads, s.v_block, s.prescan) for s in segmented) == \
+        sorted((h, b, p) for h in DEFAULT_HEADS for b in K2_SEGMENTED_V_BLOCKS for p in (False, True))
+    assert not any(s.prescan for s in specs if isinstance(s, K2Spec) and not s.segmented)
     assert all(s.block == (2 * s.v_block, 1, 1) for s in specs if isinstance(s, K2Spec))
 
 
@@ -31,10 +35,15 @@ def test_names_cover_every_codegen_argument():
         # changing any one argument changes the name
         for field in fields:
             value = getattr(spec, field)
-            other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
+            try:
+                other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
+            except ValueError:  # not a valid specialization (a pre_scan that is not segmented)
+                assert field in ("prescan", "segmented")
+                continue
             assert other.name != spec.name
     assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
-    assert K2Spec(heads=8, varlen=False, v_block=32).name == "k2_recurrence_heads8_varlen0_v_block32_segmented0_stages3"
+    assert K2Spec(heads=8, varlen=False, v_block=32).name == \
+        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3"
     assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
@@ -70,3 +79,13 @@ def test_merge_v_block_keeps_one_wave_and_both_are_built():
     assert merge_v_block(8, 2, 132) == 16 and merge_v_block(1, 9, 132) == 16
     built = {(s.heads, s.v_block) for s in default_specs() if isinstance(s, MergeSpec)}
     assert built == {(h, b) for h in DEFAULT_HEADS for b in MERGE_V_BLOCKS}
+
+
+def test_prescan_needs_segmented_and_stages_the_record_prefix():
+    with pytest.raises(ValueError, match="segmented"):
+        K2Spec(heads=8, varlen=True, v_block=32, prescan=True)
+    from cula_aot.layout import PRESCAN_RECORD_BYTES, PRESCAN_RECORD_PARTS, WORKSPACE_PART_OFFSETS, WORKSPACE_SLOT_BYTES
+    # The pre_scan's bulk copy is the record's first PRESCAN_RECORD_BYTES: its parts must lead.
+    assert set(PRESCAN_RECORD_PARTS) == {"kd", "kr", "inv", "gt", "b"}
+    assert all(WORKSPACE_PART_OFFSETS[p] + WORKSPACE_SLOT_BYTES[p] <= PRESCAN_RECORD_BYTES for p in PRESCAN_RECORD_PARTS)
+    assert all(WORKSPACE_PART_OFFSETS[p] >= PRESCAN_RECORD_BYTES for p in ("qd", "mqk"))

@@ -19,7 +19,8 @@ def test_values_cover_the_shared_abi(monkeypatch):
     assert cu32.dtype == torch.int32 and values["cu_seqlens"] == cu32.data_ptr()
     assert values["num_seqs"] == 2 and values["total_slots"] == ws.total_slots == (40 + 15 * 2) // 16
     # One pointer, to the first slot's record; the parts of slot s at s·record + offset.
-    assert values["workspace"] == ws.qd.data_ptr()
+    assert values["workspace"] == ws.kd.data_ptr()
+    assert ws.qd.data_ptr() == values["workspace"] + WORKSPACE_PART_OFFSETS["qd"]
     assert ws.gt.data_ptr() == values["workspace"] + WORKSPACE_PART_OFFSETS["gt"]
     assert ws.b[1].data_ptr() == values["workspace"] + WORKSPACE_RECORD_BYTES + WORKSPACE_PART_OFFSETS["b"]
     assert ws.inv.shape == (3 * ws.total_slots, 256) and ws.gt.dtype == ws.b.dtype == torch.float32
