@@ -19,6 +19,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 * ``cp_long``: long contexts (issue 12): H ∈ {1, 4, 8} × [65536], [131072] and
   [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
   with the CP speedup over serial (``auto`` must never lose to serial).
+* ``cp_sweep``: planner data (issue 12 item 3): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
+  sequences and many-sequence batches, CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
+  32} and ``auto`` (how far ``auto`` is from the best split, and that it never loses to serial).
 * ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, automatic V block.
 * ``varlen``: H=64, B=1, N ∈ {10, 20} sequences × total T ∈ {4096, 8192, 16384} × length
   distribution, automatic V block.  Lengths (see ``varlen_lengths``), seeded by the string
@@ -62,7 +65,7 @@ from benchmarks.timing import capture_graph, time_cuda
 from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 
-SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "fixed", "varlen")
+SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
 # SPEC §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
@@ -86,6 +89,11 @@ CP_GRAPH_SPLITS = (4, 8, 16, "auto")
 # Long contexts (issue 12 item 5): (heads, lengths), graph replay only.
 CP_LONG_WORKLOADS = [(h, lengths) for h in (1, 4, 8) for lengths in ([65536], [131072], [131072] + [1024] * 5)]
 CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
+# Planner data (issue 12 item 3): (heads, lengths), graph replay only.
+CP_SWEEP_WORKLOADS = [(1, [8192]), (1, [16384]), (2, [8192]), (2, [16384]), (4, [1024] * 8), (4, [4096]),
+                      (8, [1024] * 8), (8, [4096]), (16, [8192]), (16, [16384]), (16, [2048] * 4 + [128] * 16),
+                      (32, [8192]), (32, [16384])]
+CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 # Serving matrix (issue 11 item 5): tensor-parallel shard head counts × batch shapes, varlen.
 SERVING_HEADS = (4, 8, 16, 32)
 SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
@@ -333,19 +341,26 @@ class Bench:
             self.finish_row(rows, row, f"cp H={heads} {lengths}")
 
     def run_cp_long(self):
-        rows = self.results.setdefault("cp_long", [])
-        for heads, lengths in CP_LONG_WORKLOADS:
+        self._run_split_graphs("cp_long", CP_LONG_WORKLOADS, CP_LONG_SPLITS)
+
+    def run_cp_sweep(self):
+        self._run_split_graphs("cp_sweep", CP_SWEEP_WORKLOADS, CP_SWEEP_SPLITS)
+
+    def _run_split_graphs(self, section, workloads, splits):
+        """Serial and every split in ``splits`` under CUDA-graph replay, with the planner's pick."""
+        rows = self.results.setdefault(section, [])
+        for heads, lengths in workloads:
             row = {"H": heads, "lengths": lengths}
             if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(heads, 1, lengths, None, self.device)
             row["GB"] = peers.prefill_bytes(x) / 1e9
             row["serial_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=False), "serial")
-            for split in CP_LONG_SPLITS:
+            for split in splits:
                 row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split), f"cp s={split}")
             row["auto_split"] = planned_split(lengths, heads, self.device)
             del x
-            self.finish_row(rows, row, f"cp_long H={heads} {len(lengths)} seqs, {sum(lengths)} tokens")
+            self.finish_row(rows, row, f"{section} H={heads} {len(lengths)} seqs, {sum(lengths)} tokens")
 
     def run_fixed(self):
         rows = self.results.setdefault("fixed", [])
@@ -466,6 +481,38 @@ def _peer_cells(r):
             _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms"))]
 
 
+def _lengths_label(lengths):
+    """Run-length form of a batch's lengths: [131072, 1024 × 5] → "131072 + 5×1024"."""
+    runs = []
+    for n in lengths:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " + ".join(str(n) if count == 1 else f"{count}×{n}" for n, count in runs)
+
+
+def _split_graph_table(rows, splits, bw):
+    """The table of a ``_run_split_graphs`` section: serial, each split, the best and auto."""
+    header = (["H", "lengths", "serial graph"] + [f"s={s} graph" for s in splits]
+              + ["auto split", "best CP", "serial ÷ best CP", "serial ÷ auto", "auto ÷ best", "% BW (best)"])
+    out = []
+    for r in rows:
+        label = _lengths_label(r["lengths"])
+        if r.get("skipped"):
+            out.append([r["H"], label, f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
+            continue
+        cps = [r.get(f"cp_{s}_graph_ms") for s in splits]
+        serial, auto = r.get("serial_graph_ms"), r.get("cp_auto_graph_ms")
+        best = min((v for v in cps + [serial] if v is not None), default=None)
+        best_cp = min((v for v in cps if v is not None), default=None)
+        pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.0f}%" if best and bw else "–"
+        out.append([r["H"], label, _f(serial)] + [_f(v) for v in cps]
+                   + [r.get("auto_split"), _f(best_cp), _ratio(serial, best_cp), _ratio(serial, auto),
+                      _ratio(auto, best), pct])
+    return _table(header, out)
+
+
 def render_markdown(res):
     meta = res.get("meta", {})
     bw = meta.get("copy_bandwidth_Bps")
@@ -549,23 +596,12 @@ def render_markdown(res):
                            _f(best), _f(best_peer), _ratio(best, best_peer), _rmse(r)])
         out += ["## SPEC §7 intracard-CP workloads (eager and CUDA-graph replay)", "",
                 _table(header, rows), ""]
-    if res.get("cp_long"):
-        header = (["H", "lengths", "serial graph"] + [f"s={s} graph" for s in CP_LONG_SPLITS]
-                  + ["auto split", "best CP", "serial ÷ best CP", "serial ÷ auto", "% BW (best)"])
-        rows = []
-        for r in res["cp_long"]:
-            label = f"{r['lengths'][0]}" + (f" + {len(r['lengths']) - 1}×{r['lengths'][1]}" if len(r["lengths"]) > 1 else "")
-            if r.get("skipped"):
-                rows.append([r["H"], label, f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
-                continue
-            cps = [r.get(f"cp_{s}_graph_ms") for s in CP_LONG_SPLITS]
-            best = min((v for v in cps if v is not None), default=None)
-            serial, auto = r.get("serial_graph_ms"), r.get("cp_auto_graph_ms")
-            pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.0f}%" if best and bw else "–"
-            rows.append([r["H"], label, _f(serial)] + [_f(v) for v in cps]
-                        + [r.get("auto_split"), _f(best), _ratio(serial, best), _ratio(serial, auto), pct])
-        out += ["## Long contexts, intracard CP (CUDA-graph replay; ratios > 1: CP faster than serial)", "",
-                _table(header, rows), ""]
+    for section, splits, title in (
+            ("cp_long", CP_LONG_SPLITS, "Long contexts, intracard CP"),
+            ("cp_sweep", CP_SWEEP_SPLITS, "Planner sweep: forced splits against auto")):
+        if res.get(section):
+            out += [f"## {title} (CUDA-graph replay; ratios > 1: CP faster than serial)", "",
+                    _split_graph_table(res[section], splits, bw), ""]
     if res.get("fixed"):
         header = ["B", "T"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
         rows = []
@@ -614,6 +650,9 @@ def dry_run(sections):
     if "cp_long" in sections:
         for heads, lengths in CP_LONG_WORKLOADS:
             print(f"cp_long: H={heads} lengths={lengths[:2]}{'…' if len(lengths) > 2 else ''} splits {list(CP_LONG_SPLITS)}")
+    if "cp_sweep" in sections:
+        for heads, lengths in CP_SWEEP_WORKLOADS:
+            print(f"cp_sweep: H={heads} lengths={_lengths_label(lengths)} splits {list(CP_SWEEP_SPLITS)}")
     if "fixed" in sections:
         for batch, seq_len in FIXED_SWEEP:
             print(f"fixed: H={SWEEP_HEADS} B={batch} T={seq_len}")
