@@ -1,0 +1,45 @@
+"""The prefill benchmark's planning and rendering (CPU): the sections it lists and the tables it
+writes from a results file, so a device call is never spent on a script that cannot report."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_prefill.py"
+pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ is not part of the installed wheel")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lengths_label_run_length_encodes(bench):
+    assert bench._lengths_label([8192]) == "8192"
+    assert bench._lengths_label([131072] + [1024] * 5) == "131072 + 5×1024"
+    assert bench._lengths_label([2048] * 4 + [128] * 16) == "4×2048 + 16×128"
+
+
+def test_every_section_is_runnable_and_listed(bench, capsys):
+    assert all(hasattr(bench.Bench, f"run_{section}") for section in bench.SECTIONS)
+    bench.dry_run(list(bench.SECTIONS))
+    listed = capsys.readouterr().out
+    assert all(f"{section}:" in listed for section in ("spec", "serving", "cp", "cp_long", "cp_sweep"))
+
+
+def test_split_tables_render_from_results(bench):
+    rows = [{"H": 8, "lengths": [4096], "GB": 0.05, "serial_graph_ms": 0.16, "auto_split": 8,
+             **{f"cp_{s}_graph_ms": 0.1 + 0.01 * i for i, s in enumerate(bench.CP_SWEEP_SPLITS)}}]
+    res = {"meta": {"copy_bandwidth_Bps": 4e12}, "errors": [], "cp_sweep": rows,
+           "cp_long": [{**rows[0], "lengths": [131072] + [1024] * 5}]}
+    text = bench.render_markdown(json.loads(json.dumps(res)))
+    assert "## Planner sweep" in text and "## Long contexts" in text and "131072 + 5×1024" in text
+    sweep_line = next(line for line in text.splitlines() if line.startswith("| 8 | 4096 |"))
+    # serial ÷ best CP = 0.16 / 0.10; auto (the last split) ÷ best = 0.15 / 0.10.
+    assert "1.60x" in sweep_line and "1.50x" in sweep_line
