@@ -39,7 +39,7 @@ variant (``prescan``) writes states only: it stages the record's first
 output stores, a third of the tile's MMAs.
 
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
-columns), ``smem_bytes(v_block)`` dynamic shared memory, as a programmatic dependent of the
+columns), ``smem_bytes(v_block, stages, prescan)`` dynamic shared memory, as a programmatic dependent of the
 kernel before it (K1, or the CP merge): ``griddepcontrol.wait`` comes before the first read of a
 workspace record (serial) or of the start state (segmented).  Runtime: lengths, cu_seqlens or the
 segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D
