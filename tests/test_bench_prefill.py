@@ -43,3 +43,45 @@ def test_split_tables_render_from_results(bench):
     sweep_line = next(line for line in text.splitlines() if line.startswith("| 8 | 4096 |"))
     # serial ÷ best CP = 0.16 / 0.10; auto (the last split) ÷ best = 0.15 / 0.10.
     assert "1.60x" in sweep_line and "1.50x" in sweep_line
+
+
+AB_SCRIPT = ROOT / "benchmarks" / "ab_prefill.py"
+
+
+@pytest.fixture(scope="module")
+def ab():
+    spec = importlib.util.spec_from_file_location("ab_prefill", AB_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_arm_syntax(ab):
+    assert ab.parse_arm("main=../wt") == ("main", "../wt", None)
+    assert ab.parse_arm("new=.@/tmp/ab_new") == ("new", ".", "/tmp/ab_new")
+    with pytest.raises(Exception, match="NAME=TREE"):
+        ab.parse_arm("justapath")
+
+
+def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
+    # Two fake trees whose "benchmark" writes a cp row with a known graph time and records the
+    # order it ran in and the artifacts it was pointed at.
+    log = tmp_path / "order.txt"
+    for name, ms in (("a", 0.2), ("b", 0.1)):
+        script = tmp_path / name / "benchmarks" / "bench_prefill.py"
+        script.parent.mkdir(parents=True)
+        script.write_text(
+            "import json, os, sys\n"
+            f"open({str(log)!r}, 'a').write({name!r} + ':' + os.environ.get('CULA_AOT_ARTIFACTS', '-') + '\\n')\n"
+            "path = sys.argv[sys.argv.index('--json') + 1]\n"
+            f"json.dump({{'cp': [{{'H': 4, 'lengths': [8192], 'cp_auto_graph_ms': {ms}, 'cp_4_ms': 1.0}}]}},"
+            " open(path, 'w'))\n")
+    out = tmp_path / "out"
+    ab.main(["--arm", f"a={tmp_path / 'a'}", "--arm", f"b={tmp_path / 'b'}@{tmp_path}", "--rounds", "2",
+             "--out", str(out), "--", "--only", "cp"])
+    ran = log.read_text().split()
+    assert [r.split(":")[0] for r in ran] == ["a", "b", "a", "b"]  # alternated
+    assert ran[0].endswith(":-") and ran[1].endswith(f":{tmp_path}")
+    assert sorted(p.name for p in out.iterdir()) == ["a_1.json", "a_2.json", "b_1.json", "b_2.json", "summary.md"]
+    row = next(line for line in (out / "summary.md").read_text().splitlines() if "cp_auto_graph_ms" in line)
+    assert "0.2000" in row and "0.1000" in row and "0.500" in row  # b ÷ a; eager cp_4_ms is not listed
