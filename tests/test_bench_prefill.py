@@ -12,12 +12,17 @@ SCRIPT = ROOT / "benchmarks" / "bench_prefill.py"
 pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ is not part of the installed wheel")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_prefill", SCRIPT)
+def _load_script(path: Path):
+    """A benchmark script as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load_script(SCRIPT)
 
 
 def test_lengths_label_run_length_encodes(bench):
@@ -50,10 +55,7 @@ AB_SCRIPT = ROOT / "benchmarks" / "ab_prefill.py"
 
 @pytest.fixture(scope="module")
 def ab():
-    spec = importlib.util.spec_from_file_location("ab_prefill", AB_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script(AB_SCRIPT)
 
 
 def test_ab_arm_syntax(ab):
