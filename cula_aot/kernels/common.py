@@ -19,11 +19,6 @@ __all__ = [
     "input_tile_layout",
     "make_token_tma",
     "record_part",
-    "ROW_CHUNKS",
-    "ROW_CHUNK_COLS",
-    "ROW_THREADS",
-    "row_chunk_column",
-    "tile_row_as_f32",
     "sigmoid",
     "butterfly_reduce_scatter",
     "kept_start",
@@ -103,36 +98,6 @@ def record_part(record: cute.Pointer, part: str, dtype):
     """Workspace ``part`` of one slot's record (global, or a K2 stage holding a copy of it) as a
     pointer to ``dtype`` (``layout.WORKSPACE_PART_OFFSETS``)."""
     return cute.recast_ptr(record + WORKSPACE_PART_OFFSETS[part], dtype=dtype)
-
-
-# Row-parallel phases: 8 threads per row, each owning 4 chunks of 4 columns at stride 32, so a
-# row's 8 threads touch 64 contiguous bytes of bf16 (128 of fp32) per chunk.  Odd rows visit the
-# chunks in pair-swapped order (1, 0, 3, 2): a half-warp's two rows then read the two 64-byte
-# halves of the 128-byte bank window instead of the same half (no 2-way conflict on bf16 loads).
-ROW_THREADS = 8
-ROW_CHUNKS = 4
-ROW_CHUNK_COLS = 4
-
-
-def row_chunk_column(lane_in_row, chunk: int, row):
-    """First column of chunk ``chunk`` (in visiting order) of row thread ``lane_in_row`` (0..7)
-    of row ``row``."""
-    return ROW_CHUNK_COLS * lane_in_row + ROW_THREADS * ROW_CHUNK_COLS * (chunk ^ (row & 1))
-
-
-@cute.jit
-def tile_row_as_f32(tile: cute.Tensor, row, lane_in_row, valid):
-    """This row thread's 16 elements of row ``row`` of a bf16 smem tile as fp32, chunk-major
-    (value 4m + e is column ``row_chunk_column(lane_in_row, m, row) + e``); zeros if not valid."""
-    frag = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNKS * ROW_CHUNK_COLS), cutlass.Float32)
-    frag.fill(0.0)
-    if valid:
-        for m in cutlass.range_constexpr(ROW_CHUNKS):
-            at = cute.assume(row * D + row_chunk_column(lane_in_row, m, row), divby=ROW_CHUNK_COLS)
-            chunk = cute.make_tensor(tile.iterator + at, cute.make_layout(ROW_CHUNK_COLS)).load().to(cutlass.Float32)
-            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
-                frag[m * ROW_CHUNK_COLS + e] = chunk[e]
-    return frag
 
 
 @cute.jit

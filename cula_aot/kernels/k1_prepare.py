@@ -13,12 +13,21 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
+Data layout: after the TMA loads every value lives in registers in the tf32 MMA fragment
+layout.  Warp w owns key columns ``[32w, 32w + 32)``; lane (g, t) = (lane // 4, lane % 4) holds
+rows g and g + 8 of the 8 consecutive columns from ``32w + 8t`` (``lane_columns``).  One 16-byte
+shared read per row and tensor brings them in; row norms are lane shuffles plus a 512-byte
+exchange between the warps, the cumsum over rows is a shuffle scan, and each lane's 8 columns
+of a row are one 16-byte row of a K_INTER image, stored straight to global.  For L and Mqk the
+contraction over keys is split by warp: the lane's values *are* A and B fragments of its warp's
+32 keys once the keys are renumbered (``fragment_value``), so each warp runs 16 MMAs and the
+four partial products are summed through shared memory in a fixed order.
+
 Workspaces: one record of ``layout.WORKSPACE_RECORD_BYTES`` per slot (slot = head · total_slots +
 tile slot; see ``slot_base`` below), its parts at ``layout.WORKSPACE_PART_OFFSETS``:
 
 * qd, kd, kr: 4096 B raw byte images of the bf16 16×128 tile in the K_INTER layout, element
-  (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``; each written with one ``cp.async.bulk``
-  shared→global copy.
+  (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``.
 * gt: fp32[128] gtot.  inv, mqk: bf16 16×16 row-major (element (i, j) at ``i·16 + j``).
 * b: fp32[16] σ(β) per row, 0 for padded rows (so K2's W is 0 there with no test of its own).
 
@@ -44,40 +53,60 @@ from .common import (
     D,
     IMAGE_BYTES,
     LOG2E,
-    ROW_CHUNK_COLS,
-    ROW_CHUNKS,
-    ROW_THREADS,
     THREADS,
     exp2_fast,
     k_inter_index,
     input_tile_layout,
     make_token_tma,
     record_part,
-    row_chunk_column,
     sigmoid,
-    tile_row_as_f32,
     varlen_slot_lookup,
 )
 from ..layout import WORKSPACE_RECORD_BYTES
 from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
-assert ROW_THREADS * CHUNK == THREADS  # phase A: one row per 8 threads
-# Phase B2: a warp's lanes as B2_ROWS rows × B2_COLS columns.
-B2_ROWS = 8
-B2_COLS = 4
+WARPS = THREADS // 32
+# The fragment layout: a warp's key columns, and the consecutive columns of one lane's row.
+WARP_COLS = D // WARPS
+LANE_COLS = 8
+K_STEPS = WARP_COLS // 8  # m16n8k8 k-steps over a warp's columns
+assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
+
+
+def lane_rows(lane) -> tuple:
+    """The two tile rows lane ``lane`` holds (the tf32 A fragment's rows g and g + 8)."""
+    return lane // 4, lane // 4 + 8
+
+
+def lane_columns(warp, lane):
+    """First of the 8 consecutive key columns lane ``lane`` of warp ``warp`` holds in each row."""
+    return WARP_COLS * warp + LANE_COLS * (lane % 4)
+
+
+def last_row_lane(lane):
+    """The lane holding rows 7 and 15 of lane ``lane``'s columns (its scan totals)."""
+    return 4 * (CHUNK // 2 - 1) + lane % 4
+
+
+def fragment_value(k_step: int, upper: int) -> int:
+    """Which of a lane's 8 values of a row is its k = t (``upper`` 0) or k = t + 4 (1) element of
+    k-step ``k_step``: logical key t of step s is column ``lane_columns + 2s``, key t + 4 the next
+    column.  A bijection of the warp's 32 columns, applied to A and B alike, so the product is
+    the same contraction in another order of keys."""
+    return 2 * k_step + upper
+
 
 # Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
-# row-major; phase B reuses them for the qd, kd, kr K_INTER images, since phase A has read them
-# into registers) and their mbarrier, q̂, k̂, γ (fp32 16×128 each), b (fp32[16]), L and the
-# Neumann ping-pong buffers.  Small enough (with ≤ 128 registers) for 4 CTAs per SM.
-# fp32 16×128 tiles with rows padded by 4 words: row-parallel 16-byte reads of 16 rows at one
-# column spread over the banks instead of hitting one.
-F32_ROW = D + 4
-_F32_TILE = CHUNK * F32_ROW * 4
+# row-major) and their mbarrier, the norms' cross-warp partial sums (fp32 [q/k][row][warp]),
+# b (fp32[16]), the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one
+# 16-byte word per lane and value group), L and the Neumann ping-pong buffers.
+NORM_PARTIALS = 2 * CHUNK * WARPS
+PRODUCT_PARTIALS = WARPS * 2 * 2 * 32 * 4
 # fp32 16×16 matrices, rows padded to 20 words: the tf32 A/B fragment loads hit distinct banks.
 SMALL_ROW = CHUNK + 4
 _F32_SMALL = CHUNK * SMALL_ROW * 4
-SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 3 * _F32_TILE + CHUNK * 4 + 5 * _F32_SMALL + 8 * 128
+SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL + 8 * 128
+# ptxas caps registers at 128 for four CTAs per SM; five (96 registers) spills.
 CTAS_PER_SM = 4
 
 
@@ -88,7 +117,7 @@ def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass
     """acc += a · b[:, 8·n_tile : 8·n_tile + 8] on tensor cores (tf32 operands, fp32 C fragment).
 
     ``a`` is a 16 × 8·k_steps fp32 smem matrix; ``b`` is ``b_rows`` itself (8·k_steps × 16), or its
-    transpose when ``b_transposed`` (then ``b_rows`` is 16 × 8·k_steps, e.g. kinv for ·kinvᵀ).
+    transpose when ``b_transposed`` (then ``b_rows`` is 16 × 8·k_steps).
     ``a_ready`` / ``b_ready``: that operand was stored with ``tf32_ready`` (no conversion per load).
     Two accumulation chains (even and odd k-steps) halve the dependent MMA latency.
     """
@@ -139,6 +168,44 @@ def _store_fragment_bf16(matrix: cute.Pointer, acc: cute.Tensor, n_tile, lane):
         words[(i * CHUNK + j) // 2] = pack_bf16x2(acc[2 * pair], acc[2 * pair + 1])
 
 
+def _vector(base: cute.Pointer, offset, count: int) -> cute.Tensor:
+    """``count`` consecutive elements at ``base + offset`` (``offset`` a multiple of ``count``),
+    so that loads and stores of the whole view are single vector accesses."""
+    return cute.make_tensor(base + cute.assume(offset, divby=count), cute.make_layout(count))
+
+
+@cute.jit
+def _lane_row_values(tile: cute.Tensor, row, col0, valid):
+    """The 8 bf16 elements of ``tile`` at (row, col0 .. col0 + 7) as fp32 (one 16-byte shared
+    read), zeros if not ``valid``."""
+    raw = _vector(tile.iterator, row * D + col0, LANE_COLS).load().to(cutlass.Float32)
+    out = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    for j in cutlass.range_constexpr(LANE_COLS):
+        out[j] = cutlass.Float32(cutlass.select_(valid, raw[j], cutlass.Float32(0.0)))
+    return out
+
+
+@cute.jit
+def _store_image_row(record: cute.Pointer, part: cutlass.Constexpr[str], values: cute.Tensor, row, col0):
+    """One lane's 8 values of ``row`` as bf16 into the K_INTER image ``part``: 8 consecutive
+    columns of one 8-column group are 16 contiguous bytes, one global vector store."""
+    words = cute.make_rmem_tensor(cute.make_layout(LANE_COLS // 2), cutlass.Int32)
+    for m in cutlass.range_constexpr(LANE_COLS // 2):
+        words[m] = pack_bf16x2(values[2 * m], values[2 * m + 1])
+    image = cute.recast_ptr(record_part(record, part, cutlass.BFloat16), dtype=cutlass.Int32)
+    _vector(image, k_inter_index(row, col0) // 2, LANE_COLS // 2).store(words.load())
+
+
+@cute.jit
+def _row_scan(x, lane):
+    """Inclusive prefix sum of ``x`` over the 8 lanes of a column (lanes t, t + 4, …, t + 28)."""
+    for offset in cutlass.range_constexpr(3):
+        step = 4 << offset
+        below = cute.arch.shuffle_sync_up(x, offset=step)
+        x = x + cutlass.Float32(cutlass.select_(lane >= step, below, cutlass.Float32(0.0)))
+    return x
+
+
 @cute.kernel
 def k1_prepare_kernel(
     tma_q: cute.CopyAtom,
@@ -179,14 +246,9 @@ def k1_prepare_kernel(
         smem = cutlass.utils.SmemAllocator()
         s_inputs = [smem.allocate_tensor(cutlass.BFloat16, input_tile_layout(), 128) for _ in range(3)]
         load_barrier = smem.allocate_array(cutlass.Int64, 1)
-        # q̂, k̂, γ; phase B overwrites them in place with fp32 qd, kd, kinv for phase C.
-        f32_tile = cute.make_layout((CHUNK, D), stride=(F32_ROW, 1))
-        s_qhat = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
-        s_khat = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
-        s_gamma = smem.allocate_tensor(cutlass.Float32, f32_tile, 128)
-        image_layout = cute.make_layout(CHUNK * D)
-        s_qd, s_kd, s_kr = (cute.make_tensor(t.iterator, image_layout) for t in s_inputs)
+        s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
         s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
+        s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
         small = cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1))
         s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
         s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
@@ -217,126 +279,127 @@ def k1_prepare_kernel(
                 cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=load_barrier)
         cute.arch.mbarrier_wait(load_barrier, 0)
 
-        # ---- phase A: row-wise l2norm, gate and β (8 threads per row, see ROW_THREADS) -----
-        row = tid // ROW_THREADS
-        lane_in_row = tid % ROW_THREADS
-        row_valid = row < rows
-        vq = tile_row_as_f32(s_inputs[0], row, lane_in_row, row_valid)
-        vk = tile_row_as_f32(s_inputs[1], row, lane_in_row, row_valid)
-        vg = tile_row_as_f32(s_inputs[2], row, lane_in_row, row_valid)
-
-        # Chunk partials summed in pairs, (0 + 1) + (2 + 3): the same bits in either visiting order.
-        ssq_chunk = [cutlass.Float32(0.0) for _ in range(ROW_CHUNKS)]
-        ssk_chunk = [cutlass.Float32(0.0) for _ in range(ROW_CHUNKS)]
-        for m in cutlass.range_constexpr(ROW_CHUNKS):
-            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
-                c = m * ROW_CHUNK_COLS + e
-                ssq_chunk[m] = ssq_chunk[m] + vq[c] * vq[c]
-                ssk_chunk[m] = ssk_chunk[m] + vk[c] * vk[c]
-        ssq = (ssq_chunk[0] + ssq_chunk[1]) + (ssq_chunk[2] + ssq_chunk[3])
-        ssk = (ssk_chunk[0] + ssk_chunk[1]) + (ssk_chunk[2] + ssk_chunk[3])
-        for offset in cutlass.range_constexpr(3):
-            ssq += cute.arch.shuffle_sync_bfly(ssq, offset=1 << offset)
-            ssk += cute.arch.shuffle_sync_bfly(ssk, offset=1 << offset)
-        rq = cute.math.rsqrt(ssq + 1e-6)
-        rk = cute.math.rsqrt(ssk + 1e-6)
-
-        decay_rate = cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head])
-        chunk_q = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
-        chunk_k = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
-        chunk_g = cute.make_rmem_tensor(cute.make_layout(ROW_CHUNK_COLS), cutlass.Float32)
-        for m in cutlass.range_constexpr(ROW_CHUNKS):
-            col = row_chunk_column(lane_in_row, m, row)
-            g_bias = cute.make_tensor(dt_bias + head * D + cute.assume(col, divby=ROW_CHUNK_COLS),
-                                      cute.make_layout(ROW_CHUNK_COLS)).load()
-            for e in cutlass.range_constexpr(ROW_CHUNK_COLS):
-                c = m * ROW_CHUNK_COLS + e
-                chunk_q[e] = (vq[c] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-                chunk_k[e] = (vk[c] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-                # γ in log2 units: phase B's decays are then single ex2 instructions.
-                gamma2 = lower_bound * sigmoid(decay_rate * (vg[c] + g_bias[e])) * cutlass.Float32(LOG2E)
-                chunk_g[e] = gamma2 if row_valid else cutlass.Float32(0.0)
-            # One 16-byte store per chunk: a row's 8 threads write 128 contiguous bytes.
-            at = cute.assume(row * F32_ROW + col, divby=ROW_CHUNK_COLS)
-            for dst, chunk in ((s_qhat, chunk_q), (s_khat, chunk_k), (s_gamma, chunk_g)):
-                cute.make_tensor(dst.iterator + at, cute.make_layout(ROW_CHUNK_COLS)).store(chunk.load())
-
-        if lane_in_row == 0:
-            logit = cutlass.Float32(-float("inf"))
-            if row_valid:
-                # A one-element view at the element itself: a size-1 layout has stride 0.
-                beta_at = beta + (token0 + cutlass.Int64(row)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
-                logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
-            b = sigmoid(logit)
-            s_b[row] = b
-            cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[row] = b
-        cute.arch.sync_threads()
-
-        # ---- phase B: column-wise cumsum (log2 units) and decayed operands --------------------
-        # B1, thread = column: G (inclusive cumsum of γ) in place of γ, and gtot.
-        col = tid
-        cum = cutlass.Float32(0.0)
-        for r in cutlass.range_constexpr(CHUNK):
-            cum += s_gamma[r, col]
-            s_gamma[r, col] = cum
-        out_gt = cute.make_tensor(record_part(record, "gt", cutlass.Float32), cute.make_layout(D))
-        out_gt[col] = exp2_fast(cum)
-        # B2: warp w still owns columns 32w..32w+31 (so a warp barrier suffices), now as 8 passes
-        # of 4 columns × 16 rows: lane (q, cl) takes rows q and q+8 of column 4·pass + cl.  A
-        # warp's K_INTER stores then cover 8 consecutive rows of one 8-column group (128 bytes,
-        # one wavefront) where a row-at-a-time column store hit the same 4 banks from 4 groups.
-        # The bf16 images go to the workspaces; L and Mqk use the fp32 values (kept in place of
-        # q̂, k̂, G), so they do not inherit the operands' bf16 rounding: with cancellation in
-        # q̂·k̂ that rounding can dominate a 16×16 entry.  Those are stored as tf32-ready operands,
-        # the form phase C's MMAs take.
+        # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange), β --
         warp = tid // 32
         lane = tid % 32
-        quad_row = lane // B2_COLS
-        pass_cols = [warp * 32 + B2_COLS * p + lane % B2_COLS for p in range(32 // B2_COLS)]
-        # k_inter_index is additive here: no carry between the lane's part and the pass's part.
-        image_base = k_inter_index(quad_row, warp * 32 + lane % B2_COLS)
-        totals = [s_gamma[CHUNK - 1, c] for c in pass_cols]
-        cute.arch.sync_warp()
-        for p in cutlass.range_constexpr(32 // B2_COLS):
-            c = pass_cols[p]
-            for half in cutlass.range_constexpr(CHUNK // B2_ROWS):
-                r = quad_row + B2_ROWS * half
-                cum = s_gamma[r, c]
-                qh = s_qhat[r, c]
-                kh = s_khat[r, c]
-                idx = image_base + k_inter_index(B2_ROWS * half, B2_COLS * p)
-                qd = qh * exp2_fast(cum) * scale
-                kd = kh * exp2_fast(cum)
-                s_qd[idx] = qd.to(cutlass.BFloat16)
-                s_kd[idx] = kd.to(cutlass.BFloat16)
-                s_kr[idx] = (kh * exp2_fast(totals[p] - cum)).to(cutlass.BFloat16)
-                s_qhat[r, c] = tf32_ready(qd)
-                s_khat[r, c] = tf32_ready(kd)
-                s_gamma[r, c] = tf32_ready(kh * exp2_fast(-cum))
-
-        # The bulk copy engine reads the images through the async proxy.
-        cute.arch.fence_proxy("async.shared", space="cta")
+        col0 = lane_columns(warp, lane)
+        my_rows = lane_rows(lane)
+        valid = [r < rows for r in my_rows]
+        vq = [_lane_row_values(s_inputs[0], r, col0, ok) for r, ok in zip(my_rows, valid)]
+        vk = [_lane_row_values(s_inputs[1], r, col0, ok) for r, ok in zip(my_rows, valid)]
+        vg = [_lane_row_values(s_inputs[2], r, col0, ok) for r, ok in zip(my_rows, valid)]
+        for which, values in enumerate((vq, vk)):
+            for half in cutlass.range_constexpr(2):
+                ss = cutlass.Float32(0.0)
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    ss = ss + values[half][j] * values[half][j]
+                # After the two butterflies the row's four lanes hold the same bits; each
+                # stores them (same value, same address).
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
+                s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
+        if tid < CHUNK:
+            logit = cutlass.Float32(-float("inf"))
+            if tid < rows:
+                # A one-element view at the element itself: a size-1 layout has stride 0.
+                beta_at = beta + (token0 + cutlass.Int64(tid)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+                logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+            b = sigmoid(logit)
+            s_b[tid] = b
+            cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[tid] = b
         cute.arch.sync_threads()
-        bulk_s2g = cute.make_copy_atom(cpasync.CopyBulkS2GOp(), cutlass.BFloat16, num_bits_per_copy=IMAGE_BYTES * 8)
-        if tid == 0:
-            # CuTeDSL 4.8.1 does not elect a lane for CopyBulkS2GOp: one thread issues.
-            for src, part in ((s_qd, "qd"), (s_kd, "kd"), (s_kr, "kr")):
-                g_img = cute.make_tensor(record_part(record, part, cutlass.BFloat16), image_layout)
-                cute.copy(bulk_s2g, src, g_img)
-            cute.arch.cp_async_bulk_commit_group()
 
-        # ---- phase C: L and Mqk on tensor cores; warp w: product w // 2 (L from kd, Mqk from
-        # qd, both · kinvᵀ), columns of n-tile w % 2 -----------------------------------------
+        # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
+        # σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e: one FFMA
+        # and two MUFU ops per element; γ is kept in log2 units, so every decay is one ex2.
+        gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
+        bias = _vector(dt_bias, head * D + col0, LANE_COLS).load()
+        gamma_scale = lower_bound * cutlass.Float32(LOG2E)
+        qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+        khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+        gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+        for half in cutlass.range_constexpr(2):
+            sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
+            rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+                khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+                logistic = cute.arch.rcp_approx(
+                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + bias[j] * gate_scale))
+                gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+
+        # G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the
+        # first 8 rows' total, held by lane 28 + t), and G[15] for gt and kr.
+        cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+        total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        totals_lane = last_row_lane(lane)
+        for j in cutlass.range_constexpr(LANE_COLS):
+            upper = _row_scan(gamma[0][j], lane)
+            lower = _row_scan(gamma[1][j], lane)
+            upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
+            lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
+            cum[0][j] = upper
+            cum[1][j] = upper_total + lower
+            total[j] = upper_total + lower_total
+            gtot[j] = exp2_fast(total[j])
+        if lane < 4:
+            _vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+
+        # The bf16 images go to the workspaces; L and Mqk use the fp32 values as tf32 operands,
+        # so they do not inherit the images' rounding (with cancellation in q̂·k̂ that rounding
+        # can dominate a 16×16 entry).
+        kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+        qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+        kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+        for half in cutlass.range_constexpr(2):
+            qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                g_row = cum[half][j]
+                decay = exp2_fast(g_row)
+                qd[j] = qhat[half][j] * decay * scale
+                kd[j] = khat[half][j] * decay
+                kr[j] = khat[half][j] * exp2_fast(total[j] - g_row)
+                qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
+                kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
+                kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * exp2_fast(-g_row)))
+            for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
+                _store_image_row(record, part, values, my_rows[half], col0)
+
+        # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
+        # Product f = 2·p + n (p: 0 = kd·kinvᵀ, 1 = qd·kinvᵀ; n: token n-tile, i.e. B's rows
+        # 8n..8n+7 = the lane's row g + 8n), its partial over this warp's 32 keys.
+        partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+        for f in cutlass.range_constexpr(4):
+            partial[f].fill(0.0)
+        for s in cutlass.range_constexpr(K_STEPS):
+            lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+            a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
+            for n in cutlass.range_constexpr(2):
+                b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
+                for p in cutlass.range_constexpr(2):
+                    acc = partial[2 * p + n]
+                    d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
+                    for c in cutlass.range_constexpr(4):
+                        acc[c] = d[c]
+        for f in cutlass.range_constexpr(4):
+            _vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+        cute.arch.sync_threads()
+
+        # Warp w sums product f = w over the four warps (fixed order: bitwise deterministic):
+        # warps 0-1 L (with b and the strict-lower mask), warps 2-3 Mqk (lower incl.).
         half_n = warp % 2
+        parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
         acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-        acc.fill(0.0)
+        for c in cutlass.range_constexpr(4):
+            acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
         if warp < 2:
-            _fragment_product(s_khat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
         else:
-            _fragment_product(s_qhat, s_gamma, True, D // 8, half_n, lane, acc, a_ready=True, b_ready=True)
             for c in cutlass.range_constexpr(4):
                 i, j = _fragment_entry(lane, half_n, c)
                 acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
@@ -379,10 +442,6 @@ def k1_prepare_kernel(
         if warp < 2:
             _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
             _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
-
-        if tid == 0:
-            # Shared memory must outlive the bulk reads of the images.
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit

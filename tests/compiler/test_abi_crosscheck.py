@@ -84,13 +84,14 @@ def test_cubin_check_refuses_disagreeing_offsets_sizes_and_block(compiled):
         place_params(spec.name, cubin, entry["symbol"], placed, (256, 1, 1))
 
 
-def test_bulk_copies_are_issued_by_one_thread(compiled):
-    # CuTeDSL 4.8.1 elects a lane for TMA tensor copies but not for CopyBulkS2GOp; K1 guards
-    # its three image copies with tid == 0 itself, so the only elections are the TMA loads'.
+def test_k1_stores_its_images_from_registers(compiled):
+    # K1 loads q, k, g with three TMA copies (one elected lane each) and writes each lane's two
+    # rows of the qd, kd, kr images and its 8 gt values as 16-byte stores: no bulk S2G copy.
     _, ptx, _ = compiled
-    assert ptx.count("cp.async.bulk.global.shared::cta.bulk_group") == 3
+    assert ptx.count("cp.async.bulk.global.shared::cta") == 0
     assert ptx.count("cp.async.bulk.tensor.2d") == 3
     assert ptx.count("elect.sync") == 3
+    assert ptx.count("st.global.v4") == 8
 
 
 def test_dependent_launch_declaration_matches_the_ptx(compiled):
