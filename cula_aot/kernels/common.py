@@ -25,7 +25,8 @@ __all__ = [
     "state_element",
     "pool_index",
     "varlen_sequence",
-    "varlen_slot_lookup",
+    "varlen_slot_sequence",
+    "slot_base",
 ]
 
 
@@ -107,12 +108,9 @@ def slot_base(cu_seqlens: cute.Tensor, seq):
 
 
 @cute.jit
-def varlen_slot_lookup(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
-    """(first token, tile index, valid rows) of varlen tile slot ``slot``.
-
-    Binary search for the last sequence whose first slot is ≤ ``slot``; ``rows`` ≤ 0 marks a
-    gap slot that no tile uses.
-    """
+def varlen_slot_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
+    """The varlen sequence whose slot range holds tile slot ``slot``: binary search for the last
+    sequence whose first slot is ≤ ``slot`` (a slot past its tiles is a gap slot of it)."""
     cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
     lo = cutlass.Int32(0)
     hi = num_seqs - 1
@@ -122,10 +120,7 @@ def varlen_slot_lookup(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
             lo = mid
         else:
             hi = mid - 1
-    tile = slot - slot_base(cu, lo)
-    start = cu[lo]
-    rows = cutlass.min(cu[lo + 1] - start - tile * CHUNK, CHUNK)
-    return cutlass.Int64(start), tile, rows
+    return lo
 
 
 @cute.jit

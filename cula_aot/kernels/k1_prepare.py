@@ -24,7 +24,7 @@ contraction over keys is split by warp: the lane's values *are* A and B fragment
 four partial products are summed through shared memory in a fixed order.
 
 Workspaces: one record of ``layout.WORKSPACE_RECORD_BYTES`` per slot (slot = head · total_slots +
-tile slot; see ``slot_base`` below), its parts at ``layout.WORKSPACE_PART_OFFSETS``:
+tile slot), its parts at ``layout.WORKSPACE_PART_OFFSETS``:
 
 * qd, kd, kr: 4096 B raw byte images of the bf16 16×128 tile in the K_INTER layout, element
   (r, c) at byte ``2·((c//8)·128 + r·8 + c%8)``.
@@ -34,10 +34,14 @@ tile slot; see ``slot_base`` below), its parts at ``layout.WORKSPACE_PART_OFFSET
 Tile slots.  Fixed mode (B sequences of T tokens): slot = b·ceil(T/16) + tile.  Varlen mode
 (cu_seqlens, N sequences): sequence s owns slots from ``(cu[s] + 15·s) // 16``; since
 ``floor((x+L+15)/16) ≥ floor(x/16) + ceil(L/16)`` the ranges never overlap, the total is
-``(T + 15·N) // 16`` and a CTA finds its sequence by binary search over cu_seqlens alone:
-no prefix scan, no extra launch, no GPU→CPU sync.  Slots in the gaps are left unwritten.
+``(T + 15·N) // 16`` and a CTA finds its first slot's sequence by binary search over
+cu_seqlens alone, then steps forward (``_next_tile``): no prefix scan, no extra launch, no
+GPU→CPU sync.  Slots in the gaps are left unwritten.
 
-Launch: grid (total_slots, H, 1), block (128, 1, 1), ``SMEM_BYTES`` dynamic shared memory.
+Launch: grid (ceil(total_slots / tiles_per_cta), H, 1), block (128, 1, 1), ``SMEM_BYTES``
+dynamic shared memory.  A CTA walks ``tiles_per_cta`` consecutive slots of one head (a runtime
+value, ``specs.k1_grid``) with two load buffers: tile i + 2's TMA loads are issued as soon as
+tile i's inputs are in registers, so they fly while tiles i and i + 1 are computed.
 Constraints: D = 128, CHUNK = 16, H compile-time; q/k/g bf16 [rows, H, 128] with heads and D
 packed and any 16-byte multiple token stride (the TMA descriptors carry it, so views cut from
 a fused projection need no copy), 16-byte aligned base; β bf16 [rows, H] with token stride
@@ -60,9 +64,11 @@ from .common import (
     make_token_tma,
     record_part,
     sigmoid,
-    varlen_slot_lookup,
+    slot_base,
+    varlen_slot_sequence,
 )
 from ..layout import WORKSPACE_RECORD_BYTES
+from ..specs import K1_CTAS_PER_SM
 from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
 WARPS = THREADS // 32
@@ -105,9 +111,9 @@ PRODUCT_PARTIALS = WARPS * 2 * 2 * 32 * 4
 # fp32 16×16 matrices, rows padded to 20 words: the tf32 A/B fragment loads hit distinct banks.
 SMALL_ROW = CHUNK + 4
 _F32_SMALL = CHUNK * SMALL_ROW * 4
-SMEM_BYTES = 3 * IMAGE_BYTES + 8 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL + 8 * 128
+SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 16 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL + 8 * 128
 # ptxas caps registers at 128 for four CTAs per SM; five (96 registers) spills.
-CTAS_PER_SM = 4
+CTAS_PER_SM = K1_CTAS_PER_SM
 
 
 @cute.jit
@@ -177,11 +183,14 @@ def _vector(base: cute.Pointer, offset, count: int) -> cute.Tensor:
 @cute.jit
 def _lane_row_values(tile: cute.Tensor, row, col0, valid):
     """The 8 bf16 elements of ``tile`` at (row, col0 .. col0 + 7) as fp32 (one 16-byte shared
-    read), zeros if not ``valid``."""
+    read), zeros if not ``valid`` (``True``: no mask)."""
     raw = _vector(tile.iterator, row * D + col0, LANE_COLS).load().to(cutlass.Float32)
     out = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     for j in cutlass.range_constexpr(LANE_COLS):
-        out[j] = cutlass.Float32(cutlass.select_(valid, raw[j], cutlass.Float32(0.0)))
+        if cutlass.const_expr(valid is True):
+            out[j] = raw[j]
+        else:
+            out[j] = cutlass.Float32(cutlass.select_(valid, raw[j], cutlass.Float32(0.0)))
     return out
 
 
@@ -197,13 +206,61 @@ def _store_image_row(record: cute.Pointer, part: cutlass.Constexpr[str], values:
 
 
 @cute.jit
-def _row_scan(x, lane):
-    """Inclusive prefix sum of ``x`` over the 8 lanes of a column (lanes t, t + 4, …, t + 28)."""
+def _row_scan(x, has_source: list):
+    """Inclusive prefix sum of ``x`` over the 8 lanes of a column (lanes t, t + 4, …, t + 28).
+    ``has_source[b]`` is 1.0 where lane ≥ 4·2^b (the shuffle's source exists), else 0.0: one
+    FFMA per step instead of a select and an add (the values are finite)."""
     for offset in cutlass.range_constexpr(3):
-        step = 4 << offset
-        below = cute.arch.shuffle_sync_up(x, offset=step)
-        x = x + cutlass.Float32(cutlass.select_(lane >= step, below, cutlass.Float32(0.0)))
+        below = cute.arch.shuffle_sync_up(x, offset=4 << offset)
+        x = below * has_source[offset] + x
     return x
+
+
+@cute.jit
+def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, next_base,
+               varlen: cutlass.Constexpr[bool]):
+    """The tile cursor: (first token, valid rows, seq, base, next_base) of tile slot ``slot``, given
+    the cursor (seq, its first slot ``base``, the next sequence's ``next_base``) at an earlier
+    slot of this CTA (varlen; rows ≤ 0 marks a gap slot).  Slots are visited in order, so a
+    CTA searches cu_seqlens once and then steps; the last sequence's ``next_base`` is
+    slot_base(num_seqs) ≥ total_slots, so the step never runs past cu_seqlens."""
+    token0 = cutlass.Int32(0)
+    rows = cutlass.Int32(0)
+    if cutlass.const_expr(varlen):
+        cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+        while slot >= next_base:
+            seq = seq + 1
+            base = next_base
+            next_base = slot_base(cu, seq + 1)
+        tile = slot - base
+        start = cu[seq]
+        token0 = start + tile * CHUNK
+        rows = cutlass.min(cu[seq + 1] - token0, CHUNK)
+    else:
+        tiles_per_seq = (seq_len + (CHUNK - 1)) // CHUNK
+        seq = slot // tiles_per_seq
+        tile = slot - seq * tiles_per_seq
+        token0 = seq * seq_len + tile * CHUNK
+        rows = cutlass.min(seq_len - tile * CHUNK, CHUNK)
+    return token0, rows, seq, base, next_base
+
+
+def _input_tile(inputs: cute.Tensor, buffer, which: int) -> cute.Tensor:
+    """Input tile ``which`` (0 q, 1 k, 2 g) of load buffer ``buffer`` (0 or 1, dynamic)."""
+    at = cute.assume((buffer * 3 + which) * (CHUNK * D), divby=CHUNK * D)
+    return cute.make_tensor(inputs.iterator + at, input_tile_layout())
+
+
+def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, buffer, barrier, token0, head):
+    """Warp 0 (each TMA copy elects a lane): the q, k, g tiles of rows [token0, token0 + 16) of
+    ``head`` into load buffer ``buffer``, completing on ``barrier`` (armed beforehand)."""
+    origin = (cutlass.Int32(token0), head * D)
+    g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), (CHUNK, D), (0, 0))
+    for which, atom in enumerate(atoms):
+        t_smem, t_gmem = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(_input_tile(inputs, buffer, which), 0, 2),
+            cute.group_modes(g_tile, 0, 2))
+        cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
 
 
 @cute.kernel
@@ -220,6 +277,7 @@ def k1_prepare_kernel(
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
+    tiles_per_cta: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     token_coords: cute.Tensor,
@@ -227,67 +285,84 @@ def k1_prepare_kernel(
     varlen: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
-    slot, head, _ = cute.arch.block_idx()
+    cta, head, _ = cute.arch.block_idx()
+    warp = tid // 32
+    lane = tid % 32
+    first_slot = cta * tiles_per_cta
+    count = cutlass.min(tiles_per_cta, total_slots - first_slot)
+    atoms = (tma_q, tma_k, tma_g)
 
-    # ---- which sequence / tile this CTA owns -------------------------------------------
-    seq_start = cutlass.Int64(0)
-    tile = cutlass.Int32(0)
-    rows = cutlass.Int32(0)
-    if cutlass.const_expr(varlen):
-        seq_start, tile, rows = varlen_slot_lookup(cu_seqlens, num_seqs, slot)
-    else:
-        tiles_per_seq = (seq_len + (CHUNK - 1)) // CHUNK
-        seq = slot // tiles_per_seq
-        tile = slot - seq * tiles_per_seq
-        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
-        rows = cutlass.min(seq_len - tile * CHUNK, CHUNK)
+    smem = cutlass.utils.SmemAllocator()
+    # Two load buffers of q, k, g tiles: the next tile's loads fly while this one is computed.
+    s_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * 3 * CHUNK * D), 128)
+    load_barriers = smem.allocate_array(cutlass.Int64, 2)
+    s_info = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
+    s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
+    s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
+    small = cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1))
+    s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
+    s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
+    s_x1 = smem.allocate_tensor(cutlass.Float32, small, 16)
+    s_p0 = smem.allocate_tensor(cutlass.Float32, small, 16)
+    s_p1 = smem.allocate_tensor(cutlass.Float32, small, 16)
 
-    if rows > 0:
-        smem = cutlass.utils.SmemAllocator()
-        s_inputs = [smem.allocate_tensor(cutlass.BFloat16, input_tile_layout(), 128) for _ in range(3)]
-        load_barrier = smem.allocate_array(cutlass.Int64, 1)
-        s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
-        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
-        s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
-        small = cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1))
-        s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
-        s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
-        s_x1 = smem.allocate_tensor(cutlass.Float32, small, 16)
-        s_p0 = smem.allocate_tensor(cutlass.Float32, small, 16)
-        s_p1 = smem.allocate_tensor(cutlass.Float32, small, 16)
+    # ---- TMA: this CTA's first two tiles --------------------------------------------------
+    # Warp 0 is the producer: it walks the tile cursor over the CTA's slots in order, and for
+    # each tile records (first token, valid rows) in s_info[buffer] before arming the buffer's
+    # barrier (its arrive releases them to the threads that wait on it) and issuing the loads.
+    # Rows past a sequence's end (the next sequence, or zero fill past the tensor) are masked
+    # in compute; a gap slot's tiles are loaded too, so every buffer use has one completion.
+    if tid == 0:
+        for b in cutlass.range_constexpr(2):
+            cute.arch.mbarrier_init(load_barriers + b, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    seq = cutlass.Int32(0)
+    base = cutlass.Int32(0)
+    next_base = cutlass.Int32(0)
+    if cute.arch.warp_idx() == 0:
+        if cutlass.const_expr(varlen):
+            cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+            seq = varlen_slot_sequence(cu_seqlens, num_seqs, first_slot)
+            base = slot_base(cu, seq)
+            next_base = slot_base(cu, seq + 1)
+        for b in cutlass.range_constexpr(2):
+            if b < count:
+                token0, rows, seq, base, next_base = _next_tile(
+                    cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen)
+                if lane == 0:
+                    s_info[2 * b] = token0
+                    s_info[2 * b + 1] = rows
+                    cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
+                _copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
 
+    col0 = lane_columns(warp, lane)
+    my_rows = lane_rows(lane)
+    # σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e: one FFMA
+    # and two MUFU ops per element; γ is kept in log2 units, so every decay is one ex2.
+    gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
+    bias = _vector(dt_bias, head * D + col0, LANE_COLS).load()
+    gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    for j in cutlass.range_constexpr(LANE_COLS):
+        gate_bias[j] = bias[j] * gate_scale
+    gamma_scale = lower_bound * cutlass.Float32(LOG2E)
+    has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+                  for b in range(3)]
+    for i in range(count):
+        slot = first_slot + i
+        buffer = i % 2
         slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
         record = workspace + cute.assume(slot_index * WORKSPACE_RECORD_BYTES, divby=16)
-        token0 = seq_start + cutlass.Int64(tile * CHUNK)
+        cute.arch.mbarrier_wait(load_barriers + buffer, (i // 2) % 2)
+        token0 = s_info[2 * buffer]
+        rows = s_info[2 * buffer + 1]
 
-        # ---- TMA: the q, k, g tiles of rows [token0, token0 + 16) of this head -------------
-        # Rows past the sequence end (the next sequence, or zero fill past the tensor) are
-        # masked below.
-        if tid == 0:
-            cute.arch.mbarrier_init(load_barrier, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        if tid == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(load_barrier, 3 * IMAGE_BYTES)
-        if cute.arch.warp_idx() == 0:
-            origin = (cutlass.Int32(token0), head * D)
-            g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), (CHUNK, D), (0, 0))
-            for atom, s_tile in ((tma_q, s_inputs[0]), (tma_k, s_inputs[1]), (tma_g, s_inputs[2])):
-                t_smem, t_gmem = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2), cute.group_modes(g_tile, 0, 2)
-                )
-                cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=load_barrier)
-        cute.arch.mbarrier_wait(load_barrier, 0)
-
-        # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange), β --
-        warp = tid // 32
-        lane = tid % 32
-        col0 = lane_columns(warp, lane)
-        my_rows = lane_rows(lane)
+        # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
         valid = [r < rows for r in my_rows]
-        vq = [_lane_row_values(s_inputs[0], r, col0, ok) for r, ok in zip(my_rows, valid)]
-        vk = [_lane_row_values(s_inputs[1], r, col0, ok) for r, ok in zip(my_rows, valid)]
-        vg = [_lane_row_values(s_inputs[2], r, col0, ok) for r, ok in zip(my_rows, valid)]
+        # g needs no mask: γ itself is zeroed on rows past the end.
+        vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
+                       for r, ok in zip(my_rows, valid)] for which in range(3))
         for which, values in enumerate((vq, vk)):
             for half in cutlass.range_constexpr(2):
                 ss = cutlass.Float32(0.0)
@@ -298,150 +373,159 @@ def k1_prepare_kernel(
                 ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
                 ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
                 s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
-        if tid < CHUNK:
-            logit = cutlass.Float32(-float("inf"))
-            if tid < rows:
+        # β logits of rows tid < 16: loaded here, used only at the end of phase C, so their
+        # global latency overlaps phases A-C instead of holding the next barrier.
+        logit = cutlass.Float32(-float("inf"))
+        if tid < rows:
+            if tid < CHUNK:
                 # A one-element view at the element itself: a size-1 layout has stride 0.
-                beta_at = beta + (token0 + cutlass.Int64(tid)) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+                beta_at = beta + (cutlass.Int64(token0) + tid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
-            b = sigmoid(logit)
-            s_b[tid] = b
-            cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[tid] = b
         cute.arch.sync_threads()
+        # Every thread has read this buffer and its s_info: refill both with tile i + 2.
+        if cute.arch.warp_idx() == 0:
+            if i + 2 < count:
+                next_token0, next_rows, seq, base, next_base = _next_tile(
+                    cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen)
+                if lane == 0:
+                    s_info[2 * buffer] = next_token0
+                    s_info[2 * buffer + 1] = next_rows
+                    cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
+                _copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
 
-        # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
-        # σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e: one FFMA
-        # and two MUFU ops per element; γ is kept in log2 units, so every decay is one ex2.
-        gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
-        bias = _vector(dt_bias, head * D + col0, LANE_COLS).load()
-        gamma_scale = lower_bound * cutlass.Float32(LOG2E)
-        qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-        khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-        gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-        for half in cutlass.range_constexpr(2):
-            sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
-            rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+        if rows > 0:
+            # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
+            qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            for half in cutlass.range_constexpr(2):
+                sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
+                rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+                    khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+                    logistic = cute.arch.rcp_approx(
+                        cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
+                    gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+
+            # G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the
+            # first 8 rows' total, held by lane 28 + t), and G[15] for gt and kr.
+            cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            totals_lane = last_row_lane(lane)
             for j in cutlass.range_constexpr(LANE_COLS):
-                qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-                khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-                logistic = cute.arch.rcp_approx(
-                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + bias[j] * gate_scale))
-                gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+                upper = _row_scan(gamma[0][j], has_source)
+                lower = _row_scan(gamma[1][j], has_source)
+                upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
+                lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
+                cum[0][j] = upper
+                cum[1][j] = upper_total + lower
+                total[j] = upper_total + lower_total
+                gtot[j] = exp2_fast(total[j])
+            if lane < 4:
+                _vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
-        # G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the
-        # first 8 rows' total, held by lane 28 + t), and G[15] for gt and kr.
-        cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-        total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        totals_lane = last_row_lane(lane)
-        for j in cutlass.range_constexpr(LANE_COLS):
-            upper = _row_scan(gamma[0][j], lane)
-            lower = _row_scan(gamma[1][j], lane)
-            upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
-            lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
-            cum[0][j] = upper
-            cum[1][j] = upper_total + lower
-            total[j] = upper_total + lower_total
-            gtot[j] = exp2_fast(total[j])
-        if lane < 4:
-            _vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+            # The bf16 images go to the workspaces; L and Mqk use the fp32 values as tf32 operands,
+            # so they do not inherit the images' rounding (with cancellation in q̂·k̂ that rounding
+            # can dominate a 16×16 entry).
+            kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            for half in cutlass.range_constexpr(2):
+                qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    g_row = cum[half][j]
+                    decay = exp2_fast(g_row)
+                    qd[j] = qhat[half][j] * decay * scale
+                    kd[j] = khat[half][j] * decay
+                    kr[j] = khat[half][j] * exp2_fast(total[j] - g_row)
+                    qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
+                    kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
+                    kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * exp2_fast(-g_row)))
+                for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
+                    _store_image_row(record, part, values, my_rows[half], col0)
 
-        # The bf16 images go to the workspaces; L and Mqk use the fp32 values as tf32 operands,
-        # so they do not inherit the images' rounding (with cancellation in q̂·k̂ that rounding
-        # can dominate a 16×16 entry).
-        kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-        qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-        kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-        for half in cutlass.range_constexpr(2):
-            qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            for j in cutlass.range_constexpr(LANE_COLS):
-                g_row = cum[half][j]
-                decay = exp2_fast(g_row)
-                qd[j] = qhat[half][j] * decay * scale
-                kd[j] = khat[half][j] * decay
-                kr[j] = khat[half][j] * exp2_fast(total[j] - g_row)
-                qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
-                kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
-                kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * exp2_fast(-g_row)))
-            for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
-                _store_image_row(record, part, values, my_rows[half], col0)
-
-        # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-        # Product f = 2·p + n (p: 0 = kd·kinvᵀ, 1 = qd·kinvᵀ; n: token n-tile, i.e. B's rows
-        # 8n..8n+7 = the lane's row g + 8n), its partial over this warp's 32 keys.
-        partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-        for f in cutlass.range_constexpr(4):
-            partial[f].fill(0.0)
-        for s in cutlass.range_constexpr(K_STEPS):
-            lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-            a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
-            for n in cutlass.range_constexpr(2):
-                b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
-                for p in cutlass.range_constexpr(2):
-                    acc = partial[2 * p + n]
-                    d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
-                    for c in cutlass.range_constexpr(4):
-                        acc[c] = d[c]
-        for f in cutlass.range_constexpr(4):
-            _vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
-        cute.arch.sync_threads()
-
-        # Warp w sums product f = w over the four warps (fixed order: bitwise deterministic):
-        # warps 0-1 L (with b and the strict-lower mask), warps 2-3 Mqk (lower incl.).
-        half_n = warp % 2
-        parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
-        acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-        for c in cutlass.range_constexpr(4):
-            acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
-        if warp < 2:
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
-        else:
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
-            _store_fragment_bf16(record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
-        cute.arch.sync_threads()
-
-        # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
-        # Round 0: warps 0-1 X0 = L·L (one n-tile each), warps 2-3 P0 = I - L.  Rounds 1-2:
-        # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
-        # X is only ever an MMA operand, so it is stored tf32_ready; P and L are also summed as
-        # values (P + P·X, I - L) and keep full fp32.
-        if warp < 2:
-            acc.fill(0.0)
-            _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                s_x0[i, j] = tf32_ready(acc[c])
-        else:
-            for e in cutlass.range_constexpr(4):
-                flat = (tid - 64) * 4 + e
-                i = flat // CHUNK
-                j = flat % CHUNK
-                s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
-        cute.arch.sync_threads()
-        for step in cutlass.range_constexpr(2):
-            p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
-            p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
-            if warp < 2:
-                _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    p_dst[i, j] = acc[c]
-            else:
-                acc.fill(0.0)
-                _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    x_dst[i, j] = tf32_ready(acc[c])
+            # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
+            # Product f = 2·p + n (p: 0 = kd·kinvᵀ, 1 = qd·kinvᵀ; n: token n-tile, i.e. B's rows
+            # 8n..8n+7 = the lane's row g + 8n), its partial over this warp's 32 keys.
+            partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+            for f in cutlass.range_constexpr(4):
+                partial[f].fill(0.0)
+            for s in cutlass.range_constexpr(K_STEPS):
+                lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+                a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
+                for n in cutlass.range_constexpr(2):
+                    b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
+                    for p in cutlass.range_constexpr(2):
+                        acc = partial[2 * p + n]
+                        d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
+                        for c in cutlass.range_constexpr(4):
+                            acc[c] = d[c]
+            for f in cutlass.range_constexpr(4):
+                _vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+            if tid < CHUNK:
+                b = sigmoid(logit)
+                s_b[tid] = b
+                cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[tid] = b
             cute.arch.sync_threads()
-        if warp < 2:
-            _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-            _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
+
+            # Warp w sums product f = w over the four warps (fixed order: bitwise deterministic):
+            # warps 0-1 L (with b and the strict-lower mask), warps 2-3 Mqk (lower incl.).
+            half_n = warp % 2
+            parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
+            acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+            for c in cutlass.range_constexpr(4):
+                acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
+            if warp < 2:
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
+            else:
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
+                _store_fragment_bf16(record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
+            cute.arch.sync_threads()
+
+            # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
+            # Round 0: warps 0-1 X0 = L·L (one n-tile each), warps 2-3 P0 = I - L.  Rounds 1-2:
+            # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
+            # X is only ever an MMA operand, so it is stored tf32_ready; P and L are also summed as
+            # values (P + P·X, I - L) and keep full fp32.
+            if warp < 2:
+                acc.fill(0.0)
+                _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
+                for c in cutlass.range_constexpr(4):
+                    i, j = _fragment_entry(lane, half_n, c)
+                    s_x0[i, j] = tf32_ready(acc[c])
+            else:
+                for e in cutlass.range_constexpr(4):
+                    flat = (tid - 64) * 4 + e
+                    i = flat // CHUNK
+                    j = flat % CHUNK
+                    s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
+            cute.arch.sync_threads()
+            for step in cutlass.range_constexpr(2):
+                p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
+                p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
+                if warp < 2:
+                    _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
+                    for c in cutlass.range_constexpr(4):
+                        i, j = _fragment_entry(lane, half_n, c)
+                        p_dst[i, j] = acc[c]
+                else:
+                    acc.fill(0.0)
+                    _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
+                    for c in cutlass.range_constexpr(4):
+                        i, j = _fragment_entry(lane, half_n, c)
+                        x_dst[i, j] = tf32_ready(acc[c])
+                cute.arch.sync_threads()
+            if warp < 2:
+                _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
+                _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
 
 
 @cute.jit
@@ -458,6 +542,7 @@ def k1_prepare_launch(
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
+    tiles_per_cta: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     stream,
@@ -472,8 +557,9 @@ def k1_prepare_launch(
     k1_prepare_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
         workspace,
-        seq_len, num_seqs, total_slots, beta_row_stride, scale, lower_bound, token_coords, heads, varlen,
-    ).launch(grid=[total_slots, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
+        seq_len, num_seqs, total_slots, beta_row_stride, tiles_per_cta, scale, lower_bound, token_coords, heads,
+        varlen,
+    ).launch(grid=[(total_slots + tiles_per_cta - 1) // tiles_per_cta, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
              # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
              # does not ask a GPU for the SM's shared memory (the runtime sets it on load).
              min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)

@@ -8,7 +8,6 @@ states may be fp32 or bf16, plain or pools indexed by ``state_indices``.
 """
 
 import dataclasses
-import functools
 
 import torch
 
@@ -33,11 +32,12 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, merge_v_block,
+from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, k1_grid, merge_v_block,
                      segmented_k2_spec, segmented_v_block)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
+from .prepare import sm_count as _sm_count
 from .workspace import ARENA, SEGMENT_TABLES
 
 STATE_LAYOUTS = ("vk", "kv")
@@ -266,11 +266,6 @@ def planned_split(lengths, heads: int, device) -> int:
     return cp_plan.auto_split(lengths, heads, _sm_count(device), D // K2_SEGMENTED_V_BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _segment_row(seg, init_index, final_index, flags) -> list[int]:
     row = [0] * SEGMENT_FIELDS
     row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
@@ -336,7 +331,8 @@ class _SerialPlan:
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
         self.slots = c.heads * total_slots
         geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
-        self.k1 = k1.template({**geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides)}, _K1_DYNAMIC)
+        self.k1 = k1.template({**geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+                               **k1_grid(total_slots, c.heads, _sm_count(device))}, _K1_DYNAMIC)
         stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
         self.k2 = k2.template({
             **geometry, "segments": 0, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),

@@ -1,12 +1,13 @@
 """Launch K1 (prepare) from torch tensors: slot planning, workspace carving, parameter values."""
 
 import dataclasses
+import functools
 
 import torch
 
 from ..layout import D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
-from ..specs import K1Spec
+from ..specs import K1Spec, k1_grid
 from .checks import DEFAULT_SCALE
 from .workspace import ARENA
 
@@ -67,12 +68,17 @@ def input_geometry(batch: int, seq_len: int, heads: int, strides: dict) -> dict:
             "beta_row_stride": strides["beta"]}
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common`` and
     the inputs' token ``strides`` (elements, see ``contiguous_strides``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
-        **common, **input_geometry(batch, seq_len, heads, strides),
+        **common, **input_geometry(batch, seq_len, heads, strides), **k1_grid(common["total_slots"], heads, sm_count(q.device)),
         "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
         "scale": float(scale), "lower_bound": float(lower_bound),
@@ -94,4 +100,4 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     return workspaces
 
 
-__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "input_geometry", "launch_prepare", "plan_slots", "prepare", "workspace_values"]
+__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "input_geometry", "launch_prepare", "plan_slots", "prepare", "sm_count", "workspace_values"]

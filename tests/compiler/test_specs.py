@@ -89,3 +89,19 @@ def test_prescan_needs_segmented_and_stages_the_record_prefix():
     assert set(PRESCAN_RECORD_PARTS) == {"kd", "kr", "inv", "gt", "b"}
     assert all(WORKSPACE_PART_OFFSETS[p] + WORKSPACE_SLOT_BYTES[p] <= PRESCAN_RECORD_BYTES for p in PRESCAN_RECORD_PARTS)
     assert all(WORKSPACE_PART_OFFSETS[p] >= PRESCAN_RECORD_BYTES for p in ("qd", "mqk"))
+
+
+def test_k1_grid_covers_every_slot_in_k1_waves_waves():
+    from cula_aot.specs import K1_CTAS_PER_SM, K1_MAX_TILES_PER_CTA, K1_WAVES, k1_grid
+
+    waves = K1_CTAS_PER_SM * 132 * K1_WAVES
+    for total_slots, heads in [(1, 1), (64, 4), (512, 4), (512, 64), (520, 96), (8192, 1), (7, 3)]:
+        values = k1_grid(total_slots, heads, 132)
+        t, ctas = values["tiles_per_cta"], values["k1_ctas"]
+        assert 1 <= t <= K1_MAX_TILES_PER_CTA
+        assert (ctas - 1) * t < total_slots <= ctas * t  # every slot once, no empty CTA
+        # The fewest tiles per CTA whose grid fits K1_WAVES waves, unless that exceeds the cap.
+        assert ctas * heads <= waves or t == K1_MAX_TILES_PER_CTA
+        assert t == 1 or -(-total_slots // (t - 1)) * heads > waves
+    assert k1_grid(512, 64, 132)["tiles_per_cta"] == K1_MAX_TILES_PER_CTA  # H64 1×8192
+    assert k1_grid(512, 4, 132)["tiles_per_cta"] == 1  # H4 1×8192: 2048 CTAs are 4 waves already
