@@ -87,6 +87,12 @@ def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> flo
 def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:
     """The split the cost model prefers (1 = serial); deterministic, short inputs stay serial."""
     serial = cost(lengths, heads, sm_count, 1, v_blocks)
+    # Every split costs at least OVERHEAD + MERGE_STEP + work / capacity (its terms' minima), so
+    # when that cannot beat serial by MIN_GAIN the search is skipped: the same answer in O(N)
+    # for the many-short-sequence batches of serving prefill, which run this on every call.
+    work = sum(-(-n // CHUNK) for n in lengths) * heads * v_blocks
+    if (OVERHEAD + MERGE_STEP + work / (sm_count * CTAS_PER_SM)) * MIN_GAIN > serial:
+        return 1
     best, best_cost = 1, serial
     for s in SPLITS[1:]:
         c = cost(lengths, heads, sm_count, s, v_blocks)

@@ -326,8 +326,11 @@ class _SerialPlan:
     signature does not fix (addresses, scalars, host cu_seqlens values) and launches."""
 
     def __init__(self, c: Checked, k1, k2, *, cu_seqlens, want_final, alloc_final, state_layout, init_flags,
-                 final_flags, device):
+                 final_flags, device, replan_split=False):
         self.c, self.device, self.want_final, self.alloc_final = c, device, want_final, alloc_final
+        # intracard_cp="auto" with host lengths: each call re-plans the split from its lengths
+        # (the signature does not fix them) and takes this plan while the answer is serial.
+        self.replan_split = replan_split
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
         self.slots = c.heads * total_slots
         geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
@@ -340,8 +343,20 @@ class _SerialPlan:
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
             "flags": init_flags | final_flags}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
+    def serial_for(self, cu_seqlens, cu_seqlens_cpu) -> tuple[bool, list | None]:
+        """(whether this call's lengths keep the serial path, the host cu_seqlens read for the
+        decision: checked when the signature checks them)."""
+        if not self.replan_split:
+            return True, None
+        c = self.c
+        host_cu = (_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len) if c.seqlens_checked
+                   else [int(x) for x in cu_seqlens_cpu.tolist()])
+        return _resolve_split("auto", c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, self.device) == 1, host_cu
+
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices):
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+        """One call's launches; ``host_cu``: the host cu_seqlens when the caller already read
+        (and, if the signature checks them, checked) them."""
         c, device = self.c, self.device
         lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
@@ -353,7 +368,7 @@ class _SerialPlan:
         xp = 0 if state_indices is None else state_indices.data_ptr()
         if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp) & 15 or op in (qp, kp, vp, gp) or fp in (qp, kp, vp, gp):
             _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices)
-        if c.seqlens_checked:
+        if c.seqlens_checked and host_cu is None:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
@@ -411,8 +426,10 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
     if plan is not None:
-        return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                        cu_seqlens, cu_seqlens_cpu, state_indices)
+        serial, host_cu = plan.serial_for(cu_seqlens, cu_seqlens_cpu)
+        if serial:
+            return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
 
     c = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
@@ -438,11 +455,14 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         if v_block is None:
             v_block = auto_v_block(heads, num_seqs, _sm_count(device))
         k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
+        # The serial decision is the signature's alone unless CP was planned from host lengths;
+        # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
+        fixed_decision = intracard_cp is False or c.host_cu is None or not varlen
         plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, want_final=want_final,
                            alloc_final=want_final and final_state is None, state_layout=state_layout,
-                           init_flags=init_flags, final_flags=final_flags, device=device)
-        # The serial decision is the signature's alone unless CP was planned from host lengths.
-        if key is not None and (intracard_cp is False or c.host_cu is None or not varlen):
+                           init_flags=init_flags, final_flags=final_flags, device=device,
+                           replan_split=not fixed_decision)
+        if key is not None and (fixed_decision or intracard_cp == "auto"):
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.clear()
             _PLANS[key] = plan

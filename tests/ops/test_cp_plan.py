@@ -57,6 +57,17 @@ def test_auto_is_deterministic_and_a_listed_split(lengths, heads):
     assert a == cp_plan.auto_split(lengths, heads, 132, 8) and a in cp_plan.SPLITS
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(1, 40000), min_size=1, max_size=40), st.sampled_from([1, 2, 4, 8, 16, 64, 96]),
+       st.sampled_from([4, 8]), st.sampled_from([66, 132]))
+def test_auto_shortcut_gives_the_full_searchs_answer(lengths, heads, v_blocks, sm_count):
+    # The full search, written out: the cheapest listed split, taken only if MIN_GAIN better.
+    costs = {s: cp_plan.cost(lengths, heads, sm_count, s, v_blocks) for s in cp_plan.SPLITS}
+    best = min(cp_plan.SPLITS, key=lambda s: (costs[s], s))
+    expected = best if costs[best] * cp_plan.MIN_GAIN <= costs[1] else 1
+    assert cp_plan.auto_split(lengths, heads, sm_count, v_blocks) == expected
+
+
 def test_segment_tables_link_prescan_merge_and_recurrence():
     cu = _cu([1024, 1, 300])
     plan = cp_plan.plan(cp_plan.sequences(1, cu[-1], cu), 4)

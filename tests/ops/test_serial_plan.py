@@ -134,5 +134,36 @@ def test_host_cu_seqlens_values_are_checked_on_every_call(recorder):
     with pytest.raises(KDAInputError, match="non-decreasing"):
         _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 50, 40], dtype=torch.int32), intracard_cp=False)
     assert len(prefill_module._PLANS) == 1
-    _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())  # "auto" planned from host lengths: not cached
-    assert len(prefill_module._PLANS) == 1
+    _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())  # "auto" with host lengths: a plan of its own
+    assert len(prefill_module._PLANS) == 2
+    with pytest.raises(KDAInputError, match="non-decreasing"):  # its cached path checks the values too
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 50, 40], dtype=torch.int32))
+
+
+def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, monkeypatch):
+    # 2 sequences of 4096 tokens in all at H4: [2048, 2048] stays serial, [16, 4080] splits.
+    x = standard_inputs(1, 4096, 4, seed=6)
+    serial_cu, split_cu = cu_seqlens_of([2048, 2048]), cu_seqlens_of([16, 4080])
+    assert prefill_module.planned_split([2048, 2048], 4, None) == 1
+    assert prefill_module.planned_split([16, 4080], 4, None) > 1
+    _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
+    plan = next(iter(prefill_module._PLANS.values()))
+    assert plan.replan_split and len(recorder.launches) == 2
+    validations = []
+    real_validate = prefill_module.validate
+    monkeypatch.setattr(prefill_module, "validate", lambda *a, **kw: validations.append(1) or real_validate(*a, **kw))
+    _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
+    assert not validations and len(recorder.launches) == 4  # the cached plan: K1, K2
+    # Same signature, lengths that the planner splits: the full path plans CP for them (stopped
+    # there: the CP launches need a GPU).
+    class Planned(Exception):
+        pass
+
+    def plan_spy(seqs, s_split):
+        raise Planned(s_split)
+
+    monkeypatch.setattr(prefill_module.cp_plan, "plan", plan_spy)
+    with pytest.raises(Planned) as planned:
+        _call(x, cu_seqlens=split_cu, cu_seqlens_cpu=split_cu.clone())
+    assert validations and planned.value.args[0] > 1
+    assert prefill_module._PLANS[next(iter(prefill_module._PLANS))] is plan
