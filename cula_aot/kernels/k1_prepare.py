@@ -102,8 +102,9 @@ def fragment_value(k_step: int, upper: int) -> int:
     return 2 * k_step + upper
 
 
-# Shared memory plan, in allocation order (bytes): the TMA-loaded q, k, g tiles (bf16 16×128
-# row-major) and their mbarrier, the norms' cross-warp partial sums (fp32 [q/k][row][warp]),
+# Shared memory plan, in allocation order (bytes): two load buffers of TMA-loaded q, k, g tiles
+# (bf16 16×128 row-major), their two mbarriers, s_info (each buffer's first token and valid
+# rows, from the producer), the norms' cross-warp partial sums (fp32 [q/k][row][warp]),
 # b (fp32[16]), the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one
 # 16-byte word per lane and value group), L and the Neumann ping-pong buffers.
 NORM_PARTIALS = 2 * CHUNK * WARPS

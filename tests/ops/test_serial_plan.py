@@ -94,6 +94,22 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert [launch[3] for launch in recorder.launches] == [False, True, False, True]
 
 
+def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
+    from cula_aot.specs import k1_grid
+
+    # One SM: 16 resident CTAs in K1_WAVES = 4 waves, so 56 tiles take 4 per CTA.
+    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 1)
+    heads = 4
+    x = standard_inputs(1, 200, heads, seed=9)
+    cu = cu_seqlens_of([90, 110])
+    _call(x, cu_seqlens=cu, intracard_cp=False)
+    k1, values, grid = recorder.values(0)
+    total_slots = (200 + 15 * 2) // 16
+    expected = k1_grid(total_slots, heads, 1)
+    assert expected["tiles_per_cta"] == 4
+    assert values["tiles_per_cta"] == 4 and grid == (expected["k1_ctas"], heads, 1) == (4, heads, 1)
+
+
 def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
     heads, T = 2, 33
     x = standard_inputs(1, T, heads, seed=3)
