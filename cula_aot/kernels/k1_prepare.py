@@ -252,6 +252,16 @@ def _input_tile(inputs: cute.Tensor, buffer, which: int) -> cute.Tensor:
     return cute.make_tensor(inputs.iterator + at, input_tile_layout())
 
 
+@cute.jit
+def _publish_tile(s_info: cute.Tensor, barriers: cute.Pointer, buffer, token0, rows, lane):
+    """Producer lane 0: the tile's (first token, valid rows) into ``s_info[buffer]``, then arm the
+    buffer's barrier for its loads (the arrive releases s_info to the threads that wait on it)."""
+    if lane == 0:
+        s_info[2 * buffer] = token0
+        s_info[2 * buffer + 1] = rows
+        cute.arch.mbarrier_arrive_and_expect_tx(barriers + buffer, 3 * IMAGE_BYTES)
+
+
 def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, buffer, barrier, token0, head):
     """Warp 0 (each TMA copy elects a lane): the q, k, g tiles of rows [token0, token0 + 16) of
     ``head`` into load buffer ``buffer``, completing on ``barrier`` (armed beforehand)."""
@@ -332,10 +342,7 @@ def k1_prepare_kernel(
             if b < count:
                 token0, rows, seq, base, next_base = _next_tile(
                     cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen)
-                if lane == 0:
-                    s_info[2 * b] = token0
-                    s_info[2 * b + 1] = rows
-                    cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
+                _publish_tile(s_info, load_barriers, b, token0, rows, lane)
                 _copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
 
     col0 = lane_columns(warp, lane)
@@ -388,10 +395,7 @@ def k1_prepare_kernel(
             if i + 2 < count:
                 next_token0, next_rows, seq, base, next_base = _next_tile(
                     cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen)
-                if lane == 0:
-                    s_info[2 * buffer] = next_token0
-                    s_info[2 * buffer + 1] = next_rows
-                    cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
+                _publish_tile(s_info, load_barriers, buffer, next_token0, next_rows, lane)
                 _copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
 
         if rows > 0:

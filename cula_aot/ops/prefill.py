@@ -121,6 +121,14 @@ def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_stat
             fail(f"{name} must not alias an input tensor")
 
 
+def _read_host_cu(cu_seqlens, cu_seqlens_cpu, checked: bool, total_tokens: int) -> list[int] | None:
+    """The host cu_seqlens values: checked (``_host_cu_seqlens``) when ``checked``, else read
+    unchecked from ``cu_seqlens_cpu`` when given (free to read; CP planning uses it), else None."""
+    if checked:
+        return _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens)
+    return None if cu_seqlens_cpu is None else [int(x) for x in cu_seqlens_cpu.tolist()]
+
+
 def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
     source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     values = [int(x) for x in source.tolist()]
@@ -215,10 +223,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
             fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
         seqlens_checked = _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu)
-        if seqlens_checked:
-            host_cu = _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, seq_len)
-        elif cu_seqlens_cpu is not None:  # unchecked, but free to read (CP planning uses it)
-            host_cu = [int(x) for x in cu_seqlens_cpu.tolist()]
+        host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, seqlens_checked, seq_len)
     elif cu_seqlens_cpu is not None:
         fail("cu_seqlens_cpu was given without cu_seqlens")
 
@@ -349,8 +354,7 @@ class _SerialPlan:
         if not self.replan_split:
             return True, None
         c = self.c
-        host_cu = (_host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len) if c.seqlens_checked
-                   else [int(x) for x in cu_seqlens_cpu.tolist()])
+        host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
         return _resolve_split("auto", c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, self.device) == 1, host_cu
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
