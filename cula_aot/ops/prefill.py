@@ -36,7 +36,7 @@ from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, M
                      segmented_k2_spec, segmented_v_block)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
-from .prepare import input_geometry, launch_prepare, plan_slots, workspace_values
+from .prepare import input_geometry, plan_slots
 from .prepare import sm_count as _sm_count
 from .workspace import ARENA, SEGMENT_TABLES
 
@@ -131,6 +131,10 @@ def _read_host_cu(cu_seqlens, cu_seqlens_cpu, checked: bool, total_tokens: int) 
 
 def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
     source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    # Here for validate and for the cached plans' per-call checks alike.
+    if source.is_cuda and torch.cuda.is_current_stream_capturing():
+        fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
+              "pass cu_seqlens_cpu, or check_seqlens='off'")
     values = [int(x) for x in source.tolist()]
     if cu_seqlens_cpu is not None and cu_seqlens.numel() != len(values):
         fail(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {cu_seqlens.numel()}")
@@ -167,10 +171,7 @@ def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
     if check_seqlens == "off":
         return False
     if check_seqlens == "host":
-        if cu_seqlens_cpu is None and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-            fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
-                  "pass cu_seqlens_cpu, or check_seqlens='off'")
-        return True
+        return True  # a device cu_seqlens is read (a sync) by _host_cu_seqlens, which refuses it under capture
     return cu_seqlens_cpu is not None or not cu_seqlens.is_cuda  # "auto": only when it costs no sync
 
 
@@ -325,42 +326,51 @@ DEPENDENT_LAUNCH = True
 _K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
 
 
-class _SerialPlan:
-    """The serial path for one call signature (shapes, strides, dtypes, devices and options):
-    validated kernels and launch templates, so a repeated call only re-checks what the
-    signature does not fix (addresses, scalars, host cu_seqlens values) and launches."""
+# The segmented K2's per-call parameters (pre_scan and recurrence rows alike) and the merge's.
+_SEGMENTED_DYNAMIC = (*_K2_DYNAMIC, "segments")
+_MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices")
 
-    def __init__(self, c: Checked, k1, k2, *, cu_seqlens, want_final, alloc_final, state_layout, init_flags,
-                 final_flags, device, replan_split=False):
-        self.c, self.device, self.want_final, self.alloc_final = c, device, want_final, alloc_final
-        # intracard_cp="auto" with host lengths: each call re-plans the split from its lengths
-        # (the signature does not fix them) and takes this plan while the answer is serial.
-        self.replan_split = replan_split
+
+class _Plan:
+    """What the serial and the CP plan of one call signature (shapes, strides, dtypes, devices
+    and options) share: the validated facts, K1's launch template, how a call's lengths pick its
+    plan, and the per-call checks and allocations the signature does not fix (addresses,
+    scalars, host cu_seqlens values)."""
+
+    def __init__(self, c: Checked, k1, *, cu_seqlens, alloc_final, device, intracard_cp, split):
+        self.c, self.device, self.alloc_final = c, device, alloc_final
+        # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
+        # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
+        # does not fix them).
+        self.intracard_cp, self.split = intracard_cp, split
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
         self.slots = c.heads * total_slots
-        geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
-        self.k1 = k1.template({**geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+        self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
+        self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
                                **k1_grid(total_slots, c.heads, _sm_count(device))}, _K1_DYNAMIC)
-        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-        self.k2 = k2.template({
-            **geometry, "segments": 0, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
-            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
-            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
-    def serial_for(self, cu_seqlens, cu_seqlens_cpu) -> tuple[bool, list | None]:
-        """(whether this call's lengths keep the serial path, the host cu_seqlens read for the
-        decision: checked when the signature checks them)."""
-        if not self.replan_split:
-            return True, None
+    def plan_for(self, key, cu_seqlens, cu_seqlens_cpu):
+        """(the cached plan for this call's lengths, None when there is none yet; the host
+        cu_seqlens read to choose it: checked when the signature checks them)."""
+        if self.split == 1:
+            return self, None
         c = self.c
-        host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
-        return _resolve_split("auto", c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, self.device) == 1, host_cu
+        host_cu = None
+        if self.split is None:
+            host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
+            s_split = _resolve_split(self.intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, self.device)
+        else:
+            s_split = self.split
+        if s_split == 1:
+            return (self if isinstance(self, _SerialPlan) else None), host_cu
+        return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
 
-    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
-        """One call's launches; ``host_cu``: the host cu_seqlens when the caller already read
-        (and, if the signature checks them, checked) them."""
+    def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+               cu_seqlens, cu_seqlens_cpu, state_indices, host_cu):
+        """One call's checks and allocations, before anything launches: (out, final_state, the
+        int32 device cu_seqlens to keep alive until the launches are issued, K1's dynamic values,
+        the K2 values of ``_K2_DYNAMIC``).  ``host_cu``: the host cu_seqlens when the caller already
+        read (and, if the signature checks them, checked) them."""
         c, device = self.c, self.device
         lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
@@ -380,24 +390,133 @@ class _SerialPlan:
         if self.alloc_final:
             final_state = torch.empty(c.num_seqs, c.heads, D, D, dtype=torch.float32, device=device)
             fp = final_state.data_ptr()
-        stream = _raw_stream(device)
         workspaces = ARENA.pointers(device, self.slots, stream)
         cu32 = None
         if cu_seqlens is not None:
             cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
                 cu_seqlens.to(device=device, dtype=torch.int32)
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
-        self.k1.launch((qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound), stream)
-        self.k2.launch((vp, op, ip, fp if self.want_final else 0, cu_ptr, xp, *workspaces), stream)
-        return out, (final_state if self.want_final else None)
+        return (out, final_state, cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound),
+                (vp, op, ip, fp, cu_ptr, xp, *workspaces))
 
 
-_PLANS: dict = {}
-_PLAN_LIMIT = 256  # signatures cached; cleared when full (a serving loop reuses a few)
+class _SerialPlan(_Plan):
+    """The serial path (K1, K2) for one call signature: launched from templates while the
+    call's lengths keep it serial."""
+
+    def __init__(self, c: Checked, k1, k2, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
+                 intracard_cp, split):
+        super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+        self.k2 = k2.template({
+            **self.geometry, "segments": 0, "v_row_stride": c.strides["v"],
+            "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
+            "flags": init_flags | final_flags}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+        stream = _raw_stream(self.device)
+        out, final_state, _cu32, k1_values, k2_values = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+        self.k1.launch(k1_values, stream)
+        self.k2.launch(k2_values, stream)
+        return out, final_state
+
+
+class _CPPlan(_Plan):
+    """The intracard-CP chain (K1, pre_scan, merge, segmented K2) for one call signature, one
+    set of lengths and one s_split: its segment plan and the four launch templates, so a
+    repeated call skips validation, planning, table building and descriptor encoding."""
+
+    def __init__(self, c: Checked, loader, k1, segments, s_split, *, cu_seqlens, alloc_final, state_layout, init_flags,
+                 final_flags, device, intracard_cp, split):
+        super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        heads, sm_count = c.heads, _sm_count(device)
+        n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
+        n_segments = self.n_segments = sum(len(seq) for seq in segments)
+        # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's
+        # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
+        # launch: an unbuilt head count fails before anything runs.
+        merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, c.num_seqs, sm_count)))
+        prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count),
+                                                          prescan=True))
+        recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
+        # One int32 buffer per plan: the pre_scan rows, the recurrence rows, then the per-sequence
+        # bounds (at a multiple of 32 bytes).
+        self.segments, self.final_flags = segments, final_flags
+        self.table_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
+                          final_flags)
+        row_bytes = 4 * SEGMENT_FIELDS
+        self.main_rows_at, self.bounds_at = row_bytes * n_prescan, row_bytes * (n_prescan + n_segments)
+        # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.  The
+        # transition pairs (M_i, B_i) and carries are fp32 [K, V] row-major per head.
+        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+        packed_slot = heads * D * D
+        k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
+                     "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1, "flags": 0}
+        self.prescan = prescan_k2.template({
+            **k2_common, "num_seqs": n_prescan, "final_slot_stride": packed_slot, "final_stride_k": D,
+            "final_stride_v": 1}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.merge = merge.template({
+            "num_seqs": c.num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride, "init_stride_k": stride_k,
+            "init_stride_v": stride_v, "flags": init_flags}, _MERGE_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.recurrence = recurrence_k2.template({
+            **k2_common, "num_seqs": n_segments, "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
+            "final_stride_k": stride_k, "final_stride_v": stride_v}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+
+    def _table_values(self) -> list[int]:
+        prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
+        return [v for row in prescan_rows + main_rows for v in row] + bounds
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+        c, device = self.c, self.device
+        torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
+        stream = torch_stream.cuda_stream
+        out, final_state, _cu32, k1_values, (vp, op, ip, fp, cu_ptr, xp, *workspaces) = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+        # The tables before any launch, so nothing on the GPU waits for Python between them.
+        # Looked up on every call, not held: the lookup records this call's stream and marks a
+        # table a capture uses, which is then never evicted.
+        table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
+        if table is None:
+            fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
+                  "call (same lengths) once before capturing, or pass intracard_cp=False")
+        rows = table.data_ptr()
+        # Transition pairs (M_i, B_i) and merged start states.
+        prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
+        carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
+        pp, cp = prescan.data_ptr(), carries.data_ptr()
+        self.k1.launch(k1_values, stream)
+        self.prescan.launch((vp, op, 0, pp, cu_ptr, xp, *workspaces, rows), stream)  # 0: identity starts
+        self.merge.launch((ip, pp, cp, rows + self.bounds_at, xp), stream)
+        self.recurrence.launch((vp, op, cp, fp, cu_ptr, xp, *workspaces, rows + self.main_rows_at), stream)
+        return out, final_state
+
+
+_PLANS: dict = {}  # signature → its serial or first CP plan; (signature, lengths, s_split) → CP plan
+_PLAN_LIMIT = 256  # plans cached; cleared when full (a serving loop reuses a few)
 
 
 def _signature(*tensors) -> tuple:
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _cp_key(key, host_cu, s_split) -> tuple:
+    """A CP plan's cache key: the call signature, the host cu_seqlens (None: fixed length) and the split."""
+    return key, None if host_cu is None else tuple(host_cu), s_split
+
+
+def _remember(key, plan) -> None:
+    if len(_PLANS) >= _PLAN_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = plan
 
 
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
@@ -430,8 +549,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
     if plan is not None:
-        serial, host_cu = plan.serial_for(cu_seqlens, cu_seqlens_cpu)
-        if serial:
+        plan, host_cu = plan.plan_for(key, cu_seqlens, cu_seqlens_cpu)
+        if plan is not None:
             return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
 
@@ -455,6 +574,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     init_flags = _state_flags(initial_state, "init", indexed)
     # An allocated final state is plain fp32; without want_final there is no final_state.
     final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else _state_flags(final_state, "final", indexed)
+    alloc_final = want_final and final_state is None
     if segments is None:
         if v_block is None:
             v_block = auto_v_block(heads, num_seqs, _sm_count(device))
@@ -462,77 +582,21 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         # The serial decision is the signature's alone unless CP was planned from host lengths;
         # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
         fixed_decision = intracard_cp is False or c.host_cu is None or not varlen
-        plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, want_final=want_final,
-                           alloc_final=want_final and final_state is None, state_layout=state_layout,
-                           init_flags=init_flags, final_flags=final_flags, device=device,
-                           replan_split=not fixed_decision)
+        plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, alloc_final=alloc_final, state_layout=state_layout,
+                           init_flags=init_flags, final_flags=final_flags, device=device, intracard_cp=intracard_cp,
+                           split=1 if fixed_decision else None)
         if key is not None and (fixed_decision or intracard_cp == "auto"):
-            if len(_PLANS) >= _PLAN_LIMIT:
-                _PLANS.clear()
-            _PLANS[key] = plan
+            _remember(key, plan)
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                        cu_seqlens, cu_seqlens_cpu, state_indices)
-    # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's V
-    # block for the pre_scan rows and for the recurrence rows.
-    sm_count = _sm_count(device)
-    merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, num_seqs, sm_count)))
-    n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
-    n_segments = sum(len(seq) for seq in segments)
-    n_rows = n_prescan + n_segments
-    prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count), prescan=True))
-    recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
-
-    if out is None:
-        out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
-        c.strides["out"] = heads * D
-    if want_final and final_state is None:
-        final_state = torch.empty(num_seqs, heads, D, D, dtype=torch.float32, device=device)
-        c.final_slot_stride = heads * D * D
-    torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
-    stream = torch_stream.cuda_stream
-    # The plan's tables first (cached per plan: built and uploaded once), so nothing on the GPU
-    # waits for Python between the launches.  One buffer: the segment rows, then the
-    # per-sequence bounds (at a multiple of 32 bytes).
-    plan_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
-                final_flags)
-
-    def table_values():
-        prescan_rows, main_rows, bounds = _segment_tables(segments, final_flags)
-        return [v for row in prescan_rows + main_rows for v in row] + bounds
-
-    uploaded = SEGMENT_TABLES.get(plan_key, table_values, device, torch_stream)
-    if uploaded is None:
-        fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
-              "call (same lengths) once before capturing, or pass intracard_cp=False")
-    table = uploaded[: n_rows * SEGMENT_FIELDS].view(n_rows, SEGMENT_FIELDS)
-    seq_segments = uploaded[n_rows * SEGMENT_FIELDS :]
-    _, common, _cu32 = workspace_values(device, c.batch, c.seq_len, heads, cu_seqlens, stream)
-    launch_prepare(k1, q, k, g, beta, A_log, dt_bias, lower_bound, c.scale, common, stream, c.strides)
-    # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.
-    stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    user_init = initial_state.data_ptr() if initial_state is not None else 0
-    user_indices = state_indices.data_ptr() if indexed else 0
-    k2_common = {**common, "v": v.data_ptr(), "out": out.data_ptr(), "state_indices": user_indices,
-                 "v_row_stride": c.strides["v"], "out_row_stride": c.strides["out"],
-                 "final_stride_k": stride_k, "final_stride_v": stride_v}
-
-    # Transition pairs (M_i, B_i) and merged start states, fp32 [K, V] row-major per head.
-    prescan = torch.empty(2 * n_segments, heads, D, D, dtype=torch.float32, device=device)
-    carries = torch.empty(n_segments, heads, D, D, dtype=torch.float32, device=device)
-    packed_slot = heads * D * D
-    row_bytes = table.element_size() * table.shape[1]
-    prescan_k2.launch({**k2_common, "segments": table.data_ptr(), "num_seqs": n_prescan,
-                       "initial_state": 0, "final_state": prescan.data_ptr(), "init_slot_stride": packed_slot,
-                       "init_stride_k": D, "init_stride_v": 1, "final_slot_stride": packed_slot,
-                       "final_stride_k": D, "final_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
-    merge.launch({"initial_state": user_init, "prescan": prescan.data_ptr(), "carries": carries.data_ptr(),
-                  "seq_segments": seq_segments.data_ptr(), "state_indices": user_indices,
-                  "num_seqs": num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride,
-                  "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags}, stream,
-                 dependent=DEPENDENT_LAUNCH)
-    recurrence_k2.launch({**k2_common, "segments": table.data_ptr() + row_bytes * n_prescan,
-                          "num_seqs": n_segments, "initial_state": carries.data_ptr(),
-                          "final_state": final_state.data_ptr() if want_final else 0,
-                          "init_slot_stride": packed_slot, "final_slot_stride": c.final_slot_stride,
-                          "init_stride_k": D, "init_stride_v": 1, "flags": 0}, stream, dependent=DEPENDENT_LAUNCH)
-    return out, (final_state if want_final else None)
+                        cu_seqlens, cu_seqlens_cpu, state_indices, c.host_cu)
+    # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its
+    # split from its lengths, a fixed-length one has them in the signature.
+    plan = _CPPlan(c, loader, k1, segments, s_split, cu_seqlens=cu_seqlens, alloc_final=alloc_final,
+                   state_layout=state_layout, init_flags=init_flags, final_flags=final_flags, device=device,
+                   intracard_cp=intracard_cp, split=None if varlen else s_split)
+    if key is not None:
+        _remember(_cp_key(key, c.host_cu, s_split), plan)
+        if key not in _PLANS:  # the signature's first plan: it reads later calls' lengths
+            _remember(key, plan)
+    return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                    cu_seqlens, cu_seqlens_cpu, state_indices, c.host_cu)

@@ -164,7 +164,7 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
     assert prefill_module.planned_split([16, 4080], 4, None) > 1
     _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
     plan = next(iter(prefill_module._PLANS.values()))
-    assert plan.replan_split and len(recorder.launches) == 2
+    assert plan.split is None and len(recorder.launches) == 2  # re-planned per call
     validations = []
     real_validate = prefill_module.validate
     monkeypatch.setattr(prefill_module, "validate", lambda *a, **kw: validations.append(1) or real_validate(*a, **kw))
