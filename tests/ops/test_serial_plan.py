@@ -1,8 +1,9 @@
-"""The serial fast path (``ops.prefill._SerialPlan``) on the CPU: a fake loader over the real
-manifest records captures the packed parameter buffers, so the launch values, the per-call
-re-checks and the plan cache are checked without a GPU."""
+"""The cached fast paths (``ops.prefill._SerialPlan``, ``_CPPlan``) on the CPU: a fake loader
+over the real manifest records captures the packed parameter buffers, so the launch values, the
+per-call re-checks and the plan cache are checked without a GPU."""
 
 import struct
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,3 +184,137 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
         _call(x, cu_seqlens=split_cu, cu_seqlens_cpu=split_cu.clone())
     assert validations and planned.value.args[0] > 1
     assert prefill_module._PLANS[next(iter(prefill_module._PLANS))] is plan
+
+
+class _Tables:
+    """SEGMENT_TABLES on the CPU: one int32 tensor per plan key, built once."""
+
+    def __init__(self):
+        self.entries = {}
+
+    def get(self, key, build, device, stream):
+        if key not in self.entries:
+            self.entries[key] = torch.tensor(build(), dtype=torch.int32)
+        return self.entries[key]
+
+
+@pytest.fixture
+def tables(recorder, monkeypatch):
+    """The CP path on the CPU: fake segment tables and a current stream of raw address 0."""
+    fake = _Tables()
+    monkeypatch.setattr(prefill_module, "SEGMENT_TABLES", fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    return fake
+
+
+@pytest.fixture
+def slow_path(monkeypatch):
+    """Counts the full path's validations and CP plannings."""
+    calls = {"validate": 0, "plan": 0}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    counting(prefill_module, "validate")
+    counting(prefill_module.cp_plan, "plan")
+    return calls
+
+
+# The CP chain's per-call scratch buffers (pre_scan transition pairs, merged carries), by launch.
+_SCRATCH = ({}, {"final_state"}, {"prescan", "carries"}, {"initial_state"})
+
+
+def _cp_launches(recorder, first):
+    """The four launches of one CP call from launch ``first``: (kernel name, grid, dependent,
+    values without the scratch pointers), after checking the scratch buffers link them."""
+    launches = [recorder.values(first + i) for i in range(4)]
+    (_, prescan, _), (_, merge, _), (_, recurrence, _) = launches[1:]
+    assert prescan["final_state"] == merge["prescan"] and merge["carries"] == recurrence["initial_state"]
+    return [(kernel.name, grid, recorder.launches[first + i][3],
+             {n: value for n, value in values.items() if n not in _SCRATCH[i]})
+            for i, (kernel, values, grid) in enumerate(launches)]
+
+
+_SPLIT, _OTHER_SPLIT, _SERIAL = [16, 4080], [32, 4064], [2048, 2048]  # 4096 tokens at H4: s_split 8, 8, 1
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["varlen", "fixed"])
+def test_repeated_cp_call_reuses_its_plan_and_packs_the_same_values(recorder, tables, slow_path, fixed):
+    heads = 4
+    x = standard_inputs(1, 8192 if fixed else 4096, heads, seed=11)
+    out, final = torch.empty_like(x["v"]), torch.zeros(1 if fixed else 2, heads, 128, 128)
+    cu = None if fixed else cu_seqlens_of(_SPLIT)
+    lengths = {} if fixed else {"cu_seqlens": cu, "cu_seqlens_cpu": cu.clone()}
+    _call(x, out=out, final_state=final, **lengths)
+    assert slow_path == {"validate": 1, "plan": 1} and len(tables.entries) == 1
+    _call(x, out=out, final_state=final, **lengths)
+    assert slow_path == {"validate": 1, "plan": 1} and len(tables.entries) == 1  # the cached plan
+    first, second = _cp_launches(recorder, 0), _cp_launches(recorder, 4)
+    assert len(recorder.launches) == 8 and first == second
+    names = [name for name, *_ in first]
+    assert names[0].startswith("k1_prepare") and names[2].startswith("cp_merge")
+    assert "prescan1" in names[1] and "segmented1_prescan0" in names[3]
+    assert [dependent for _, _, dependent, _ in first] == [False, True, True, True]
+    table = next(iter(tables.entries.values())).data_ptr()
+    assert first[1][3]["segments"] == table and first[3][3]["out"] == out.data_ptr()
+    assert first[3][3]["final_state"] == final.data_ptr()
+
+
+def test_new_lengths_plan_again_with_their_own_tables(recorder, tables, slow_path):
+    x = standard_inputs(1, 4096, 4, seed=12)
+    out = torch.empty_like(x["v"])
+    cus = {n: cu_seqlens_of(lengths) for n, lengths in enumerate((_SPLIT, _OTHER_SPLIT))}
+
+    def call(lengths):
+        cu = cus[lengths is _OTHER_SPLIT]
+        n = len(recorder.launches)
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), out=out)
+        return _cp_launches(recorder, n)
+
+    a = call(_SPLIT)
+    b = call(_OTHER_SPLIT)
+    assert slow_path == {"validate": 2, "plan": 2} and len(tables.entries) == 2
+    table_a, table_b = (t.data_ptr() for t in tables.entries.values())
+    assert a[1][3]["segments"] == table_a and b[1][3]["segments"] == table_b
+    want = prefill_module._segment_tables(prefill_module.cp_plan.plan(
+        prefill_module.cp_plan.sequences(1, 4096, [0, *_OTHER_SPLIT[:1], 4096]), 8), 0)
+    rows = [v for row in want[0] + want[1] for v in row] + want[2]
+    assert list(tables.entries.values())[1].tolist() == rows
+    # Both plans stay cached: the first lengths again are a hit on their own plan and table.
+    assert call(_SPLIT) == a and slow_path["validate"] == 2
+
+
+def test_cp_plan_hit_still_checks_scalars_and_addresses_before_launch(recorder, tables, slow_path):
+    x = standard_inputs(1, 4096, 4, seed=13)
+    cu, out = cu_seqlens_of(_SPLIT), torch.empty_like(x["v"])
+    _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), out=out)
+    n = len(recorder.launches)
+    with pytest.raises(KDAInputError, match="lower_bound must be in"):
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), out=out, lower_bound=0.5)
+    with pytest.raises(KDAInputError, match="out must not alias an input"):
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), out=x["q"])
+    with pytest.raises(KDAInputError, match="non-decreasing"):
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 4080, 16], dtype=torch.int32), out=out)
+    # Every rejection came from the cached plans' per-call checks, before any launch.
+    assert len(recorder.launches) == n and slow_path["validate"] == 1
+
+
+@pytest.mark.parametrize("order", [(_SPLIT, _SERIAL), (_SERIAL, _SPLIT)], ids=["cp_first", "serial_first"])
+def test_auto_switches_between_cached_serial_and_cp_plans(recorder, tables, slow_path, order):
+    x = standard_inputs(1, 4096, 4, seed=14)
+    kinds = []
+    for lengths in order * 3:
+        cu = cu_seqlens_of(lengths)
+        n = len(recorder.launches)
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())
+        kinds.append(len(recorder.launches) - n)
+    assert kinds == [4 if lengths is _SPLIT else 2 for lengths in order * 3]
+    # One full path per kind of lengths, then the cached serial and CP plans alternate.
+    assert slow_path == {"validate": 2, "plan": 1}
+    assert len(tables.entries) == 1
