@@ -537,8 +537,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     ``v_block``: V columns per serial K2 CTA (16, 32 or 64, as built); None picks 32 or 64 from
     the grid size (``specs.auto_v_block``).
 
-    The serial path of a call signature seen before skips the structural checks (they depend on
-    nothing else) and launches from cached templates (``_SerialPlan``)."""
+    A call signature seen before skips the structural checks (they depend on nothing else) and
+    launches from cached templates: the serial path (``_SerialPlan``), or the CP chain for lengths
+    and a split seen before (``_CPPlan``)."""
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
     try:
@@ -572,9 +573,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     indexed = state_indices is not None
     want_final = output_final_state or final_state is not None
     init_flags = _state_flags(initial_state, "init", indexed)
-    # An allocated final state is plain fp32; without want_final there is no final_state.
-    final_flags = FLAG_FINAL_STATE if (want_final and final_state is None) else _state_flags(final_state, "final", indexed)
     alloc_final = want_final and final_state is None
+    # An allocated final state is plain fp32; without want_final there is no final_state.
+    final_flags = FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed)
     if segments is None:
         if v_block is None:
             v_block = auto_v_block(heads, num_seqs, _sm_count(device))
