@@ -8,6 +8,7 @@ states may be fp32 or bf16, plain or pools indexed by ``state_indices``.
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -269,7 +270,14 @@ def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, dev
 def planned_split(lengths, heads: int, device) -> int:
     """The s_split ``intracard_cp="auto"`` takes for these host sequence lengths on ``device``
     (1 = serial)."""
-    return cp_plan.auto_split(lengths, heads, _sm_count(device), D // K2_SEGMENTED_V_BLOCK)
+    return _cached_split(tuple(lengths), heads, _sm_count(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_split(lengths: tuple, heads: int, sm_count: int) -> int:
+    # Eager "auto" calls re-plan from their lengths every time; a serving loop repeats a few
+    # length sets, and the full search costs ~50 µs for one long sequence.
+    return cp_plan.auto_split(lengths, heads, sm_count, D // K2_SEGMENTED_V_BLOCK)
 
 
 def _segment_row(seg, init_index, final_index, flags) -> list[int]:

@@ -318,3 +318,18 @@ def test_auto_switches_between_cached_serial_and_cp_plans(recorder, tables, slow
     # One full path per kind of lengths, then the cached serial and CP plans alternate.
     assert slow_path == {"validate": 2, "plan": 1}
     assert len(tables.entries) == 1
+
+
+def test_planned_split_searches_each_length_set_once(monkeypatch):
+    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
+    searches = []
+    real = prefill_module.cp_plan.auto_split
+    monkeypatch.setattr(prefill_module.cp_plan, "auto_split", lambda *a: searches.append(a) or real(*a))
+    prefill_module._cached_split.cache_clear()
+    first = prefill_module.planned_split([16, 4080], 4, None)
+    assert prefill_module.planned_split([16, 4080], 4, None) == first and len(searches) == 1
+    assert prefill_module.planned_split([2048, 2048], 4, None) == 1 and len(searches) == 2
+    # A different GPU (SM count) is a different answer, so a different entry.
+    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 66)
+    prefill_module.planned_split([16, 4080], 4, None)
+    assert len(searches) == 3
