@@ -273,10 +273,11 @@ def planned_split(lengths, heads: int, device) -> int:
     return _cached_split(tuple(lengths), heads, _sm_count(device))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _cached_split(lengths: tuple, heads: int, sm_count: int) -> int:
     # Eager "auto" calls re-plan from their lengths every time; a serving loop repeats a few
-    # length sets, and the full search costs ~50 µs for one long sequence.
+    # length sets, and the full search costs ~50 µs for one long sequence.  256 sets bound the
+    # memory (a key holds every length of its batch).
     return cp_plan.auto_split(lengths, heads, sm_count, D // K2_SEGMENTED_V_BLOCK)
 
 
