@@ -62,13 +62,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
-# (v_block, items) kernels timed per row.
-VARIANTS = ((32, 1), (32, 2), (32, 4))  # the built ones (specs.DECODE_VARIANTS)
+# Kernels timed per row: the token kernel's (v_block, items) and the chunk kernel's ("chunk",
+# warps), the built ones (specs.DECODE_VARIANTS, DECODE_CHUNK_WARPS).
+VARIANTS = ((32, 1), (32, 2), (32, 4))
+CHUNK_VARIANTS = (("chunk", 2), ("chunk", 4), ("chunk", 8))
 
 
 def variant_name(variant) -> str:
-    """"32x2": a (v_block, items) variant as the rows label it."""
-    return "x".join(map(str, variant))
+    """"32x2" for a (v_block, items) variant, "chunk4" for the chunk kernel with 4 warps."""
+    return f"chunk{variant[1]}" if variant[0] == "chunk" else "x".join(map(str, variant))
+
+
+def row_variants(dtype_name, tokens, layout) -> tuple:
+    """Every built kernel that can run a row without intermediate states."""
+    from cula_aot.ops.decode import chunk_applies
+
+    return VARIANTS + (CHUNK_VARIANTS if chunk_applies(tokens, dtype_name == "bf16", layout, False) else ())
 
 
 class Bench:
@@ -157,8 +166,11 @@ class Bench:
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
         from cula_aot.ops.decode import pick_variant
 
-        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16)
+        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16, self.args.layout)
         row["v_block"] = variant_name(chosen)
+        if tokens > 1:
+            row["inter_variant"] = variant_name(pick_variant(n, heads, tokens, dtype == torch.bfloat16,
+                                                             self.args.layout, intermediates=True))
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
         if self.fla is not None and self.args.mode != "ours":
@@ -185,7 +197,7 @@ class Bench:
             if n * heads >= self.args.variants_min_nh:
                 row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
                                                      self.time_replay(capture_graph(self.ours_call(x, variant=v))))
-                                   for v in VARIANTS}
+                                   for v in row_variants(dtype_name, tokens, self.args.layout)}
         self.rows.append(row)
         del x
         self.progress(row)
@@ -199,7 +211,7 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for v in VARIANTS:
+                        for v in row_variants(dtype_name, tokens, self.args.layout):
                             entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
@@ -281,7 +293,8 @@ def repick(result):
     from cula_aot.ops.decode import pick_variant
 
     for r in result["rows"]:
-        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16"))
+        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16",
+                                           r.get("layout", "vk")))
         if "ours_inter_ms" in r:
             r.setdefault("inter_variant", r["v_block"])
         if r.get("variants") and chosen in r["variants"]:

@@ -421,12 +421,54 @@ class DecodeSpec(KernelSpec):
         return decode_smem_bytes(self.v_block, self.items, self.bf16_state, tokens)
 
 
+# The tensor-core form of 2–4 decode tokens on bf16 "vk" pools (``kernels/decode_chunk.py``);
+# warps per CTA, each warp 16 V rows of one head.
+DECODE_CHUNK_MAX_TOKENS = 4
+DECODE_CHUNK_WARPS = (2, 4, 8)
+
+
+def decode_chunk_smem_bytes(warps: int) -> int:
+    """Dynamic shared memory of a chunk decode CTA: the per-token key vectors (α / ki, kd and qd,
+    A: four fp32 [4, 128]), P's bf16 hi / lo operands, K̃, G and the dot products, k̂·q̂ and b,
+    the warps' bf16 o staging, and alignment slack."""
+    tokens = DECODE_CHUNK_MAX_TOKENS
+    return 4 * tokens * 128 * 4 + 2 * 2 * tokens * 128 * 2 + tokens * 128 * 4 + (64 + 8 * tokens + 16 + 2 * tokens) * 4 \
+        + warps * tokens * 16 * 2 + 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChunkSpec(KernelSpec):
+    """KDA decode of 2–4 tokens on a bf16 pool with keys contiguous, on tensor cores: one CTA per
+    (16·warps V rows, head, sequence); same parameter list as ``DecodeSpec``."""
+
+    kernel: ClassVar[str] = "kda_decode_chunk"
+
+    heads: int
+    warps: int
+
+    @property
+    def params(self) -> tuple:
+        return tuple(dataclasses.replace(p, dtype="bf16") if p.dtype == "state" else p for p in DECODE_PARAMS)
+
+    @property
+    def grid(self) -> tuple:
+        return (128 // (16 * self.warps), "heads", "num_seqs")
+
+    @property
+    def block(self) -> tuple:
+        return (32 * self.warps, 1, 1)
+
+    def launch_smem_bytes(self, tokens: int) -> int:
+        return decode_chunk_smem_bytes(self.warps)
+
+
 def decode_specs(heads) -> list[KernelSpec]:
     """Every decode specialization for the given head counts (both layouts, both pool dtypes,
-    every ``DECODE_VARIANTS``)."""
+    every ``DECODE_VARIANTS``; the chunk form for every ``DECODE_CHUNK_WARPS``)."""
     return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
             for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
-            for vb, items in DECODE_VARIANTS]
+            for vb, items in DECODE_VARIANTS] + [
+        DecodeChunkSpec(heads=h, warps=w) for h in sorted(set(heads)) for w in DECODE_CHUNK_WARPS]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

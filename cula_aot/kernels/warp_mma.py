@@ -42,15 +42,22 @@ def ldmatrix_x4(smem_address, transpose: bool = False) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
 
 
+def _registers(first: int, count: int) -> str:
+    return "{" + ",".join(f"${first + i}" for i in range(count)) + "}"
+
+
 def _mma_f32_accumulate(shape_and_types: str, a: list, b: list, c: list) -> list:
-    """One ``mma.sync.aligned.<shape_and_types>`` with 4 A, 2 B and 4 fp32 C/D registers."""
+    """One ``mma.sync.aligned.<shape_and_types>`` with the given A and B b32 registers and 4 fp32
+    C/D registers."""
     operands = [x.ir_value() for x in a] + [x.ir_value() for x in b]
     operands += [cutlass.Float32(x).ir_value() for x in c]
+    na, nb = len(a), len(b)
     result = llvm.inline_asm(
         _struct(4, T.f32()),
         operands,
-        f"mma.sync.aligned.{shape_and_types} {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        f"mma.sync.aligned.{shape_and_types} {_registers(0, 4)}, {_registers(4, na)}, "
+        f"{_registers(4 + na, nb)}, {_registers(4 + na + nb, 4)};",
+        ",".join(["=f"] * 4 + ["r"] * (na + nb) + ["f"] * 4),
     )
     return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]
 
@@ -63,6 +70,12 @@ def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
 def mma_tf32_m16n8k8(a: list, b: list, c: list) -> list:
     """D = A·B + C on tensor cores: tf32 operands (4 + 2 registers from ``to_tf32``), fp32 (4)."""
     return _mma_f32_accumulate("m16n8k8.row.col.f32.tf32.tf32.f32", a, b, c)
+
+
+def mma_tf32_m16n8k4(a: list, b: list, c: list) -> list:
+    """D = A·B + C on tensor cores, k = 4: A (16×4) a0, a1 at (g, t), (g+8, t); B (4×8) b0 at
+    (k = t, n = g); C/D as above."""
+    return _mma_f32_accumulate("m16n8k4.row.col.f32.tf32.tf32.f32", a, b, c)
 
 
 def to_tf32(x):

@@ -10,7 +10,13 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..specs import DECODE_FLAG_INTERMEDIATE, DECODE_MAX_TOKENS, DecodeSpec
+from ..specs import (
+    DECODE_CHUNK_MAX_TOKENS,
+    DECODE_FLAG_INTERMEDIATE,
+    DECODE_MAX_TOKENS,
+    DecodeChunkSpec,
+    DecodeSpec,
+)
 from .checks import check_dtype_shape, check_scalars, fail
 from .prefill import STATE_LAYOUTS
 
@@ -21,6 +27,7 @@ _INT32_MAX = 2**31 - 1
 _PAIRED_MIN_HEADS = 256
 _STREAMING_MIN_HEADS = 1024  # bf16 T > 1: four items per CTA from here
 _LARGE_HEADS = 2048
+_CHUNK_WARPS = 4  # warps per chunk CTA (DECODE_CHUNK_WARPS)
 
 
 def _is_tensor(name, t):
@@ -185,10 +192,19 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple[int, int]:
-    """(v_block, items) of the kernel to launch, chosen from every variant timed per row on an
-    H200 (docs/PERFORMANCE.md "Decode", session 12: docs/bench/decode_session12.md):
+def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediates: bool) -> bool:
+    """The tensor-core chunk kernel serves 2–4 tokens on a bf16 "vk" pool without intermediate
+    states (``kernels/decode_chunk.py``)."""
+    return bf16_state and state_layout == "vk" and not intermediates and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS
 
+
+def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
+                 intermediates: bool = False) -> tuple:
+    """The kernel to launch: ``("chunk", warps)`` for the tensor-core chunk kernel, else the
+    token kernel's (v_block, items); chosen from every variant timed per row on an H200
+    (docs/PERFORMANCE.md "Decode"):
+
+    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel;
     * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
     * bf16 pools: two 32-row items per CTA (the second streams into shared memory while the
       first computes), and for T > 1 from N·H = 1024 four (a whole head per CTA, the next item
@@ -197,11 +213,22 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tu
 
     16-row items and 64-row single items or pairs lost everywhere: none is built."""
     nh = num_seqs * heads
+    if chunk_applies(tokens, bf16_state, state_layout, intermediates):
+        return ("chunk", _CHUNK_WARPS)
     if nh < _PAIRED_MIN_HEADS:
         return 32, 1
     if bf16_state:
         return (32, 4) if tokens > 1 and nh >= _STREAMING_MIN_HEADS else (32, 2)
     return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
+
+
+def variant_spec(variant: tuple, heads: int, bf16_state: bool, state_layout: str):
+    """The spec of a ``pick_variant`` result."""
+    if variant[0] == "chunk":
+        return DecodeChunkSpec(heads=heads, warps=variant[1])
+    v_block, items = variant
+    return DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
+                      items=items)
 
 
 def _aligned_down(t) -> tuple[int, int]:
@@ -214,7 +241,7 @@ def _aligned_down(t) -> tuple[int, int]:
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
            num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    ``variant``: (v_block, items) of a built DecodeSpec (default: ``pick_variant``).
+    ``variant``: ``("chunk", warps)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
@@ -223,9 +250,14 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         state_layout=state_layout, intermediate_states=intermediate_states)
     device = q.device
     bf16_state = state_pool.dtype == torch.bfloat16
-    v_block, items = pick_variant(num_seqs, heads, tokens, bf16_state) if variant is None else variant
-    spec = DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
-                      items=items)
+    intermediates = intermediate_states is not None
+    if variant is None:
+        variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates)
+    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates):
+        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' "
+             f"pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
+             f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None")
+    spec = variant_spec(variant, heads, bf16_state, state_layout)
     kernel = default_loader().get(device, spec)  # an unbuilt H fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)

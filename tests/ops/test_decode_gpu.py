@@ -12,7 +12,7 @@ import torch
 import cula_aot
 from cula_aot import reference
 from cula_aot.ops.decode import decode
-from cula_aot.specs import DECODE_VARIANTS
+from cula_aot.specs import DECODE_CHUNK_WARPS, DECODE_VARIANTS
 from tests.decode_helpers import decode_reference, from_pool_layout, fused_inputs, to_pool_layout
 from tests.helpers import fresh_seed, standard_inputs
 
@@ -131,6 +131,37 @@ def test_slow_decay_matches_float64_recurrence(variant, tokens):
                       label=f"slow decay variant={variant} T={tokens} {str(dtype)[6:]} {layout} inter={inter}")
 
 
+@pytest.mark.parametrize("warps", DECODE_CHUNK_WARPS)
+@pytest.mark.parametrize("tokens", [2, 3, 4])
+@pytest.mark.parametrize("slow_decay", [False, True])
+def test_chunk_kernel_matches_float64_recurrence(warps, tokens, slow_decay):
+    """The tensor-core chunk kernel (bf16 "vk" pools, 2–4 tokens, no intermediates) on every
+    built CTA size: padding rows of both kinds, a padded slot stride, one head and many heads."""
+    for n, heads, pad, padding in ((9, 8, 8, (2, 5)), (3, 64, 0, ()), (5, 1, 64, (0,))):
+        _run_case(n, tokens, heads, torch.bfloat16, "vk", pad=pad, padding=padding, variant=("chunk", warps),
+                  inter=False, slow_decay=slow_decay,
+                  label=f"chunk{warps} T={tokens} N={n} H={heads} slow={slow_decay}")
+
+
+def test_chunk_variant_refuses_what_it_cannot_run():
+    """An explicit chunk variant with intermediate states, a fp32 pool or T = 1 is rejected before
+    anything is written."""
+    x = fused_inputs(2, 2, 8, device="cuda", seed=0)
+    for dtype, tokens, inter in ((torch.bfloat16, 2, True), (torch.float32, 2, False), (torch.bfloat16, 1, False)):
+        y = {n: (t[:, :tokens] if n in ("q", "k", "v", "g", "beta") else t) for n, t in x.items()}
+        pool = _pool(2, 8, dtype, "vk")
+        before = pool.clone()
+        out = torch.full((2, tokens, 8, D), 7.0, device="cuda", dtype=torch.bfloat16)
+        buf = torch.full((2, tokens, 8, D, D), 3.0, device="cuda", dtype=dtype) if inter else None
+        with pytest.raises(ValueError, match="chunk kernel"):
+            decode(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
+                   lower_bound=y["lower_bound"], state_pool=pool, state_indices=torch.arange(2, dtype=torch.int32,
+                                                                                              device="cuda"),
+                   out=out, intermediate_states=buf, variant=("chunk", 4))
+        assert torch.equal(pool, before) and bool((out == 7.0).all())
+        assert buf is None or bool((buf == 3.0).all())
+
+
 def _plain_call(x, pool, indices, layout="vk", **kw):
     return cula_aot.kda_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                lower_bound=x["lower_bound"], state_pool=pool, state_indices=indices,
@@ -171,17 +202,19 @@ def test_several_calls_on_one_pool():
         assert torch.equal(pool[s], before[s])
 
 
-def test_bitwise_deterministic():
+@pytest.mark.parametrize("inter", [True, False])
+def test_bitwise_deterministic(inter):
+    """Both kernels of a bf16 "vk" pool at T = 4: the token kernel (intermediates) and the chunk kernel."""
     x = fused_inputs(40, 4, 16, device="cuda", seed=fresh_seed())
     pool = _pool(48, 16, torch.bfloat16, "vk", seed=1)
     indices = torch.randperm(48)[:40].to(torch.int32).cuda()
     results = []
     for _ in range(2):
         p = pool.clone()
-        inter = torch.empty(40, 4, 16, D, D, device="cuda", dtype=torch.bfloat16)
-        o = _plain_call(x, p, indices, intermediate_states=inter)
+        buf = torch.empty(40, 4, 16, D, D, device="cuda", dtype=torch.bfloat16) if inter else None
+        o = _plain_call(x, p, indices, intermediate_states=buf)
         torch.cuda.synchronize()
-        results.append((o.view(torch.int16), p.view(torch.int16), inter.view(torch.int16)))
+        results.append((o.view(torch.int16), p.view(torch.int16)) + ((buf.view(torch.int16),) if inter else ()))
     for first, second in zip(*results):
         assert torch.equal(first, second)
 
@@ -239,14 +272,16 @@ def test_prefill_then_decode_equals_one_prefill(layout, dtype):
     assert max(err_o, err_s, err_ref, err_ref_s) <= BOUND
 
 
-def test_cuda_graph_capture_and_replay_with_new_values():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_capture_and_replay_with_new_values(dtype):
+    """fp32 with intermediates (the token kernel), bf16 without (the chunk kernel)."""
     n, tokens, heads = 24, 2, 16
     seed = fresh_seed()
     x = fused_inputs(n, tokens, heads, device="cuda", seed=seed)
-    pool = _pool(n + 8, heads, torch.float32, "vk", seed=seed)
+    pool = _pool(n + 8, heads, dtype, "vk", seed=seed)
     indices = torch.randperm(n + 8)[:n].to(torch.int32).cuda()
     out = torch.empty(n, tokens, heads, D, device="cuda", dtype=torch.bfloat16)
-    inter = torch.empty(n, tokens, heads, D, D, device="cuda", dtype=torch.float32)
+    inter = torch.empty(n, tokens, heads, D, D, device="cuda", dtype=dtype) if dtype == torch.float32 else None
 
     def step():
         _plain_call(x, pool, indices, out=out, intermediate_states=inter)
@@ -266,7 +301,7 @@ def test_cuda_graph_capture_and_replay_with_new_values():
             x[name].copy_(fresh[name])
         indices.copy_(torch.randperm(n + 8)[:n].to(torch.int32))
         indices[3] = -1
-        pool.copy_(_pool(n + 8, heads, torch.float32, "vk", seed=seed + 20 + trial))
+        pool.copy_(_pool(n + 8, heads, dtype, "vk", seed=seed + 20 + trial))
         expect_pool = pool.clone()
         expect = _plain_call(x, expect_pool, indices)
         graph.replay()
@@ -274,7 +309,7 @@ def test_cuda_graph_capture_and_replay_with_new_values():
         assert torch.equal(out.view(torch.int16), expect.view(torch.int16)), f"replay {trial}: outputs differ"
         assert torch.equal(pool, expect_pool), f"replay {trial}: pool differs"
         valid = [i for i in range(n) if i != 3]
-        s0 = from_pool_layout(_pool(n + 8, heads, torch.float32, "vk", seed=seed + 20 + trial)[
+        s0 = from_pool_layout(_pool(n + 8, heads, dtype, "vk", seed=seed + 20 + trial)[
             indices[valid].long()].double(), "vk")
         ref_o, _ = decode_reference(**{k: x[k][valid] for k in ("q", "k", "v", "g", "beta")}, A_log=x["A_log"],
                                     dt_bias=x["dt_bias"], lower_bound=-5.0, initial_state=s0)

@@ -129,20 +129,24 @@ def test_runtime_never_imports_cutlass():
 
 
 def test_every_pick_is_a_built_kernel():
-    from cula_aot.ops.decode import pick_variant
-    from cula_aot.specs import DecodeSpec, default_specs
+    from cula_aot.ops.decode import pick_variant, variant_spec
+    from cula_aot.specs import DecodeChunkSpec, DecodeSpec, default_specs
 
-    built = {s.name for s in default_specs() if isinstance(s, DecodeSpec)}
+    built = {s.name for s in default_specs() if isinstance(s, (DecodeSpec, DecodeChunkSpec))}
     for n in (1, 3, 16, 64, 100, 256, 1024, 4096):
         for heads in (1, 4, 8, 64, 128):
             for tokens in (1, 2, 4, 8):
                 for bf16 in (False, True):
-                    v_block, items = pick_variant(n, heads, tokens, bf16)
-                    for kv in (False, True):
-                        spec = DecodeSpec(heads=heads, kv_layout=kv, bf16_state=bf16, v_block=v_block, items=items)
-                        assert spec.name in built
+                    for layout in ("vk", "kv"):
+                        for inter in (False, True):
+                            variant = pick_variant(n, heads, tokens, bf16, layout, inter)
+                            assert variant_spec(variant, heads, bf16, layout).name in built
     # latency-bound sizes get the most CTAs; large bf16 T > 1 calls stream four items per CTA
-    assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True) == (32, 4)
-    assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(8, 64, 4, True) == (32, 2)
-    assert pick_variant(16, 64, 4, True) == (32, 4)
+    assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True, "kv") == (32, 4)
+    assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(8, 64, 4, True, "kv") == (32, 2)
+    assert pick_variant(16, 64, 4, True, "vk", True) == (32, 4)
     assert pick_variant(1024, 64, 4, False) == (32, 1) and pick_variant(1024, 64, 1, False) == (32, 2)
+    # 2–4 tokens on a bf16 "vk" pool without intermediates: the tensor-core chunk kernel
+    for tokens in (2, 3, 4):
+        assert pick_variant(16, 64, tokens, True)[0] == "chunk"
+    assert pick_variant(16, 64, 5, True)[0] != "chunk" and pick_variant(16, 64, 4, False)[0] != "chunk"

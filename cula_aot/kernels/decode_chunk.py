@@ -1,0 +1,468 @@
+"""KDA decode of 2–4 tokens on a bf16 "vk" state pool, on tensor cores (the chunk form).
+
+What it computes: what ``decode.py`` computes (SPEC §10) for T = ``num_tokens`` ∈ {2, 3, 4}
+tokens of one sequence and head, the state S ``[V, K]`` (keys contiguous) in a bf16 pool,
+updated in place; no intermediate states (calls that ask for them run ``decode.py``).  With
+the decay deferred as there (A_t = α_0⋯α_t, kd_t = A_t⊙k̂_t, qd_t = A_t⊙q̂_t, ki_t = k̂_t/A_t),
+every dot product of every token is one of the *initial* state S_0 plus a T×T triangle:
+
+    P = S_0·[kd_0 qd_0 kd_1 qd_1 …]                                  (rows × 2T, tensor cores)
+    u_t = b_t·(v_t − P_kd,t − Σ_{s<t} (ki_s·kd_t)·u_s)          so   u = (v − P_kd)·W
+    o_t = scale·(P_qd,t + Σ_{s<t} (ki_s·qd_t)·u_s + (k̂_t·q̂_t)·u_t)  so   o = scale·(P_qd + (v − P_kd)·Z)
+    S_T = S_0·diag(A_{T−1}) + Σ_t u_t·(ki_t⊙A_{T−1})ᵀ                (a rank-T update, tensor cores)
+
+W and Z are per-head T×T matrices (forward substitution, once per CTA), so [u | o] of a row is
+one product [P_kd | P_qd | v]·G with a per-head G.  Per warp of 16 V rows that is 16 bf16 MMAs
+for P (the fp32 key vectors as bf16 hi + lo halves: S_0 is exact in bf16, so P is good to
+~2^-17), 5 tf32 MMAs for [u | o] (3xTF32 for P, v exact), 16 tf32 MMAs for the update (u as
+tf32 hi + lo, K̃ = ki⊙A_{T−1} rounded to tf32), one multiply per value for the decay: against
+three FMAs per state value and token in the token recurrence (``decode.py``).
+
+Fragments (``mma.sync``, ``warp_mma``).  Lane l = 4g + c of a warp holds V rows g and g + 8 of
+the warp's 16 and the physical keys ``key_of(c, p, e) = 32·(p // 4) + 8c + 2·(p % 4) + e`` (b32
+pairs p = 0..15, e = low / high half): four 16-byte vectors per row (the four lanes c of a row
+read 64 contiguous bytes per vector).  These registers are at once P's A fragments (k-step b:
+pairs 2b, 2b + 1; a dot product does not care how keys are ordered, so P's B operands follow
+the same map) and the update's C fragments (n-tile j: pair j).  Every map is a function here,
+checked on the CPU against the PTX fragment definitions (``tests/kernels/test_decode_chunk.py``).
+
+Per CTA: the slot index, the state vectors, v and the token inputs are issued first; the
+prologue (``decode.py``'s token preparation and deferred decay, in natural key order) runs while
+the state arrives; then the per-head operands: P's B fragments as bf16 hi / lo, K̃ in the
+update's B order, and G (warp 0: the 2·T(T−1)/2 dot products and the solve).  A padding row
+(slot < 0 or ≥ the pool) writes zeros to ``out`` and nothing else.
+
+Launch: grid (128 / (16·warps), H, N), block (32·warps, 1, 1), ``smem_bytes(warps)`` dynamic
+shared memory.  Compile-time: H, warps.  Runtime: ``decode.py``'s parameter list (``intermediate``
+and ``flags`` are not read; ``num_tokens`` must be 2..4: the host dispatches only those).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import D
+from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes
+from .common import butterfly_reduce_scatter, kept_start
+from .decode import _defer_decay, _token_loads, _token_prepare
+from .warp_mma import (
+    bf16_as_f32,
+    f32_bits,
+    mma_bf16_m16n8k16,
+    mma_tf32_m16n8k4,
+    mma_tf32_m16n8k8,
+    pack_bf16x2,
+    tf32_ready,
+    tf32_split,
+)
+
+WARP = 32
+ROWS = 16  # V rows per warp
+PAIRS = 16  # b32 pairs of state values per row and lane
+TOKENS = DECODE_CHUNK_MAX_TOKENS
+HALF = 16  # lanes per token in the prologue (decode.py's token preparation)
+P_COLUMNS = 2 * TOKENS  # P = S_0·[kd_0 qd_0 kd_1 qd_1 …]
+# The per-head dot products the triangle needs, in the order warp 0 reduces them: (kind, t, s)
+# = ki_s·kd_t (kind 0) or ki_s·qd_t (kind 1) for s < t; padded to a power of two.
+DOTS = [(kind, t, s) for t in range(1, TOKENS) for s in range(t) for kind in (0, 1)]
+DOT_SLOTS = 16
+
+
+def threads(warps: int) -> int:
+    return WARP * warps
+
+
+def smem_bytes(warps: int) -> int:
+    return decode_chunk_smem_bytes(warps)
+
+
+# ---- the fragment maps (plain integer functions: trace-time ints or dynamic Int32) -------------
+def key_of(c, p: int, e: int):
+    """Physical key of lane column c's pair p, half e (the same for both of its rows)."""
+    return 32 * (p // 4) + 8 * c + 2 * (p % 4) + e
+
+
+def p_column(n: int) -> tuple:
+    """(kind, token) of P's column n: kind 0 = kd, 1 = qd."""
+    return n % 2, n // 2
+
+
+def pb_chunk(m, n, c):
+    """16-byte chunk (8 bf16) of a P operand half holding column n at keys ``key_of(c, 4m ..
+    4m + 3, ·)``: a lane (g = n, c) reads chunks (m, g, c), and the eight lanes of a quarter
+    warp read eight consecutive chunks."""
+    return (m * P_COLUMNS + n) * 4 + c
+
+
+def pb_chunk_parts(chunk):
+    """(m, n, c) of a P operand chunk: the inverse of ``pb_chunk``."""
+    return chunk // (4 * P_COLUMNS), (chunk // 4) % P_COLUMNS, chunk % 4
+
+
+def kt_chunk_parts(chunk):
+    """(t, e, c_key, m) of the 4-value chunk at ``4·chunk`` of K̃: it holds K̃_t at keys
+    ``key_of(c_key, 4m + jj, e)``, jj = 0..3 (the inverse of ``kt_index``)."""
+    row = chunk // 4
+    t = (row // 2) % TOKENS
+    return t, row % 2, row // (2 * TOKENS), (chunk % 4) ^ t
+
+
+def kt_index(t, e, c_key, j: int):
+    """fp32 index of K̃_t at key ``key_of(c_key, j, e)`` (the update's B operand of n-tile j for
+    the lanes g = 2·c_key + e, token t = c): rows of 16 values, 16-byte chunks rotated by t so a
+    quarter warp (t = 0..3, e = 0/1) reads eight distinct bank groups."""
+    row = (c_key * TOKENS + t) * 2 + e
+    return row * 16 + 4 * ((j // 4) ^ t) + j % 4
+
+
+def g1_index(k: int, n):
+    """fp32 index of G's first k-step (k rows: P_kd,0..3 then P_qd,0..3; n = 2·token + (0: u, 1: o))."""
+    return k * 8 + n
+
+
+def g2_index(k, n):
+    """fp32 index of G's v rows (k = token)."""
+    return 64 + k * 8 + n
+
+
+class _NaturalKeys:
+    """decode.py's token preparation writes key k at position k here."""
+
+    kv = False
+
+    @staticmethod
+    def pos_of_key(key):
+        return key
+
+
+# ---- device helpers ---------------------------------------------------------------------------
+def _load_pairs(base_i32: cute.Pointer, offset, count: int) -> list:
+    """``count`` b32 words at ``base_i32 + offset`` (16-byte aligned, one vector load)."""
+    vec = cute.make_tensor(base_i32 + cute.assume(offset, divby=4), cute.make_layout(count)).load()
+    return [vec[e] for e in range(count)]
+
+
+def _smem_f32(array: cute.Tensor, at, count: int) -> list:
+    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=4), cute.make_layout(count)).load()
+    return [vec[e] for e in range(count)]
+
+
+def _store_words(dst: cute.Pointer, offset, words: list):
+    frag = cute.make_rmem_tensor(cute.make_layout(len(words)), cutlass.Int32)
+    for e, w in enumerate(words):
+        frag[e] = w
+    cute.make_tensor(dst + cute.assume(offset, divby=4), cute.make_layout(len(words))).store(frag.load())
+
+
+def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, workers: int):
+    """P's B operands: column n's fp32 key vector (zero for tokens ≥ T) as bf16 hi and lo halves,
+    hi at ``pb_chunk``, lo a whole half (P_COLUMNS·128 bf16) later; ``workers`` threads."""
+    for i in range(4 * P_COLUMNS * 4 // workers):
+        chunk = tid + i * workers
+        m, n, c = pb_chunk_parts(chunk)
+        kind, t = p_column(n)
+        src = _smem_f32(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
+        hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        lo = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        for e in range(8):
+            x = cutlass.Float32(cutlass.select_(t < num_tokens, src[e], cutlass.Float32(0.0)))
+            high = x.to(cutlass.BFloat16).to(cutlass.Float32)
+            hi[e] = high
+            lo[e] = x - high
+        for half, values in ((0, hi), (1, lo)):
+            at = half * P_COLUMNS * D + chunk * 8
+            cute.make_tensor(s_pb.iterator + cute.assume(at, divby=8), cute.make_layout(8)).store(
+                values.load().to(cutlass.BFloat16))
+
+
+def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor, num_tokens, tid,
+                           workers: int):
+    """K̃_t = ki_t⊙A_{T−1} (zero for tokens ≥ T), rounded for tf32, in ``kt_index`` order: 4-value
+    chunks (row, physical chunk) = (tid + i·workers) // 4, % 4."""
+    last = (num_tokens - 1) * D
+    for i in range(TOKENS * D // 4 // workers):
+        chunk = tid + i * workers
+        t, e, c_key, m = kt_chunk_parts(chunk)
+        vals = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+        for jj in range(4):
+            key = key_of(c_key, 4 * m + jj, e)
+            x = s_kinv[t * D + key] * s_decay[last + key]
+            vals[jj] = tf32_ready(cutlass.select_(t < num_tokens, x, cutlass.Float32(0.0)))
+        cute.make_tensor(s_kt.iterator + cute.assume(chunk * 4, divby=4), cute.make_layout(4)).store(vals.load())
+
+
+def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane):
+    """Warp 0's share of G: the per-head dot products ``DOTS`` (lane l sums keys 4l .. 4l + 3,
+    then a reduce-scatter over the warp); returns the total lane l holds, that of
+    ``DOTS[kept_start(l, DOT_SLOTS, 5)]`` (slots past ``len(DOTS)`` are zero)."""
+    ki = [_smem_f32(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
+    partial = []
+    for kind, t, s in DOTS:
+        other = _smem_f32(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
+        acc = cutlass.Float32(0.0)
+        for e in range(4):
+            acc = acc + ki[s][e] * other[e]
+        partial.append((acc,))
+    partial += [(cutlass.Float32(0.0),)] * (DOT_SLOTS - len(DOTS))
+    return butterfly_reduce_scatter(partial, lane, [1, 2, 4, 8, 16])[0][0]
+
+
+def _solve_g(s_kq: cute.Tensor, s_b: cute.Tensor, s_dots: cute.Tensor, s_g: cute.Tensor, num_tokens, i, scale):
+    """Lane i < TOKENS: row i of W and Z (the response of u and of o/scale to x = v − P_kd = e_i,
+    by forward substitution; tokens ≥ T have b = 0, so their u is 0), written as G's rows P_kd,i,
+    P_qd,i and v_i.  Entries of tokens ≥ T are selected away before use (the prologue never
+    wrote them)."""
+    zero = cutlass.Float32(0.0)
+
+    def live(t, x):
+        return cutlass.Float32(cutlass.select_(t < num_tokens, x, zero))
+
+    b = [live(t, s_b[t]) for t in range(TOKENS)]
+    kq = [live(t, s_kq[t]) for t in range(TOKENS)]
+    dots = {key: live(key[1], s_dots[n]) for n, key in enumerate(DOTS)}
+    w = []
+    for t in range(TOKENS):
+        acc = cutlass.Float32(cutlass.select_(i == t, cutlass.Float32(1.0), zero))
+        for s in range(t):
+            acc = acc - dots[(0, t, s)] * w[s]
+        w.append(b[t] * acc)
+    for t in range(TOKENS):
+        z = kq[t] * w[t]
+        for s in range(t):
+            z = z + dots[(1, t, s)] * w[s]
+        sz = scale * z
+        s_g[g1_index(i, 2 * t)] = -w[t]
+        s_g[g1_index(i, 2 * t + 1)] = -sz
+        s_g[g1_index(i + TOKENS, 2 * t)] = zero
+        s_g[g1_index(i + TOKENS, 2 * t + 1)] = cutlass.Float32(cutlass.select_(i == t, scale, zero))
+        s_g[g2_index(i, 2 * t)] = w[t]
+        s_g[g2_index(i, 2 * t + 1)] = sz
+
+
+@cute.kernel
+def kda_decode_chunk_kernel(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    heads: cutlass.Constexpr[int],
+    warps: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    vblk, head, seq = cute.arch.block_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+    gl = lane // 4  # fragment row group
+    cl = lane % 4  # fragment column (thread in group)
+    n_threads = threads(warps)
+    row0 = vblk * (ROWS * warps) + warp * ROWS  # this warp's first V row
+    n64 = cutlass.Int64(seq)
+
+    smem = cutlass.utils.SmemAllocator()
+    # decode.py's per-token arrays in natural key order: α (then ki), k̂ and q̂ (then kd, qd:
+    # one [2, T, 128] array), A.
+    s_kinv = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+    s_kdqd = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * TOKENS * D), 16)
+    s_decay = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+    s_pb = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * P_COLUMNS * D), 16)
+    s_kt = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+    s_g = smem.allocate_tensor(cutlass.Float32, cute.make_layout(64 + 8 * TOKENS), 16)
+    s_dots = smem.allocate_tensor(cutlass.Float32, cute.make_layout(DOT_SLOTS), 16)
+    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
+    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
+    s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(warps * TOKENS * ROWS), 16)
+    s_khat = cute.make_tensor(s_kdqd.iterator, cute.make_layout(TOKENS * D))
+    s_qhat = cute.make_tensor(s_kdqd.iterator + TOKENS * D, cute.make_layout(TOKENS * D))
+
+    slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
+    hl = tid % HALF
+    t0 = cutlass.min(tid // HALF, num_tokens - 1)  # 2·warps ≥ TOKENS half-warps: one round
+    inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                          n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+                          n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+                          n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+                          cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
+                          + head, head)
+    # v of token c (this lane's u / o column) for rows g, g + 8; zero past the last token.
+    v_token = cutlass.min(cl, num_tokens - 1)
+    v_at = n64 * v_stride_n + cutlass.Int64(v_token) * v_stride_t + head * D + row0 + gl
+    v_lo = cute.make_tensor(v + v_at, cute.make_layout(1))[0].to(cutlass.Float32)
+    v_hi = cute.make_tensor(v + v_at + 8, cute.make_layout(1))[0].to(cutlass.Float32)
+
+    state = cute.make_rmem_tensor(cute.make_layout(2 * PAIRS), cutlass.Int32)  # [row g pairs, row g + 8 pairs]
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
+        head_at = cutlass.Int64(slot) * cutlass.Int64(slot_stride) + cutlass.Int64(head) * (D * D)
+        pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
+        for r in cutlass.range_constexpr(2):
+            for m in cutlass.range_constexpr(4):
+                words = _load_pairs(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl, 4)
+                for e in cutlass.range_constexpr(4):
+                    state[r * PAIRS + 4 * m + e] = words[e]
+
+    # ---- prologue, overlapping the state loads -------------------------------------------------
+    _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    cute.arch.sync_threads()
+    workers = min(n_threads, D)  # the per-key passes below have 128 work items
+    if tid < workers:
+        _defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, workers)
+    cute.arch.sync_threads()
+    if tid < workers:
+        _build_p_operands(s_kdqd, s_pb, num_tokens, tid, workers)
+        _build_update_operands(s_kinv, s_decay, s_kt, num_tokens, tid, workers)
+    if warp == 0:
+        total = _reduce_dots(s_kinv, s_kdqd, lane)
+        if lane < DOT_SLOTS:
+            s_dots[kept_start(lane, DOT_SLOTS, 5)] = total
+        cute.arch.sync_warp()
+        if lane < TOKENS:
+            _solve_g(s_kq, s_b, s_dots, s_g, num_tokens, lane, scale)
+    cute.arch.sync_threads()
+
+    out_lane_token = lane // 2  # lanes 0 .. 2T − 1 store the warp's outputs: token, 8-row half
+    out_at = (n64 * out_stride_n + cutlass.Int64(out_lane_token) * out_stride_t + head * D + row0
+              + 8 * (lane % 2))
+    if seq < num_seqs and slot >= 0 and slot < num_slots:
+        # P = S_0·[kd | qd] as hi + lo halves, two accumulators (two short chains).
+        pb_words = cute.recast_ptr(s_pb.iterator, dtype=cutlass.Int32)
+        acc_hi = [cutlass.Float32(0.0)] * 4
+        acc_lo = [cutlass.Float32(0.0)] * 4
+        for m in cutlass.range_constexpr(4):
+            b_hi = _load_pairs(pb_words, pb_chunk(m, gl, cl) * 4, 4)
+            b_lo = _load_pairs(pb_words, (P_COLUMNS * D) // 2 + pb_chunk(m, gl, cl) * 4, 4)
+            for half in cutlass.range_constexpr(2):
+                p = 4 * m + 2 * half  # k-step 2m + half: pairs p, p + 1
+                a = [state[p], state[PAIRS + p], state[p + 1], state[PAIRS + p + 1]]
+                acc_hi = mma_bf16_m16n8k16(a, [b_hi[2 * half], b_hi[2 * half + 1]], acc_hi)
+                acc_lo = mma_bf16_m16n8k16(a, [b_lo[2 * half], b_lo[2 * half + 1]], acc_lo)
+        pk_g, pq_g, pk_g8, pq_g8 = [acc_hi[i] + acc_lo[i] for i in range(4)]
+        # [u | o] = [P_kd | P_qd]·G1 + v·G2 (tf32: 3xTF32 for P, v is exact).
+        a_parts = [tf32_split(x) for x in (pk_g, pk_g8, pq_g, pq_g8)]
+        b_parts = [tf32_split(s_g[g1_index(cl, gl)]), tf32_split(s_g[g1_index(cl + TOKENS, gl)])]
+        a_hi = [x[0] for x in a_parts]
+        a_lo = [x[1] for x in a_parts]
+        b_hi = [x[0] for x in b_parts]
+        b_lo = [x[1] for x in b_parts]
+        zero4 = [cutlass.Float32(0.0)] * 4
+        uo = mma_tf32_m16n8k8(a_lo, b_hi, zero4)
+        uo = mma_tf32_m16n8k8(a_hi, b_lo, uo)
+        uo = mma_tf32_m16n8k8(a_hi, b_hi, uo)
+        v_words = [f32_bits(cutlass.select_(cl < num_tokens, x, cutlass.Float32(0.0))) for x in (v_lo, v_hi)]
+        g2_hi, g2_lo = tf32_split(s_g[g2_index(cl, gl)])
+        uo = mma_tf32_m16n8k4(v_words, [g2_lo], uo)
+        uo = mma_tf32_m16n8k4(v_words, [g2_hi], uo)
+        u_g, o_g, u_g8, o_g8 = uo
+        # o of token c, rows g and g + 8, staged per warp for 16-byte stores.
+        o_base = (warp * TOKENS + cl) * ROWS
+        s_o[o_base + gl] = o_g.to(cutlass.BFloat16)
+        s_o[o_base + gl + 8] = o_g8.to(cutlass.BFloat16)
+        # The rank-T update on the decayed state: n-tile j is pair j of both rows.
+        uh_g, ul_g = tf32_split(u_g)
+        uh_g8, ul_g8 = tf32_split(u_g8)
+        a_u = [uh_g, uh_g8, ul_g, ul_g8]
+        last = (num_tokens - 1) * D
+        for m in cutlass.range_constexpr(4):
+            decay = _smem_f32(s_decay, last + 32 * m + 8 * cl, 8)
+            kt = _smem_f32(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
+            for jj in cutlass.range_constexpr(4):
+                j = 4 * m + jj
+                kb = f32_bits(kt[jj])
+                c_frag = [bf16_as_f32(state[j], False) * decay[2 * jj], bf16_as_f32(state[j], True) * decay[2 * jj + 1],
+                          bf16_as_f32(state[PAIRS + j], False) * decay[2 * jj],
+                          bf16_as_f32(state[PAIRS + j], True) * decay[2 * jj + 1]]
+                new = mma_tf32_m16n8k8(a_u, [kb, kb], c_frag)
+                state[j] = pack_bf16x2(new[0], new[1])
+                state[PAIRS + j] = pack_bf16x2(new[2], new[3])
+        head_at = cutlass.Int64(slot) * cutlass.Int64(slot_stride) + cutlass.Int64(head) * (D * D)
+        pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
+        for r in cutlass.range_constexpr(2):
+            for m in cutlass.range_constexpr(4):
+                _store_words(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl,
+                             [state[r * PAIRS + 4 * m + e] for e in range(4)])
+        cute.arch.sync_warp()
+        if lane < 2 * num_tokens:
+            staged = cute.make_tensor(s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS
+                                                                 + 8 * (lane % 2), divby=8), cute.make_layout(8))
+            cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(staged.load())
+    else:
+        # Padding row: zeros out, nothing else.
+        if seq < num_seqs and lane < 2 * num_tokens:
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            frag.fill(0.0)
+            cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16))
+
+
+@cute.jit
+def kda_decode_chunk_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    v: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    state_indices: cute.Pointer,
+    state_pool: cute.Pointer,
+    intermediate: cute.Pointer,
+    out: cute.Pointer,
+    num_seqs: cutlass.Int32,
+    num_tokens: cutlass.Int32,
+    num_slots: cutlass.Int32,
+    slot_stride: cutlass.Int32,
+    q_stride_n: cutlass.Int32,
+    q_stride_t: cutlass.Int32,
+    k_stride_n: cutlass.Int32,
+    k_stride_t: cutlass.Int32,
+    v_stride_n: cutlass.Int32,
+    v_stride_t: cutlass.Int32,
+    g_stride_n: cutlass.Int32,
+    g_stride_t: cutlass.Int32,
+    beta_stride_n: cutlass.Int32,
+    beta_stride_t: cutlass.Int32,
+    beta_offset: cutlass.Int32,
+    index_offset: cutlass.Int32,
+    out_stride_n: cutlass.Int32,
+    out_stride_t: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
+    stream,
+    heads: cutlass.Constexpr[int],
+    warps: cutlass.Constexpr[int],
+):
+    kda_decode_chunk_kernel(
+        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
+        num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
+        v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
+        index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
+        heads, warps,
+    ).launch(grid=[D // (ROWS * warps), heads, num_seqs], block=[threads(warps), 1, 1],
+             smem=smem_bytes(warps), stream=stream)
