@@ -5,9 +5,9 @@ import importlib.metadata
 
 from cula_aot.compiler.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
-from cula_aot.specs import ARCH, DEFAULT_HEADS, DecodeSpec, K1Spec, K2Spec, MergeSpec, abi_layout, default_specs
+from cula_aot.specs import ARCH, DEFAULT_HEADS, DecodeChunkSpec, DecodeSpec, K1Spec, K2Spec, MergeSpec, abi_layout, default_specs
 
-SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, MergeSpec, DecodeSpec)}
+SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
 
 
 def test_schema_and_toolchain(manifest):
