@@ -63,14 +63,14 @@ LOWER_BOUND = -5.0
 D = 128
 FLUSH_BYTES = 256 << 20
 # Kernels timed per row: the token kernel's (v_block, items) and the chunk kernel's ("chunk",
-# warps), the built ones (specs.DECODE_VARIANTS, DECODE_CHUNK_WARPS).
+# warps, items), the built ones (specs.DECODE_VARIANTS, DECODE_CHUNK_VARIANTS).
 VARIANTS = ((32, 1), (32, 2), (32, 4))
-CHUNK_VARIANTS = (("chunk", 2), ("chunk", 4), ("chunk", 8))
+CHUNK_VARIANTS = (("chunk", 4, 1), ("chunk", 2, 2), ("chunk", 4, 2), ("chunk", 2, 4), ("chunk", 8, 1))
 
 
 def variant_name(variant) -> str:
-    """"32x2" for a (v_block, items) variant, "chunk4" for the chunk kernel with 4 warps."""
-    return f"chunk{variant[1]}" if variant[0] == "chunk" else "x".join(map(str, variant))
+    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items)."""
+    return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
 
 
 def row_variants(dtype_name, tokens, layout) -> tuple:

@@ -19,11 +19,11 @@ from cula_aot.ops.decode import decode
 
 
 def parse_variant(name):
-    """"32x2" → (32, 2), "chunk4" → ("chunk", 4) (``bench_decode.variant_name`` inverted)."""
+    """"32x2" → (32, 2), "chunk4x2" → ("chunk", 4, 2) (``bench_decode.variant_name`` inverted)."""
     if name is None:
         return None
     if name.startswith("chunk"):
-        return ("chunk", int(name[len("chunk"):]))
+        return ("chunk", *map(int, name[len("chunk"):].split("x")))
     return tuple(map(int, name.split("x")))
 
 
@@ -34,7 +34,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=4)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--variant", default=None, help="e.g. 32x2 or chunk4 (default: pick_variant)")
+    parser.add_argument("--variant", default=None, help="e.g. 32x2 or chunk4x2 (default: pick_variant)")
     args = parser.parse_args()
     n, t, h = args.seqs, args.tokens, args.heads
     gen = torch.Generator(device="cuda").manual_seed(0)

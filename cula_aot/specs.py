@@ -424,27 +424,34 @@ class DecodeSpec(KernelSpec):
 # The tensor-core form of 2–4 decode tokens on bf16 "vk" pools (``kernels/decode_chunk.py``);
 # warps per CTA, each warp 16 V rows of one head.
 DECODE_CHUNK_MAX_TOKENS = 4
-DECODE_CHUNK_WARPS = (2, 4, 8)
+DECODE_CHUNK_VARIANTS = ((4, 1), (2, 2), (4, 2), (2, 4), (8, 1))  # (warps, items)
 
 
-def decode_chunk_smem_bytes(warps: int) -> int:
+def decode_chunk_stage_bytes(warps: int, items: int) -> int:
+    """A chunk CTA's stage for the next item's state (its 16·warps rows in bf16), or a placeholder."""
+    return warps * 16 * 128 * 2 if items > 1 else 16
+
+
+def decode_chunk_smem_bytes(warps: int, items: int) -> int:
     """Dynamic shared memory of a chunk decode CTA: the per-token key vectors (α / ki, kd and qd,
     A: four fp32 [4, 128]), P's bf16 hi / lo operands, K̃, G and the dot products, k̂·q̂ and b,
-    the warps' bf16 o staging, and alignment slack."""
+    the warps' bf16 o staging, the next item's stage, and alignment slack."""
     tokens = DECODE_CHUNK_MAX_TOKENS
-    return 4 * tokens * 128 * 4 + 2 * 2 * tokens * 128 * 2 + tokens * 128 * 4 + (64 + 8 * tokens + 16 + 2 * tokens) * 4 \
-        + warps * tokens * 16 * 2 + 128
+    return (4 * tokens * 128 * 4 + 2 * 2 * tokens * 128 * 2 + tokens * 128 * 4 + (64 + 8 * tokens + 16 + 2 * tokens) * 4
+            + warps * tokens * 16 * 2 + decode_chunk_stage_bytes(warps, items) + 256)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeChunkSpec(KernelSpec):
     """KDA decode of 2–4 tokens on a bf16 pool with keys contiguous, on tensor cores: one CTA per
-    (16·warps V rows, head, sequence); same parameter list as ``DecodeSpec``."""
+    (``items`` blocks of 16·warps V rows, head, sequence), the next block's state streaming into
+    shared memory while the current one computes; same parameter list as ``DecodeSpec``."""
 
     kernel: ClassVar[str] = "kda_decode_chunk"
 
     heads: int
     warps: int
+    items: int = 1
 
     @property
     def params(self) -> tuple:
@@ -452,23 +459,23 @@ class DecodeChunkSpec(KernelSpec):
 
     @property
     def grid(self) -> tuple:
-        return (128 // (16 * self.warps), "heads", "num_seqs")
+        return (128 // (16 * self.warps * self.items), "heads", "num_seqs")
 
     @property
     def block(self) -> tuple:
         return (32 * self.warps, 1, 1)
 
     def launch_smem_bytes(self, tokens: int) -> int:
-        return decode_chunk_smem_bytes(self.warps)
+        return decode_chunk_smem_bytes(self.warps, self.items)
 
 
 def decode_specs(heads) -> list[KernelSpec]:
     """Every decode specialization for the given head counts (both layouts, both pool dtypes,
-    every ``DECODE_VARIANTS``; the chunk form for every ``DECODE_CHUNK_WARPS``)."""
+    every ``DECODE_VARIANTS``; the chunk form for every ``DECODE_CHUNK_VARIANTS``)."""
     return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
             for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
             for vb, items in DECODE_VARIANTS] + [
-        DecodeChunkSpec(heads=h, warps=w) for h in sorted(set(heads)) for w in DECODE_CHUNK_WARPS]
+        DecodeChunkSpec(heads=h, warps=w, items=i) for h in sorted(set(heads)) for w, i in DECODE_CHUNK_VARIANTS]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

@@ -18,7 +18,7 @@ _KERNELS = {
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state)),
     "kda_decode_chunk": (decode_chunk.kda_decode_chunk_launch, decode_chunk.kda_decode_chunk_kernel,
-                         lambda spec: decode_chunk.smem_bytes(spec.warps)),
+                         lambda spec: decode_chunk.smem_bytes(spec.warps, spec.items)),
 }
 
 

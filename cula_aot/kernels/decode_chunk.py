@@ -41,11 +41,12 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import D
-from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes
+from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
 from .common import butterfly_reduce_scatter, kept_start
 from .decode import _defer_decay, _token_loads, _token_prepare
 from .warp_mma import (
     bf16_as_f32,
+    cp_async_16,
     f32_bits,
     mma_bf16_m16n8k16,
     mma_tf32_m16n8k4,
@@ -71,8 +72,8 @@ def threads(warps: int) -> int:
     return WARP * warps
 
 
-def smem_bytes(warps: int) -> int:
-    return decode_chunk_smem_bytes(warps)
+def smem_bytes(warps: int, items: int) -> int:
+    return decode_chunk_smem_bytes(warps, items)
 
 
 # ---- the fragment maps (plain integer functions: trace-time ints or dynamic Int32) -------------
@@ -238,6 +239,70 @@ def _solve_g(s_kq: cute.Tensor, s_b: cute.Tensor, s_dots: cute.Tensor, s_g: cute
         s_g[g2_index(i, 2 * t + 1)] = sz
 
 
+def _stage_item(pool_head: cute.Pointer, row_g, cl, stage_address, tid, n_threads: int):
+    """cp.async this thread's 8 state vectors of rows ``row_g``, ``row_g + 8`` (an item's) into the
+    stage: vector i = 4r + m of thread tid at ``(i·threads + tid)·16`` (a warp's copies contiguous)."""
+    for i in range(8):
+        r, m = divmod(i, 4)
+        src = pool_head + cute.assume((row_g + 8 * r) * D + 32 * m + 8 * cl, divby=8)
+        cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
+
+
+def _compute_item(state: cute.Tensor, s_pb: cute.Tensor, s_g: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor,
+                  s_o: cute.Tensor, v_lo, v_hi, num_tokens, warp, gl, cl):
+    """One warp's 16 rows: P on tensor cores, [u | o] through G, o staged in ``s_o``, and the
+    rank-T update of ``state`` in place (bf16 pairs, rounded once)."""
+    # P = S_0·[kd | qd] as hi + lo halves, two accumulators (two short chains).
+    pb_words = cute.recast_ptr(s_pb.iterator, dtype=cutlass.Int32)
+    acc_hi = [cutlass.Float32(0.0)] * 4
+    acc_lo = [cutlass.Float32(0.0)] * 4
+    for m in range(4):
+        b_hi = _load_pairs(pb_words, pb_chunk(m, gl, cl) * 4, 4)
+        b_lo = _load_pairs(pb_words, (P_COLUMNS * D) // 2 + pb_chunk(m, gl, cl) * 4, 4)
+        for half in range(2):
+            p = 4 * m + 2 * half  # k-step 2m + half: pairs p, p + 1
+            a = [state[p], state[PAIRS + p], state[p + 1], state[PAIRS + p + 1]]
+            acc_hi = mma_bf16_m16n8k16(a, [b_hi[2 * half], b_hi[2 * half + 1]], acc_hi)
+            acc_lo = mma_bf16_m16n8k16(a, [b_lo[2 * half], b_lo[2 * half + 1]], acc_lo)
+    pk_g, pq_g, pk_g8, pq_g8 = [acc_hi[i] + acc_lo[i] for i in range(4)]
+    # [u | o] = [P_kd | P_qd]·G1 + v·G2 (tf32: 3xTF32 for P, v is exact).
+    a_parts = [tf32_split(x) for x in (pk_g, pk_g8, pq_g, pq_g8)]
+    b_parts = [tf32_split(s_g[g1_index(cl, gl)]), tf32_split(s_g[g1_index(cl + TOKENS, gl)])]
+    a_hi = [x[0] for x in a_parts]
+    a_lo = [x[1] for x in a_parts]
+    b_hi = [x[0] for x in b_parts]
+    b_lo = [x[1] for x in b_parts]
+    uo = mma_tf32_m16n8k8(a_lo, b_hi, [cutlass.Float32(0.0)] * 4)
+    uo = mma_tf32_m16n8k8(a_hi, b_lo, uo)
+    uo = mma_tf32_m16n8k8(a_hi, b_hi, uo)
+    v_words = [f32_bits(cutlass.select_(cl < num_tokens, x, cutlass.Float32(0.0))) for x in (v_lo, v_hi)]
+    g2_hi, g2_lo = tf32_split(s_g[g2_index(cl, gl)])
+    uo = mma_tf32_m16n8k4(v_words, [g2_lo], uo)
+    uo = mma_tf32_m16n8k4(v_words, [g2_hi], uo)
+    u_g, o_g, u_g8, o_g8 = uo
+    # o of token c, rows g and g + 8, staged per warp for 16-byte stores.
+    o_base = (warp * TOKENS + cl) * ROWS
+    s_o[o_base + gl] = o_g.to(cutlass.BFloat16)
+    s_o[o_base + gl + 8] = o_g8.to(cutlass.BFloat16)
+    # The rank-T update on the decayed state: n-tile j is pair j of both rows.
+    uh_g, ul_g = tf32_split(u_g)
+    uh_g8, ul_g8 = tf32_split(u_g8)
+    a_u = [uh_g, uh_g8, ul_g, ul_g8]
+    last = (num_tokens - 1) * D
+    for m in range(4):
+        decay = _smem_f32(s_decay, last + 32 * m + 8 * cl, 8)
+        kt = _smem_f32(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
+        for jj in range(4):
+            j = 4 * m + jj
+            kb = f32_bits(kt[jj])
+            c_frag = [bf16_as_f32(state[j], False) * decay[2 * jj], bf16_as_f32(state[j], True) * decay[2 * jj + 1],
+                      bf16_as_f32(state[PAIRS + j], False) * decay[2 * jj],
+                      bf16_as_f32(state[PAIRS + j], True) * decay[2 * jj + 1]]
+            new = mma_tf32_m16n8k8(a_u, [kb, kb], c_frag)
+            state[j] = pack_bf16x2(new[0], new[1])
+            state[PAIRS + j] = pack_bf16x2(new[2], new[3])
+
+
 @cute.kernel
 def kda_decode_chunk_kernel(
     q: cute.Pointer,
@@ -274,6 +339,7 @@ def kda_decode_chunk_kernel(
     flags: cutlass.Int32,
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -282,7 +348,7 @@ def kda_decode_chunk_kernel(
     gl = lane // 4  # fragment row group
     cl = lane % 4  # fragment column (thread in group)
     n_threads = threads(warps)
-    row0 = vblk * (ROWS * warps) + warp * ROWS  # this warp's first V row
+    cta_row0 = vblk * (ROWS * warps * items) + warp * ROWS  # this warp's first V row (item 0)
     n64 = cutlass.Int64(seq)
 
     smem = cutlass.utils.SmemAllocator()
@@ -298,6 +364,8 @@ def kda_decode_chunk_kernel(
     s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
     s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
     s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(warps * TOKENS * ROWS), 16)
+    # The next item's state (items > 1), refilled item by item (a placeholder for single items).
+    s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(decode_chunk_stage_bytes(warps, items)), 128)
     s_khat = cute.make_tensor(s_kdqd.iterator, cute.make_layout(TOKENS * D))
     s_qhat = cute.make_tensor(s_kdqd.iterator + TOKENS * D, cute.make_layout(TOKENS * D))
 
@@ -312,9 +380,12 @@ def kda_decode_chunk_kernel(
                           + head, head)
     # v of token c (this lane's u / o column) for rows g, g + 8; zero past the last token.
     v_token = cutlass.min(cl, num_tokens - 1)
-    v_at = n64 * v_stride_n + cutlass.Int64(v_token) * v_stride_t + head * D + row0 + gl
-    v_lo = cute.make_tensor(v + v_at, cute.make_layout(1))[0].to(cutlass.Float32)
-    v_hi = cute.make_tensor(v + v_at + 8, cute.make_layout(1))[0].to(cutlass.Float32)
+    v_at = n64 * v_stride_n + cutlass.Int64(v_token) * v_stride_t + head * D + cta_row0 + gl
+    v_rows = cute.make_rmem_tensor(cute.make_layout(2 * items), cutlass.Float32)
+    for item in cutlass.range_constexpr(items):
+        for r in cutlass.range_constexpr(2):
+            at = v_at + item * ROWS * warps + 8 * r
+            v_rows[2 * item + r] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
 
     state = cute.make_rmem_tensor(cute.make_layout(2 * PAIRS), cutlass.Int32)  # [row g pairs, row g + 8 pairs]
     if seq < num_seqs and slot >= 0 and slot < num_slots:
@@ -323,9 +394,13 @@ def kda_decode_chunk_kernel(
         pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
         for r in cutlass.range_constexpr(2):
             for m in cutlass.range_constexpr(4):
-                words = _load_pairs(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl, 4)
+                words = _load_pairs(pool_words, (cta_row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl, 4)
                 for e in cutlass.range_constexpr(4):
                     state[r * PAIRS + 4 * m + e] = words[e]
+        if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
+            _stage_item(state_pool + cute.assume(head_at, divby=8), cta_row0 + ROWS * warps + gl, cl,
+                        s_stage.iterator.toint(), tid, n_threads)
+            cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads -------------------------------------------------
     _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
@@ -347,77 +422,47 @@ def kda_decode_chunk_kernel(
     cute.arch.sync_threads()
 
     out_lane_token = lane // 2  # lanes 0 .. 2T − 1 store the warp's outputs: token, 8-row half
-    out_at = (n64 * out_stride_n + cutlass.Int64(out_lane_token) * out_stride_t + head * D + row0
-              + 8 * (lane % 2))
+    out_base = n64 * out_stride_n + cutlass.Int64(out_lane_token) * out_stride_t + head * D + 8 * (lane % 2)
     if seq < num_seqs and slot >= 0 and slot < num_slots:
-        # P = S_0·[kd | qd] as hi + lo halves, two accumulators (two short chains).
-        pb_words = cute.recast_ptr(s_pb.iterator, dtype=cutlass.Int32)
-        acc_hi = [cutlass.Float32(0.0)] * 4
-        acc_lo = [cutlass.Float32(0.0)] * 4
-        for m in cutlass.range_constexpr(4):
-            b_hi = _load_pairs(pb_words, pb_chunk(m, gl, cl) * 4, 4)
-            b_lo = _load_pairs(pb_words, (P_COLUMNS * D) // 2 + pb_chunk(m, gl, cl) * 4, 4)
-            for half in cutlass.range_constexpr(2):
-                p = 4 * m + 2 * half  # k-step 2m + half: pairs p, p + 1
-                a = [state[p], state[PAIRS + p], state[p + 1], state[PAIRS + p + 1]]
-                acc_hi = mma_bf16_m16n8k16(a, [b_hi[2 * half], b_hi[2 * half + 1]], acc_hi)
-                acc_lo = mma_bf16_m16n8k16(a, [b_lo[2 * half], b_lo[2 * half + 1]], acc_lo)
-        pk_g, pq_g, pk_g8, pq_g8 = [acc_hi[i] + acc_lo[i] for i in range(4)]
-        # [u | o] = [P_kd | P_qd]·G1 + v·G2 (tf32: 3xTF32 for P, v is exact).
-        a_parts = [tf32_split(x) for x in (pk_g, pk_g8, pq_g, pq_g8)]
-        b_parts = [tf32_split(s_g[g1_index(cl, gl)]), tf32_split(s_g[g1_index(cl + TOKENS, gl)])]
-        a_hi = [x[0] for x in a_parts]
-        a_lo = [x[1] for x in a_parts]
-        b_hi = [x[0] for x in b_parts]
-        b_lo = [x[1] for x in b_parts]
-        zero4 = [cutlass.Float32(0.0)] * 4
-        uo = mma_tf32_m16n8k8(a_lo, b_hi, zero4)
-        uo = mma_tf32_m16n8k8(a_hi, b_lo, uo)
-        uo = mma_tf32_m16n8k8(a_hi, b_hi, uo)
-        v_words = [f32_bits(cutlass.select_(cl < num_tokens, x, cutlass.Float32(0.0))) for x in (v_lo, v_hi)]
-        g2_hi, g2_lo = tf32_split(s_g[g2_index(cl, gl)])
-        uo = mma_tf32_m16n8k4(v_words, [g2_lo], uo)
-        uo = mma_tf32_m16n8k4(v_words, [g2_hi], uo)
-        u_g, o_g, u_g8, o_g8 = uo
-        # o of token c, rows g and g + 8, staged per warp for 16-byte stores.
-        o_base = (warp * TOKENS + cl) * ROWS
-        s_o[o_base + gl] = o_g.to(cutlass.BFloat16)
-        s_o[o_base + gl + 8] = o_g8.to(cutlass.BFloat16)
-        # The rank-T update on the decayed state: n-tile j is pair j of both rows.
-        uh_g, ul_g = tf32_split(u_g)
-        uh_g8, ul_g8 = tf32_split(u_g8)
-        a_u = [uh_g, uh_g8, ul_g, ul_g8]
-        last = (num_tokens - 1) * D
-        for m in cutlass.range_constexpr(4):
-            decay = _smem_f32(s_decay, last + 32 * m + 8 * cl, 8)
-            kt = _smem_f32(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
-            for jj in cutlass.range_constexpr(4):
-                j = 4 * m + jj
-                kb = f32_bits(kt[jj])
-                c_frag = [bf16_as_f32(state[j], False) * decay[2 * jj], bf16_as_f32(state[j], True) * decay[2 * jj + 1],
-                          bf16_as_f32(state[PAIRS + j], False) * decay[2 * jj],
-                          bf16_as_f32(state[PAIRS + j], True) * decay[2 * jj + 1]]
-                new = mma_tf32_m16n8k8(a_u, [kb, kb], c_frag)
-                state[j] = pack_bf16x2(new[0], new[1])
-                state[PAIRS + j] = pack_bf16x2(new[2], new[3])
         head_at = cutlass.Int64(slot) * cutlass.Int64(slot_stride) + cutlass.Int64(head) * (D * D)
-        pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
-        for r in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(4):
-                _store_words(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl,
-                             [state[r * PAIRS + 4 * m + e] for e in range(4)])
-        cute.arch.sync_warp()
-        if lane < 2 * num_tokens:
-            staged = cute.make_tensor(s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS
-                                                                 + 8 * (lane % 2), divby=8), cute.make_layout(8))
-            cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(staged.load())
+        pool_head = state_pool + cute.assume(head_at, divby=8)
+        pool_words = cute.recast_ptr(pool_head, dtype=cutlass.Int32)
+        for item in cutlass.range_constexpr(items):
+            row0 = cta_row0 + item * ROWS * warps
+            if cutlass.const_expr(item > 0):
+                cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
+                stage_words = cute.recast_ptr(s_stage.iterator, dtype=cutlass.Int32)
+                for i in cutlass.range_constexpr(8):
+                    words = _load_pairs(stage_words, (i * n_threads + tid) * 4, 4)
+                    for e in cutlass.range_constexpr(4):
+                        state[(i // 4) * PAIRS + 4 * (i % 4) + e] = words[e]
+                if cutlass.const_expr(item + 1 < items):
+                    # Each thread refills only its own vectors: no barrier between unstage and refill.
+                    _stage_item(pool_head, row0 + ROWS * warps + gl, cl, s_stage.iterator.toint(), tid, n_threads)
+                    cute.arch.cp_async_commit_group()
+            _compute_item(state, s_pb, s_g, s_decay, s_kt, s_o, v_rows[2 * item], v_rows[2 * item + 1], num_tokens,
+                          warp, gl, cl)
+            for r in cutlass.range_constexpr(2):
+                for m in cutlass.range_constexpr(4):
+                    _store_words(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl,
+                                 [state[r * PAIRS + 4 * m + e] for e in range(4)])
+            cute.arch.sync_warp()
+            if lane < 2 * num_tokens:
+                staged = cute.make_tensor(s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS
+                                                                     + 8 * (lane % 2), divby=8), cute.make_layout(8))
+                out_at = out_base + row0
+                cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(staged.load())
+            if cutlass.const_expr(item + 1 < items):
+                cute.arch.sync_warp()  # the next item's o overwrites this one's staging
     else:
         # Padding row: zeros out, nothing else.
         if seq < num_seqs and lane < 2 * num_tokens:
             frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
             frag.fill(0.0)
-            cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
-                frag.load().to(cutlass.BFloat16))
+            for item in cutlass.range_constexpr(items):
+                out_at = out_base + cta_row0 + item * ROWS * warps
+                cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
+                    frag.load().to(cutlass.BFloat16))
 
 
 @cute.jit
@@ -457,12 +502,13 @@ def kda_decode_chunk_launch(
     stream,
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
 ):
     kda_decode_chunk_kernel(
         q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, warps,
-    ).launch(grid=[D // (ROWS * warps), heads, num_seqs], block=[threads(warps), 1, 1],
-             smem=smem_bytes(warps), stream=stream)
+        heads, warps, items,
+    ).launch(grid=[D // (ROWS * warps * items), heads, num_seqs], block=[threads(warps), 1, 1],
+             smem=smem_bytes(warps, items), stream=stream)

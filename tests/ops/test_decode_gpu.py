@@ -12,7 +12,7 @@ import torch
 import cula_aot
 from cula_aot import reference
 from cula_aot.ops.decode import decode
-from cula_aot.specs import DECODE_CHUNK_WARPS, DECODE_VARIANTS
+from cula_aot.specs import DECODE_CHUNK_VARIANTS, DECODE_VARIANTS
 from tests.decode_helpers import decode_reference, from_pool_layout, fused_inputs, to_pool_layout
 from tests.helpers import fresh_seed, standard_inputs
 
@@ -131,16 +131,16 @@ def test_slow_decay_matches_float64_recurrence(variant, tokens):
                       label=f"slow decay variant={variant} T={tokens} {str(dtype)[6:]} {layout} inter={inter}")
 
 
-@pytest.mark.parametrize("warps", DECODE_CHUNK_WARPS)
+@pytest.mark.parametrize("warps_items", DECODE_CHUNK_VARIANTS)
 @pytest.mark.parametrize("tokens", [2, 3, 4])
 @pytest.mark.parametrize("slow_decay", [False, True])
-def test_chunk_kernel_matches_float64_recurrence(warps, tokens, slow_decay):
+def test_chunk_kernel_matches_float64_recurrence(warps_items, tokens, slow_decay):
     """The tensor-core chunk kernel (bf16 "vk" pools, 2–4 tokens, no intermediates) on every
     built CTA size: padding rows of both kinds, a padded slot stride, one head and many heads."""
     for n, heads, pad, padding in ((9, 8, 8, (2, 5)), (3, 64, 0, ()), (5, 1, 64, (0,))):
-        _run_case(n, tokens, heads, torch.bfloat16, "vk", pad=pad, padding=padding, variant=("chunk", warps),
+        _run_case(n, tokens, heads, torch.bfloat16, "vk", pad=pad, padding=padding, variant=("chunk", *warps_items),
                   inter=False, slow_decay=slow_decay,
-                  label=f"chunk{warps} T={tokens} N={n} H={heads} slow={slow_decay}")
+                  label=f"chunk{warps_items} T={tokens} N={n} H={heads} slow={slow_decay}")
 
 
 def test_chunk_variant_refuses_what_it_cannot_run():
@@ -157,7 +157,7 @@ def test_chunk_variant_refuses_what_it_cannot_run():
             decode(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
                    lower_bound=y["lower_bound"], state_pool=pool, state_indices=torch.arange(2, dtype=torch.int32,
                                                                                               device="cuda"),
-                   out=out, intermediate_states=buf, variant=("chunk", 4))
+                   out=out, intermediate_states=buf, variant=("chunk", 4, 1))
         assert torch.equal(pool, before) and bool((out == 7.0).all())
         assert buf is None or bool((buf == 3.0).all())
 
