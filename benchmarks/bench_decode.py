@@ -54,6 +54,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, iqm
+from cula_aot.specs import DECODE_CHUNK_VARIANTS
 
 HEADS = (4, 8, 16, 32, 64)
 SEQS = (1, 16, 64, 256, 1024)
@@ -65,12 +66,15 @@ FLUSH_BYTES = 256 << 20
 # Kernels timed per row: the token kernel's (v_block, items) and the chunk kernel's ("chunk",
 # warps, items), the built ones (specs.DECODE_VARIANTS, DECODE_CHUNK_VARIANTS).
 VARIANTS = ((32, 1), (32, 2), (32, 4))
-CHUNK_VARIANTS = (("chunk", 4, 1), ("chunk", 2, 2), ("chunk", 4, 2), ("chunk", 2, 4), ("chunk", 8, 1))
+CHUNK_VARIANTS = tuple(("chunk", *v) for v in DECODE_CHUNK_VARIANTS)
 
 
 def variant_name(variant) -> str:
-    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items)."""
-    return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
+    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items),
+    "chunk4x2c5" with a CTAs-per-SM register cap."""
+    if variant[0] == "chunk":
+        return f"chunk{variant[1]}x{variant[2]}" + (f"c{variant[3]}" if variant[3] else "")
+    return "x".join(map(str, variant))
 
 
 def row_variants(dtype_name, tokens, layout) -> tuple:

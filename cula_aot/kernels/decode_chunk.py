@@ -340,6 +340,7 @@ def kda_decode_chunk_kernel(
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
+    ctas_per_sm: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -503,12 +504,16 @@ def kda_decode_chunk_launch(
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
+    ctas_per_sm: cutlass.Constexpr[int],
 ):
+    # ctas_per_sm > 0 caps registers (ptxas .minnctapersm); the carveout is given so that tracing
+    # does not ask a GPU for the SM's shared memory.
+    occupancy = dict(min_blocks_per_mp=ctas_per_sm, preferred_smem_carveout=100) if ctas_per_sm else {}
     kda_decode_chunk_kernel(
         q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, warps, items,
+        heads, warps, items, ctas_per_sm,
     ).launch(grid=[D // (ROWS * warps * items), heads, num_seqs], block=[threads(warps), 1, 1],
-             smem=smem_bytes(warps, items), stream=stream)
+             smem=smem_bytes(warps, items), stream=stream, **occupancy)

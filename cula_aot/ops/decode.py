@@ -27,7 +27,7 @@ _INT32_MAX = 2**31 - 1
 _PAIRED_MIN_HEADS = 256
 _STREAMING_MIN_HEADS = 1024  # bf16 T > 1: four items per CTA from here
 _LARGE_HEADS = 2048
-_CHUNK_VARIANT = (4, 1)  # (warps, items) of the chunk kernel (specs.DECODE_CHUNK_VARIANTS)
+_CHUNK_VARIANT = (4, 1, 0)  # (warps, items, ctas_per_sm) of the chunk kernel (specs.DECODE_CHUNK_VARIANTS)
 
 
 def _is_tensor(name, t):
@@ -200,7 +200,7 @@ def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediate
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
                  intermediates: bool = False) -> tuple:
-    """The kernel to launch: ``("chunk", warps, items)`` for the tensor-core chunk kernel, else the
+    """The kernel to launch: ``("chunk", warps, items, ctas_per_sm)`` for the tensor-core chunk kernel, else the
     token kernel's (v_block, items); chosen from every variant timed per row on an H200
     (docs/PERFORMANCE.md "Decode"):
 
@@ -225,7 +225,7 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
 def variant_spec(variant: tuple, heads: int, bf16_state: bool, state_layout: str):
     """The spec of a ``pick_variant`` result."""
     if variant[0] == "chunk":
-        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2])
+        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2], ctas_per_sm=variant[3])
     v_block, items = variant
     return DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
                       items=items)
@@ -241,7 +241,7 @@ def _aligned_down(t) -> tuple[int, int]:
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
            num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
+    ``variant``: ``("chunk", warps, items, ctas_per_sm)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
