@@ -70,11 +70,8 @@ CHUNK_VARIANTS = tuple(("chunk", *v) for v in DECODE_CHUNK_VARIANTS)
 
 
 def variant_name(variant) -> str:
-    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items),
-    "chunk4x2c5" with a CTAs-per-SM register cap."""
-    if variant[0] == "chunk":
-        return f"chunk{variant[1]}x{variant[2]}" + (f"c{variant[3]}" if variant[3] else "")
-    return "x".join(map(str, variant))
+    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items)."""
+    return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
 
 
 def row_variants(dtype_name, tokens, layout) -> tuple:

@@ -19,13 +19,11 @@ from cula_aot.ops.decode import decode
 
 
 def parse_variant(name):
-    """"32x2" → (32, 2), "chunk4x2c5" → ("chunk", 4, 2, 5) (``bench_decode.variant_name`` inverted)."""
+    """"32x2" → (32, 2), "chunk4x2" → ("chunk", 4, 2) (``bench_decode.variant_name`` inverted)."""
     if name is None:
         return None
     if name.startswith("chunk"):
-        warps, rest = name[len("chunk"):].split("x")
-        items, _, ctas = rest.partition("c")
-        return ("chunk", int(warps), int(items), int(ctas or 0))
+        return ("chunk", *map(int, name[len("chunk"):].split("x")))
     return tuple(map(int, name.split("x")))
 
 

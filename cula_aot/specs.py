@@ -424,7 +424,7 @@ class DecodeSpec(KernelSpec):
 # The tensor-core form of 2–4 decode tokens on bf16 "vk" pools (``kernels/decode_chunk.py``);
 # warps per CTA, each warp 16 V rows of one head.
 DECODE_CHUNK_MAX_TOKENS = 4
-DECODE_CHUNK_VARIANTS = ((4, 1, 0), (2, 2, 0), (4, 2, 0), (2, 4, 0), (8, 1, 0), (4, 2, 5), (4, 2, 6), (2, 4, 12))  # (warps, items, ctas_per_sm)
+DECODE_CHUNK_VARIANTS = ((4, 1), (4, 2), (2, 4))  # (warps, items)
 
 
 def decode_chunk_stage_bytes(warps: int, items: int) -> int:
@@ -452,7 +452,6 @@ class DecodeChunkSpec(KernelSpec):
     heads: int
     warps: int
     items: int = 1
-    ctas_per_sm: int = 0  # > 0: registers capped so that this many CTAs fit an SM (ptxas .minnctapersm)
 
     @property
     def params(self) -> tuple:
@@ -476,8 +475,7 @@ def decode_specs(heads) -> list[KernelSpec]:
     return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
             for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
             for vb, items in DECODE_VARIANTS] + [
-        DecodeChunkSpec(heads=h, warps=w, items=i, ctas_per_sm=c) for h in sorted(set(heads))
-        for w, i, c in DECODE_CHUNK_VARIANTS]
+        DecodeChunkSpec(heads=h, warps=w, items=i) for h in sorted(set(heads)) for w, i in DECODE_CHUNK_VARIANTS]
 
 
 def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:

@@ -66,6 +66,7 @@ P_COLUMNS = 2 * TOKENS  # P = S_0·[kd_0 qd_0 kd_1 qd_1 …]
 # = ki_s·kd_t (kind 0) or ki_s·qd_t (kind 1) for s < t; padded to a power of two.
 DOTS = [(kind, t, s) for t in range(1, TOKENS) for s in range(t) for kind in (0, 1)]
 DOT_SLOTS = 16
+KT_WORK = TOKENS * 16  # K̃ work items (kt_work)
 
 
 def threads(warps: int) -> int:
@@ -94,17 +95,17 @@ def pb_chunk(m, n, c):
     return (m * P_COLUMNS + n) * 4 + c
 
 
-def pb_chunk_parts(chunk):
-    """(m, n, c) of a P operand chunk: the inverse of ``pb_chunk``."""
-    return chunk // (4 * P_COLUMNS), (chunk // 4) % P_COLUMNS, chunk % 4
+def pb_work(i):
+    """(m, n, c) of P operand work item i: (c, m) fastest, so that consecutive threads read
+    consecutive 32-byte runs of a column's key vector (keys 32m + 8c ..)."""
+    return (i // 4) % 4, i // 16, i % 4
 
 
-def kt_chunk_parts(chunk):
-    """(t, e, c_key, m) of the 4-value chunk at ``4·chunk`` of K̃: it holds K̃_t at keys
-    ``key_of(c_key, 4m + jj, e)``, jj = 0..3 (the inverse of ``kt_index``)."""
-    row = chunk // 4
-    t = (row // 2) % TOKENS
-    return t, row % 2, row // (2 * TOKENS), (chunk % 4) ^ t
+def kt_work(i):
+    """(t, m, c_key) of K̃ work item i (TOKENS·16 of them): keys 32m + 8·c_key .. + 7 of token t,
+    read as two 16-byte vectors, written as the two 4-value chunks of parity e = 0, 1 (keys
+    ``key_of(c_key, 4m + jj, e)``, jj = 0..3)."""
+    return i // 16, (i // 4) % 4, i % 4
 
 
 def kt_index(t, e, c_key, j: int):
@@ -158,8 +159,8 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, w
     """P's B operands: column n's fp32 key vector (zero for tokens ≥ T) as bf16 hi and lo halves,
     hi at ``pb_chunk``, lo a whole half (P_COLUMNS·128 bf16) later; ``workers`` threads."""
     for i in range(4 * P_COLUMNS * 4 // workers):
-        chunk = tid + i * workers
-        m, n, c = pb_chunk_parts(chunk)
+        m, n, c = pb_work(tid + i * workers)
+        chunk = pb_chunk(m, n, c)
         kind, t = p_column(n)
         src = _smem_f32(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
         hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
@@ -175,20 +176,20 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, w
                 values.load().to(cutlass.BFloat16))
 
 
-def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor, num_tokens, tid,
-                           workers: int):
-    """K̃_t = ki_t⊙A_{T−1} (zero for tokens ≥ T), rounded for tf32, in ``kt_index`` order: 4-value
-    chunks (row, physical chunk) = (tid + i·workers) // 4, % 4."""
-    last = (num_tokens - 1) * D
-    for i in range(TOKENS * D // 4 // workers):
-        chunk = tid + i * workers
-        t, e, c_key, m = kt_chunk_parts(chunk)
+def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor, num_tokens, item):
+    """K̃_t = ki_t⊙A_{T−1} (zero for tokens ≥ T), rounded for tf32, for ``kt_work`` item ``item``
+    (one per thread): 8 keys read as vectors, written at ``kt_index``."""
+    t, m, c_key = kt_work(item)
+    at = 32 * m + 8 * c_key
+    kinv = _smem_f32(s_kinv, t * D + at, 8)
+    final = _smem_f32(s_decay, (num_tokens - 1) * D + at, 8)
+    for e in range(2):
         vals = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         for jj in range(4):
-            key = key_of(c_key, 4 * m + jj, e)
-            x = s_kinv[t * D + key] * s_decay[last + key]
+            x = kinv[2 * jj + e] * final[2 * jj + e]
             vals[jj] = tf32_ready(cutlass.select_(t < num_tokens, x, cutlass.Float32(0.0)))
-        cute.make_tensor(s_kt.iterator + cute.assume(chunk * 4, divby=4), cute.make_layout(4)).store(vals.load())
+        dst = kt_index(t, e, c_key, 4 * m)
+        cute.make_tensor(s_kt.iterator + cute.assume(dst, divby=4), cute.make_layout(4)).store(vals.load())
 
 
 def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane):
@@ -340,7 +341,6 @@ def kda_decode_chunk_kernel(
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
-    ctas_per_sm: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -372,13 +372,6 @@ def kda_decode_chunk_kernel(
 
     slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
     hl = tid % HALF
-    t0 = cutlass.min(tid // HALF, num_tokens - 1)  # 2·warps ≥ TOKENS half-warps: one round
-    inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
-                          n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
-                          n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
-                          n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
-                          cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
-                          + head, head)
     # v of token c (this lane's u / o column) for rows g, g + 8; zero past the last token.
     v_token = cutlass.min(cl, num_tokens - 1)
     v_at = n64 * v_stride_n + cutlass.Int64(v_token) * v_stride_t + head * D + cta_row0 + gl
@@ -403,8 +396,17 @@ def kda_decode_chunk_kernel(
                         s_stage.iterator.toint(), tid, n_threads)
             cute.arch.cp_async_commit_group()
 
-    # ---- prologue, overlapping the state loads -------------------------------------------------
-    _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    # ---- prologue, overlapping the state loads: half-warp t prepares token t (whole warps, since
+    # the norms shuffle over the warp; the last token is repeated past T: identical values) ------
+    if warp * 2 < num_tokens:
+        t0 = cutlass.min(tid // HALF, num_tokens - 1)
+        inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+                              n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+                              n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+                              n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+                              cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
+                              + head, head)
+        _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     cute.arch.sync_threads()
     workers = min(n_threads, D)  # the per-key passes below have 128 work items
     if tid < workers:
@@ -412,7 +414,9 @@ def kda_decode_chunk_kernel(
     cute.arch.sync_threads()
     if tid < workers:
         _build_p_operands(s_kdqd, s_pb, num_tokens, tid, workers)
-        _build_update_operands(s_kinv, s_decay, s_kt, num_tokens, tid, workers)
+    for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):
+        if tid + i * n_threads < KT_WORK:
+            _build_update_operands(s_kinv, s_decay, s_kt, num_tokens, tid + i * n_threads)
     if warp == 0:
         total = _reduce_dots(s_kinv, s_kdqd, lane)
         if lane < DOT_SLOTS:
@@ -504,16 +508,12 @@ def kda_decode_chunk_launch(
     heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
-    ctas_per_sm: cutlass.Constexpr[int],
 ):
-    # ctas_per_sm > 0 caps registers (ptxas .minnctapersm); the carveout is given so that tracing
-    # does not ask a GPU for the SM's shared memory.
-    occupancy = dict(min_blocks_per_mp=ctas_per_sm, preferred_smem_carveout=100) if ctas_per_sm else {}
     kda_decode_chunk_kernel(
         q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, warps, items, ctas_per_sm,
+        heads, warps, items,
     ).launch(grid=[D // (ROWS * warps * items), heads, num_seqs], block=[threads(warps), 1, 1],
-             smem=smem_bytes(warps, items), stream=stream, **occupancy)
+             smem=smem_bytes(warps, items), stream=stream)

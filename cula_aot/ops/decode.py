@@ -27,7 +27,10 @@ _INT32_MAX = 2**31 - 1
 _PAIRED_MIN_HEADS = 256
 _STREAMING_MIN_HEADS = 1024  # bf16 T > 1: four items per CTA from here
 _LARGE_HEADS = 2048
-_CHUNK_VARIANT = (4, 1, 0)  # (warps, items, ctas_per_sm) of the chunk kernel (specs.DECODE_CHUNK_VARIANTS)
+# N·H thresholds of the chunk kernel's CTA shape: one 64-row item below the first, a whole head
+# streamed as four 32-row items (one wave of resident CTAs) up to the second, two 64-row items above.
+_CHUNK_STREAMING_MIN_HEADS = 512
+_CHUNK_PAIRED_MIN_HEADS = 8192
 
 
 def _is_tensor(name, t):
@@ -200,11 +203,15 @@ def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediate
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
                  intermediates: bool = False) -> tuple:
-    """The kernel to launch: ``("chunk", warps, items, ctas_per_sm)`` for the tensor-core chunk kernel, else the
+    """The kernel to launch: ``("chunk", warps, items)`` for the tensor-core chunk kernel, else the
     token kernel's (v_block, items); chosen from every variant timed per row on an H200
     (docs/PERFORMANCE.md "Decode"):
 
-    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel;
+    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel (session 18). N·H < 512:
+      one 64-row item per CTA (the most CTAs); up to 8192: a whole head per CTA as four 32-row
+      items, the next one streaming in while the current one computes (at N·H = 1024 every CTA
+      is resident at once: 23.5 µs against 26.2 for two 64-row items, whose 1.6 waves leave a
+      tail); from 8192 two 64-row items (1–2% faster there);
     * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
     * bf16 pools: two 32-row items per CTA (the second streams into shared memory while the
       first computes), and for T > 1 from N·H = 1024 four (a whole head per CTA, the next item
@@ -214,7 +221,9 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
     16-row items and 64-row single items or pairs lost everywhere: none is built."""
     nh = num_seqs * heads
     if chunk_applies(tokens, bf16_state, state_layout, intermediates):
-        return ("chunk", *_CHUNK_VARIANT)
+        if nh < _CHUNK_STREAMING_MIN_HEADS:
+            return ("chunk", 4, 1)
+        return ("chunk", 4, 2) if nh >= _CHUNK_PAIRED_MIN_HEADS else ("chunk", 2, 4)
     if nh < _PAIRED_MIN_HEADS:
         return 32, 1
     if bf16_state:
@@ -225,7 +234,7 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
 def variant_spec(variant: tuple, heads: int, bf16_state: bool, state_layout: str):
     """The spec of a ``pick_variant`` result."""
     if variant[0] == "chunk":
-        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2], ctas_per_sm=variant[3])
+        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2])
     v_block, items = variant
     return DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
                       items=items)
@@ -241,7 +250,7 @@ def _aligned_down(t) -> tuple[int, int]:
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
            num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    ``variant``: ``("chunk", warps, items, ctas_per_sm)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
+    ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(

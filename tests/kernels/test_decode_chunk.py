@@ -97,9 +97,10 @@ def _emulate(x, tokens):
     kdqd = np.stack([np.where(live[:, None], kd, 0.0), np.where(live[:, None], qd, 0.0)])  # the builders' selects
     # P operands, laid out by the builder's chunk map; lane (g, c) reads chunk (m, g, c).
     pb = np.full(dc.P_COLUMNS * D, np.nan)
-    for chunk in range(4 * dc.P_COLUMNS * 4):
-        m, n, c = dc.pb_chunk_parts(chunk)
+    for i in range(4 * dc.P_COLUMNS * 4):
+        m, n, c = dc.pb_work(i)
         kind, t = dc.p_column(n)
+        chunk = dc.pb_chunk(m, n, c)
         pb[8 * chunk:8 * chunk + 8] = kdqd[kind, t, 32 * m + 8 * c:32 * m + 8 * c + 8]
     state = {}
     for lane in range(LANES):
@@ -150,11 +151,13 @@ def _emulate(x, tokens):
     # K̃ laid out by the builder's chunk map; lane (g, c) reads kt_index(c, g % 2, g // 2, 4m) + jj.
     last = tokens - 1
     kt = np.full(TOKENS * D, np.nan)
-    for chunk in range(TOKENS * D // 4):
-        t, e, c_key, m = dc.kt_chunk_parts(chunk)
-        for jj in range(4):
-            key = dc.key_of(c_key, 4 * m + jj, e)
-            kt[4 * chunk + jj] = ki[t, key] * x["decay"][last, key] if live[t] else 0.0
+    for i in range(dc.KT_WORK):
+        t, m, c_key = dc.kt_work(i)
+        for e in range(2):  # the builder's vector of keys 32m + 8·c_key .. + 7, split by parity
+            for jj in range(4):
+                key = 32 * m + 8 * c_key + 2 * jj + e
+                assert key == dc.key_of(c_key, 4 * m + jj, e)
+                kt[dc.kt_index(t, e, c_key, 4 * m) + jj] = ki[t, key] * x["decay"][last, key] if live[t] else 0.0
     new = np.full((16, D), np.nan)
     for j in range(dc.PAIRS):
         m, jj = divmod(j, 4)
@@ -197,15 +200,12 @@ def test_key_map_covers_every_key_once_per_row():
                 range(32 * m + 8 * c, 32 * m + 8 * c + 8))
 
 
-def test_chunk_maps_are_bijections():
-    pb = [dc.pb_chunk(*dc.pb_chunk_parts(chunk)) for chunk in range(4 * dc.P_COLUMNS * 4)]
+def test_work_maps_cover_every_chunk_once():
+    pb = sorted(dc.pb_chunk(*dc.pb_work(i)) for i in range(4 * dc.P_COLUMNS * 4))
     assert pb == list(range(4 * dc.P_COLUMNS * 4))
-    seen = set()
-    for chunk in range(TOKENS * D // 4):
-        t, e, c_key, m = dc.kt_chunk_parts(chunk)
-        assert dc.kt_index(t, e, c_key, 4 * m) == 4 * chunk
-        seen.add((t, e, c_key, m))
-    assert len(seen) == TOKENS * D // 4
+    kt = sorted(dc.kt_index(t, e, c_key, 4 * m) + jj for t, m, c_key in map(dc.kt_work, range(dc.KT_WORK))
+                for e in range(2) for jj in range(4))
+    assert kt == list(range(TOKENS * D))
 
 
 def _bank_groups(byte_addresses):

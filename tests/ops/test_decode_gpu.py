@@ -157,7 +157,7 @@ def test_chunk_variant_refuses_what_it_cannot_run():
             decode(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
                    lower_bound=y["lower_bound"], state_pool=pool, state_indices=torch.arange(2, dtype=torch.int32,
                                                                                               device="cuda"),
-                   out=out, intermediate_states=buf, variant=("chunk", 4, 1, 0))
+                   out=out, intermediate_states=buf, variant=("chunk", 4, 2))
         assert torch.equal(pool, before) and bool((out == 7.0).all())
         assert buf is None or bool((buf == 3.0).all())
 

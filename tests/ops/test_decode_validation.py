@@ -148,5 +148,6 @@ def test_every_pick_is_a_built_kernel():
     assert pick_variant(1024, 64, 4, False) == (32, 1) and pick_variant(1024, 64, 1, False) == (32, 2)
     # 2–4 tokens on a bf16 "vk" pool without intermediates: the tensor-core chunk kernel
     for tokens in (2, 3, 4):
-        assert pick_variant(16, 64, tokens, True)[0] == "chunk"
+        assert pick_variant(16, 64, tokens, True) == ("chunk", 2, 4)
+    assert pick_variant(4, 64, 4, True) == ("chunk", 4, 1) and pick_variant(256, 64, 4, True) == ("chunk", 4, 2)
     assert pick_variant(16, 64, 5, True)[0] != "chunk" and pick_variant(16, 64, 4, False)[0] != "chunk"
