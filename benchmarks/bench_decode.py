@@ -191,12 +191,6 @@ class Bench:
             row["fla_path"] = "pool in place" if tokens == 1 else "plain (states in, new states out)"
         if self.args.mode != "fla":
             row["ours_ms"] = self.time_replay(capture_graph(self.ours_call(x)))
-            # The same bytes as one device copy (half read, half written), timed the same way: what
-            # a kernel of this size can reach, launch and ramp included.
-            src = torch.empty(row["bytes"] // 2, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            row["copy_same_ms"] = self.time_replay(capture_graph(lambda: dst.copy_(src)))
-            del src, dst
             if tokens > 1:
                 inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
                 row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
@@ -336,9 +330,9 @@ def render_markdown(res) -> str:
              f"{1e3 * meta['launch_floor_ms']:.1f} µs" if meta.get("launch_floor_ms") else "", "",
              f"fla: {meta.get('fla')} (T = 1: pool in place via ssm_state_indices; T > 1: plain path, "
              f"states in / new states out); state layout {meta.get('layout')}", "",
-             "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | same-bytes copy µs | fla µs | vs fla "
-             "| ours+inter µs | % copy | o vs fla | state vs fla |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
+             "| o vs fla | state vs fla |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         if "ours_ms" not in r:
             continue
@@ -350,12 +344,11 @@ def render_markdown(res) -> str:
         fla_us = f"{1e3 * fla:.1f}" if fla else "—"
         ratio = f"{fla / r['ours_ms']:.2f}×" if fla else "—"
         inter_us = f"{1e3 * inter:.1f}" if inter else "—"
-        same = f"{1e3 * r['copy_same_ms']:.1f}" if r.get("copy_same_ms") else "—"
         rmse_o = r.get("rmse_o_vs_fla", float("nan"))
         rmse_s = r.get("rmse_state_vs_fla", float("nan"))
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | {r['nh']} | {r['v_block']} "
-            f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {same} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
+            f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
             f"| {rmse_o:.1e} | {rmse_s:.1e} |")
     with_variants = [r for r in res["rows"] if r.get("variants")]
     if with_variants:
