@@ -26,15 +26,19 @@ pairs 2b, 2b + 1; a dot product does not care how keys are ordered, so P's B ope
 the same map) and the update's C fragments (n-tile j: pair j).  Every map is a function here,
 checked on the CPU against the PTX fragment definitions (``tests/kernels/test_decode_chunk.py``).
 
-Per CTA: the slot index, the state vectors, v and the token inputs are issued first; the
-prologue (``decode.py``'s token preparation and deferred decay, in natural key order) runs while
-the state arrives; then the per-head operands: P's B fragments as bf16 hi / lo, K̃ in the
-update's B order, and G (warp 0: the 2·T(T−1)/2 dot products and the solve).  A padding row
-(slot < 0 or ≥ the pool) writes zeros to ``out`` and nothing else.
+Per CTA: the slot index, the first item's state vectors and every item's v are issued first
+(the second item's state streams into a shared-memory stage with ``cp.async``); the prologue
+(``decode.py``'s token preparation and deferred decay, in natural key order, on the warps T
+needs) runs while the state arrives; then the per-head operands: P's B fragments as bf16 hi /
+lo, K̃ in the update's B order, and G (warp 0: the 2·T(T−1)/2 dot products and the solve).  The
+CTA then walks its ``items`` blocks of 16·warps rows, item i + 1's state landing in the stage
+while item i computes, each thread refilling only its own stage slots.  A padding row (slot < 0
+or ≥ the pool) writes zeros to ``out`` and nothing else.
 
-Launch: grid (128 / (16·warps), H, N), block (32·warps, 1, 1), ``smem_bytes(warps)`` dynamic
-shared memory.  Compile-time: H, warps.  Runtime: ``decode.py``'s parameter list (``intermediate``
-and ``flags`` are not read; ``num_tokens`` must be 2..4: the host dispatches only those).
+Launch: grid (128 / (16·warps·items), H, N), block (32·warps, 1, 1), ``smem_bytes(warps, items)``
+dynamic shared memory.  Compile-time: H, warps, items.  Runtime: ``decode.py``'s parameter list
+(``intermediate`` and ``flags`` are not read; ``num_tokens`` must be 2..4: the host dispatches
+only those).
 """
 
 import cutlass
