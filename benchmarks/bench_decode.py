@@ -54,7 +54,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, iqm
-from cula_aot.specs import DECODE_CHUNK_VARIANTS
+from cula_aot.specs import DECODE_CHUNK_VARIANTS, DECODE_VARIANTS
 
 HEADS = (4, 8, 16, 32, 64)
 SEQS = (1, 16, 64, 256, 1024)
@@ -65,7 +65,7 @@ D = 128
 FLUSH_BYTES = 256 << 20
 # Kernels timed per row: the token kernel's (v_block, items) and the chunk kernel's ("chunk",
 # warps, items), the built ones (specs.DECODE_VARIANTS, DECODE_CHUNK_VARIANTS).
-VARIANTS = ((32, 1), (32, 2), (32, 4))
+VARIANTS = DECODE_VARIANTS
 CHUNK_VARIANTS = tuple(("chunk", *v) for v in DECODE_CHUNK_VARIANTS)
 
 

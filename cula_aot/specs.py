@@ -363,6 +363,11 @@ DECODE_PARAMS = (
 )
 
 
+def decode_params(state_dtype: str) -> tuple:
+    """``DECODE_PARAMS`` with the pool and intermediate pointers of element dtype ``state_dtype``."""
+    return tuple(dataclasses.replace(p, dtype=state_dtype) if p.dtype == "state" else p for p in DECODE_PARAMS)
+
+
 def decode_threads(v_block: int) -> int:
     """Threads per decode CTA: one warp per 16 V rows."""
     return 32 * (v_block // 16)
@@ -405,8 +410,7 @@ class DecodeSpec(KernelSpec):
 
     @property
     def params(self) -> tuple:
-        state = "bf16" if self.bf16_state else "f32"
-        return tuple(dataclasses.replace(p, dtype=state) if p.dtype == "state" else p for p in DECODE_PARAMS)
+        return decode_params("bf16" if self.bf16_state else "f32")
 
     @property
     def grid(self) -> tuple:
@@ -455,7 +459,7 @@ class DecodeChunkSpec(KernelSpec):
 
     @property
     def params(self) -> tuple:
-        return tuple(dataclasses.replace(p, dtype="bf16") if p.dtype == "state" else p for p in DECODE_PARAMS)
+        return decode_params("bf16")
 
     @property
     def grid(self) -> tuple:

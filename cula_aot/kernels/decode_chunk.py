@@ -47,7 +47,7 @@ import cutlass.cute as cute
 from ..layout import D
 from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
 from .common import butterfly_reduce_scatter, kept_start
-from .decode import _defer_decay, _token_loads, _token_prepare
+from .decode import _defer_decay, _smem_run, _token_loads, _token_prepare
 from .warp_mma import (
     bf16_as_f32,
     cp_async_16,
@@ -140,15 +140,16 @@ class _NaturalKeys:
         return key
 
 
+def _state_word(row_g, r: int, m: int, cl):
+    """b32-word offset, in a head state, of lane column cl's vector m of row ``row_g + 8r``:
+    keys 32m + 8·cl .. + 7 (pairs 4m .. 4m + 3 of ``key_of``)."""
+    return (row_g + 8 * r) * (D // 2) + 16 * m + 4 * cl
+
+
 # ---- device helpers ---------------------------------------------------------------------------
 def _load_pairs(base_i32: cute.Pointer, offset, count: int) -> list:
     """``count`` b32 words at ``base_i32 + offset`` (16-byte aligned, one vector load)."""
     vec = cute.make_tensor(base_i32 + cute.assume(offset, divby=4), cute.make_layout(count)).load()
-    return [vec[e] for e in range(count)]
-
-
-def _smem_f32(array: cute.Tensor, at, count: int) -> list:
-    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=4), cute.make_layout(count)).load()
     return [vec[e] for e in range(count)]
 
 
@@ -166,7 +167,7 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, w
         m, n, c = pb_work(tid + i * workers)
         chunk = pb_chunk(m, n, c)
         kind, t = p_column(n)
-        src = _smem_f32(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
+        src = _smem_run(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
         hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         lo = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for e in range(8):
@@ -185,8 +186,8 @@ def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute
     (one per thread): 8 keys read as vectors, written at ``kt_index``."""
     t, m, c_key = kt_work(item)
     at = 32 * m + 8 * c_key
-    kinv = _smem_f32(s_kinv, t * D + at, 8)
-    final = _smem_f32(s_decay, (num_tokens - 1) * D + at, 8)
+    kinv = _smem_run(s_kinv, t * D + at, 8)
+    final = _smem_run(s_decay, (num_tokens - 1) * D + at, 8)
     for e in range(2):
         vals = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         for jj in range(4):
@@ -200,10 +201,10 @@ def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane):
     """Warp 0's share of G: the per-head dot products ``DOTS`` (lane l sums keys 4l .. 4l + 3,
     then a reduce-scatter over the warp); returns the total lane l holds, that of
     ``DOTS[kept_start(l, DOT_SLOTS, 5)]`` (slots past ``len(DOTS)`` are zero)."""
-    ki = [_smem_f32(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
+    ki = [_smem_run(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
     partial = []
     for kind, t, s in DOTS:
-        other = _smem_f32(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
+        other = _smem_run(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
         acc = cutlass.Float32(0.0)
         for e in range(4):
             acc = acc + ki[s][e] * other[e]
@@ -295,8 +296,8 @@ def _compute_item(state: cute.Tensor, s_pb: cute.Tensor, s_g: cute.Tensor, s_dec
     a_u = [uh_g, uh_g8, ul_g, ul_g8]
     last = (num_tokens - 1) * D
     for m in range(4):
-        decay = _smem_f32(s_decay, last + 32 * m + 8 * cl, 8)
-        kt = _smem_f32(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
+        decay = _smem_run(s_decay, last + 32 * m + 8 * cl, 8)
+        kt = _smem_run(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
         for jj in range(4):
             j = 4 * m + jj
             kb = f32_bits(kt[jj])
@@ -392,7 +393,7 @@ def kda_decode_chunk_kernel(
         pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
         for r in cutlass.range_constexpr(2):
             for m in cutlass.range_constexpr(4):
-                words = _load_pairs(pool_words, (cta_row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl, 4)
+                words = _load_pairs(pool_words, _state_word(cta_row0 + gl, r, m, cl), 4)
                 for e in cutlass.range_constexpr(4):
                     state[r * PAIRS + 4 * m + e] = words[e]
         if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
@@ -412,12 +413,9 @@ def kda_decode_chunk_kernel(
                               + head, head)
         _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     cute.arch.sync_threads()
-    workers = min(n_threads, D)  # the per-key passes below have 128 work items
-    if tid < workers:
-        _defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, workers)
+    _defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
-    if tid < workers:
-        _build_p_operands(s_kdqd, s_pb, num_tokens, tid, workers)
+    _build_p_operands(s_kdqd, s_pb, num_tokens, tid, n_threads)
     for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):
         if tid + i * n_threads < KT_WORK:
             _build_update_operands(s_kinv, s_decay, s_kt, num_tokens, tid + i * n_threads)
@@ -453,7 +451,7 @@ def kda_decode_chunk_kernel(
                           warp, gl, cl)
             for r in cutlass.range_constexpr(2):
                 for m in cutlass.range_constexpr(4):
-                    _store_words(pool_words, (row0 + gl + 8 * r) * (D // 2) + 16 * m + 4 * cl,
+                    _store_words(pool_words, _state_word(row0 + gl, r, m, cl),
                                  [state[r * PAIRS + 4 * m + e] for e in range(4)])
             cute.arch.sync_warp()
             if lane < 2 * num_tokens:

@@ -198,6 +198,15 @@ def test_key_map_covers_every_key_once_per_row():
         for m in range(4):
             assert [dc.key_of(c, 4 * m + w, e) for w in range(4) for e in range(2)] == list(
                 range(32 * m + 8 * c, 32 * m + 8 * c + 8))
+            for r in range(2):  # the kernel's load / store / stage address of that vector
+                assert 2 * dc._state_word(5, r, m, c) == (5 + 8 * r) * D + 32 * m + 8 * c
+
+
+def test_every_built_cta_has_at_most_128_threads():
+    """The per-key prologue passes hand each of a CTA's threads at least one of 128 work items."""
+    from cula_aot.specs import DECODE_CHUNK_VARIANTS
+
+    assert all(dc.threads(warps) <= D for warps, _ in DECODE_CHUNK_VARIANTS)
 
 
 def test_work_maps_cover_every_chunk_once():
