@@ -22,6 +22,11 @@ FLAG_INDEXED_FINAL = 64
 # bf16 state tensors (the kernels carry fp32 inside; values are rounded once on store).
 FLAG_BF16_INIT = 128
 FLAG_BF16_FINAL = 256
+# Serial varlen K2: grid row z runs the z-th longest sequence (ties in index order) instead of
+# sequence z, so the longest chains start in the first wave (up to ``ORDER_MAX_SEQS`` sequences;
+# beyond that, index order).  Scheduling only: results are bitwise the same.
+FLAG_LONGEST_FIRST = 512
+ORDER_MAX_SEQS = 128
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

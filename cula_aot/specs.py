@@ -205,6 +205,8 @@ K2_PARAMS = (
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
+# Cluster multicast: records split into 16-byte-aligned slices for clusters of 4 and 2 CTAs.
+K2_MULTICAST_V_BLOCKS = (32, 64)
 K2_DEFAULT_V_BLOCK = 32
 # Many-CTA serial calls take 64 columns instead: each CTA stages a tile's 13.9 KB of workspace
 # for its V block, so halving the CTAs per (sequence, head) halves the L2 reads that bound those
@@ -259,10 +261,19 @@ class K2Spec(KernelSpec):
     # record's first ``layout.PRESCAN_RECORD_BYTES``.
     prescan: bool = False
     stages: int = K2_STAGES
+    # The V blocks of one (sequence, head) run as one thread-block cluster that loads each
+    # tile's record once, multicast into every CTA (``K2_MULTICAST_V_BLOCKS``).
+    multicast: bool = False
 
     def __post_init__(self):
         if self.prescan and not self.segmented:
             raise ValueError("K2Spec: prescan=True needs segmented=True (the pre_scan runs segment-table rows)")
+        if self.multicast and self.v_block not in K2_MULTICAST_V_BLOCKS:
+            raise ValueError(f"K2Spec: multicast=True needs v_block in {K2_MULTICAST_V_BLOCKS}, got {self.v_block}")
+
+    @property
+    def cluster(self) -> tuple:
+        return (128 // self.v_block, 1, 1) if self.multicast else (1, 1, 1)
 
     @property
     def grid(self) -> tuple:
@@ -271,6 +282,17 @@ class K2Spec(KernelSpec):
     @property
     def block(self) -> tuple:
         return (k2_threads(self.v_block), 1, 1)
+
+
+# Serial K2 in 32 and 64 columns runs as clusters that multicast each tile's record (one L2 read
+# per record instead of one per V block; PERFORMANCE.md, session 19).
+K2_MULTICAST = True
+
+
+def serial_k2_spec(heads: int, varlen: bool, v_block: int) -> K2Spec:
+    """The serial K2 for ``heads`` and ``v_block``: multicast where it is built."""
+    return K2Spec(heads=heads, varlen=varlen, v_block=v_block,
+                  multicast=K2_MULTICAST and v_block in K2_MULTICAST_V_BLOCKS)
 
 
 def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
@@ -489,6 +511,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
         for varlen in (False, True):
             specs.append(K1Spec(heads=h, varlen=varlen))
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
         specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

@@ -1,8 +1,9 @@
 """Read the facts the runtime depends on out of generated PTX, and check them against a spec.
 
 The build refuses to write a manifest whose declared ABI disagrees with what the compiler
-actually emitted: parameter count, order, PTX type, size and alignment, block and cluster shape,
-and whether the kernel waits for its predecessor's grid (``griddepcontrol.wait``, required of a
+actually emitted: parameter count, order, PTX type, size and alignment, block and cluster shape
+(a kernel with cluster instructions must declare a cluster, which the runtime sets at launch
+when the PTX does not fix it), and whether the kernel waits for its predecessor's grid (``griddepcontrol.wait``, required of a
 kernel the runtime launches as a programmatic dependent).
 """
 
@@ -14,6 +15,8 @@ _ENTRY = re.compile(r"\.visible\s+\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 _PARAM = re.compile(r"\.param\s+(?P<body>[^,]*?)\s+(?P<name>\w+)(?:\[(?P<bytes>\d+)\])?\s*$")
 _REQNTID = re.compile(r"\.reqntid\s+(\d+)\s*,\s*(\d+)\s*,\s*(\d+)")
 _CLUSTER = re.compile(r"\.(?:reqnctapercluster|explicitcluster)\s*([\d\s,]*)")
+# Instructions that need the CTA to run in a cluster of more than one CTA.
+_CLUSTER_OPS = re.compile(r"multicast::cluster|barrier\.cluster\.")
 _PTX_SIZES = {".u64": 8, ".b64": 8, ".s64": 8, ".u32": 4, ".b32": 4, ".s32": 4, ".f32": 4}
 
 
@@ -47,7 +50,8 @@ def parse_entry(ptx: str) -> dict:
         "grid_wait": "griddepcontrol.wait" in ptx,
         "params": params,
         "block": tuple(int(x) for x in block.groups()) if block else None,
-        "cluster": tuple(int(x) for x in re.findall(r"\d+", cluster.group(1))) if cluster else (1, 1, 1),
+        "cluster": tuple(int(x) for x in re.findall(r"\d+", cluster.group(1))) if cluster else None,
+        "cluster_ops": bool(_CLUSTER_OPS.search(ptx)),
     }
 
 
@@ -80,8 +84,11 @@ def check_abi(spec: KernelSpec, entry: dict) -> list[dict]:
         raise AbiMismatch(f"{where}: descriptors declare TMA ranks {ranks}, PTX issues {used}-d tensor copies")
     if entry["block"] != tuple(spec.block):
         raise AbiMismatch(f"{where}: declared block {spec.block}, PTX .reqntid {entry['block']}")
-    if entry["cluster"] != tuple(spec.cluster):
+    if entry["cluster"] not in (None, tuple(spec.cluster)):
         raise AbiMismatch(f"{where}: declared cluster {spec.cluster}, PTX {entry['cluster']}")
+    if entry["cluster_ops"] != (tuple(spec.cluster) != (1, 1, 1)):
+        raise AbiMismatch(f"{where}: declared cluster {spec.cluster}, but the PTX "
+                          f"{'has' if entry['cluster_ops'] else 'has no'} cluster instructions")
     if entry["grid_wait"] != spec.dependent_launch:
         # A dependent launch of a kernel that never waits would race its predecessor's writes.
         raise AbiMismatch(f"{where}: declared dependent_launch={spec.dependent_launch}, but the PTX "

@@ -61,6 +61,7 @@ from ..layout import (
     FLAG_INDEXED_FINAL,
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
@@ -70,6 +71,7 @@ from ..layout import (
     SEG_INIT_INDEX,
     SEG_TOKENS,
     SEGMENT_FIELDS,
+    ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
     WORKSPACE_PART_OFFSETS,
     WORKSPACE_RECORD_BYTES,
@@ -117,15 +119,34 @@ def _stage_view(stage_base: cute.Pointer, part: str, dtype):
     return cute.make_tensor(record_part(stage_base, part, dtype), cute.make_layout(nbytes * 8 // dtype.width))
 
 
-def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot, nbytes: int):
-    """One thread: arm ``barrier`` with the stage's byte count, then one bulk copy of the first
-    ``nbytes`` of slot ``slot``'s workspace record."""
+def multicast_slice_bytes(nbytes: int, ctas: int) -> int:
+    """Bytes of a stage each CTA of a ``ctas``-CTA cluster loads for all of them (16-byte
+    multiples, the bulk copy's unit; the record sizes divide evenly for 2 and 4 CTAs)."""
+    if nbytes % (16 * ctas):
+        raise ValueError(f"a {nbytes}-byte stage does not split into {ctas} 16-byte-aligned slices")
+    return nbytes // ctas
+
+
+def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot, nbytes: int,
+                       cluster_ctas: int, rank):
+    """One thread: arm ``barrier`` with the stage's byte count, then load slot ``slot``'s
+    workspace record (its first ``nbytes``): alone with one bulk copy, or in a cluster of
+    ``cluster_ctas`` CTAs (the V blocks of one sequence and head) its ``rank``-th slice,
+    multicast into the same stage of every CTA of the cluster, whose barriers each count all
+    slices' bytes."""
     cute.arch.mbarrier_arrive_and_expect_tx(barrier, nbytes)
-    atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
-    g_src = cute.make_tensor(workspace + cute.assume(slot * WORKSPACE_RECORD_BYTES, divby=STAGE_ALIGN),
-                             cute.make_layout(nbytes))
-    s_dst = cute.make_tensor(stage_base, cute.make_layout(nbytes))
-    cute.copy(atom, g_src, s_dst, mbar_ptr=barrier)
+    record = workspace + cute.assume(slot * WORKSPACE_RECORD_BYTES, divby=STAGE_ALIGN)
+    if cutlass.const_expr(cluster_ctas == 1):
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
+        cute.copy(atom, cute.make_tensor(record, cute.make_layout(nbytes)),
+                  cute.make_tensor(stage_base, cute.make_layout(nbytes)), mbar_ptr=barrier)
+    else:
+        part = multicast_slice_bytes(nbytes, cluster_ctas)
+        offset = cute.assume(rank * part, divby=16)
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SMulticastOp(), cutlass.Uint8, num_bits_per_copy=part * 8)
+        cute.copy(atom, cute.make_tensor(record + offset, cute.make_layout(part)),
+                  cute.make_tensor(stage_base + offset, cute.make_layout(part)), mbar_ptr=barrier,
+                  mcast_mask=cutlass.Int16((1 << cluster_ctas) - 1))
 
 
 def _fragment_value(i: int):
@@ -180,6 +201,33 @@ def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_vali
     cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
 
 
+@cute.jit
+def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int):
+    """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
+    length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
+    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences."""
+    cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+    lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
+    i = tid
+    while i < num_seqs:
+        lengths[i] = cu[i + 1] - cu[i]
+        i = i + threads
+    cute.arch.sync_threads()
+    i = tid
+    while i < num_seqs:
+        mine = lengths[i]
+        rank = cutlass.Int32(0)
+        for j in cutlass.range(num_seqs, unroll=1):
+            other = lengths[j]
+            if (other > mine) | ((other == mine) & (j < i)):
+                rank = rank + 1
+        if rank == row:
+            lengths[ORDER_MAX_SEQS] = i
+        i = i + threads
+    cute.arch.sync_threads()
+    return lengths[ORDER_MAX_SEQS]
+
+
 @cute.kernel
 def k2_recurrence_kernel(
     v: cute.Pointer,
@@ -208,6 +256,7 @@ def k2_recurrence_kernel(
     segmented: cutlass.Constexpr[bool],
     prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
+    multicast: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -217,9 +266,26 @@ def k2_recurrence_kernel(
     # This thread's V columns: v_col and v_col + 8 (accumulator rows g and g + 8).
     warp = tid // WARP
     warp_col0 = vblk * v_block + warp * WARP_COLUMNS
+    # Multicast: the V blocks of one (sequence, head) are one cluster, and each CTA loads a
+    # slice of every tile's record for all of them (one L2 read per record, not one per CTA).
+    cluster_ctas = D // v_block if multicast else 1
+    rank = cute.arch.block_idx_in_cluster() if multicast else cutlass.Int32(0)
     v_col = warp_col0 + g
 
+    smem = cutlass.utils.SmemAllocator()
+    stage_nbytes = stage_bytes(prescan)
+    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * stage_nbytes), 128)
+    warps = v_block // WARP_COLUMNS
+    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * warps * V_WARP_BYTES), 128)
+    full = smem.allocate_array(cutlass.Int64, stages)
+
     # ---- this work item: first token, first tile slot, length, state rows, flags ----------
+    if cutlass.const_expr(varlen and not segmented):
+        if (flags & FLAG_LONGEST_FIRST) != 0:
+            if num_seqs <= ORDER_MAX_SEQS:
+                # The stages are free until the barriers below are initialised and synced.
+                seq = _longest_first(cu_seqlens, num_seqs, seq,
+                                     cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32), tid, k2_threads(v_block))
     seq_start = cutlass.Int64(0)
     first_slot = cutlass.Int32(0)
     length = seq_len
@@ -239,13 +305,6 @@ def k2_recurrence_kernel(
         seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
         first_slot = seq * ((seq_len + (CHUNK - 1)) // CHUNK)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
-
-    smem = cutlass.utils.SmemAllocator()
-    stage_nbytes = stage_bytes(prescan)
-    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * stage_nbytes), 128)
-    warps = v_block // WARP_COLUMNS
-    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * warps * V_WARP_BYTES), 128)
-    full = smem.allocate_array(cutlass.Int64, stages)
 
     # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
     # key 8j + 2t + c % 2) -------------------------------------------------------------------
@@ -290,7 +349,12 @@ def k2_recurrence_kernel(
         for s in cutlass.range_constexpr(stages):
             cute.arch.mbarrier_init(full + s, 1)
         cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
+    if cutlass.const_expr(multicast):
+        # Every CTA's barriers are initialised before any slice lands in it.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+    else:
+        cute.arch.sync_threads()
     if cutlass.const_expr(not segmented):
         # Serial K2 is K1's programmatic dependent: everything above reads the caller's tensors
         # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
@@ -303,7 +367,7 @@ def k2_recurrence_kernel(
         if tid == 0:
             if s < num_tiles:
                 _issue_stage_loads(workspace, _stage_base(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
-                                   stage_nbytes)
+                                   stage_nbytes, cluster_ctas, rank)
         _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                       length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
@@ -321,10 +385,15 @@ def k2_recurrence_kernel(
         # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
         ahead = tile + (stages - 1)
         ahead_stage = ahead % stages
+        if cutlass.const_expr(multicast):
+            if warp == 0:
+                # The cluster barrier of tile t − 1: every CTA is done with the stage refilled now.
+                if tile > 0:
+                    cute.arch.cluster_wait()
         if tid == 0:
             if ahead < num_tiles:
                 _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
-                                   slot0 + cutlass.Int64(ahead), stage_nbytes)
+                                   slot0 + cutlass.Int64(ahead), stage_nbytes, cluster_ctas, rank)
         _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                       length - ahead * CHUNK, head, warp_col0, lane, load_v)
         # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
@@ -407,8 +476,19 @@ def k2_recurrence_kernel(
                 d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
                 for c in cutlass.range_constexpr(4):
                     state[4 * j + c] = d_s[c]
-        # Frees this stage for tile t + stages.
-        cute.arch.sync_threads()
+        # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
+        # 0 waits at the next tile's refill; the other warps here, before their next arrive.
+        if cutlass.const_expr(multicast):
+            if warp != 0:
+                if tile > 0:
+                    cute.arch.cluster_wait()
+            cute.arch.cluster_arrive()
+        else:
+            cute.arch.sync_threads()
+    if cutlass.const_expr(multicast):
+        # The last tile's barrier: no CTA leaves while a peer may still multicast into it.
+        if num_tiles > 0:
+            cute.arch.cluster_wait()
 
     if write_final != 0:
         if (flags & FLAG_BF16_FINAL) != 0:
@@ -454,6 +534,7 @@ def k2_recurrence_launch(
     segmented: cutlass.Constexpr[bool],
     prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
+    multicast: cutlass.Constexpr[bool],
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
@@ -461,6 +542,7 @@ def k2_recurrence_launch(
         workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
-        heads, varlen, v_block, segmented, prescan, stages,
+        heads, varlen, v_block, segmented, prescan, stages, multicast,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1],
-             smem=smem_bytes(v_block, stages, prescan), stream=stream)
+             smem=smem_bytes(v_block, stages, prescan), stream=stream,
+             **({"cluster": [D // v_block, 1, 1]} if multicast else {}))

@@ -20,6 +20,7 @@ from ..layout import (
     FLAG_INDEXED_FINAL,
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
@@ -33,8 +34,8 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, K2Spec, MergeSpec, auto_v_block, k1_grid, merge_v_block,
-                     segmented_k2_spec, segmented_v_block)
+from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, MergeSpec, auto_v_block, k1_grid, merge_v_block,
+                     segmented_k2_spec, segmented_v_block, serial_k2_spec)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, plan_slots
@@ -409,6 +410,11 @@ class _Plan:
                 (vp, op, ip, fp, cu_ptr, xp, *workspaces))
 
 
+# The serial K2's grid order: varlen sequences longest first, so the longest chains start in the
+# first wave (a fixed-length kernel ignores the bit; PERFORMANCE.md, session 19).
+SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
+
+
 class _SerialPlan(_Plan):
     """The serial path (K1, K2) for one call signature: launched from templates while the
     call's lengths keep it serial."""
@@ -423,7 +429,7 @@ class _SerialPlan(_Plan):
             "out_row_stride": c.strides.get("out", c.heads * D),
             "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            "flags": init_flags | final_flags | SERIAL_K2_ORDER}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
@@ -588,7 +594,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     if segments is None:
         if v_block is None:
             v_block = auto_v_block(heads, num_seqs, _sm_count(device))
-        k2 = loader.get(device, K2Spec(heads=heads, varlen=varlen, v_block=v_block))
+        k2 = loader.get(device, serial_k2_spec(heads, varlen, v_block))
         # The serial decision is the signature's alone unless CP was planned from host lengths;
         # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
         fixed_decision = intracard_cp is False or c.host_cu is None or not varlen

@@ -41,6 +41,8 @@ class LoadedKernel:
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
         self.dependent_launch = record.get("dependent_launch", False)
+        # Cluster shape set at launch (the PTX of a CuTeDSL kernel does not fix it).
+        self.cluster = tuple(record.get("cluster", (1, 1, 1)))
         self._thread = threading.local()  # per-thread launch buffers
         self.what = f"cuLaunchKernel({name})"
 
@@ -87,8 +89,8 @@ class LoadedKernel:
                                           cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
-        if dependent:
-            config = self._dependent_config(grid, smem_bytes, stream)
+        if dependent or self.cluster != (1, 1, 1):
+            config = self._ex_config(grid, smem_bytes, stream, dependent)
             check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[3]), self.what)
             return
         check(cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
@@ -100,27 +102,38 @@ class LoadedKernel:
             raise ValueError(f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
                              "launched as a programmatic dependent")
 
-    def _dependent_config(self, grid: tuple, smem_bytes: int, stream: int):
-        """This thread's ``CUlaunchConfig`` for a programmatic dependent launch of this shape on
-        ``stream`` (built once per shape: filling one costs microseconds of host time)."""
+    def _ex_config(self, grid: tuple, smem_bytes: int, stream: int, dependent: bool):
+        """This thread's ``CUlaunchConfig`` for a launch of this shape on ``stream``: a
+        programmatic dependent one, and/or in clusters of ``self.cluster`` CTAs (built once per
+        shape: filling one costs microseconds of host time)."""
         configs = getattr(self._thread, "configs", None)
         if configs is None:
             configs = self._thread.configs = {}
-        key = (grid, smem_bytes, stream)
+        key = (grid, smem_bytes, stream, dependent)
         config = configs.get(key)
         if config is None:
+            if any(g % c for g, c in zip(grid, self.cluster)):
+                raise ValueError(f"{self.name}: grid {grid} is not a whole number of {self.cluster} clusters")
             if len(configs) >= _CONFIG_LIMIT:
                 configs.clear()
-            attribute = cu.CUlaunchAttribute()
-            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes = []
+            if dependent:
+                attribute = cu.CUlaunchAttribute()
+                attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attribute.value.programmaticStreamSerializationAllowed = 1
+                attributes.append(attribute)
+            if self.cluster != (1, 1, 1):
+                attribute = cu.CUlaunchAttribute()
+                attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = self.cluster
+                attributes.append(attribute)
             config = configs[key] = cu.CUlaunchConfig()
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = self.block
             config.sharedMemBytes = smem_bytes
             config.hStream = cu.CUstream(stream)
-            config.attrs = [attribute]
-            config.numAttrs = 1
+            config.attrs = attributes
+            config.numAttrs = len(attributes)
         return config
 
     def template(self, static: dict, dynamic: tuple, dependent: bool = False) -> "LaunchTemplate":

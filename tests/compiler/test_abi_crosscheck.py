@@ -110,3 +110,23 @@ def test_dependent_launch_declaration_matches_the_ptx(compiled):
         check_abi(Dependent(heads=1, varlen=True), entry)
     with pytest.raises(AbiMismatch, match="dependent_launch=False"):
         check_abi(spec, {**entry, "grid_wait": True})
+
+
+def test_cluster_declaration_matches_the_ptx(compiled):
+    # K1 uses no cluster instructions: a declared cluster, or cluster instructions in a kernel
+    # declared without one (a multicast into CTAs that are not there), is refused.
+    spec, ptx, _ = compiled
+    entry = parse_entry(ptx)
+    assert entry["cluster"] is None and not entry["cluster_ops"]
+
+    @dataclasses.dataclass(frozen=True)
+    class Clustered(K1Spec):
+        cluster = (2, 1, 1)
+
+    with pytest.raises(AbiMismatch, match="has no cluster instructions"):
+        check_abi(Clustered(heads=1, varlen=True), entry)
+    with pytest.raises(AbiMismatch, match="has cluster instructions"):
+        check_abi(spec, {**entry, "cluster_ops": True})
+    with pytest.raises(AbiMismatch, match="PTX"):
+        check_abi(Clustered(heads=1, varlen=True), {**entry, "cluster_ops": True, "cluster": (4, 1, 1)})
+    assert parse_entry(ptx + "\n\tbarrier.cluster.arrive;\n")["cluster_ops"]

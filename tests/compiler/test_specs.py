@@ -38,13 +38,36 @@ def test_names_cover_every_codegen_argument():
             try:
                 other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
             except ValueError:  # not a valid specialization (a pre_scan that is not segmented)
-                assert field in ("prescan", "segmented")
+                assert field in ("prescan", "segmented", "multicast", "v_block")
                 continue
             assert other.name != spec.name
     assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
     assert K2Spec(heads=8, varlen=False, v_block=32).name == \
-        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3"
+        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3_multicast0"
     assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
+
+
+def test_multicast_k2_is_one_cluster_per_sequence_and_head():
+    pytest.importorskip("cutlass")  # the slice size is the kernel's (build extra)
+    from cula_aot.kernels.k2_recurrence import multicast_slice_bytes, stage_bytes
+    from cula_aot.specs import K2_MULTICAST_V_BLOCKS, serial_k2_spec
+
+    for vb in K2_MULTICAST_V_BLOCKS:
+        spec = K2Spec(heads=8, varlen=True, v_block=vb, multicast=True)
+        # The cluster spans the grid's V blocks exactly: its CTAs share the sequence and head.
+        assert spec.cluster == (spec.grid[0], 1, 1) and spec.cluster[0] > 1
+        for prescan in (False, True):
+            part = multicast_slice_bytes(stage_bytes(prescan), spec.cluster[0])
+            assert part % 16 == 0 and part * spec.cluster[0] == stage_bytes(prescan)
+        assert serial_k2_spec(8, True, vb) == spec
+    assert K2Spec(heads=8, varlen=True, v_block=32).cluster == (1, 1, 1)
+    assert serial_k2_spec(8, True, 16).cluster == (1, 1, 1)
+    with pytest.raises(ValueError, match="multicast"):
+        K2Spec(heads=8, varlen=True, v_block=16, multicast=True)
+    with pytest.raises(ValueError, match="slices"):
+        multicast_slice_bytes(stage_bytes(False), 8)  # 13 888 B is not 8 × a 16-byte multiple
+    built = {(s.heads, s.varlen, s.v_block) for s in default_specs() if isinstance(s, K2Spec) and s.multicast}
+    assert built == {(h, vl, vb) for h in DEFAULT_HEADS for vl in (False, True) for vb in K2_MULTICAST_V_BLOCKS}
 
 
 def test_abi_layout_offsets_respect_alignment():

@@ -104,6 +104,50 @@ def test_every_built_v_block(v_block):
     _run(inputs, cu_seqlens=cu_seqlens_of(lengths, "cuda"), v_block=v_block, label=f"v_block={v_block}")
 
 
+def _bits(inputs, cu, v_block):
+    """(out, final state) of a varlen call as raw bits, from a fresh plan."""
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
+    s0 = 0.1 * torch.ones(cu.numel() - 1, inputs["q"].shape[2], 128, 128, device="cuda")
+    o, fs = prefill(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"],
+                    cu_seqlens=cu, initial_state=s0, output_final_state=True, v_block=v_block)
+    return o.view(torch.int16).clone(), fs.view(torch.int32).clone()
+
+
+@pytest.mark.parametrize("v_block", K2_V_BLOCKS)
+def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
+    # The cluster multicast moves the same record bytes, and the longest-first grid order only
+    # changes which CTA runs a sequence: every combination is bitwise the plain kernel's result.
+    import cula_aot.ops.prefill as prefill_module
+    import cula_aot.specs as specs
+    from cula_aot.layout import FLAG_LONGEST_FIRST
+
+    lengths = [5, 300, 17, 300, 64, 1, 1000, 64]  # ties, a long one in the middle
+    inputs = standard_inputs(1, sum(lengths), 8, device="cuda")
+    cu = cu_seqlens_of(lengths, "cuda")
+    results = {}
+    for multicast in (False, True):
+        for order in (0, FLAG_LONGEST_FIRST):
+            monkeypatch.setattr(specs, "K2_MULTICAST", multicast)
+            monkeypatch.setattr(prefill_module, "SERIAL_K2_ORDER", order)
+            monkeypatch.setattr(prefill_module, "_PLANS", {})
+            results[multicast, order] = _bits(inputs, cu, v_block)
+    first = results[False, 0]
+    for key, (o, fs) in results.items():
+        assert torch.equal(o, first[0]) and torch.equal(fs, first[1]), f"v_block={v_block} (multicast, order)={key}"
+
+
+@pytest.mark.parametrize("count", [128, 129])
+def test_longest_first_up_to_its_limit_and_index_order_past_it(count):
+    # ORDER_MAX_SEQS (128) sequences are ranked on the device; one more runs in index order.
+    from cula_aot.layout import ORDER_MAX_SEQS
+
+    assert ORDER_MAX_SEQS == 128
+    lengths = [1 + (37 * i) % 61 for i in range(count)]
+    lengths[count // 2] = 700
+    inputs = standard_inputs(1, sum(lengths), 1, device="cuda")
+    _run(inputs, cu_seqlens=cu_seqlens_of(lengths, "cuda"), label=f"varlen {count} seqs H=1")
+
+
 def test_two_runs_are_bitwise_equal():
     lengths = [1000, 17, 3000]
     inputs = standard_inputs(1, sum(lengths), 8, device="cuda")

@@ -227,12 +227,31 @@ def test_dependent_launch_config_carries_the_pdl_attribute(manifest_path):
 
     name, record = Manifest(manifest_path).record(segmented_k2_spec(4))
     kernel = LoadedKernel(name, record, function=None)
-    config = kernel._dependent_config((8, 4, 3), 4096, 0)
+    config = kernel._ex_config((8, 4, 3), 4096, 0, dependent=True)
     assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (8, 4, 3)
     assert (config.blockDimX, config.blockDimY, config.blockDimZ) == tuple(record["block"])
     assert config.sharedMemBytes == 4096 and config.numAttrs == 1
     attribute = config.attrs[0]
     assert attribute.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert attribute.value.programmaticStreamSerializationAllowed == 1
-    assert kernel._dependent_config((8, 4, 3), 4096, 0) is config  # built once per shape
-    assert kernel._dependent_config((8, 4, 2), 4096, 0) is not config
+    assert kernel._ex_config((8, 4, 3), 4096, 0, dependent=True) is config  # built once per shape
+    assert kernel._ex_config((8, 4, 2), 4096, 0, dependent=True) is not config
+
+
+def test_cluster_kernel_launches_with_its_cluster_shape(manifest_path):
+    from cuda.bindings import driver as cu
+
+    from cula_aot.specs import serial_k2_spec
+
+    name, record = Manifest(manifest_path).record(serial_k2_spec(4, True, 32))
+    assert record["cluster"] == [4, 1, 1]
+    kernel = LoadedKernel(name, record, function=None)
+    config = kernel._ex_config((4, 4, 3), 4096, 0, dependent=True)
+    ids = [a.id for a in config.attrs]
+    assert config.numAttrs == 2 and cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION in ids
+    cluster = config.attrs[ids.index(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)].value.clusterDim
+    assert (cluster.x, cluster.y, cluster.z) == (4, 1, 1)
+    alone = kernel._ex_config((4, 4, 3), 4096, 0, dependent=False)
+    assert alone.numAttrs == 1 and alone.attrs[0].id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    with pytest.raises(ValueError, match="clusters"):
+        kernel._ex_config((6, 4, 3), 4096, 0, dependent=False)
