@@ -125,9 +125,9 @@ class KernelSpec:
 
 
 # K1's outputs and K2's / pre_scan's inputs: the workspace records (``layout.WORKSPACE_RECORD_*``,
-# bytes), then the sequence geometry both kernels read (``ops.prepare.workspace_values`` supplies
-# all of them).
-WORKSPACE_POINTERS = (pointer("workspace", "u8"),)
+# bytes) and the stream state of a streamed prefill (``layout.STREAM_*``), then the sequence
+# geometry both kernels read (``ops.prepare.workspace_values`` supplies all of them).
+WORKSPACE_POINTERS = (pointer("workspace", "u8"), pointer("stream_state", "i32"))
 SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
 
 K1_PARAMS = (
@@ -142,6 +142,7 @@ K1_PARAMS = (
     *SEQUENCE_SCALARS,
     scalar("beta_row_stride", "i32"),
     scalar("tiles_per_cta", "i32"),
+    scalar("streamed", "i32"),
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
 )
@@ -149,7 +150,7 @@ K1_PARAMS = (
 
 @dataclasses.dataclass(frozen=True)
 class K1Spec(KernelSpec):
-    """K1 prepare: one CTA per ``tiles_per_cta`` consecutive tile slots of one head."""
+    """K1 prepare: CTAs of one head take its tile slots in turn, ``tiles_per_cta`` at most each."""
 
     kernel: ClassVar[str] = "k1_prepare"
     params: ClassVar[tuple] = K1_PARAMS
@@ -169,12 +170,22 @@ K1_MAX_TILES_PER_CTA = 8
 K1_WAVES = 4
 
 
-def k1_grid(total_slots: int, heads: int, sm_count: int) -> dict:
-    """K1's launch values: ``tiles_per_cta`` (the fewest that fit all tiles into K1_WAVES waves
-    of resident CTAs, at most K1_MAX_TILES_PER_CTA) and the grid's ``k1_ctas`` per head."""
-    resident = K1_CTAS_PER_SM * sm_count * K1_WAVES
-    tiles_per_cta = max(1, min(K1_MAX_TILES_PER_CTA, -(-(total_slots * heads) // resident)))
-    return {"tiles_per_cta": tiles_per_cta, "k1_ctas": -(-total_slots // tiles_per_cta)}
+# A streamed K1 (K2 reads each record as soon as it is ready) runs one wave of this many CTAs
+# per SM, leaving room for K2's CTAs beside them (PERFORMANCE.md, session 19).
+K1_STREAM_CTAS_PER_SM = 2
+
+
+def k1_grid(total_slots: int, heads: int, sm_count: int, streamed: bool = False) -> dict:
+    """K1's launch values: ``tiles_per_cta`` and the grid's ``k1_ctas`` per head.  Alone: the
+    fewest tiles per CTA that fit all tiles into K1_WAVES waves of resident CTAs, at most
+    K1_MAX_TILES_PER_CTA.  Streamed: one wave of K1_STREAM_CTAS_PER_SM CTAs per SM."""
+    if streamed:
+        per_head = max(1, K1_STREAM_CTAS_PER_SM * sm_count // heads)
+        tiles_per_cta = -(-total_slots // per_head)
+    else:
+        resident = K1_CTAS_PER_SM * sm_count * K1_WAVES
+        tiles_per_cta = max(1, min(K1_MAX_TILES_PER_CTA, -(-(total_slots * heads) // resident)))
+    return {"tiles_per_cta": tiles_per_cta, "k1_ctas": -(-total_slots // tiles_per_cta), "streamed": int(streamed)}
 
 
 # State tensors: S[k, v] of state ``index`` and head h at element
@@ -205,8 +216,11 @@ K2_PARAMS = (
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
-# Cluster multicast: records split into 16-byte-aligned slices for clusters of 4 and 2 CTAs.
-K2_MULTICAST_V_BLOCKS = (32, 64)
+# Cluster multicast (serial K2): the wide V block only, the one ``auto_v_block`` takes for grids of
+# three or more waves, where each record's L2 reads bound the kernel.  There it was 2–5% faster;
+# on latency-bound grids (few CTAs per SM, 32 columns) the cluster's per-tile coupling made it
+# 7–27% slower (PERFORMANCE.md, session 19).
+K2_MULTICAST_V_BLOCKS = (64,)
 K2_DEFAULT_V_BLOCK = 32
 # Many-CTA serial calls take 64 columns instead: each CTA stages a tile's 13.9 KB of workspace
 # for its V block, so halving the CTAs per (sequence, head) halves the L2 reads that bound those
@@ -284,15 +298,9 @@ class K2Spec(KernelSpec):
         return (k2_threads(self.v_block), 1, 1)
 
 
-# Serial K2 in 32 and 64 columns runs as clusters that multicast each tile's record (one L2 read
-# per record instead of one per V block; PERFORMANCE.md, session 19).
-K2_MULTICAST = True
-
-
 def serial_k2_spec(heads: int, varlen: bool, v_block: int) -> K2Spec:
     """The serial K2 for ``heads`` and ``v_block``: multicast where it is built."""
-    return K2Spec(heads=heads, varlen=varlen, v_block=v_block,
-                  multicast=K2_MULTICAST and v_block in K2_MULTICAST_V_BLOCKS)
+    return K2Spec(heads=heads, varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS)
 
 
 def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:

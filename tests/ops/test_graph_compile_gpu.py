@@ -70,18 +70,21 @@ def test_cuda_graph_replay_matches_eager(varlen):
     with torch.cuda.graph(graph):
         run()
 
-    fresh = standard_inputs(batch, total, 8, device="cuda")
-    for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
-        static[name].copy_(fresh[name])
-    out.fill_(float("nan"))
-    final.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    o_eager, s_eager = cula_aot.kda_prefill(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
-                                            A_log=fresh["A_log"], dt_bias=fresh["dt_bias"],
-                                            lower_bound=fresh["lower_bound"], initial_state=s0, cu_seqlens=cu,
-                                            output_final_state=True, intracard_cp=False)
-    assert torch.equal(out, o_eager) and torch.equal(final, s_eager)
+    # Replays with new inputs each: a streamed prefill's epoch lives on the device, so every
+    # replay must see its own K1's records, not the last replay's.
+    for _ in range(3):
+        fresh = standard_inputs(batch, total, 8, device="cuda")
+        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
+            static[name].copy_(fresh[name])
+        out.fill_(float("nan"))
+        final.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        o_eager, s_eager = cula_aot.kda_prefill(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
+                                                A_log=fresh["A_log"], dt_bias=fresh["dt_bias"],
+                                                lower_bound=fresh["lower_bound"], initial_state=s0, cu_seqlens=cu,
+                                                output_final_state=True, intracard_cp=False)
+        assert torch.equal(out, o_eager) and torch.equal(final, s_eager)
     ref_o, _ = reference.kda_chunked(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
                                      A_log=fresh["A_log"], dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
                                      initial_state=s0.transpose(-1, -2), cu_seqlens=cu)

@@ -243,15 +243,15 @@ def test_cluster_kernel_launches_with_its_cluster_shape(manifest_path):
 
     from cula_aot.specs import serial_k2_spec
 
-    name, record = Manifest(manifest_path).record(serial_k2_spec(4, True, 32))
-    assert record["cluster"] == [4, 1, 1]
+    name, record = Manifest(manifest_path).record(serial_k2_spec(4, True, 64))
+    assert record["cluster"] == [2, 1, 1]
     kernel = LoadedKernel(name, record, function=None)
-    config = kernel._ex_config((4, 4, 3), 4096, 0, dependent=True)
+    config = kernel._ex_config((2, 4, 3), 4096, 0, dependent=True)
     ids = [a.id for a in config.attrs]
     assert config.numAttrs == 2 and cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION in ids
     cluster = config.attrs[ids.index(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)].value.clusterDim
-    assert (cluster.x, cluster.y, cluster.z) == (4, 1, 1)
-    alone = kernel._ex_config((4, 4, 3), 4096, 0, dependent=False)
+    assert (cluster.x, cluster.y, cluster.z) == (2, 1, 1)
+    alone = kernel._ex_config((2, 4, 3), 4096, 0, dependent=False)
     assert alone.numAttrs == 1 and alone.attrs[0].id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     with pytest.raises(ValueError, match="clusters"):
-        kernel._ex_config((6, 4, 3), 4096, 0, dependent=False)
+        kernel._ex_config((3, 4, 3), 4096, 0, dependent=False)
