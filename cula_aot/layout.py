@@ -27,15 +27,6 @@ FLAG_BF16_FINAL = 256
 # beyond that, index order).  Scheduling only: results are bitwise the same.
 FLAG_LONGEST_FIRST = 512
 ORDER_MAX_SEQS = 128
-# Streamed serial prefill: K2 starts while K1 runs and waits for each record's ready flag
-# instead of K1's end (``griddepcontrol.wait``).  The stream state (int32 words, zeroed when
-# allocated, kept across calls): the call epoch, K2's finished-CTA count, then one ready flag
-# per record slot from word ``STREAM_READY``.  K1 marks a slot's record complete with epoch + 1;
-# K2's last CTA advances the epoch, so every call's flags differ from the last one's.
-FLAG_STREAM = 1024
-STREAM_EPOCH = 0
-STREAM_DONE = 1
-STREAM_READY = 32
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

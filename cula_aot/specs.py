@@ -125,9 +125,9 @@ class KernelSpec:
 
 
 # K1's outputs and K2's / pre_scan's inputs: the workspace records (``layout.WORKSPACE_RECORD_*``,
-# bytes) and the stream state of a streamed prefill (``layout.STREAM_*``), then the sequence
-# geometry both kernels read (``ops.prepare.workspace_values`` supplies all of them).
-WORKSPACE_POINTERS = (pointer("workspace", "u8"), pointer("stream_state", "i32"))
+# bytes), then the sequence geometry both kernels read (``ops.prepare.workspace_values`` supplies
+# all of them).
+WORKSPACE_POINTERS = (pointer("workspace", "u8"),)
 SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
 
 K1_PARAMS = (
@@ -142,7 +142,6 @@ K1_PARAMS = (
     *SEQUENCE_SCALARS,
     scalar("beta_row_stride", "i32"),
     scalar("tiles_per_cta", "i32"),
-    scalar("streamed", "i32"),
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
 )
@@ -150,7 +149,7 @@ K1_PARAMS = (
 
 @dataclasses.dataclass(frozen=True)
 class K1Spec(KernelSpec):
-    """K1 prepare: CTAs of one head take its tile slots in turn, ``tiles_per_cta`` at most each."""
+    """K1 prepare: one CTA per ``tiles_per_cta`` consecutive tile slots of one head."""
 
     kernel: ClassVar[str] = "k1_prepare"
     params: ClassVar[tuple] = K1_PARAMS
@@ -170,22 +169,12 @@ K1_MAX_TILES_PER_CTA = 8
 K1_WAVES = 4
 
 
-# A streamed K1 (K2 reads each record as soon as it is ready) runs one wave of this many CTAs
-# per SM, leaving room for K2's CTAs beside them (PERFORMANCE.md, session 19).
-K1_STREAM_CTAS_PER_SM = 2
-
-
-def k1_grid(total_slots: int, heads: int, sm_count: int, streamed: bool = False) -> dict:
-    """K1's launch values: ``tiles_per_cta`` and the grid's ``k1_ctas`` per head.  Alone: the
-    fewest tiles per CTA that fit all tiles into K1_WAVES waves of resident CTAs, at most
-    K1_MAX_TILES_PER_CTA.  Streamed: one wave of K1_STREAM_CTAS_PER_SM CTAs per SM."""
-    if streamed:
-        per_head = max(1, K1_STREAM_CTAS_PER_SM * sm_count // heads)
-        tiles_per_cta = -(-total_slots // per_head)
-    else:
-        resident = K1_CTAS_PER_SM * sm_count * K1_WAVES
-        tiles_per_cta = max(1, min(K1_MAX_TILES_PER_CTA, -(-(total_slots * heads) // resident)))
-    return {"tiles_per_cta": tiles_per_cta, "k1_ctas": -(-total_slots // tiles_per_cta), "streamed": int(streamed)}
+def k1_grid(total_slots: int, heads: int, sm_count: int) -> dict:
+    """K1's launch values: ``tiles_per_cta`` (the fewest that fit all tiles into K1_WAVES waves
+    of resident CTAs, at most K1_MAX_TILES_PER_CTA) and the grid's ``k1_ctas`` per head."""
+    resident = K1_CTAS_PER_SM * sm_count * K1_WAVES
+    tiles_per_cta = max(1, min(K1_MAX_TILES_PER_CTA, -(-(total_slots * heads) // resident)))
+    return {"tiles_per_cta": tiles_per_cta, "k1_ctas": -(-total_slots // tiles_per_cta)}
 
 
 # State tensors: S[k, v] of state ``index`` and head h at element

@@ -67,7 +67,7 @@ from .common import (
     slot_base,
     varlen_slot_sequence,
 )
-from ..layout import STREAM_EPOCH, STREAM_READY, WORKSPACE_RECORD_BYTES
+from ..layout import WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
 
@@ -246,15 +246,6 @@ def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, nex
     return token0, rows, seq, base, next_base
 
 
-def _mark_ready(stream_state: cute.Pointer, head, total_slots, slot, value):
-    """One thread, after a CTA barrier that follows the record's stores: publish slot ``slot``
-    of ``head`` to a streamed K2 (``layout.STREAM_READY``), the fence making every thread's
-    stores of the record visible on the GPU before the flag."""
-    cute.arch.fence_acq_rel_gpu()
-    flag = stream_state + (STREAM_READY + cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot))
-    cute.arch.store(flag, cutlass.Int32(value), sem="relaxed", scope="gpu")
-
-
 def _input_tile(inputs: cute.Tensor, buffer, which: int) -> cute.Tensor:
     """Input tile ``which`` (0 q, 1 k, 2 g) of load buffer ``buffer`` (0 or 1, dynamic)."""
     at = cute.assume((buffer * 3 + which) * (CHUNK * D), divby=CHUNK * D)
@@ -293,13 +284,11 @@ def k1_prepare_kernel(
     dt_bias: cute.Pointer,
     cu_seqlens: cute.Pointer,
     workspace: cute.Pointer,
-    stream_state: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     tiles_per_cta: cutlass.Int32,
-    streamed: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     token_coords: cute.Tensor,
@@ -308,20 +297,11 @@ def k1_prepare_kernel(
 ):
     tid, _, _ = cute.arch.thread_idx()
     cta, head, _ = cute.arch.block_idx()
-    ctas, _, _ = cute.arch.grid_dim()
     warp = tid // 32
     lane = tid % 32
-    # The CTAs of a head take its slots in turn (slot cta + i·ctas), so the slots below any
-    # point finish together: the order a streamed K2 reads them in.
-    first_slot = cta
-    count = (total_slots - cta + ctas - 1) // ctas
+    first_slot = cta * tiles_per_cta
+    count = cutlass.min(tiles_per_cta, total_slots - first_slot)
     atoms = (tma_q, tma_k, tma_g)
-    ready_value = cutlass.Int32(0)
-    if streamed != 0:
-        # Streamed: K2 may start as soon as every K1 CTA is resident (then none of the CTAs it
-        # waits for can be kept off the GPU by it).
-        cute.arch.griddepcontrol_launch_dependents()
-        ready_value = cute.make_tensor(stream_state, cute.make_layout(1))[STREAM_EPOCH] + 1
 
     smem = cutlass.utils.SmemAllocator()
     # Two load buffers of q, k, g tiles: the next tile's loads fly while this one is computed.
@@ -361,7 +341,7 @@ def k1_prepare_kernel(
         for b in cutlass.range_constexpr(2):
             if b < count:
                 token0, rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, first_slot + b * ctas, seq, base, next_base, varlen)
+                    cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen)
                 _publish_tile(s_info, load_barriers, b, token0, rows, lane)
                 _copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
 
@@ -378,7 +358,7 @@ def k1_prepare_kernel(
     has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
                   for b in range(3)]
     for i in range(count):
-        slot = first_slot + i * ctas
+        slot = first_slot + i
         buffer = i % 2
         slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
         record = workspace + cute.assume(slot_index * WORKSPACE_RECORD_BYTES, divby=16)
@@ -410,16 +390,11 @@ def k1_prepare_kernel(
                 beta_at = beta + (cutlass.Int64(token0) + tid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                 logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
         cute.arch.sync_threads()
-        if streamed != 0:
-            if tid == 0:
-                if i > 0:
-                    # Every thread's stores of the previous tile precede the barrier above.
-                    _mark_ready(stream_state, head, total_slots, slot - ctas, ready_value)
         # Every thread has read this buffer and its s_info: refill both with tile i + 2.
         if cute.arch.warp_idx() == 0:
             if i + 2 < count:
                 next_token0, next_rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, slot + 2 * ctas, seq, base, next_base, varlen)
+                    cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen)
                 _publish_tile(s_info, load_barriers, buffer, next_token0, next_rows, lane)
                 _copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
 
@@ -556,11 +531,6 @@ def k1_prepare_kernel(
             if warp < 2:
                 _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
                 _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
-    if streamed != 0:
-        cute.arch.sync_threads()
-        if tid == 0:
-            if count > 0:
-                _mark_ready(stream_state, head, total_slots, first_slot + (count - 1) * ctas, ready_value)
 
 
 @cute.jit
@@ -573,13 +543,11 @@ def k1_prepare_launch(
     dt_bias: cute.Pointer,
     cu_seqlens: cute.Pointer,
     workspace: cute.Pointer,
-    stream_state: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     tiles_per_cta: cutlass.Int32,
-    streamed: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     stream,
@@ -593,8 +561,8 @@ def k1_prepare_launch(
     tma_g, _ = make_token_tma(g, heads)
     k1_prepare_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
-        workspace, stream_state,
-        seq_len, num_seqs, total_slots, beta_row_stride, tiles_per_cta, streamed, scale, lower_bound, token_coords, heads,
+        workspace,
+        seq_len, num_seqs, total_slots, beta_row_stride, tiles_per_cta, scale, lower_bound, token_coords, heads,
         varlen,
     ).launch(grid=[(total_slots + tiles_per_cta - 1) // tiles_per_cta, heads, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
              # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing

@@ -63,7 +63,6 @@ from ..layout import (
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
-    FLAG_STREAM,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
     SEG_FIRST_SLOT,
@@ -72,9 +71,6 @@ from ..layout import (
     SEG_INIT_INDEX,
     SEG_TOKENS,
     SEGMENT_FIELDS,
-    STREAM_DONE,
-    STREAM_EPOCH,
-    STREAM_READY,
     ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
     WORKSPACE_PART_OFFSETS,
@@ -84,7 +80,7 @@ from ..layout import (
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
 from .common import CHUNK, D, pool_index, record_part, state_element, varlen_sequence
-from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16, nanosleep
+from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
 WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
@@ -206,27 +202,6 @@ def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_vali
 
 
 @cute.jit
-def _wait_ready(stream_state: cute.Pointer, slot, value):
-    """Streamed (``FLAG_STREAM``), the thread that issues a record's bulk copy: spin until K1 has
-    marked record ``slot`` ready with ``value``, then order the async-proxy copy after it."""
-    flag = stream_state + (STREAM_READY + slot)
-    while cute.arch.load(flag, cutlass.Int32, sem="acquire", scope="gpu") != value:
-        nanosleep(64)
-    cute.arch.fence_proxy("async.global")
-
-
-@cute.jit
-def _finish_stream(stream_state: cute.Pointer, epoch):
-    """Streamed, thread 0 of each CTA once its copies are all issued: count the CTA; the grid's
-    last one advances the epoch for the next call (every CTA read it at its start)."""
-    state = cute.make_tensor(stream_state, cute.make_layout(STREAM_READY))
-    x, y, z = cute.arch.grid_dim()
-    if cute.arch.atomic_add(stream_state + STREAM_DONE, cutlass.Int32(1), sem="acq_rel", scope="gpu") == x * y * z - 1:
-        state[STREAM_DONE] = cutlass.Int32(0)
-        state[STREAM_EPOCH] = epoch + 1
-
-
-@cute.jit
 def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int):
     """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
     length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
@@ -263,7 +238,6 @@ def k2_recurrence_kernel(
     segments: cute.Pointer,
     state_indices: cute.Pointer,
     workspace: cute.Pointer,
-    stream_state: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -381,24 +355,17 @@ def k2_recurrence_kernel(
         cute.arch.cluster_wait()
     else:
         cute.arch.sync_threads()
-    streamed = (flags & FLAG_STREAM) != 0
-    epoch = cutlass.Int32(0)
     if cutlass.const_expr(not segmented):
         # Serial K2 is K1's programmatic dependent: everything above reads the caller's tensors
         # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
-        # records are K1's and come after its grid is done, or (streamed) each after its flag.
-        if streamed:
-            epoch = cute.make_tensor(stream_state, cute.make_layout(1))[STREAM_EPOCH]
-        else:
-            cute.arch.griddepcontrol_wait()
+        # records are K1's and come after its grid is done.
+        cute.arch.griddepcontrol_wait()
     # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
     v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
     v_stage_bytes = warps * V_WARP_BYTES
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                if streamed:
-                    _wait_ready(stream_state, slot0 + cutlass.Int64(s), epoch + 1)
                 _issue_stage_loads(workspace, _stage_base(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
                                    stage_nbytes, cluster_ctas, rank)
         _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
@@ -425,8 +392,6 @@ def k2_recurrence_kernel(
                     cute.arch.cluster_wait()
         if tid == 0:
             if ahead < num_tiles:
-                if streamed:
-                    _wait_ready(stream_state, slot0 + cutlass.Int64(ahead), epoch + 1)
                 _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
                                    slot0 + cutlass.Int64(ahead), stage_nbytes, cluster_ctas, rank)
         _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
@@ -526,10 +491,6 @@ def k2_recurrence_kernel(
         # The last tile's barrier: no CTA leaves while a peer may still multicast into it.
         if num_tiles > 0:
             cute.arch.cluster_wait()
-    if cutlass.const_expr(not segmented):
-        if streamed:
-            if tid == 0:
-                _finish_stream(stream_state, epoch)
 
     if write_final != 0:
         if (flags & FLAG_BF16_FINAL) != 0:
@@ -556,7 +517,6 @@ def k2_recurrence_launch(
     segments: cute.Pointer,
     state_indices: cute.Pointer,
     workspace: cute.Pointer,
-    stream_state: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
@@ -581,7 +541,7 @@ def k2_recurrence_launch(
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
         v, out, initial_state, final_state, cu_seqlens, segments, state_indices,
-        workspace, stream_state,
+        workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
         heads, varlen, v_block, segmented, prescan, stages, multicast,

@@ -150,8 +150,3 @@ def cp_async_16(smem_address, global_address, src_bytes):
         "r,l,r",
         has_side_effects=True,
     )
-
-
-def nanosleep(nanoseconds: int) -> None:
-    """Suspend the thread for about ``nanoseconds`` (a spin loop's back-off)."""
-    llvm.inline_asm(None, [], f"nanosleep.u32 {nanoseconds};", "", has_side_effects=True)

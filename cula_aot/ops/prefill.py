@@ -22,7 +22,6 @@ from ..layout import (
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
-    FLAG_STREAM,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
     SEG_FIRST_SLOT,
@@ -348,7 +347,7 @@ class _Plan:
     plan, and the per-call checks and allocations the signature does not fix (addresses,
     scalars, host cu_seqlens values)."""
 
-    def __init__(self, c: Checked, k1, *, cu_seqlens, alloc_final, device, intracard_cp, split, streamed=False):
+    def __init__(self, c: Checked, k1, *, cu_seqlens, alloc_final, device, intracard_cp, split):
         self.c, self.device, self.alloc_final = c, device, alloc_final
         # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
         # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
@@ -358,7 +357,7 @@ class _Plan:
         self.slots = c.heads * total_slots
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
         self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                               **k1_grid(total_slots, c.heads, _sm_count(device), streamed)}, _K1_DYNAMIC)
+                               **k1_grid(total_slots, c.heads, _sm_count(device))}, _K1_DYNAMIC)
 
     def plan_for(self, key, cu_seqlens, cu_seqlens_cpu):
         """(the cached plan for this call's lengths, None when there is none yet; the host
@@ -414,9 +413,6 @@ class _Plan:
 # The serial K2's grid order: varlen sequences longest first, so the longest chains start in the
 # first wave (a fixed-length kernel ignores the bit; PERFORMANCE.md, session 19).
 SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
-# Serial prefill streamed: K2 reads each record once K1 has marked it ready, while K1 runs
-# (``layout.FLAG_STREAM``; PERFORMANCE.md, session 19).
-SERIAL_STREAMED = True
 
 
 class _SerialPlan(_Plan):
@@ -425,17 +421,15 @@ class _SerialPlan(_Plan):
 
     def __init__(self, c: Checked, k1, k2, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
                  intracard_cp, split):
-        streamed = SERIAL_STREAMED and DEPENDENT_LAUNCH
         super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, streamed=streamed)
+                         intracard_cp=intracard_cp, split=split)
         stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
         self.k2 = k2.template({
             **self.geometry, "segments": 0, "v_row_stride": c.strides["v"],
             "out_row_stride": c.strides.get("out", c.heads * D),
             "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | SERIAL_K2_ORDER | (FLAG_STREAM if streamed else 0)}, _K2_DYNAMIC,
-            dependent=DEPENDENT_LAUNCH)
+            "flags": init_flags | final_flags | SERIAL_K2_ORDER}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):

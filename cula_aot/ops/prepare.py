@@ -7,7 +7,7 @@ import torch
 
 from ..layout import D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
-from ..specs import WORKSPACE_POINTERS, K1Spec, k1_grid
+from ..specs import K1Spec, k1_grid
 from .checks import DEFAULT_SCALE
 from .workspace import ARENA
 
@@ -48,7 +48,7 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, s
     cu32 = None if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.int32)
     values = {
         "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
-        **dict(zip((p.name for p in WORKSPACE_POINTERS), ARENA.pointers(device, heads * total_slots, stream))),
+        "workspace": ARENA.pointers(device, heads * total_slots, stream)[0],
         "seq_len": seq_len, "num_seqs": batch if cu32 is None else cu32.numel() - 1,
         "total_slots": total_slots, "heads": heads,
     }

@@ -12,8 +12,8 @@ import threading
 
 import torch
 
-from ..layout import (STREAM_READY, WORKSPACE_DTYPES, WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES,
-                      WORKSPACE_RECORD_ORDER, WORKSPACE_SLOT_BYTES)
+from ..layout import (WORKSPACE_DTYPES, WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES, WORKSPACE_RECORD_ORDER,
+                      WORKSPACE_SLOT_BYTES)
 
 _ALIGN = 256
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -27,9 +27,6 @@ class WorkspaceArena:
         # pointer); dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self._pointers: dict[tuple[int, int, int], tuple] = {}
-        # (device, stream) → the stream state (``layout.STREAM_*``): zeroed when allocated, then
-        # only the kernels write it (its epoch must survive from call to call).
-        self._stream_states: dict[tuple[int, int], torch.Tensor] = {}
 
     def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
         """The raw buffer of ``stream`` (a raw ``cudaStream_t``), at least ``nbytes``."""
@@ -62,25 +59,13 @@ class WorkspaceArena:
         return views
 
 
-    def stream_state(self, device: torch.device, slots: int, stream: int) -> torch.Tensor:
-        """The stream state of ``stream`` with ready flags for at least ``slots`` records."""
-        key = (device.index, stream)
-        with self._lock:
-            state = self._stream_states.get(key)
-            if state is None or state.numel() < STREAM_READY + slots:
-                state = torch.zeros(STREAM_READY + slots, dtype=torch.int32, device=device)
-                self._stream_states[key] = state
-                self._pointers = {k: v for k, v in self._pointers.items() if k[:2] != key}
-            return state
-
     def pointers(self, device: torch.device, slots: int, stream: int) -> tuple:
-        """The kernels' workspace parameters (``specs.WORKSPACE_POINTERS``): the first record and
-        the stream state."""
+        """The kernels' workspace parameters (``specs.WORKSPACE_POINTERS``): the first record."""
         key = (device.index, stream, slots)
         pointers = self._pointers.get(key)
         if pointers is None:
             views = self.carve(device, slots, stream)
-            pointers = (views[WORKSPACE_RECORD_ORDER[0]].data_ptr(), self.stream_state(device, slots, stream).data_ptr())
+            pointers = (views[WORKSPACE_RECORD_ORDER[0]].data_ptr(),)
             with self._lock:
                 if self._views.get(key) is views:
                     self._pointers[key] = pointers

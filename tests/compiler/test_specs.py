@@ -128,19 +128,3 @@ def test_k1_grid_covers_every_slot_in_k1_waves_waves():
         assert t == 1 or -(-total_slots // (t - 1)) * heads > waves
     assert k1_grid(512, 64, 132)["tiles_per_cta"] == K1_MAX_TILES_PER_CTA  # H64 1×8192
     assert k1_grid(512, 4, 132)["tiles_per_cta"] == 1  # H4 1×8192: 2048 CTAs are 4 waves already
-    assert k1_grid(512, 4, 132)["streamed"] == 0
-
-
-def test_streamed_k1_grid_is_one_wave_beside_k2():
-    # Streamed, K2 starts once every K1 CTA is resident: one wave of K1_STREAM_CTAS_PER_SM per SM
-    # (whenever the heads fit), every slot once, no empty CTA.
-    from cula_aot.specs import K1_STREAM_CTAS_PER_SM, k1_grid
-
-    room = K1_STREAM_CTAS_PER_SM * 132
-    for total_slots, heads in [(1, 1), (64, 4), (512, 4), (512, 64), (520, 96), (8192, 1), (7, 3), (100, 300)]:
-        values = k1_grid(total_slots, heads, 132, streamed=True)
-        t, ctas = values["tiles_per_cta"], values["k1_ctas"]
-        assert values["streamed"] == 1
-        assert (ctas - 1) * t < total_slots <= ctas * t
-        assert ctas * heads <= max(room, heads)
-    assert k1_grid(512, 64, 132, streamed=True)["k1_ctas"] == 4  # H64 1×8192: 256 CTAs of 128 tiles

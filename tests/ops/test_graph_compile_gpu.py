@@ -70,8 +70,7 @@ def test_cuda_graph_replay_matches_eager(varlen):
     with torch.cuda.graph(graph):
         run()
 
-    # Replays with new inputs each: a streamed prefill's epoch lives on the device, so every
-    # replay must see its own K1's records, not the last replay's.
+    # Replays with new inputs each: every replay must see its own K1's records.
     for _ in range(3):
         fresh = standard_inputs(batch, total, 8, device="cuda")
         for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):

@@ -87,7 +87,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert v2["v"] == y["v"].data_ptr() and v2["out"] == o2.data_ptr() and v2["state_indices"] == idx.data_ptr()
     assert v2["initial_state"] == v2["final_state"] == pool.data_ptr()
     assert v2["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST | prefill_module.FLAG_STREAM
+        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
     # Same workspaces on both calls: the arena's cached addresses.
     assert recorder.values(1)[1]["workspace"] == v2["workspace"] and v1["workspace"] == v2["workspace"]

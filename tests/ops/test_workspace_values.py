@@ -41,20 +41,3 @@ def test_arena_reuses_views_per_stream_and_drops_them_when_it_grows():
     assert arena.carve(cpu, 8, stream=1) is not first  # views of the old buffer are gone
     assert arena.carve(cpu, 8, stream=1)["qd"].data_ptr() == grown["qd"].data_ptr()
 
-
-def test_stream_state_is_zeroed_once_and_kept_while_it_fits():
-    # The epoch word must survive from call to call (a new zeroed state restarts it at 0, with all
-    # ready flags 0 too, so no stale flag can equal the next epoch + 1).
-    from cula_aot.layout import STREAM_EPOCH, STREAM_READY
-
-    arena, cpu = WorkspaceArena(), torch.device("cpu")
-    state = arena.stream_state(cpu, 8, stream=1)
-    assert state.dtype == torch.int32 and state.numel() == STREAM_READY + 8 and not state.any()
-    state[STREAM_EPOCH] = 41  # as a streamed K2 leaves it
-    assert arena.stream_state(cpu, 4, stream=1) is state and state[STREAM_EPOCH] == 41
-    assert arena.stream_state(cpu, 8, stream=2) is not state  # per stream
-    workspace, state_pointer = arena.pointers(cpu, 8, stream=1)
-    assert state_pointer == state.data_ptr() and workspace == arena.carve(cpu, 8, stream=1)["kd"].data_ptr()
-    grown = arena.stream_state(cpu, 64, stream=1)
-    assert grown is not state and not grown.any()
-    assert arena.pointers(cpu, 8, stream=1)[1] == grown.data_ptr()  # cached pointers follow it
