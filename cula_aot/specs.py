@@ -214,9 +214,11 @@ K2_DEFAULT_V_BLOCK = 32
 # Many-CTA serial calls take 64 columns instead: each CTA stages a tile's 13.9 KB of workspace
 # for its V block, so halving the CTAs per (sequence, head) halves the L2 reads that bound those
 # rows (ncu, H64 8×1024: L2 87% busy).  Chosen when the 32-column grid is at least
-# K2_WIDE_V_BLOCK_WAVES waves of K2_CTAS_PER_SM resident CTAs (PERFORMANCE.md, session 13).
+# K2_WIDE_V_BLOCK_WAVES waves of K2_CTAS_PER_SM resident CTAs (PERFORMANCE.md, session 13; 3
+# until session 19, when the multicast 64-column K2 won at 1.94 and 2.33 waves, H16 4×2048 +
+# 16×128 and H64 6 seqs, by 7% and 3.5%, and lost 3–7% at 1.55, H8 32×256 and H32 8×1024).
 K2_WIDE_V_BLOCK = 64
-K2_WIDE_V_BLOCK_WAVES = 3
+K2_WIDE_V_BLOCK_WAVES = 1.75
 K2_CTAS_PER_SM = 5  # 32-column CTAs resident per SM (shared memory: 3 stages of 14.4 KB)
 
 

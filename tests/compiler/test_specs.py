@@ -85,6 +85,9 @@ def test_auto_v_block_widens_only_many_cta_grids():
     assert auto_v_block(96, 1, 132) == K2_DEFAULT_V_BLOCK
     assert auto_v_block(64, 8, 132) == K2_WIDE_V_BLOCK
     assert auto_v_block(4, 32, 132) == K2_DEFAULT_V_BLOCK
+    # Session 19's measured boundary: 64 at 1.94 and 2.33 waves, 32 at 1.55.
+    assert auto_v_block(16, 20, 132) == auto_v_block(64, 6, 132) == K2_WIDE_V_BLOCK
+    assert auto_v_block(32, 8, 132) == auto_v_block(8, 32, 132) == K2_DEFAULT_V_BLOCK
     assert {K2_DEFAULT_V_BLOCK, K2_WIDE_V_BLOCK} <= set(K2_V_BLOCKS)
 
 
