@@ -17,7 +17,9 @@ one or more ``mma.sync.m16n8k16`` (bf16 operands, fp32 accumulation): Sᵀ·kd�
 8 k-steps whose A operand is the state fragment itself rounded to bf16 (the C layout of two
 n-tiles is the A layout of a k-step; see ``warp_mma``), Wᵀ and Uᵀ become A operands the same
 way, and kd, qd, INV, Mqk (``ldmatrix``) and kr (``ldmatrix.trans``) come straight from the
-stage: the K_INTER image's 16-byte rows are ldmatrix rows.  Rounding points are those of the
+stage: the K_INTER image's 16-byte rows are ldmatrix rows.  O leaves through the warp's v slot
+of the tile: one ``stmatrix.trans`` lays its 16 × 16 block out token-major, then each lane
+stores 16 bytes of one token row.  Rounding points are those of the
 FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between tiles.
 
 Inputs per tile come from K1's workspace record of the slot (slot = head · total_slots + tile
@@ -29,7 +31,8 @@ distance ahead with one 16-byte ``cp.async`` per lane (rows past the end zero-fi
 it back as the Vᵀ accumulator fragment with one ``ldmatrix.trans``.
 
 Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqlens (varlen) or
-B×T (fixed) on the device.  Segmented (intracard CP, ``segmented=True``): one per row of a
+B×T (fixed) on the device; under ``FLAG_LONGEST_FIRST`` grid row z takes the z-th longest
+varlen sequence (up to ``layout.ORDER_MAX_SEQS``), so the longest chains start first.  Segmented (intracard CP, ``segmented=True``): one per row of a
 segment table built by the host planner (``cula_aot.layout.SEG_*``): first token, first tile
 slot, token count, the state rows it reads/writes and its flags.  The same kernel serves the CP
 pre_scan (flags: identity start, v = 0 → the segment's transition matrix; or zero start, real
@@ -38,15 +41,19 @@ variant (``prescan``) writes states only: it stages the record's first
 ``layout.PRESCAN_RECORD_BYTES`` (kd, kr, inv, gt, b) and drops the qd and Mqk products and the
 output stores, a third of the tile's MMAs.
 
+Multicast (``multicast=True``): the V blocks of one work item are one thread-block cluster;
+each CTA loads a slice of every record into the same stage of all of them, and a stage is
+refilled once the whole cluster is done with it (a relaxed cluster barrier per tile).
+
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
-columns), ``smem_bytes(v_block, stages, prescan)`` dynamic shared memory, as a programmatic dependent of the
+columns), cluster (128 / v_block, 1, 1) when multicast (a launch attribute), ``smem_bytes(v_block, stages, prescan)`` dynamic shared memory, as a programmatic dependent of the
 kernel before it (K1, or the CP merge): ``griddepcontrol.wait`` comes before the first read of a
 workspace record (serial) or of the start state (segmented).  Runtime: lengths, cu_seqlens or the
 segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D
 packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
 pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
 states exist, pool indexing, fp32 or bf16 states).  Compile-time: H, varlen, v_block (16, 32,
-64, ...), segmented, prescan, stages.
+64, ...), segmented, prescan, stages, multicast.
 """
 
 import cutlass
@@ -80,7 +87,8 @@ from ..layout import (
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
 from .common import CHUNK, D, pool_index, record_part, state_element, varlen_sequence
-from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
+from .warp_mma import (accumulators_as_a, bf16_as_f32, cp_async_16, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
+                       pack_bf16x2, st_global_v4, stmatrix_x4_trans)
 
 WARP = 32
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
@@ -375,10 +383,7 @@ def k2_recurrence_kernel(
     image_lane = _image_lane_offset(lane)
     image_trans_lane = _image_trans_lane_offset(lane)
     square_lane = _square_lane_offset(lane)
-    # Output rows 2t, 2t + 1, 2t + 8, 2t + 9 of a tile, as offsets from row 2t (loop-invariant,
-    # so each store is one add from the tile's base).
     out_stride = cutlass.Int64(out_row_stride)
-    out_row_offsets = (cutlass.Int64(0), out_stride, out_stride * 8, out_stride * 9)
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % stages
         stage_base = _stage_base(s_stages, stage, stage_nbytes)
@@ -455,17 +460,13 @@ def k2_recurrence_kernel(
         a_u = accumulators_as_a(u, 0)
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
+        # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
+        o_pairs = []
         if cutlass.const_expr(not prescan):
             b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
-            out_tile = out + ((token0 + cutlass.Int64(2 * t)) * out_stride + cutlass.Int64(head * D + v_col))
             for n in cutlass.range_constexpr(2):
                 d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
-                for c in cutlass.range_constexpr(4):
-                    row = n * 8 + 2 * t + c % 2
-                    if row < rows_valid and write_out:
-                        element = cute.make_tensor(out_tile + (out_row_offsets[2 * n + c % 2] + 8 * (c // 2)),
-                                                   cute.make_layout(1))
-                        element[0] = d_o[c].to(cutlass.BFloat16)
+                o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
         for pair in cutlass.range_constexpr(N_TILES // 2):
@@ -476,6 +477,18 @@ def k2_recurrence_kernel(
                 d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
                 for c in cutlass.range_constexpr(4):
                     state[4 * j + c] = d_s[c]
+        if cutlass.const_expr(not prescan):
+            # O leaves through this warp's v slot of the tile (read above, refilled only at the
+            # next tile): stmatrix.trans lays it out token-major, then each lane stores 16 bytes of
+            # one token row, whole 32-byte sectors per row (off the state chain, after its MMAs).
+            o_slot = v_base + stage * v_stage_bytes
+            stmatrix_x4_trans(o_slot + square_lane, o_pairs)
+            cute.arch.sync_warp()
+            words = ld_shared_v4(o_slot + lane * 16)
+            out_row, out_half = _v_chunk(lane)
+            if out_row < rows_valid and write_out:
+                at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
+                st_global_v4((out + at).toint(), words)
         # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
         # 0 waits at the next tile's refill; the other warps here, before their next arrive.
         if cutlass.const_expr(multicast):

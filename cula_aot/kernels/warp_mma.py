@@ -150,3 +150,39 @@ def cp_async_16(smem_address, global_address, src_bytes):
         "r,l,r",
         has_side_effects=True,
     )
+
+
+def stmatrix_x4_trans(smem_address, registers: list) -> None:
+    """Store four 8×8 bf16 matrices, each lane's b32 fragment register per matrix (the mma C
+    layout: row lane // 4, columns 2·(lane % 4) + {0, 1}), transposed: lanes 8m..8m+7 give the
+    32-bit shared addresses of matrix m's stored rows (its columns), 16 bytes each."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(smem_address).ir_value(), *(cutlass.Int32(r).ir_value() for r in registers)],
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1,$2,$3,$4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+    )
+
+
+def ld_shared_v4(smem_address) -> list:
+    """Four b32 words (16 bytes) from a 16-byte-aligned 32-bit shared address."""
+    result = llvm.inline_asm(
+        _struct(4, T.i32()),
+        [cutlass.Int32(smem_address).ir_value()],
+        "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+    )
+    return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
+
+
+def st_global_v4(global_address, words: list) -> None:
+    """Store four b32 words (16 bytes) at a 16-byte-aligned global address."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int64(global_address).ir_value(), *(cutlass.Int32(w).ir_value() for w in words)],
+        "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
+        "l,r,r,r,r",
+        has_side_effects=True,
+    )
