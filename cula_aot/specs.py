@@ -206,7 +206,7 @@ K2_PARAMS = (
 # (docs/PERFORMANCE.md).
 K2_V_BLOCKS = (16, 32, 64)
 # Cluster multicast (serial K2): the wide V block only, the one ``auto_v_block`` takes for grids of
-# three or more waves, where each record's L2 reads bound the kernel.  There it was 2–5% faster;
+# K2_WIDE_V_BLOCK_WAVES or more waves, where each record's L2 reads bound the kernel.  There it was 2–5% faster;
 # on latency-bound grids (few CTAs per SM, 32 columns) the cluster's per-tile coupling made it
 # 7–27% slower (PERFORMANCE.md, session 19).
 K2_MULTICAST_V_BLOCKS = (64,)

@@ -3,8 +3,8 @@
 The build refuses to write a manifest whose declared ABI disagrees with what the compiler
 actually emitted: parameter count, order, PTX type, size and alignment, block and cluster shape
 (a kernel with cluster instructions must declare a cluster, which the runtime sets at launch
-when the PTX does not fix it), and whether the kernel waits for its predecessor's grid (``griddepcontrol.wait``, required of a
-kernel the runtime launches as a programmatic dependent).
+when the PTX does not fix it), and whether the kernel waits for its predecessor's grid
+(``griddepcontrol.wait``, required of a kernel the runtime launches as a programmatic dependent).
 """
 
 import re

@@ -19,8 +19,8 @@ n-tiles is the A layout of a k-step; see ``warp_mma``), Wᵀ and Uᵀ become A o
 way, and kd, qd, INV, Mqk (``ldmatrix``) and kr (``ldmatrix.trans``) come straight from the
 stage: the K_INTER image's 16-byte rows are ldmatrix rows.  O leaves through the warp's v slot
 of the tile: one ``stmatrix.trans`` lays its 16 × 16 block out token-major, then each lane
-stores 16 bytes of one token row.  Rounding points are those of the
-FlashKDA recipe (bf16 S, W and U operands); the state itself stays fp32 between tiles.
+stores 16 bytes of one token row.  Rounding points are those of the FlashKDA recipe (bf16 S, W
+and U operands); the state itself stays fp32 between tiles.
 
 Inputs per tile come from K1's workspace record of the slot (slot = head · total_slots + tile
 slot, see ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and b
@@ -32,8 +32,9 @@ it back as the Vᵀ accumulator fragment with one ``ldmatrix.trans``.
 
 Work items.  Serial (``segmented=False``): one per sequence, found from cu_seqlens (varlen) or
 B×T (fixed) on the device; under ``FLAG_LONGEST_FIRST`` grid row z takes the z-th longest
-varlen sequence (up to ``layout.ORDER_MAX_SEQS``), so the longest chains start first.  Segmented (intracard CP, ``segmented=True``): one per row of a
-segment table built by the host planner (``cula_aot.layout.SEG_*``): first token, first tile
+varlen sequence (up to ``layout.ORDER_MAX_SEQS``), so the longest chains start first.
+Segmented (intracard CP, ``segmented=True``): one per row of a segment table built by the host
+planner (``cula_aot.layout.SEG_*``): first token, first tile
 slot, token count, the state rows it reads/writes and its flags.  The same kernel serves the CP
 pre_scan (flags: identity start, v = 0 → the segment's transition matrix; or zero start, real
 v → its end state) and the segmented recurrence (start from the merged carry).  The pre_scan's
@@ -46,7 +47,8 @@ each CTA loads a slice of every record into the same stage of all of them, and a
 refilled once the whole cluster is done with it (a relaxed cluster barrier per tile).
 
 Launch: grid (128 / v_block, H, work items), block (2·v_block, 1, 1) (one warp per 16 V
-columns), cluster (128 / v_block, 1, 1) when multicast (a launch attribute), ``smem_bytes(v_block, stages, prescan)`` dynamic shared memory, as a programmatic dependent of the
+columns), cluster (128 / v_block, 1, 1) when multicast (a launch attribute),
+``smem_bytes(v_block, stages, prescan)`` dynamic shared memory, as a programmatic dependent of the
 kernel before it (K1, or the CP merge): ``griddepcontrol.wait`` comes before the first read of a
 workspace record (serial) or of the start state (segmented).  Runtime: lengths, cu_seqlens or the
 segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D

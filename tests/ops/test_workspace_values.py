@@ -40,4 +40,3 @@ def test_arena_reuses_views_per_stream_and_drops_them_when_it_grows():
     grown = arena.carve(cpu, 4096, stream=1)
     assert arena.carve(cpu, 8, stream=1) is not first  # views of the old buffer are gone
     assert arena.carve(cpu, 8, stream=1)["qd"].data_ptr() == grown["qd"].data_ptr()
-
