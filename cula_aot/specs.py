@@ -219,6 +219,7 @@ K2_DEFAULT_V_BLOCK = 32
 # 16×128 and H64 6 seqs, by 7% and 3.5%, and lost 3–7% at 1.55, H8 32×256 and H32 8×1024).
 K2_WIDE_V_BLOCK = 64
 K2_WIDE_V_BLOCK_WAVES = 1.75
+K2_WGMMA_V_BLOCK = 64
 K2_CTAS_PER_SM = 5  # 32-column CTAs resident per SM (shared memory: 3 stages of 14.4 KB)
 
 
@@ -269,8 +270,13 @@ class K2Spec(KernelSpec):
     # The V blocks of one (sequence, head) run as one thread-block cluster that loads each
     # tile's record once, multicast into every CTA (``K2_MULTICAST_V_BLOCKS``).
     multicast: bool = False
+    # Sᵀ·kdᵀ, Sᵀ·qdᵀ and the state update as warpgroup MMAs (``wgmma``, B read from the stage
+    # once per warpgroup instead of once per warp): v_block 64, the one warpgroup of 4 warps.
+    wgmma: bool = False
 
     def __post_init__(self):
+        if self.wgmma and self.v_block != K2_WGMMA_V_BLOCK:
+            raise ValueError(f"K2Spec: wgmma=True needs v_block {K2_WGMMA_V_BLOCK} (one warpgroup), got {self.v_block}")
         if self.prescan and not self.segmented:
             raise ValueError("K2Spec: prescan=True needs segmented=True (the pre_scan runs segment-table rows)")
         if self.multicast and self.v_block not in K2_MULTICAST_V_BLOCKS:
@@ -290,8 +296,12 @@ class K2Spec(KernelSpec):
 
 
 def serial_k2_spec(heads: int, varlen: bool, v_block: int) -> K2Spec:
-    """The serial K2 for ``heads`` and ``v_block``: multicast where it is built."""
-    return K2Spec(heads=heads, varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS)
+    """The serial K2 for ``heads`` and ``v_block``: multicast where it is built, and warpgroup
+    MMAs for the one-warpgroup V block (3.5–6% faster where ``auto_v_block`` takes it; on the
+    few-CTA fixed rows, where 32 columns stay the pick, 64 with wgmma lost 6–9%: PERFORMANCE.md,
+    session 20)."""
+    return K2Spec(heads=heads, varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
+                  wgmma=v_block == K2_WGMMA_V_BLOCK)
 
 
 def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
@@ -511,6 +521,8 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.append(K1Spec(heads=h, varlen=varlen))
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True)
+                         for m in (False, True))
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
         specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

@@ -22,6 +22,12 @@ of the tile: one ``stmatrix.trans`` lays its 16 × 16 block out token-major, the
 stores 16 bytes of one token row.  Rounding points are those of the FlashKDA recipe (bf16 S, W
 and U operands); the state itself stays fp32 between tiles.
 
+Warpgroup MMAs (``wgmma=True``, v_block 64: the CTA's 4 warps are one warpgroup): Sᵀ·kdᵀ,
+Sᵀ·qdᵀ and the state update run as ``wgmma.mma_async`` with B read from the stage through
+shared-memory descriptors (``warpgroup_mma``), once for the warpgroup instead of once per warp;
+the A operands and the state registers are the same fragments as above, and the update is in
+flight while O is formed and stored.
+
 Inputs per tile come from K1's workspace record of the slot (slot = head · total_slots + tile
 slot, see ``k1_prepare``): qd, kd, kr as raw 4096-byte K_INTER images, inv, mqk, gt and b
 back to back (``layout.WORKSPACE_PART_OFFSETS``), with one ``cp.async.bulk`` global→shared copy
@@ -55,7 +61,7 @@ segment table, the token strides of v and out (elements; rows 16-byte aligned, h
 packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
 pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
 states exist, pool indexing, fp32 or bf16 states).  Compile-time: H, varlen, v_block (16, 32,
-64, ...), segmented, prescan, stages, multicast.
+64, ...), segmented, prescan, stages, multicast, wgmma.
 """
 
 import cutlass
@@ -89,6 +95,7 @@ from ..layout import (
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
 from .common import CHUNK, D, pool_index, record_part, state_element, varlen_sequence
+from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
 from .warp_mma import (accumulators_as_a, bf16_as_f32, cp_async_16, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
                        pack_bf16x2, st_global_v4, stmatrix_x4_trans)
 
@@ -267,6 +274,7 @@ def k2_recurrence_kernel(
     prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
     multicast: cutlass.Constexpr[bool],
+    wgmma: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -419,29 +427,54 @@ def k2_recurrence_kernel(
         # Sᵀ·kdᵀ is on the tile-to-tile critical path (→ W → U → Sᵀ): k-step kt accumulates in
         # chain kt % KS_CHAINS, the chains are summed at the end (dependent MMA depth
         # 8 / KS_CHAINS).  Sᵀ·qdᵀ only feeds O and keeps one chain.
-        ks_chains = [cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32) for _ in range(KS_CHAINS)]
-        qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-        for chain in ks_chains:
-            chain.fill(0.0)
-        qs.fill(0.0)
-        for kt in cutlass.range_constexpr(D // 16):
-            a = accumulators_as_a(state, 8 * kt)
-            b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + image_lane)
-            ks_kt = ks_chains[kt % KS_CHAINS]
-            for n in cutlass.range_constexpr(2):
-                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
-                for c in cutlass.range_constexpr(4):
-                    ks_kt[4 * n + c] = d_k[c]
+        if cutlass.const_expr(wgmma):
+            # The warpgroup reads each image once: 8 wgmma k-steps per product, A = this warp's
+            # state rows in bf16, B = the K-major image (core matrices: 8 tokens × 8 keys; keys
+            # step 256 B, tokens 128 B; a k-step is 512 B = 32 descriptor units on).
+            a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
+            wgmma_fence()
+            ks_acc = [cutlass.Float32(0.0)] * 8
+            for kt in cutlass.range_constexpr(D // 16):
+                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt],
+                                    smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], 256, 128) + kt * 32, False)
+            wgmma_commit()
+            qs_acc = [cutlass.Float32(0.0)] * 8
             if cutlass.const_expr(not prescan):
-                b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
-                for n in cutlass.range_constexpr(2):
-                    d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
-                    for c in cutlass.range_constexpr(4):
-                        qs[4 * n + c] = d_q[c]
-        ks = ks_chains[0]
-        for chain in ks_chains[1:]:
+                for kt in cutlass.range_constexpr(D // 16):
+                    qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt],
+                                        smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], 256, 128) + kt * 32, False)
+                wgmma_commit()
+                ks_acc = wgmma_wait(1, ks_acc)
+            else:
+                ks_acc = wgmma_wait(0, ks_acc)
+            ks = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
             for i in cutlass.range_constexpr(8):
-                ks[i] = ks[i] + chain[i]
+                ks[i] = ks_acc[i]
+        else:
+            ks_chains = [cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32) for _ in range(KS_CHAINS)]
+            qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for chain in ks_chains:
+                chain.fill(0.0)
+            qs.fill(0.0)
+            for kt in cutlass.range_constexpr(D // 16):
+                a = accumulators_as_a(state, 8 * kt)
+                b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + image_lane)
+                ks_kt = ks_chains[kt % KS_CHAINS]
+                for n in cutlass.range_constexpr(2):
+                    d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
+                    for c in cutlass.range_constexpr(4):
+                        ks_kt[4 * n + c] = d_k[c]
+                if cutlass.const_expr(not prescan):
+                    b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
+                    for n in cutlass.range_constexpr(2):
+                        d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                        for c in cutlass.range_constexpr(4):
+                            qs[4 * n + c] = d_q[c]
+            ks = ks_chains[0]
+            for chain in ks_chains[1:]:
+                for i in cutlass.range_constexpr(8):
+                    ks[i] = ks[i] + chain[i]
 
         # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0 --------------
         # v_regs[2·n_tile + half] holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half).
@@ -460,25 +493,40 @@ def k2_recurrence_kernel(
             for c in cutlass.range_constexpr(4):
                 u[4 * n + c] = d_u[c]
         a_u = accumulators_as_a(u, 0)
+        if cutlass.const_expr(wgmma):
+            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work: one
+            # m64n128k16 for the warpgroup, B = kr N-major (core matrices 8 tokens × 8 keys;
+            # tokens step 128 B, keys 256 B), the state the accumulator, scaled first.
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
+            wgmma_fence()
+            updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
+                                 smem_descriptor(base + WORKSPACE_PART_OFFSETS["kr"], 128, 256), True)
+            wgmma_commit()
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
         # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
         o_pairs = []
         if cutlass.const_expr(not prescan):
+            if cutlass.const_expr(wgmma):
+                qs_acc = wgmma_wait(1, qs_acc)
+                for i in cutlass.range_constexpr(8):
+                    qs[i] = qs_acc[i]
             b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
             for n in cutlass.range_constexpr(2):
                 d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
                 o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
 
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
-        for pair in cutlass.range_constexpr(N_TILES // 2):
-            b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
-            for n in cutlass.range_constexpr(2):
-                j = 2 * pair + n
-                scaled = [state[4 * j + c] * gt[8 * j + 2 * t + c % 2] for c in range(4)]
-                d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
-                for c in cutlass.range_constexpr(4):
-                    state[4 * j + c] = d_s[c]
+        if cutlass.const_expr(not wgmma):
+            for pair in cutlass.range_constexpr(N_TILES // 2):
+                b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
+                for n in cutlass.range_constexpr(2):
+                    j = 2 * pair + n
+                    scaled = [state[4 * j + c] * gt[8 * j + 2 * t + c % 2] for c in range(4)]
+                    d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
+                    for c in cutlass.range_constexpr(4):
+                        state[4 * j + c] = d_s[c]
         if cutlass.const_expr(not prescan):
             # O leaves through this warp's v slot of the tile (read above, refilled only at the
             # next tile): stmatrix.trans lays it out token-major, then each lane stores 16 bytes of
@@ -491,6 +539,11 @@ def k2_recurrence_kernel(
             if out_row < rows_valid and write_out:
                 at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
                 st_global_v4((out + at).toint(), words)
+        if cutlass.const_expr(wgmma):
+            # The update has read the stage's kr and written the state before the stage is freed.
+            updated = wgmma_wait(0, updated)
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                state[i] = updated[i]
         # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
         # 0 waits at the next tile's refill; the other warps here, before their next arrive.
         if cutlass.const_expr(multicast):
@@ -552,6 +605,7 @@ def k2_recurrence_launch(
     prescan: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
     multicast: cutlass.Constexpr[bool],
+    wgmma: cutlass.Constexpr[bool],
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
@@ -559,7 +613,7 @@ def k2_recurrence_launch(
         workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
-        heads, varlen, v_block, segmented, prescan, stages, multicast,
+        heads, varlen, v_block, segmented, prescan, stages, multicast, wgmma,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1],
              smem=smem_bytes(v_block, stages, prescan), stream=stream,
              **({"cluster": [D // v_block, 1, 1]} if multicast else {}))

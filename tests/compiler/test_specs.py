@@ -38,19 +38,19 @@ def test_names_cover_every_codegen_argument():
             try:
                 other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
             except ValueError:  # not a valid specialization (a pre_scan that is not segmented)
-                assert field in ("prescan", "segmented", "multicast", "v_block")
+                assert field in ("prescan", "segmented", "multicast", "v_block", "wgmma")
                 continue
             assert other.name != spec.name
     assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
     assert K2Spec(heads=8, varlen=False, v_block=32).name == \
-        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3_multicast0"
+        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0"
     assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
 def test_multicast_k2_is_one_cluster_per_sequence_and_head():
     pytest.importorskip("cutlass")  # the slice size is the kernel's (build extra)
     from cula_aot.kernels.k2_recurrence import multicast_slice_bytes, stage_bytes
-    from cula_aot.specs import K2_MULTICAST_V_BLOCKS, serial_k2_spec
+    from cula_aot.specs import K2_MULTICAST_V_BLOCKS, K2_WGMMA_V_BLOCK, serial_k2_spec
 
     for vb in K2_MULTICAST_V_BLOCKS:
         spec = K2Spec(heads=8, varlen=True, v_block=vb, multicast=True)
@@ -59,7 +59,7 @@ def test_multicast_k2_is_one_cluster_per_sequence_and_head():
         for prescan in (False, True):
             part = multicast_slice_bytes(stage_bytes(prescan), spec.cluster[0])
             assert part % 16 == 0 and part * spec.cluster[0] == stage_bytes(prescan)
-        assert serial_k2_spec(8, True, vb) == spec
+        assert serial_k2_spec(8, True, vb) == dataclasses.replace(spec, wgmma=vb == K2_WGMMA_V_BLOCK)
     assert multicast_slice_bytes(stage_bytes(False), 4) == 3472  # a 32-column cluster would split too
     assert serial_k2_spec(8, True, 32).cluster == serial_k2_spec(8, True, 16).cluster == (1, 1, 1)
     with pytest.raises(ValueError, match="multicast"):
@@ -131,3 +131,16 @@ def test_k1_grid_covers_every_slot_in_k1_waves_waves():
         assert t == 1 or -(-total_slots // (t - 1)) * heads > waves
     assert k1_grid(512, 64, 132)["tiles_per_cta"] == K1_MAX_TILES_PER_CTA  # H64 1×8192
     assert k1_grid(512, 4, 132)["tiles_per_cta"] == 1  # H4 1×8192: 2048 CTAs are 4 waves already
+
+
+def test_wgmma_k2_is_the_one_warpgroup_v_block_and_built_for_every_serial_k2():
+    from cula_aot.specs import K2_WGMMA_V_BLOCK, k2_threads, serial_k2_spec
+
+    assert k2_threads(K2_WGMMA_V_BLOCK) == 128  # one warpgroup: wgmma's M = 64 is its 4 warps × 16
+    for vb in K2_V_BLOCKS:
+        assert serial_k2_spec(8, False, vb).wgmma == (vb == K2_WGMMA_V_BLOCK)
+        if vb != K2_WGMMA_V_BLOCK:
+            with pytest.raises(ValueError, match="wgmma"):
+                K2Spec(heads=8, varlen=True, v_block=vb, wgmma=True)
+    built = {(s.heads, s.varlen, s.multicast) for s in default_specs() if isinstance(s, K2Spec) and s.wgmma}
+    assert built == {(h, vl, m) for h in DEFAULT_HEADS for vl in (False, True) for m in (False, True)}

@@ -137,6 +137,40 @@ def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
         assert torch.equal(o, first[0]) and torch.equal(fs, first[1]), f"v_block={v_block} (multicast, order)={key}"
 
 
+def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
+    # The one-warpgroup V block runs Sᵀ·kdᵀ, Sᵀ·qdᵀ and the state update as warpgroup MMAs
+    # (shared-memory descriptors over the record's images): against float64 on standard and
+    # slow-decay input, with and without multicast (bitwise the same), and against the warp-MMA
+    # kernel of the same V block, which differs only in fp32 accumulation order.
+    import cula_aot.ops.prefill as prefill_module
+    from cula_aot.specs import K2_WGMMA_V_BLOCK, K2Spec, serial_k2_spec
+
+    assert serial_k2_spec(8, True, K2_WGMMA_V_BLOCK).wgmma
+    lengths = [700, 33, 1, 2100]
+    cu = cu_seqlens_of(lengths, "cuda")
+    for slow_decay in (False, True):
+        inputs = standard_inputs(1, sum(lengths), 8, device="cuda", slow_decay=slow_decay)
+        bits = {}
+        for wgmma in (True, False):
+            for multicast in (False, True):
+                monkeypatch.setattr(prefill_module, "serial_k2_spec",
+                                    lambda h, vl, vb, w=wgmma, m=multicast: K2Spec(heads=h, varlen=vl, v_block=vb,
+                                                                                   multicast=m, wgmma=w))
+                monkeypatch.setattr(prefill_module, "_PLANS", {})
+                if wgmma:
+                    _run(inputs, cu_seqlens=cu, v_block=K2_WGMMA_V_BLOCK,
+                         label=f"wgmma multicast={multicast} slow_decay={slow_decay}")
+                bits[wgmma, multicast] = _bits(inputs, cu, K2_WGMMA_V_BLOCK)
+        for key in ((True, True), (False, True)):
+            same = bits[(key[0], False)]
+            assert torch.equal(bits[key][0], same[0]) and torch.equal(bits[key][1], same[1]), key
+        (o_wg, s_wg), (o_warp, s_warp) = bits[True, False], bits[False, False]
+        err_o = reference.rel_rmse(o_wg.view(torch.bfloat16).float(), o_warp.view(torch.bfloat16).float())
+        err_s = reference.rel_rmse(s_wg.view(torch.float32), s_warp.view(torch.float32))
+        print(f"wgmma vs warp MMA (slow_decay={slow_decay}): o {err_o:.2e}, state {err_s:.2e}")
+        assert err_o <= 5e-3 and err_s <= 5e-3
+
+
 @pytest.mark.parametrize("count", [128, 129])
 def test_longest_first_up_to_its_limit_and_index_order_past_it(count):
     # ORDER_MAX_SEQS (128) sequences are ranked on the device; one more runs in index order.

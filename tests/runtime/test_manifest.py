@@ -52,7 +52,7 @@ def test_manifest_record_lookup(manifest_path):
     assert name == "k1_prepare_heads8_varlen1" and record["args"] == {"heads": 8, "varlen": True}
     name, record = m.record(K2Spec(heads=8, varlen=False, v_block=16))
     assert record["args"] == {"heads": 8, "varlen": False, "v_block": 16, "segmented": False, "prescan": False,
-                              "stages": 3, "multicast": False}
+                              "stages": 3, "multicast": False, "wgmma": False}
 
 
 def test_decode_launches_ask_for_what_their_token_count_uses(manifest):
