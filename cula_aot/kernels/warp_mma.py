@@ -25,7 +25,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
 
-def _struct(count: int, element):
+def register_struct(count: int, element):
+    """The LLVM struct type of ``count`` registers an inline-asm statement returns."""
     return llvm.StructType.get_literal([element] * count)
 
 
@@ -33,7 +34,7 @@ def ldmatrix_x4(smem_address, transpose: bool = False) -> list:
     """Four b32 fragment registers from four 8×8 bf16 matrices at a 32-bit shared address."""
     shape = ".trans" if transpose else ""
     result = llvm.inline_asm(
-        _struct(4, T.i32()),
+        register_struct(4, T.i32()),
         [cutlass.Int32(smem_address).ir_value()],
         f"ldmatrix.sync.aligned.m8n8.x4{shape}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
         "=r,=r,=r,=r,r",
@@ -53,7 +54,7 @@ def _mma_f32_accumulate(shape_and_types: str, a: list, b: list, c: list) -> list
     operands += [cutlass.Float32(x).ir_value() for x in c]
     na, nb = len(a), len(b)
     result = llvm.inline_asm(
-        _struct(4, T.f32()),
+        register_struct(4, T.f32()),
         operands,
         f"mma.sync.aligned.{shape_and_types} {_registers(0, 4)}, {_registers(4, na)}, "
         f"{_registers(4 + na, nb)}, {_registers(4 + na + nb, 4)};",
@@ -168,7 +169,7 @@ def stmatrix_x4_trans(smem_address, registers: list) -> None:
 def ld_shared_v4(smem_address) -> list:
     """Four b32 words (16 bytes) from a 16-byte-aligned 32-bit shared address."""
     result = llvm.inline_asm(
-        _struct(4, T.i32()),
+        register_struct(4, T.i32()),
         [cutlass.Int32(smem_address).ir_value()],
         "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
         "=r,=r,=r,=r,r",

@@ -23,7 +23,7 @@ import cutlass
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from .warp_mma import _struct
+from .warp_mma import register_struct
 
 
 def smem_descriptor(smem_address, leading_bytes: int, stride_bytes: int):
@@ -48,7 +48,7 @@ def wgmma_wait(pending: int, accumulators: list) -> list:
     use of them can be scheduled before the wait."""
     count = len(accumulators)
     result = llvm.inline_asm(
-        _struct(count, T.f32()),
+        register_struct(count, T.f32()),
         [cutlass.Float32(x).ir_value() for x in accumulators],
         f"wgmma.wait_group.sync.aligned {pending};",
         ",".join(["=f"] * count + [str(i) for i in range(count)]),
@@ -68,7 +68,7 @@ def wgmma_bf16(n: int, accumulators: list, a: list, b_descriptor, transpose_b: b
     d = "{" + ",".join(f"${i}" for i in range(count)) + "}"
     a_regs = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
     result = llvm.inline_asm(
-        _struct(count, T.f32()),
+        register_struct(count, T.f32()),
         operands,
         f"{{ .reg .pred p; setp.ne.b32 p, ${count + 5}, 0; "
         f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {d}, {a_regs}, ${count + 4}, p, 1, 1, "
