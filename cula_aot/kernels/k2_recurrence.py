@@ -115,6 +115,12 @@ def stage_bytes(prescan: bool) -> int:
 
 # Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
 V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
+# A K_INTER image as wgmma no-swizzle core matrices (8 rows × 16 bytes): 8 keys × 8 tokens each,
+# the next 8 tokens 128 bytes on, the next 8 keys 256 bytes on; a k-step (16 keys) advances the
+# descriptor's address by 512 bytes, in its 16-byte units.
+IMAGE_TOKEN_GROUP_BYTES = 8 * 16
+IMAGE_KEY_GROUP_BYTES = CHUNK * 16
+IMAGE_K_STEP_UNITS = 2 * IMAGE_KEY_GROUP_BYTES // 16
 
 
 def smem_bytes(v_block: int, stages: int, prescan: bool = False) -> int:
@@ -429,20 +435,21 @@ def k2_recurrence_kernel(
         # 8 / KS_CHAINS).  Sᵀ·qdᵀ only feeds O and keeps one chain.
         if cutlass.const_expr(wgmma):
             # The warpgroup reads each image once: 8 wgmma k-steps per product, A = this warp's
-            # state rows in bf16, B = the K-major image (core matrices: 8 tokens × 8 keys; keys
-            # step 256 B, tokens 128 B; a k-step is 512 B = 32 descriptor units on).
+            # state rows in bf16, B = the K-major image (keys lead, tokens stride; a k-step is two
+            # key groups on).
             a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
+            kd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], IMAGE_KEY_GROUP_BYTES, IMAGE_TOKEN_GROUP_BYTES)
             wgmma_fence()
             ks_acc = [cutlass.Float32(0.0)] * 8
             for kt in cutlass.range_constexpr(D // 16):
-                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt],
-                                    smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], 256, 128) + kt * 32, False)
+                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt], kd_b + kt * IMAGE_K_STEP_UNITS, False)
             wgmma_commit()
             qs_acc = [cutlass.Float32(0.0)] * 8
             if cutlass.const_expr(not prescan):
+                qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES,
+                                       IMAGE_TOKEN_GROUP_BYTES)
                 for kt in cutlass.range_constexpr(D // 16):
-                    qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt],
-                                        smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], 256, 128) + kt * 32, False)
+                    qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt], qd_b + kt * IMAGE_K_STEP_UNITS, False)
                 wgmma_commit()
                 ks_acc = wgmma_wait(1, ks_acc)
             else:
@@ -495,13 +502,14 @@ def k2_recurrence_kernel(
         a_u = accumulators_as_a(u, 0)
         if cutlass.const_expr(wgmma):
             # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work: one
-            # m64n128k16 for the warpgroup, B = kr N-major (core matrices 8 tokens × 8 keys;
-            # tokens step 128 B, keys 256 B), the state the accumulator, scaled first.
+            # m64n128k16 for the warpgroup, B = kr N-major (tokens lead, keys stride), the state
+            # the accumulator, scaled first.
             for i in cutlass.range_constexpr(4 * N_TILES):
                 state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
             wgmma_fence()
             updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
-                                 smem_descriptor(base + WORKSPACE_PART_OFFSETS["kr"], 128, 256), True)
+                                 smem_descriptor(base + WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
+                                                 IMAGE_KEY_GROUP_BYTES), True)
             wgmma_commit()
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------

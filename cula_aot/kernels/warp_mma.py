@@ -43,7 +43,8 @@ def ldmatrix_x4(smem_address, transpose: bool = False) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
 
 
-def _registers(first: int, count: int) -> str:
+def register_list(first: int, count: int) -> str:
+    """The inline-asm operand list ``{$first, …}`` of ``count`` consecutive operands."""
     return "{" + ",".join(f"${first + i}" for i in range(count)) + "}"
 
 
@@ -56,8 +57,8 @@ def _mma_f32_accumulate(shape_and_types: str, a: list, b: list, c: list) -> list
     result = llvm.inline_asm(
         register_struct(4, T.f32()),
         operands,
-        f"mma.sync.aligned.{shape_and_types} {_registers(0, 4)}, {_registers(4, na)}, "
-        f"{_registers(4 + na, nb)}, {_registers(4 + na + nb, 4)};",
+        f"mma.sync.aligned.{shape_and_types} {register_list(0, 4)}, {register_list(4, na)}, "
+        f"{register_list(4 + na, nb)}, {register_list(4 + na + nb, 4)};",
         ",".join(["=f"] * 4 + ["r"] * (na + nb) + ["f"] * 4),
     )
     return [cutlass.Float32(llvm.extractvalue(T.f32(), result, [i])) for i in range(4)]

@@ -23,7 +23,7 @@ import cutlass
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T
 
-from .warp_mma import register_struct
+from .warp_mma import register_list, register_struct
 
 
 def smem_descriptor(smem_address, leading_bytes: int, stride_bytes: int):
@@ -65,13 +65,12 @@ def wgmma_bf16(n: int, accumulators: list, a: list, b_descriptor, transpose_b: b
     operands = [cutlass.Int32(x).ir_value() for x in a] + [cutlass.Int64(b_descriptor).ir_value()]
     operands += [cutlass.Int32(1).ir_value()]  # scale-d: accumulate
     operands += [cutlass.Float32(x).ir_value() for x in accumulators]
-    d = "{" + ",".join(f"${i}" for i in range(count)) + "}"
-    a_regs = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
     result = llvm.inline_asm(
         register_struct(count, T.f32()),
         operands,
         f"{{ .reg .pred p; setp.ne.b32 p, ${count + 5}, 0; "
-        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {d}, {a_regs}, ${count + 4}, p, 1, 1, "
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {register_list(0, count)}, {register_list(count, 4)}, "
+        f"${count + 4}, p, 1, 1, "
         f"{int(transpose_b)}; }}",
         ",".join(["=f"] * count + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(count)]),
         has_side_effects=True,
