@@ -236,6 +236,10 @@ class Bench:
         ours = prefill_runner(x, intracard_cp=False)
         row["ours_eager_ms"] = self.time(ours) if ours_eager_ms is None else ours_eager_ms
         row["ours_graph_ms"] = self.time_graph(ours, "ours")
+        # Both serial paths whatever auto picks: the fused kernel and K1 then K2.
+        for path, fused in (("fused", True), ("two_kernel", False)):
+            row[f"ours_{path}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=False, fused=fused),
+                                                           f"ours {path}")
         row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
                    fla_rel_rmse_state=None)
         if self.fla_for(x["q"].shape[2]):

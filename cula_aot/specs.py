@@ -319,6 +319,92 @@ def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:
     return K2_SEGMENTED_WIDE_V_BLOCK if ctas > K2_CTAS_PER_SM * sm_count else K2_SEGMENTED_V_BLOCK
 
 
+# ---- the fused prefill (``kernels/fused_prefill.py``): K1's work and K2's chain in one CTA per
+# (sequence, head), the tile records in shared memory ------------------------------------------
+FUSED_PARAMS = (
+    token_tma("tma_q", "q"),
+    token_tma("tma_k", "k"),
+    token_tma("tma_g", "g"),
+    pointer("beta", "bf16"),
+    pointer("a_log", "f32"),
+    pointer("dt_bias", "f32"),
+    pointer("v", "bf16"),
+    pointer("out", "bf16"),
+    pointer("initial_state", "f32"),
+    pointer("final_state", "f32"),
+    pointer("cu_seqlens", "i32"),
+    pointer("state_indices", "i32"),
+    scalar("seq_len", "i32"),
+    scalar("num_seqs", "i32"),
+    scalar("beta_row_stride", "i32"),
+    scalar("v_row_stride", "i32"),
+    scalar("out_row_stride", "i32"),
+    *state_params("init"),
+    *state_params("final"),
+    scalar("flags", "i32"),
+    scalar("scale", "f32"),
+    scalar("lower_bound", "f32"),
+)
+# Two producer warpgroups (tiles dealt round robin) and four record stages: one producer per
+# CTA was 3–12% slower on every row (PERFORMANCE.md, session 21).
+FUSED_PRODUCERS = 2
+FUSED_STAGES = 4
+# Two producer warpgroups split the registers with the two consumer warpgroups (``setmaxnreg``):
+# 2·128·(producer + consumer) = the SM's 64 K.
+FUSED_PRODUCER_REGISTERS = 112
+FUSED_CONSUMER_REGISTERS = 144
+
+
+def fused_threads(producers: int) -> int:
+    """``producers`` warpgroups running K1's work (tiles dealt round robin) and two consumer
+    warpgroups (64 V columns each)."""
+    return 128 * producers + 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedSpec(KernelSpec):
+    """Fused prefill: one CTA per (sequence, head), ``producers`` warpgroups preparing tiles
+    into ``stages`` shared-memory stages and two consumer warpgroups running the chain."""
+
+    kernel: ClassVar[str] = "fused_prefill"
+    params: ClassVar[tuple] = FUSED_PARAMS
+    static_args: ClassVar[tuple] = ("token_coords",)
+    grid: ClassVar[tuple] = (1, "heads", "num_seqs")
+
+    heads: int
+    varlen: bool
+    stages: int = FUSED_STAGES
+    producers: int = FUSED_PRODUCERS
+
+    @property
+    def block(self) -> tuple:
+        return (fused_threads(self.producers), 1, 1)
+
+
+# The fused prefill runs one CTA per SM and (sequence, head) item at ~1.8 µs per tile, where K2
+# alone takes ~0.5: it wins once the items fill the GPU and are long enough that K1's workspace
+# round trip outweighs the slower chain.  Measured (PERFORMANCE.md, session 21): 0.86–0.98 of K1
+# then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at H16–H128, 16×1024, the SPEC
+# varlen rows); slower below a wave (fixed 1×8192: 1.1–3×) and on many short items (32×256 at
+# H32/H64, 1.03–1.08) or ragged batches whose long sequences set the time (4×2048 + 16×128 at
+# H16, 1.14).  Decided from shapes only (items and mean length), so a plan stays valid for any
+# lengths of its signature.
+FUSED_MIN_WAVES = 0.9
+FUSED_MIN_MEAN_TILES = 48
+
+
+def fused_spec(heads: int, varlen: bool) -> FusedSpec:
+    """The fused prefill the runtime launches."""
+    return FusedSpec(heads=heads, varlen=varlen)
+
+
+def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int) -> bool:
+    """Whether the serial prefill of ``num_seqs`` sequences (``total_tokens`` in all) × ``heads``
+    heads runs as the fused kernel."""
+    waves = heads * num_seqs / sm_count
+    return waves >= FUSED_MIN_WAVES and total_tokens / (16 * num_seqs) >= FUSED_MIN_MEAN_TILES
+
+
 MERGE_PARAMS = (
     pointer("initial_state", "f32"),
     pointer("prescan", "f32"),
@@ -523,6 +609,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True)
                          for m in (False, True))
+            specs.append(fused_spec(h, varlen))
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
         specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

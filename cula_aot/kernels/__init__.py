@@ -5,7 +5,7 @@ import inspect
 import os
 
 from ..specs import KernelSpec, Param
-from . import cp_merge, decode, decode_chunk, k1_prepare, k2_recurrence
+from . import cp_merge, decode, decode_chunk, fused_prefill, k1_prepare, k2_recurrence
 
 # kernel name → (host launch function, device kernel, dynamic shared memory bytes of a spec)
 _KERNELS = {
@@ -15,6 +15,8 @@ _KERNELS = {
         k2_recurrence.k2_recurrence_kernel,
         lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
+    "fused_prefill": (fused_prefill.fused_prefill_launch, fused_prefill.fused_prefill_kernel,
+                      lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers)),
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state)),
     "kda_decode_chunk": (decode_chunk.kda_decode_chunk_launch, decode_chunk.kda_decode_chunk_kernel,

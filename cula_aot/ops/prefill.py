@@ -34,8 +34,8 @@ from ..layout import (
     D,
 )
 from ..runtime.loader import default_loader
-from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, MergeSpec, auto_v_block, k1_grid, merge_v_block,
-                     segmented_k2_spec, segmented_v_block, serial_k2_spec)
+from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, MergeSpec, auto_fused, auto_v_block, fused_spec,
+                     k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block, serial_k2_spec)
 from . import cp_plan
 from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prepare import input_geometry, plan_slots
@@ -336,6 +336,9 @@ DEPENDENT_LAUNCH = True
 _K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
 
 
+_FUSED_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "v", "out", "initial_state", "final_state", "cu_seqlens",
+                  "state_indices", "scale", "lower_bound")
+
 # The segmented K2's per-call parameters (pre_scan and recurrence rows alike) and the merge's.
 _SEGMENTED_DYNAMIC = (*_K2_DYNAMIC, "segments")
 _MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices")
@@ -354,10 +357,12 @@ class _Plan:
         # does not fix them).
         self.intracard_cp, self.split = intracard_cp, split
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
-        self.slots = c.heads * total_slots
+        # The fused path (k1 None) has no workspaces.
+        self.slots = 0 if k1 is None else c.heads * total_slots
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
-        self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                               **k1_grid(total_slots, c.heads, _sm_count(device))}, _K1_DYNAMIC)
+        if k1 is not None:
+            self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+                                   **k1_grid(total_slots, c.heads, _sm_count(device))}, _K1_DYNAMIC)
 
     def plan_for(self, key, cu_seqlens, cu_seqlens_cpu):
         """(the cached plan for this call's lengths, None when there is none yet; the host
@@ -372,7 +377,7 @@ class _Plan:
         else:
             s_split = self.split
         if s_split == 1:
-            return (self if isinstance(self, _SerialPlan) else None), host_cu
+            return (self if self.serial else None), host_cu
         return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
@@ -400,7 +405,7 @@ class _Plan:
         if self.alloc_final:
             final_state = torch.empty(c.num_seqs, c.heads, D, D, dtype=torch.float32, device=device)
             fp = final_state.data_ptr()
-        workspaces = ARENA.pointers(device, self.slots, stream)
+        workspaces = ARENA.pointers(device, self.slots, stream) if self.slots else ()
         cu32 = None
         if cu_seqlens is not None:
             cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
@@ -418,6 +423,8 @@ SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 class _SerialPlan(_Plan):
     """The serial path (K1, K2) for one call signature: launched from templates while the
     call's lengths keep it serial."""
+
+    serial = True
 
     def __init__(self, c: Checked, k1, k2, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
                  intracard_cp, split):
@@ -442,10 +449,40 @@ class _SerialPlan(_Plan):
         return out, final_state
 
 
+class _FusedPlan(_Plan):
+    """The serial path as one fused kernel (``kernels/fused_prefill.py``: K1's work and K2's
+    chain in one CTA per (sequence, head), no workspaces) for one call signature."""
+
+    serial = True
+
+    def __init__(self, c: Checked, fused, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
+                 intracard_cp, split):
+        super().__init__(c, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+        self.kernel = fused.template({
+            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+            "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
+            "flags": init_flags | final_flags | SERIAL_K2_ORDER}, _FUSED_DYNAMIC)
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+        stream = _raw_stream(self.device)
+        out, final_state, _cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, scale, lower_bound), (vp, op, ip, fp, _, xp) = \
+            self._begin(stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                        cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+        self.kernel.launch((qp, kp, gp, bp, ap, dp, vp, op, ip, fp, cu_ptr, xp, scale, lower_bound), stream)
+        return out, final_state
+
+
 class _CPPlan(_Plan):
     """The intracard-CP chain (K1, pre_scan, merge, segmented K2) for one call signature, one
     set of lengths and one s_split: its segment plan and the four launch templates, so a
     repeated call skips validation, planning, table building and descriptor encoding."""
+
+    serial = False
 
     def __init__(self, c: Checked, loader, k1, segments, s_split, *, cu_seqlens, alloc_final, state_layout, init_flags,
                  final_flags, device, intracard_cp, split):
@@ -537,7 +574,7 @@ def _remember(key, plan) -> None:
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=None):
+            v_block=None, fused=None):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -550,7 +587,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     same pool is both.  Indices are not range-checked (that would need a sync).
 
     ``v_block``: V columns per serial K2 CTA (16, 32 or 64, as built); None picks 32 or 64 from
-    the grid size (``specs.auto_v_block``).
+    the grid size (``specs.auto_v_block``).  ``fused``: run the serial path as the fused kernel
+    (True), as K1 then K2 (False), or pick by the number of (sequence, head) items (None,
+    ``specs.auto_fused``); a given ``v_block`` means K1 then K2.
 
     A call signature seen before skips the structural checks (they depend on nothing else) and
     launches from cached templates: the serial path (``_SerialPlan``), or the CP chain for lengths
@@ -560,7 +599,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     try:
         key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
                           cu_seqlens_cpu, state_indices),
-               state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block)
+               state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block, fused)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
@@ -592,15 +631,20 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     # An allocated final state is plain fp32; without want_final there is no final_state.
     final_flags = FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed)
     if segments is None:
-        if v_block is None:
-            v_block = auto_v_block(heads, num_seqs, _sm_count(device))
-        k2 = loader.get(device, serial_k2_spec(heads, varlen, v_block))
+        if fused is None:
+            fused = v_block is None and auto_fused(heads, num_seqs, c.batch * c.seq_len, _sm_count(device))
         # The serial decision is the signature's alone unless CP was planned from host lengths;
         # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
         fixed_decision = intracard_cp is False or c.host_cu is None or not varlen
-        plan = _SerialPlan(c, k1, k2, cu_seqlens=cu_seqlens, alloc_final=alloc_final, state_layout=state_layout,
-                           init_flags=init_flags, final_flags=final_flags, device=device, intracard_cp=intracard_cp,
-                           split=1 if fixed_decision else None)
+        options = dict(cu_seqlens=cu_seqlens, alloc_final=alloc_final, state_layout=state_layout, init_flags=init_flags,
+                       final_flags=final_flags, device=device, intracard_cp=intracard_cp,
+                       split=1 if fixed_decision else None)
+        if fused:
+            plan = _FusedPlan(c, loader.get(device, fused_spec(heads, varlen)), **options)
+        else:
+            if v_block is None:
+                v_block = auto_v_block(heads, num_seqs, _sm_count(device))
+            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(heads, varlen, v_block)), **options)
         if key is not None and (fixed_decision or intracard_cp == "auto"):
             _remember(key, plan)
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,

@@ -144,3 +144,18 @@ def test_wgmma_k2_is_the_one_warpgroup_v_block_and_built_for_every_serial_k2():
                 K2Spec(heads=8, varlen=True, v_block=vb, wgmma=True)
     built = {(s.heads, s.varlen, s.multicast) for s in default_specs() if isinstance(s, K2Spec) and s.wgmma}
     assert built == {(h, vl, m) for h in DEFAULT_HEADS for vl in (False, True) for m in (False, True)}
+
+
+def test_auto_fused_takes_many_long_items_only():
+    from cula_aot.specs import FusedSpec, auto_fused, fused_spec
+
+    sms = 132
+    assert auto_fused(64, 8, 8 * 1024, sms) and auto_fused(16, 8, 8 * 1024, sms)  # 0.97 and 3.9 waves, 64 tiles
+    assert auto_fused(96, 6, 8192, sms)  # the SPEC varlen row: 4.4 waves, 85 tiles on average
+    assert not auto_fused(64, 1, 8192, sms)  # half a wave of items
+    assert not auto_fused(8, 8, 8 * 1024, sms)  # 64 items
+    assert not auto_fused(32, 32, 32 * 256, sms)  # many 16-tile items
+    assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
+    spec = fused_spec(8, True)
+    assert spec == FusedSpec(heads=8, varlen=True) and spec.block == (128 * spec.producers + 256, 1, 1)
+    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_heads8_varlen1_stages4_producers2"

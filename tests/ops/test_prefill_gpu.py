@@ -23,7 +23,7 @@ def _to_layout(state_kv, layout):
     return state_kv.transpose(-1, -2).contiguous() if layout == "vk" else state_kv.contiguous()
 
 
-def _run(inputs, *, cu_seqlens=None, init=True, final=True, layout="vk", v_block=None, label=""):
+def _run(inputs, *, cu_seqlens=None, init=True, final=True, layout="vk", v_block=None, fused=None, label=""):
     batch, seq_len, heads, _ = inputs["q"].shape
     n = batch if cu_seqlens is None else cu_seqlens.numel() - 1
     gen = torch.Generator(device="cpu").manual_seed(fresh_seed())
@@ -34,10 +34,10 @@ def _run(inputs, *, cu_seqlens=None, init=True, final=True, layout="vk", v_block
                   initial_state=None if s0 is None else _to_layout(s0, layout), cu_seqlens=cu_seqlens,
                   state_layout=layout, out=out, final_state=final_buf)
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
-    if v_block is None:
+    if v_block is None and fused is None:
         o, fs = cula_aot.kda_prefill(*args, **kwargs)
     else:
-        o, fs = prefill(*args, v_block=v_block, **kwargs)
+        o, fs = prefill(*args, v_block=v_block, fused=fused, **kwargs)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr() and (fs is None) == (not final)
     ref_o, ref_s = reference.kda_chunked(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
@@ -104,12 +104,13 @@ def test_every_built_v_block(v_block):
     _run(inputs, cu_seqlens=cu_seqlens_of(lengths, "cuda"), v_block=v_block, label=f"v_block={v_block}")
 
 
-def _bits(inputs, cu, v_block):
-    """(out, final state) of a varlen call as raw bits, from a fresh plan."""
+def _bits(inputs, cu, v_block, fused=None):
+    """(out, final state) of a varlen (or, ``cu`` None, fixed-length) call as raw bits, from a fresh plan."""
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
-    s0 = 0.1 * torch.ones(cu.numel() - 1, inputs["q"].shape[2], 128, 128, device="cuda")
+    n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
+    s0 = 0.1 * torch.ones(n, inputs["q"].shape[2], 128, 128, device="cuda")
     o, fs = prefill(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"],
-                    cu_seqlens=cu, initial_state=s0, output_final_state=True, v_block=v_block)
+                    cu_seqlens=cu, initial_state=s0, output_final_state=True, v_block=v_block, fused=fused)
     return o.view(torch.int16).clone(), fs.view(torch.int32).clone()
 
 
@@ -169,6 +170,38 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
         err_s = reference.rel_rmse(s_wg.view(torch.float32), s_warp.view(torch.float32))
         print(f"wgmma vs warp MMA (slow_decay={slow_decay}): o {err_o:.2e}, state {err_s:.2e}")
         assert err_o <= 5e-3 and err_s <= 5e-3
+
+
+@pytest.mark.parametrize("slow_decay", [False, True])
+def test_fused_prefill_meets_the_bound_and_tracks_the_two_kernel_path(slow_decay):
+    # The fused kernel runs K1's and the 64-column wgmma K2's work with the records in shared
+    # memory (and kr as k̂·2^−G·2^G[15], one rounding off K1's): against float64, against K1 then
+    # K2 at v_block 64, and bitwise against itself, varlen (ragged tails, one-token and one-tile
+    # sequences) and fixed.
+    lengths = [700, 33, 1, 2100, 16, 17, 250]
+    cu = cu_seqlens_of(lengths, "cuda")
+    inputs = standard_inputs(1, sum(lengths), 8, device="cuda", slow_decay=slow_decay)
+    fixed = standard_inputs(3, 1000, 8, device="cuda", slow_decay=slow_decay)
+    _run(inputs, cu_seqlens=cu, fused=True, label=f"fused varlen H=8 slow_decay={slow_decay}")
+    _run(fixed, layout="kv", fused=True, label=f"fused fixed B=3 T=1000 H=8 kv slow_decay={slow_decay}")
+    for x, c in ((inputs, cu), (fixed, None)):
+        fused, again, two = _bits(x, c, None, fused=True), _bits(x, c, None, fused=True), _bits(x, c, 64, fused=False)
+        assert torch.equal(fused[0], again[0]) and torch.equal(fused[1], again[1]), "fused prefill is not deterministic"
+        err_o = reference.rel_rmse(fused[0].view(torch.bfloat16).float(), two[0].view(torch.bfloat16).float())
+        err_s = reference.rel_rmse(fused[1].view(torch.float32), two[1].view(torch.float32))
+        print(f"fused vs K1 + K2 (slow_decay={slow_decay}, varlen={c is not None}): o {err_o:.2e}, state {err_s:.2e}")
+        assert err_o <= 5e-3 and err_s <= 5e-3
+
+
+@pytest.mark.parametrize("case", range(len(FIXED)))
+def test_fused_fixed_states_and_layouts(case):
+    batch, seq_len = FIXED[case]
+    init, final = [(True, True), (False, True), (True, False), (False, False)][case % 4]
+    layout = ("vk", "kv")[case % 2]
+    heads = (1, 64)[case % 2]
+    inputs = standard_inputs(batch, seq_len, heads, device="cuda")
+    _run(inputs, init=init, final=final, layout=layout, fused=True,
+         label=f"fused fixed B={batch} T={seq_len} H={heads} init={init} final={final} {layout}")
 
 
 @pytest.mark.parametrize("count", [128, 129])

@@ -95,11 +95,41 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert [launch[3] for launch in recorder.launches] == [False, True, False, True]
 
 
+def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(recorder):
+    from cula_aot.specs import fused_spec
+
+    heads = 4
+    x = standard_inputs(1, 40, heads, seed=1)
+    cu = cu_seqlens_of([7, 33])
+    pool = torch.zeros(5, heads, 128, 128, dtype=torch.bfloat16)
+    idx = torch.tensor([3, -1], dtype=torch.int32)
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], cu_seqlens=cu, initial_state=pool,
+              state_indices=idx, output_final_state=True, state_layout="kv", intracard_cp=False, fused=True)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    prefill_module.prefill(*args, **kw)
+    o, f = prefill_module.prefill(*args, **kw, scale=0.5)
+    assert f is pool and len(prefill_module._PLANS) == 1 and len(recorder.launches) == 2
+    kernel, values, grid = recorder.values(1)
+    assert kernel.name == fused_spec(heads, True).name and grid == (1, heads, 2)
+    assert kernel.block == (fused_spec(heads, True).block[0], 1, 1)
+    assert struct.unpack("<QQQQ", values["tma_g"][:32]) == (x["g"].data_ptr(), heads * 128, 40, heads * 256)
+    assert values["beta"] == x["beta"].data_ptr() and values["beta_row_stride"] == heads and values["scale"] == 0.5
+    assert values["v"] == x["v"].data_ptr() and values["out"] == o.data_ptr() and values["cu_seqlens"] == cu.data_ptr()
+    assert values["initial_state"] == values["final_state"] == pool.data_ptr() and values["state_indices"] == idx.data_ptr()
+    assert values["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
+        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST
+    assert (values["init_stride_k"], values["init_stride_v"], values["seq_len"], values["num_seqs"]) == (128, 1, 40, 2)
+    # No workspaces and no dependent launch: the fused kernel reads only the caller's tensors.
+    assert recorder.launches[1][3] is False and "workspace" not in values
+
+
 def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
     from cula_aot.specs import k1_grid
 
-    # One SM: 16 resident CTAs in K1_WAVES = 4 waves, so 56 tiles take 4 per CTA.
+    # One SM: 16 resident CTAs in K1_WAVES = 4 waves, so 56 tiles take 4 per CTA (K1 then K2:
+    # on one SM the item count alone would pick the fused kernel).
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(prefill_module, "auto_fused", lambda heads, num_seqs, tokens, sm_count: False)
     heads = 4
     x = standard_inputs(1, 200, heads, seed=9)
     cu = cu_seqlens_of([90, 110])

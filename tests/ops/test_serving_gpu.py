@@ -11,6 +11,7 @@ import torch
 
 import cula_aot
 from cula_aot import reference
+from cula_aot.ops.prefill import prefill
 from tests.helpers import cu_seqlens_of, fresh_seed, standard_inputs
 
 pytestmark = pytest.mark.gpu
@@ -43,12 +44,20 @@ def _padded_pool(slots, heads, dtype):
     return backing[:, :heads]
 
 
-@pytest.mark.parametrize("cp", [False, 4])
+def _paths(cp):
+    """(entry point, its path options): ``cp`` an intracard_cp value, or "fused" for the serial
+    path as the fused kernel."""
+    if cp == "fused":
+        return prefill, dict(intracard_cp=False, fused=True)
+    return cula_aot.kda_prefill, dict(intracard_cp=cp)
+
+
+@pytest.mark.parametrize("cp", [False, 4, "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 def test_pool_in_place_with_padding_rows(layout, dtype, cp):
     heads = 4
-    lengths = LENGTHS if not cp else [3000, 40, 2100, 17]
+    lengths = [3000, 40, 2100, 17] if cp == 4 else LENGTHS
     x = standard_inputs(1, sum(lengths), heads, device="cuda", slow_decay=True)
     cu = cu_seqlens_of(lengths, "cuda")
     pool = _padded_pool(9, heads, dtype)
@@ -57,9 +66,9 @@ def test_pool_in_place_with_padding_rows(layout, dtype, cp):
     before = pool.clone()
     indices = torch.tensor([6, -1, 2, 0], dtype=torch.int32, device="cuda")
     out = torch.full_like(x["v"], float("nan"))
-    o, fs = cula_aot.kda_prefill(*_args(x), **_gate(x), initial_state=pool, state_indices=indices,
-                                 output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
-                                 state_layout=layout, out=out, intracard_cp=cp)
+    entry, path = _paths(cp)
+    o, fs = entry(*_args(x), **_gate(x), initial_state=pool, state_indices=indices, output_final_state=True,
+                  cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), state_layout=layout, out=out, **path)
     torch.cuda.synchronize()
     assert fs is pool and o is out
     # Reference: padding row (-1) starts from zero; its slot does not exist.
@@ -132,8 +141,9 @@ def _fused(batch, seq_len, heads, x, pad=24):
     return views
 
 
+@pytest.mark.parametrize("path", [False, "fused"])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_token_strided_views_are_read_in_place(varlen):
+def test_token_strided_views_are_read_in_place(varlen, path):
     heads = 8
     batch, seq_len = (1, sum(LENGTHS)) if varlen else (2, 500)
     x = standard_inputs(batch, seq_len, heads, device="cuda")
@@ -143,10 +153,11 @@ def test_token_strided_views_are_read_in_place(varlen):
     out_backing = torch.full((batch, seq_len, heads + 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     out = out_backing[:, :, 1:heads + 1]
     s0 = _random_states(batch if cu is None else len(LENGTHS), heads)
-    o, fs = cula_aot.kda_prefill(*_args(views), **_gate(x), initial_state=s0, output_final_state=True,
-                                 cu_seqlens=cu, out=out)
-    o_ref, fs_ref = cula_aot.kda_prefill(*_args(x), **_gate(x), initial_state=s0, output_final_state=True,
-                                         cu_seqlens=cu)
+    entry, options = _paths(path)
+    o, fs = entry(*_args(views), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu, out=out,
+                  **options)
+    o_ref, fs_ref = entry(*_args(x), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                          **options)
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(fs, fs_ref), "a strided view read other values"
     assert torch.isnan(out_backing[:, :, 0].float()).all() and torch.isnan(out_backing[:, :, -1].float()).all()

@@ -5,9 +5,10 @@ import importlib.metadata
 
 from cula_aot.compiler.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
-from cula_aot.specs import ARCH, DEFAULT_HEADS, DecodeChunkSpec, DecodeSpec, K1Spec, K2Spec, MergeSpec, abi_layout, default_specs
+from cula_aot.specs import (ARCH, DEFAULT_HEADS, DecodeChunkSpec, DecodeSpec, FusedSpec, K1Spec, K2Spec, MergeSpec, abi_layout,
+                            default_specs)
 
-SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
+SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
 
 
 def test_schema_and_toolchain(manifest):
@@ -41,7 +42,7 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
         assert [{**p, "offset": None} for p in record["params"]] == [{**p, "offset": None} for p in declared]
         check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
         descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
-        assert [p["recipe"]["source"] for p in descriptors] == (["q", "k", "g"] if spec.kernel == "k1_prepare" else [])
+        assert [p["recipe"]["source"] for p in descriptors] == (["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill") else [])
         assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
         assert record["grid"] == list(spec.grid) and record["dynamic_smem_bytes"] <= 227 * 1024
 

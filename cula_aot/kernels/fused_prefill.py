@@ -1,0 +1,636 @@
+"""Fused prefill: K1's per-tile preparation and K2's recurrence in one CTA per (sequence, head),
+the record of each tile kept in shared memory instead of a global workspace round trip.
+
+What it computes: K1 (``k1_prepare``) followed by the 64-column warpgroup-MMA K2
+(``k2_recurrence`` with ``wgmma``) for all 128 V columns of one (sequence, head), with the same
+rounding points; one arithmetic difference, within an fp32 rounding: kr = k̂·2^−G·2^G[15] (one
+MUFU op fewer per element than K1's k̂·2^(G[15] − G)); on standard inputs o and the state match
+the two-kernel path to ~1e-6.
+
+Roles (warp-specialised, ``producers`` + 2 warpgroups):
+
+* the **producers** (warpgroup p, p < ``producers``: K1's 128 threads each) take tiles p, p + P,
+  p + 2P, …: each TMA-loads its tiles' q, k, g into its own two load buffers (its next tile's
+  loads fly while it computes one), runs K1's phases A–D and writes the tile's record into stage ``tile % stages``: it waits on the
+  stage's ``empty`` barrier before its first store and arrives on its ``full`` barrier after a
+  proxy fence (the consumers' wgmma read the stage through the async proxy).  Its barriers are
+  named barrier 1 + p over its 128 threads.
+* the two **consumers** (the last two warpgroups, V columns 0–63 and 64–127): K2's tile chain on
+  warpgroup MMAs, each warp staging its own 16 × 16 v block ``stages − 1`` tiles ahead; every
+  consumer thread arrives on the stage's ``empty`` barrier once the state update has read it.
+
+Registers: with two producers (512 threads) ``setmaxnreg`` gives the producers
+``FUSED_PRODUCER_REGISTERS`` and the consumers ``FUSED_CONSUMER_REGISTERS`` (the state alone is
+64 per consumer thread); ptxas compiles each role to its budget without spills.
+
+Stage layout (``STAGE_PART_OFFSETS``): K1's record parts, the images' 8-token × 16-byte core
+matrices with key groups 160 bytes apart instead of K_INTER's 256, so the producers' row stores
+are conflict-free; the wgmma descriptors take the same strides.
+
+Why: the two-kernel path writes and reads a 13.9 KB record per (tile, head), ~60% of all the
+bytes moved at H64 8×1024 (PERFORMANCE.md, session 19); fused, only q, k, g, v, β in and o out
+remain.  The price is one (sequence, head) per SM with K1's work on two warpgroups (~1.8 µs
+per tile against K2's ~0.5), so it pays only with enough long items (``specs.auto_fused``).
+
+Launch: grid (1, H, N), block (128·producers + 256, 1, 1), ``smem_bytes(stages, producers)``
+dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, H
+compile-time; lower_bound ≥ −5 keeps 2^±G normal); varlen grid rows run the longest sequences
+first under ``FLAG_LONGEST_FIRST``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import (
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
+    FLAG_FINAL_STATE,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
+    IMAGE_BYTES,
+    ORDER_MAX_SEQS,
+)
+from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
+from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_index, sigmoid, state_element, varlen_sequence
+from .k1_prepare import (
+    K_STEPS,
+    LANE_COLS,
+    NORM_PARTIALS,
+    PRODUCT_PARTIALS,
+    SMALL_ROW,
+    WARPS,
+    _copy_tiles,
+    _fragment_entry,
+    _fragment_product,
+    _input_tile,
+    _lane_row_values,
+    _p_plus_p_times_x,
+    _row_scan,
+    _store_fragment_bf16,
+    _vector,
+    fragment_value,
+    lane_columns,
+    lane_rows,
+    last_row_lane,
+)
+from .k2_recurrence import (
+    N_TILES,
+    STAGE_ALIGN,
+    V_WARP_BYTES,
+    _fragment_value,
+    _longest_first,
+    _square_lane_offset,
+    _stage_base,
+    _stage_v_rows,
+    _state_entry,
+    _v_chunk,
+)
+from .warp_mma import (accumulators_as_a, bf16_as_f32, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
+                       mma_tf32_m16n8k8, pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
+from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
+
+WARP = 32
+PRODUCER_THREADS = WARPS * WARP  # K1's warpgroup
+CONSUMER_WARPS = D // 16  # one warp per 16 V columns, two warpgroups
+
+_F32_SMALL = CHUNK * SMALL_ROW * 4
+
+# A tile's record in a stage: K1's parts, with the images' 8-token × 16-byte core matrices laid
+# out for the producer's stores instead of K_INTER's: key groups 160 bytes apart (≡ 32 mod 128),
+# so the 8 row stores of a store phase (2 rows × 4 key groups) hit 8 distinct bank groups (with
+# K_INTER's 256 they were 4-way conflicts, ncu: 60% of the shared store wavefronts), the second 8
+# tokens one image half on.  The wgmma descriptors take the same strides.
+STAGE_KEY_GROUP_BYTES = 160
+STAGE_TOKEN_HALF_BYTES = (D // 8) * STAGE_KEY_GROUP_BYTES
+STAGE_IMAGE_BYTES = 2 * STAGE_TOKEN_HALF_BYTES
+STAGE_PART_BYTES = {"kd": STAGE_IMAGE_BYTES, "kr": STAGE_IMAGE_BYTES, "qd": STAGE_IMAGE_BYTES,
+                    "inv": CHUNK * CHUNK * 2, "mqk": CHUNK * CHUNK * 2, "gt": D * 4, "b": CHUNK * 4}
+STAGE_PART_OFFSETS = {}
+for _part, _bytes in STAGE_PART_BYTES.items():
+    STAGE_PART_OFFSETS[_part] = sum(STAGE_PART_BYTES[p] for p in list(STAGE_PART_BYTES)[:list(STAGE_PART_BYTES).index(_part)])
+STAGE_BYTES = sum(STAGE_PART_BYTES.values())
+assert all(o % STAGE_ALIGN == 0 for o in (STAGE_BYTES, *STAGE_PART_OFFSETS.values()))
+STAGE_K_STEP_UNITS = 2 * STAGE_KEY_GROUP_BYTES // 16  # a wgmma k-step: 16 keys, two key groups
+
+
+def stage_image_offset(row, col):
+    """Byte offset of element (token ``row``, key ``col``) of a stage image."""
+    return (col // 8) * STAGE_KEY_GROUP_BYTES + (row // 8) * STAGE_TOKEN_HALF_BYTES + (row % 8) * 16 + (col % 8) * 2
+
+
+def _stage_part(stage_base: cute.Pointer, part: str, dtype):
+    """Pointer to ``part`` of the record in a stage, as ``dtype``."""
+    return cute.recast_ptr(stage_base + STAGE_PART_OFFSETS[part], dtype=dtype)
+
+
+def _stage_part_view(stage_base: cute.Pointer, part: str, dtype) -> cute.Tensor:
+    return cute.make_tensor(_stage_part(stage_base, part, dtype),
+                            cute.make_layout(STAGE_PART_BYTES[part] * 8 // dtype.width))
+
+
+@cute.jit
+def _store_stage_image_row(stage_base: cute.Pointer, part: cutlass.Constexpr[str], values: cute.Tensor, row, col0):
+    """One lane's 8 values of ``row`` (columns col0 .. col0 + 7) as bf16 into stage image ``part``:
+    16 contiguous bytes, one shared vector store."""
+    words = cute.make_rmem_tensor(cute.make_layout(LANE_COLS // 2), cutlass.Int32)
+    for m in cutlass.range_constexpr(LANE_COLS // 2):
+        words[m] = pack_bf16x2(values[2 * m], values[2 * m + 1])
+    image = cute.recast_ptr(stage_base + STAGE_PART_OFFSETS[part], dtype=cutlass.Int32)
+    _vector(image, stage_image_offset(row, col0) // 4, LANE_COLS // 2).store(words.load())
+# A producer's share of K1's shared memory: the load buffers and their barriers, the norm and
+# product exchanges and b (no s_info: each producer thread knows its tiles; L goes to the stage).
+PRODUCER_SMEM_BYTES = (6 * IMAGE_BYTES + 16 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL)
+
+
+def smem_bytes(stages: int, producers: int) -> int:
+    """Dynamic shared memory: each producer's buffers, the record stages, the consumers' v
+    stages, the stage barriers and alignment slack."""
+    return (producers * PRODUCER_SMEM_BYTES + stages * (STAGE_BYTES + CONSUMER_WARPS * V_WARP_BYTES)
+            + 16 * stages + 8 * 128)
+
+
+INPUT_ELEMS = 2 * 3 * CHUNK * D  # two load buffers of q, k, g tiles
+SMALL_ELEMS = CHUNK * SMALL_ROW  # one padded fp32 16 × 16 matrix
+
+
+def _slice(whole: cute.Tensor, index, count: int) -> cute.Tensor:
+    """Elements [index·count, (index + 1)·count) of a 1-D shared array (``index`` dynamic)."""
+    return cute.make_tensor(whole.iterator + cute.assume(index * count, divby=4), cute.make_layout(count))
+
+
+def _small(whole: cute.Tensor, index) -> cute.Tensor:
+    """Padded fp32 16 × 16 matrix ``index`` of a shared array of them."""
+    return cute.make_tensor(whole.iterator + cute.assume(index * SMALL_ELEMS, divby=4),
+                            cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1)))
+
+
+@cute.jit
+def _neumann_inverse(s_l: cute.Tensor, s_x0: cute.Tensor, s_x1: cute.Tensor, s_p0: cute.Tensor, s_p1: cute.Tensor,
+                     inv: cute.Pointer, warp, tid, lane, barrier_id):
+    """K1's phase D on one warpgroup (``warp`` 0–3 and ``tid`` 0–127 within it, named barrier
+    ``barrier_id``; ``s_l`` written before its first barrier): INV = (I − L)(I + L²)(I + L⁴)(I + L⁸)
+    from the fp32 L in ``s_l``, tf32 products with fp32 accumulation, into the bf16 row-major
+    16 × 16 ``inv`` (by warps 0–1, after the last barrier).  Round 0: warps 0–1 X0 = L·L, warps 2–3 P0 = I − L; rounds 1–2:
+    warps 0–1 P ← P + P·X, warps 2–3 X ← X·X; round 3: INV = P + P·X."""
+    half_n = warp % 2
+    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    if warp < 2:
+        acc.fill(0.0)
+        _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
+        for c in cutlass.range_constexpr(4):
+            i, j = _fragment_entry(lane, half_n, c)
+            s_x0[i, j] = tf32_ready(acc[c])
+    else:
+        for e in cutlass.range_constexpr(4):
+            flat = (tid - 64) * 4 + e
+            i = flat // CHUNK
+            j = flat % CHUNK
+            s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PRODUCER_THREADS)
+    for step in cutlass.range_constexpr(2):
+        p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
+        p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
+        if warp < 2:
+            _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                p_dst[i, j] = acc[c]
+        else:
+            acc.fill(0.0)
+            _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                x_dst[i, j] = tf32_ready(acc[c])
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PRODUCER_THREADS)
+    if warp < 2:
+        _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
+        _store_fragment_bf16(inv, acc, half_n, lane)
+
+
+def _producer_sync(producer):
+    """Named barrier 1 + p over producer p's 128 threads (0 is the CTA's)."""
+    cute.arch.barrier(barrier_id=1 + producer, number_of_threads=PRODUCER_THREADS)
+
+
+@cute.kernel
+def fused_prefill_kernel(
+    tma_q: cute.CopyAtom,
+    tma_k: cute.CopyAtom,
+    tma_g: cute.CopyAtom,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    v: cute.Pointer,
+    out: cute.Pointer,
+    initial_state: cute.Pointer,
+    final_state: cute.Pointer,
+    cu_seqlens: cute.Pointer,
+    state_indices: cute.Pointer,
+    seq_len: cutlass.Int32,
+    num_seqs: cutlass.Int32,
+    beta_row_stride: cutlass.Int32,
+    v_row_stride: cutlass.Int32,
+    out_row_stride: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
+    init_stride_k: cutlass.Int32,
+    init_stride_v: cutlass.Int32,
+    final_slot_stride: cutlass.Int32,
+    final_stride_k: cutlass.Int32,
+    final_stride_v: cutlass.Int32,
+    flags: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    token_coords: cute.Tensor,
+    heads: cutlass.Constexpr[int],
+    varlen: cutlass.Constexpr[bool],
+    stages: cutlass.Constexpr[int],
+    producers: cutlass.Constexpr[int],
+):
+    tid, _, _ = cute.arch.thread_idx()
+    _, head, seq = cute.arch.block_idx()
+    warp = tid // WARP
+    lane = tid % WARP
+
+    smem = cutlass.utils.SmemAllocator()
+    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), 128)
+    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * CONSUMER_WARPS * V_WARP_BYTES), 128)
+    full = smem.allocate_array(cutlass.Int64, stages)
+    empty = smem.allocate_array(cutlass.Int64, stages)
+    # Each producer's own K1 buffers, side by side: two load buffers and their barriers, the
+    # norm and product exchanges, b, L and the Neumann ping-pong matrices.
+    all_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(producers * INPUT_ELEMS), 128)
+    all_load_barriers = smem.allocate_array(cutlass.Int64, 2 * producers)
+    all_norms = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * NORM_PARTIALS), 16)
+    all_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * CHUNK), 16)
+    all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * PRODUCT_PARTIALS), 16)
+    all_small = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * 5 * SMALL_ELEMS), 16)
+
+    # ---- this work item: first token, length (as K2's serial path) ------------------------
+    if cutlass.const_expr(varlen):
+        if (flags & FLAG_LONGEST_FIRST) != 0:
+            if num_seqs <= ORDER_MAX_SEQS:
+                # The stages are free until the barriers below are initialised and synced.
+                seq = _longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
+                                     tid, fused_threads(producers))
+    seq_start = cutlass.Int64(0)
+    length = seq_len
+    if cutlass.const_expr(varlen):
+        seq_start, _first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
+    else:
+        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+    num_tiles = (length + (CHUNK - 1)) // CHUNK
+
+    if tid == 0:
+        for b in cutlass.range_constexpr(2 * producers):
+            cute.arch.mbarrier_init(all_load_barriers + b, 1)
+        for s in cutlass.range_constexpr(stages):
+            cute.arch.mbarrier_init(full + s, PRODUCER_THREADS)
+            cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * WARP)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+    if warp < WARPS * producers:
+        # ================= producers: K1's phases per tile, the record into a stage ==========
+        # Producer p (warps 4p .. 4p + 3) prepares tiles p, p + P, p + 2P, …
+        if cutlass.const_expr(producers > 1):
+            cute.arch.setmaxregister_decrease(FUSED_PRODUCER_REGISTERS)
+        producer = warp // WARPS
+        pw = warp % WARPS  # the warp within its producer (K1's warp index)
+        ptid = tid % PRODUCER_THREADS
+        s_inputs = _slice(all_inputs, producer, INPUT_ELEMS)
+        load_barriers = all_load_barriers + 2 * producer
+        s_norm = _slice(all_norms, producer, NORM_PARTIALS)
+        s_b = _slice(all_b, producer, CHUNK)
+        s_part = _slice(all_parts, producer, PRODUCT_PARTIALS)
+        s_l, s_x0, s_x1, s_p0, s_p1 = (_small(all_small, producer * 5 + m) for m in range(5))
+        atoms = (tma_q, tma_k, tma_g)
+        my_tiles = (num_tiles - producer + (producers - 1)) // producers
+        if pw == 0:
+            for b in cutlass.range_constexpr(2):
+                if b < my_tiles:
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
+                    _copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b,
+                                seq_start + (producer + b * producers) * CHUNK, head)
+        col0 = lane_columns(pw, lane)
+        my_rows = lane_rows(lane)
+        gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
+        bias = _vector(dt_bias, head * D + col0, LANE_COLS).load()
+        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in cutlass.range_constexpr(LANE_COLS):
+            gate_bias[j] = bias[j] * gate_scale
+        gamma_scale = lower_bound * cutlass.Float32(LOG2E)
+        has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+                      for b in range(3)]
+        for mine in cutlass.range(my_tiles, unroll=1):
+            i = producer + mine * producers
+            buffer = mine % 2
+            stage = i % stages
+            token0 = seq_start + cutlass.Int64(i * CHUNK)
+            rows = cutlass.min(length - i * CHUNK, CHUNK)
+            cute.arch.mbarrier_wait(load_barriers + buffer, (mine // 2) % 2)
+
+            # ---- phase A (K1): the lane's fragments, row norms -----------------------------
+            valid = [r < rows for r in my_rows]
+            vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
+                           for r, ok in zip(my_rows, valid)] for which in range(3))
+            for which, values in enumerate((vq, vk)):
+                for half in cutlass.range_constexpr(2):
+                    ss = cutlass.Float32(0.0)
+                    for j in cutlass.range_constexpr(LANE_COLS):
+                        ss = ss + values[half][j] * values[half][j]
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
+                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
+                    s_norm[(which * CHUNK + my_rows[half]) * WARPS + pw] = ss
+            logit = cutlass.Float32(-float("inf"))
+            if ptid < rows:
+                if ptid < CHUNK:
+                    beta_at = beta + (token0 + ptid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+                    logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+            _producer_sync(producer)
+            # Every thread of this producer has read the buffer: refill it with its tile after next.
+            if pw == 0:
+                if mine + 2 < my_tiles:
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
+                    _copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer,
+                                token0 + 2 * producers * CHUNK, head)
+            # The stage is free once both consumer warpgroups are done with tile i − stages.
+            if i >= stages:
+                cute.arch.mbarrier_wait(empty + stage, ((i // stages) + 1) % 2)
+            record = _stage_base(s_stages, stage, STAGE_BYTES)
+
+            # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
+            qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            for half in cutlass.range_constexpr(2):
+                sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
+                rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+                    khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+                    logistic = cute.arch.rcp_approx(
+                        cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
+                    gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+            cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+            total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            totals_lane = last_row_lane(lane)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                upper = _row_scan(gamma[0][j], has_source)
+                lower = _row_scan(gamma[1][j], has_source)
+                upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
+                lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
+                cum[0][j] = upper
+                cum[1][j] = upper_total + lower
+                total[j] = upper_total + lower_total
+                gtot[j] = exp2_fast(total[j])
+            if lane < 4:
+                _vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+            kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
+            for half in cutlass.range_constexpr(2):
+                qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    g_row = cum[half][j]
+                    decay = exp2_fast(g_row)
+                    qd[j] = qhat[half][j] * decay * scale
+                    kd[j] = khat[half][j] * decay
+                    kinv = khat[half][j] * exp2_fast(-g_row)
+                    # k̂·2^(G[15] − G) as k̂·2^−G·2^G[15]: one MUFU fewer per element than K1
+                    # (G ≥ 16·lower_bound·log2 e > −116 keeps both factors normal).
+                    kr[j] = kinv * gtot[j]
+                    qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
+                    kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
+                    kinv_bits[half][j] = f32_bits(tf32_ready(kinv))
+                for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
+                    _store_stage_image_row(record, part, values, my_rows[half], col0)
+
+            # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
+            partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+            for f in cutlass.range_constexpr(4):
+                partial[f].fill(0.0)
+            for s in cutlass.range_constexpr(K_STEPS):
+                lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+                a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
+                for n in cutlass.range_constexpr(2):
+                    b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
+                    for p in cutlass.range_constexpr(2):
+                        acc = partial[2 * p + n]
+                        d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
+                        for c in cutlass.range_constexpr(4):
+                            acc[c] = d[c]
+            for f in cutlass.range_constexpr(4):
+                _vector(s_part.iterator, ((pw * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+            if ptid < CHUNK:
+                b = sigmoid(logit)
+                s_b[ptid] = b
+                cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[ptid] = b
+            _producer_sync(producer)
+            half_n = pw % 2
+            parts = [_vector(s_part.iterator, ((src * 4 + pw) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
+            acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+            for c in cutlass.range_constexpr(4):
+                acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
+            if pw < 2:
+                for c in cutlass.range_constexpr(4):
+                    i_, j_ = _fragment_entry(lane, half_n, c)
+                    s_l[i_, j_] = s_b[i_] * acc[c] if j_ < i_ else cutlass.Float32(0.0)
+            else:
+                for c in cutlass.range_constexpr(4):
+                    i_, j_ = _fragment_entry(lane, half_n, c)
+                    acc[c] = acc[c] if j_ <= i_ else cutlass.Float32(0.0)
+                _store_fragment_bf16(_stage_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
+            _producer_sync(producer)
+            _neumann_inverse(s_l, s_x0, s_x1, s_p0, s_p1, _stage_part(record, "inv", cutlass.BFloat16), pw, ptid, lane,
+                             1 + producer)
+
+            # The record's generic stores before the consumers' wgmma reads (async proxy).
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(full + stage)
+    else:
+        # ================= consumers: K2's wgmma tile chain, 64 V columns per warpgroup =====
+        if cutlass.const_expr(producers > 1):
+            cute.arch.setmaxregister_increase(FUSED_CONSUMER_REGISTERS)
+        cw = warp - WARPS * producers
+        g = lane // 4
+        t = lane % 4
+        warp_col0 = cw * 16
+        v_col = warp_col0 + g
+        init_index = seq
+        final_index = seq
+        read_init = flags & FLAG_INITIAL_STATE
+        write_final = flags & FLAG_FINAL_STATE
+        if (flags & FLAG_INDEXED_INIT) != 0:
+            init_index = pool_index(state_indices, init_index)
+            if init_index < 0:
+                read_init = cutlass.Int32(0)
+        if (flags & FLAG_INDEXED_FINAL) != 0:
+            final_index = pool_index(state_indices, final_index)
+            if final_index < 0:
+                write_final = cutlass.Int32(0)
+        state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
+        state.fill(0.0)
+        if read_init != 0:
+            if (flags & FLAG_BF16_INIT) != 0:
+                for i in cutlass.range_constexpr(4 * N_TILES):
+                    k, c = _state_entry(t, v_col, i)
+                    state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
+                                             init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
+            else:
+                for i in cutlass.range_constexpr(4 * N_TILES):
+                    k, c = _state_entry(t, v_col, i)
+                    state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
+                                             init_stride_v)[0]
+        v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
+        v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
+        for s in cutlass.range_constexpr(stages - 1):
+            _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
+                          length - s * CHUNK, head, warp_col0, lane, True)
+            cute.arch.cp_async_commit_group()
+        square_lane = _square_lane_offset(lane)
+        out_stride = cutlass.Int64(out_row_stride)
+        for tile in cutlass.range(num_tiles, unroll=1):
+            stage = tile % stages
+            stage_base = _stage_base(s_stages, stage, STAGE_BYTES)
+            ahead = tile + (stages - 1)
+            ahead_stage = ahead % stages
+            _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
+                          length - ahead * CHUNK, head, warp_col0, lane, True)
+            cute.arch.cp_async_commit_group()
+            rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
+            token0 = seq_start + cutlass.Int64(tile * CHUNK)
+            cute.arch.cp_async_wait_group(stages - 1)
+            cute.arch.sync_warp()
+            v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
+            cute.arch.mbarrier_wait(full + stage, (tile // stages) % 2)
+            base = stage_base.toint()
+            b_rows = _stage_part_view(stage_base, "b", cutlass.Float32)
+            gt = _stage_part_view(stage_base, "gt", cutlass.Float32)
+
+            # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ (K2, wgmma) ---------------------------------------------------
+            a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
+            kd_b = smem_descriptor(base + STAGE_PART_OFFSETS["kd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
+            wgmma_fence()
+            ks_acc = [cutlass.Float32(0.0)] * 8
+            for kt in cutlass.range_constexpr(D // 16):
+                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt], kd_b + kt * STAGE_K_STEP_UNITS, False)
+            wgmma_commit()
+            qs_acc = [cutlass.Float32(0.0)] * 8
+            qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
+            for kt in cutlass.range_constexpr(D // 16):
+                qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt], qd_b + kt * STAGE_K_STEP_UNITS, False)
+            wgmma_commit()
+            ks_acc = wgmma_wait(1, ks_acc)
+
+            # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ ---------------------------------------
+            w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for i in cutlass.range_constexpr(8):
+                n_tile, half, column = _fragment_value(i)
+                v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
+                w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks_acc[i])
+            a_w = accumulators_as_a(w, 0)
+            b_inv = ldmatrix_x4(base + STAGE_PART_OFFSETS["inv"] + square_lane)
+            u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            for n in cutlass.range_constexpr(2):
+                d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
+                for c in cutlass.range_constexpr(4):
+                    u[4 * n + c] = d_u[c]
+            a_u = accumulators_as_a(u, 0)
+
+            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr, in flight under the O work ------------------------
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
+            wgmma_fence()
+            updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
+                                 smem_descriptor(base + STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
+                                                 STAGE_KEY_GROUP_BYTES), True)
+            wgmma_commit()
+
+            # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
+            qs_acc = wgmma_wait(1, qs_acc)
+            b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + square_lane)
+            o_pairs = []
+            for n in cutlass.range_constexpr(2):
+                d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
+                o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
+            o_slot = v_base + stage * v_stage_bytes
+            stmatrix_x4_trans(o_slot + square_lane, o_pairs)
+            cute.arch.sync_warp()
+            words = ld_shared_v4(o_slot + lane * 16)
+            out_row, out_half = _v_chunk(lane)
+            if out_row < rows_valid:
+                at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
+                st_global_v4((out + at).toint(), words)
+            updated = wgmma_wait(0, updated)
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                state[i] = updated[i]
+            # The update has read the stage's kr: the producer may refill it.
+            cute.arch.mbarrier_arrive(empty + stage)
+
+        if write_final != 0:
+            if (flags & FLAG_BF16_FINAL) != 0:
+                for i in cutlass.range_constexpr(4 * N_TILES):
+                    k, c = _state_entry(t, v_col, i)
+                    element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
+                                            final_stride_v, cutlass.BFloat16)
+                    element[0] = state[i].to(cutlass.BFloat16)
+            else:
+                for i in cutlass.range_constexpr(4 * N_TILES):
+                    k, c = _state_entry(t, v_col, i)
+                    element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
+                                            final_stride_v)
+                    element[0] = state[i]
+
+
+@cute.jit
+def fused_prefill_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    v: cute.Pointer,
+    out: cute.Pointer,
+    initial_state: cute.Pointer,
+    final_state: cute.Pointer,
+    cu_seqlens: cute.Pointer,
+    state_indices: cute.Pointer,
+    seq_len: cutlass.Int32,
+    num_seqs: cutlass.Int32,
+    beta_row_stride: cutlass.Int32,
+    v_row_stride: cutlass.Int32,
+    out_row_stride: cutlass.Int32,
+    init_slot_stride: cutlass.Int32,
+    init_stride_k: cutlass.Int32,
+    init_stride_v: cutlass.Int32,
+    final_slot_stride: cutlass.Int32,
+    final_stride_k: cutlass.Int32,
+    final_stride_v: cutlass.Int32,
+    flags: cutlass.Int32,
+    scale: cutlass.Float32,
+    lower_bound: cutlass.Float32,
+    stream,
+    heads: cutlass.Constexpr[int],
+    varlen: cutlass.Constexpr[bool],
+    stages: cutlass.Constexpr[int],
+    producers: cutlass.Constexpr[int],
+):
+    tma_q, token_coords = make_token_tma(q, heads)
+    tma_k, _ = make_token_tma(k, heads)
+    tma_g, _ = make_token_tma(g, heads)
+    fused_prefill_kernel(
+        tma_q, tma_k, tma_g, beta, a_log, dt_bias, v, out, initial_state, final_state, cu_seqlens, state_indices,
+        seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
+        init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
+        scale, lower_bound, token_coords, heads, varlen, stages, producers,
+    ).launch(grid=[1, heads, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
+             stream=stream,
+             min_blocks_per_mp=1, preferred_smem_carveout=100)
