@@ -42,8 +42,6 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (
-    FLAG_BF16_FINAL,
-    FLAG_BF16_INIT,
     FLAG_FINAL_STATE,
     FLAG_INDEXED_FINAL,
     FLAG_INDEXED_INIT,
@@ -53,7 +51,7 @@ from ..layout import (
     ORDER_MAX_SEQS,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_index, sigmoid, state_element, varlen_sequence
+from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_index, sigmoid, varlen_sequence
 from .k1_prepare import (
     K_STEPS,
     LANE_COLS,
@@ -63,10 +61,9 @@ from .k1_prepare import (
     WARPS,
     _copy_tiles,
     _fragment_entry,
-    _fragment_product,
     _input_tile,
     _lane_row_values,
-    _p_plus_p_times_x,
+    _neumann_inverse,
     _row_scan,
     _store_fragment_bf16,
     _vector,
@@ -84,8 +81,9 @@ from .k2_recurrence import (
     _square_lane_offset,
     _stage_base,
     _stage_v_rows,
-    _state_entry,
     _v_chunk,
+    read_state,
+    write_state,
 )
 from .warp_mma import (accumulators_as_a, bf16_as_f32, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
                        mma_tf32_m16n8k8, pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
@@ -164,49 +162,6 @@ def _small(whole: cute.Tensor, index) -> cute.Tensor:
     """Padded fp32 16 × 16 matrix ``index`` of a shared array of them."""
     return cute.make_tensor(whole.iterator + cute.assume(index * SMALL_ELEMS, divby=4),
                             cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1)))
-
-
-@cute.jit
-def _neumann_inverse(s_l: cute.Tensor, s_x0: cute.Tensor, s_x1: cute.Tensor, s_p0: cute.Tensor, s_p1: cute.Tensor,
-                     inv: cute.Pointer, warp, tid, lane, barrier_id):
-    """K1's phase D on one warpgroup (``warp`` 0–3 and ``tid`` 0–127 within it, named barrier
-    ``barrier_id``; ``s_l`` written before its first barrier): INV = (I − L)(I + L²)(I + L⁴)(I + L⁸)
-    from the fp32 L in ``s_l``, tf32 products with fp32 accumulation, into the bf16 row-major
-    16 × 16 ``inv`` (by warps 0–1, after the last barrier).  Round 0: warps 0–1 X0 = L·L, warps 2–3 P0 = I − L; rounds 1–2:
-    warps 0–1 P ← P + P·X, warps 2–3 X ← X·X; round 3: INV = P + P·X."""
-    half_n = warp % 2
-    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-    if warp < 2:
-        acc.fill(0.0)
-        _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
-        for c in cutlass.range_constexpr(4):
-            i, j = _fragment_entry(lane, half_n, c)
-            s_x0[i, j] = tf32_ready(acc[c])
-    else:
-        for e in cutlass.range_constexpr(4):
-            flat = (tid - 64) * 4 + e
-            i = flat // CHUNK
-            j = flat % CHUNK
-            s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
-    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PRODUCER_THREADS)
-    for step in cutlass.range_constexpr(2):
-        p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
-        p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
-        if warp < 2:
-            _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                p_dst[i, j] = acc[c]
-        else:
-            acc.fill(0.0)
-            _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                x_dst[i, j] = tf32_ready(acc[c])
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=PRODUCER_THREADS)
-    if warp < 2:
-        _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-        _store_fragment_bf16(inv, acc, half_n, lane)
 
 
 def _producer_sync(producer):
@@ -478,16 +433,8 @@ def fused_prefill_kernel(
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
-            if (flags & FLAG_BF16_INIT) != 0:
-                for i in cutlass.range_constexpr(4 * N_TILES):
-                    k, c = _state_entry(t, v_col, i)
-                    state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
-                                             init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
-            else:
-                for i in cutlass.range_constexpr(4 * N_TILES):
-                    k, c = _state_entry(t, v_col, i)
-                    state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
-                                             init_stride_v)[0]
+            read_state(state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v,
+                       flags)
         v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
         v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
         for s in cutlass.range_constexpr(stages - 1):
@@ -575,19 +522,8 @@ def fused_prefill_kernel(
             cute.arch.mbarrier_arrive(empty + stage)
 
         if write_final != 0:
-            if (flags & FLAG_BF16_FINAL) != 0:
-                for i in cutlass.range_constexpr(4 * N_TILES):
-                    k, c = _state_entry(t, v_col, i)
-                    element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
-                                            final_stride_v, cutlass.BFloat16)
-                    element[0] = state[i].to(cutlass.BFloat16)
-            else:
-                for i in cutlass.range_constexpr(4 * N_TILES):
-                    k, c = _state_entry(t, v_col, i)
-                    element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
-                                            final_stride_v)
-                    element[0] = state[i]
-
+            write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,
+                        final_stride_v, flags)
 
 @cute.jit
 def fused_prefill_launch(

@@ -274,6 +274,56 @@ def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, bu
         cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
 
 
+def _warpgroup_sync(barrier_id, cta_wide: bool):
+    if cta_wide:
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
+
+
+@cute.jit
+def _neumann_inverse(s_l: cute.Tensor, s_x0: cute.Tensor, s_x1: cute.Tensor, s_p0: cute.Tensor, s_p1: cute.Tensor,
+                     inv: cute.Pointer, warp, tid, lane, barrier_id, cta_wide: cutlass.Constexpr[bool] = False):
+    """K1's phase D on one warpgroup (``warp`` 0–3 and ``tid`` 0–127 within it, named barrier
+    ``barrier_id``; ``s_l`` written before its first barrier): INV = (I − L)(I + L²)(I + L⁴)(I + L⁸)
+    from the fp32 L in ``s_l``, tf32 products with fp32 accumulation, into the bf16 row-major
+    16 × 16 ``inv`` (by warps 0–1, after the last barrier).  ``cta_wide``: the warpgroup is the
+    whole CTA (K1), whose barrier is ``bar.sync 0``.  Round 0: warps 0–1 X0 = L·L, warps 2–3 P0 = I − L; rounds 1–2:
+    warps 0–1 P ← P + P·X, warps 2–3 X ← X·X; round 3: INV = P + P·X."""
+    half_n = warp % 2
+    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    if warp < 2:
+        acc.fill(0.0)
+        _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
+        for c in cutlass.range_constexpr(4):
+            i, j = _fragment_entry(lane, half_n, c)
+            s_x0[i, j] = tf32_ready(acc[c])
+    else:
+        for e in cutlass.range_constexpr(4):
+            flat = (tid - 64) * 4 + e
+            i = flat // CHUNK
+            j = flat % CHUNK
+            s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
+    _warpgroup_sync(barrier_id, cta_wide)
+    for step in cutlass.range_constexpr(2):
+        p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
+        p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
+        if warp < 2:
+            _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                p_dst[i, j] = acc[c]
+        else:
+            acc.fill(0.0)
+            _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
+            for c in cutlass.range_constexpr(4):
+                i, j = _fragment_entry(lane, half_n, c)
+                x_dst[i, j] = tf32_ready(acc[c])
+        _warpgroup_sync(barrier_id, cta_wide)
+    if warp < 2:
+        _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
+        _store_fragment_bf16(inv, acc, half_n, lane)
+
 @cute.kernel
 def k1_prepare_kernel(
     tma_q: cute.CopyAtom,
@@ -500,37 +550,8 @@ def k1_prepare_kernel(
             # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
             # X is only ever an MMA operand, so it is stored tf32_ready; P and L are also summed as
             # values (P + P·X, I - L) and keep full fp32.
-            if warp < 2:
-                acc.fill(0.0)
-                _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    s_x0[i, j] = tf32_ready(acc[c])
-            else:
-                for e in cutlass.range_constexpr(4):
-                    flat = (tid - 64) * 4 + e
-                    i = flat // CHUNK
-                    j = flat % CHUNK
-                    s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
-            cute.arch.sync_threads()
-            for step in cutlass.range_constexpr(2):
-                p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
-                p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
-                if warp < 2:
-                    _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
-                    for c in cutlass.range_constexpr(4):
-                        i, j = _fragment_entry(lane, half_n, c)
-                        p_dst[i, j] = acc[c]
-                else:
-                    acc.fill(0.0)
-                    _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
-                    for c in cutlass.range_constexpr(4):
-                        i, j = _fragment_entry(lane, half_n, c)
-                        x_dst[i, j] = tf32_ready(acc[c])
-                cute.arch.sync_threads()
-            if warp < 2:
-                _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-                _store_fragment_bf16(record_part(record, "inv", cutlass.BFloat16), acc, half_n, lane)
+            _neumann_inverse(s_l, s_x0, s_x1, s_p0, s_p1, record_part(record, "inv", cutlass.BFloat16), warp, tid, lane,
+                             0, cta_wide=True)
 
 
 @cute.jit

@@ -225,6 +225,40 @@ def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_vali
 
 
 @cute.jit
+def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
+               flags):
+    """This thread's Sᵀ accumulator values (``_state_entry``) from state ``index`` of
+    ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``."""
+    if (flags & FLAG_BF16_INIT) != 0:
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            k, c = _state_entry(t, v_col, i)
+            state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                     cutlass.BFloat16)[0].to(cutlass.Float32)
+    else:
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            k, c = _state_entry(t, v_col, i)
+            state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
+
+
+@cute.jit
+def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
+                flags):
+    """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
+    ``FLAG_BF16_FINAL``."""
+    if (flags & FLAG_BF16_FINAL) != 0:
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            k, c = _state_entry(t, v_col, i)
+            element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                    cutlass.BFloat16)
+            element[0] = state[i].to(cutlass.BFloat16)
+    else:
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            k, c = _state_entry(t, v_col, i)
+            element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
+            element[0] = state[i]
+
+
+@cute.jit
 def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int):
     """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
     length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
@@ -351,16 +385,7 @@ def k2_recurrence_kernel(
     state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
     if read_init != 0:
-        if (flags & FLAG_BF16_INIT) != 0:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
-                                         init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
-        else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, init_index, init_slot_stride, head, k, c, init_stride_k,
-                                         init_stride_v)[0]
+        read_state(state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags)
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(4 * N_TILES):
             key, column = _state_entry(t, v_col, i)
@@ -569,18 +594,8 @@ def k2_recurrence_kernel(
             cute.arch.cluster_wait()
 
     if write_final != 0:
-        if (flags & FLAG_BF16_FINAL) != 0:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
-                                        final_stride_v, cutlass.BFloat16)
-                element[0] = state[i].to(cutlass.BFloat16)
-        else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                element = state_element(final_state, final_index, final_slot_stride, head, k, c, final_stride_k,
-                                        final_stride_v)
-                element[0] = state[i]
+        write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k, final_stride_v,
+                    flags)
 
 
 @cute.jit
