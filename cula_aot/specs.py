@@ -130,13 +130,17 @@ class KernelSpec:
 WORKSPACE_POINTERS = (pointer("workspace", "u8"),)
 SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
 
-K1_PARAMS = (
+# K1's inputs (also the fused prefill's): q, k, g through TMA descriptors, β and the gate parameters.
+K1_INPUTS = (
     token_tma("tma_q", "q"),
     token_tma("tma_k", "k"),
     token_tma("tma_g", "g"),
     pointer("beta", "bf16"),
     pointer("a_log", "f32"),
     pointer("dt_bias", "f32"),
+)
+K1_PARAMS = (
+    *K1_INPUTS,
     pointer("cu_seqlens", "i32"),
     *WORKSPACE_POINTERS,
     *SEQUENCE_SCALARS,
@@ -322,12 +326,7 @@ def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:
 # ---- the fused prefill (``kernels/fused_prefill.py``): K1's work and K2's chain in one CTA per
 # (sequence, head), the tile records in shared memory ------------------------------------------
 FUSED_PARAMS = (
-    token_tma("tma_q", "q"),
-    token_tma("tma_k", "k"),
-    token_tma("tma_g", "g"),
-    pointer("beta", "bf16"),
-    pointer("a_log", "f32"),
-    pointer("dt_bias", "f32"),
+    *K1_INPUTS,
     pointer("v", "bf16"),
     pointer("out", "bf16"),
     pointer("initial_state", "f32"),

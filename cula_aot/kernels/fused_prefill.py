@@ -106,9 +106,10 @@ STAGE_IMAGE_BYTES = 2 * STAGE_TOKEN_HALF_BYTES
 STAGE_PART_BYTES = {"kd": STAGE_IMAGE_BYTES, "kr": STAGE_IMAGE_BYTES, "qd": STAGE_IMAGE_BYTES,
                     "inv": CHUNK * CHUNK * 2, "mqk": CHUNK * CHUNK * 2, "gt": D * 4, "b": CHUNK * 4}
 STAGE_PART_OFFSETS = {}
-for _part, _bytes in STAGE_PART_BYTES.items():
-    STAGE_PART_OFFSETS[_part] = sum(STAGE_PART_BYTES[p] for p in list(STAGE_PART_BYTES)[:list(STAGE_PART_BYTES).index(_part)])
-STAGE_BYTES = sum(STAGE_PART_BYTES.values())
+STAGE_BYTES = 0
+for _part, _bytes in STAGE_PART_BYTES.items():  # the parts back to back, in this order
+    STAGE_PART_OFFSETS[_part] = STAGE_BYTES
+    STAGE_BYTES += _bytes
 assert all(o % STAGE_ALIGN == 0 for o in (STAGE_BYTES, *STAGE_PART_OFFSETS.values()))
 STAGE_K_STEP_UNITS = 2 * STAGE_KEY_GROUP_BYTES // 16  # a wgmma k-step: 16 keys, two key groups
 
@@ -124,6 +125,7 @@ def _stage_part(stage_base: cute.Pointer, part: str, dtype):
 
 
 def _stage_part_view(stage_base: cute.Pointer, part: str, dtype) -> cute.Tensor:
+    """``part`` of the record in a stage as a 1-D tensor of ``dtype``."""
     return cute.make_tensor(_stage_part(stage_base, part, dtype),
                             cute.make_layout(STAGE_PART_BYTES[part] * 8 // dtype.width))
 
@@ -137,8 +139,11 @@ def _store_stage_image_row(stage_base: cute.Pointer, part: cutlass.Constexpr[str
         words[m] = pack_bf16x2(values[2 * m], values[2 * m + 1])
     image = cute.recast_ptr(stage_base + STAGE_PART_OFFSETS[part], dtype=cutlass.Int32)
     _vector(image, stage_image_offset(row, col0) // 4, LANE_COLS // 2).store(words.load())
+
+
 # A producer's share of K1's shared memory: the load buffers and their barriers, the norm and
-# product exchanges and b (no s_info: each producer thread knows its tiles; L goes to the stage).
+# product exchanges, b, and L with the Neumann ping-pong matrices (no s_info: each producer
+# thread knows its tiles).
 PRODUCER_SMEM_BYTES = (6 * IMAGE_BYTES + 16 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL)
 
 

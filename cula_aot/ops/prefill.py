@@ -420,6 +420,16 @@ class _Plan:
 SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 
 
+def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int) -> dict:
+    """The serial chain's static values (K2's, and the fused kernel's): v and out token strides,
+    both states' slot and element strides, and the flags."""
+    stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+    return {"v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
+            "flags": init_flags | final_flags | SERIAL_K2_ORDER}
+
+
 class _SerialPlan(_Plan):
     """The serial path (K1, K2) for one call signature: launched from templates while the
     call's lengths keep it serial."""
@@ -430,13 +440,8 @@ class _SerialPlan(_Plan):
                  intracard_cp, split):
         super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
-        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-        self.k2 = k2.template({
-            **self.geometry, "segments": 0, "v_row_stride": c.strides["v"],
-            "out_row_stride": c.strides.get("out", c.heads * D),
-            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
-            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | SERIAL_K2_ORDER}, _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.k2 = k2.template({**self.geometry, "segments": 0, **_serial_chain_values(c, state_layout, init_flags, final_flags)},
+                              _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
@@ -459,13 +464,9 @@ class _FusedPlan(_Plan):
                  intracard_cp, split):
         super().__init__(c, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
-        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
         self.kernel = fused.template({
             **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-            "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
-            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
-            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | SERIAL_K2_ORDER}, _FUSED_DYNAMIC)
+            **_serial_chain_values(c, state_layout, init_flags, final_flags)}, _FUSED_DYNAMIC)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
@@ -589,7 +590,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     ``v_block``: V columns per serial K2 CTA (16, 32 or 64, as built); None picks 32 or 64 from
     the grid size (``specs.auto_v_block``).  ``fused``: run the serial path as the fused kernel
     (True), as K1 then K2 (False), or pick by the number of (sequence, head) items (None,
-    ``specs.auto_fused``); a given ``v_block`` means K1 then K2.
+    ``specs.auto_fused``; a given ``v_block`` then means K1 then K2).
 
     A call signature seen before skips the structural checks (they depend on nothing else) and
     launches from cached templates: the serial path (``_SerialPlan``), or the CP chain for lengths
