@@ -53,24 +53,23 @@ from ..layout import (
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_index, sigmoid, varlen_sequence
 from .k1_prepare import (
-    K_STEPS,
     LANE_COLS,
     NORM_PARTIALS,
     PRODUCT_PARTIALS,
     SMALL_ROW,
     WARPS,
     _copy_tiles,
-    _fragment_entry,
+    _gate_cumsum,
     _input_tile,
     _lane_row_values,
     _neumann_inverse,
-    _row_scan,
-    _store_fragment_bf16,
+    _normalised_and_gates,
+    _reduce_products,
+    _store_product_partials,
+    _store_row_norms,
     _vector,
-    fragment_value,
     lane_columns,
     lane_rows,
-    last_row_lane,
 )
 from .k2_recurrence import (
     N_TILES,
@@ -86,7 +85,7 @@ from .k2_recurrence import (
     write_state,
 )
 from .warp_mma import (accumulators_as_a, bf16_as_f32, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
-                       mma_tf32_m16n8k8, pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
+                       pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
 
 WARP = 32
@@ -296,14 +295,7 @@ def fused_prefill_kernel(
             valid = [r < rows for r in my_rows]
             vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
                            for r, ok in zip(my_rows, valid)] for which in range(3))
-            for which, values in enumerate((vq, vk)):
-                for half in cutlass.range_constexpr(2):
-                    ss = cutlass.Float32(0.0)
-                    for j in cutlass.range_constexpr(LANE_COLS):
-                        ss = ss + values[half][j] * values[half][j]
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
-                    ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
-                    s_norm[(which * CHUNK + my_rows[half]) * WARPS + pw] = ss
+            _store_row_norms(vq, vk, s_norm, my_rows, pw)
             logit = cutlass.Float32(-float("inf"))
             if ptid < rows:
                 if ptid < CHUNK:
@@ -323,31 +315,9 @@ def fused_prefill_kernel(
             record = _stage_base(s_stages, stage, STAGE_BYTES)
 
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
-            qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            for half in cutlass.range_constexpr(2):
-                sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
-                rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-                    khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-                    logistic = cute.arch.rcp_approx(
-                        cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
-                    gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
-            cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            totals_lane = last_row_lane(lane)
-            for j in cutlass.range_constexpr(LANE_COLS):
-                upper = _row_scan(gamma[0][j], has_source)
-                lower = _row_scan(gamma[1][j], has_source)
-                upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
-                lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
-                cum[0][j] = upper
-                cum[1][j] = upper_total + lower
-                total[j] = upper_total + lower_total
-                gtot[j] = exp2_fast(total[j])
+            qhat, khat, gamma = _normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
+                                                      gamma_scale)
+            cum, total, gtot = _gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 _vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
             kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
@@ -373,40 +343,13 @@ def fused_prefill_kernel(
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-            for f in cutlass.range_constexpr(4):
-                partial[f].fill(0.0)
-            for s in cutlass.range_constexpr(K_STEPS):
-                lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-                a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
-                for n in cutlass.range_constexpr(2):
-                    b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
-                    for p in cutlass.range_constexpr(2):
-                        acc = partial[2 * p + n]
-                        d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
-                        for c in cutlass.range_constexpr(4):
-                            acc[c] = d[c]
-            for f in cutlass.range_constexpr(4):
-                _vector(s_part.iterator, ((pw * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+            _store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
             if ptid < CHUNK:
                 b = sigmoid(logit)
                 s_b[ptid] = b
                 cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[ptid] = b
             _producer_sync(producer)
-            half_n = pw % 2
-            parts = [_vector(s_part.iterator, ((src * 4 + pw) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
-            acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-            for c in cutlass.range_constexpr(4):
-                acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
-            if pw < 2:
-                for c in cutlass.range_constexpr(4):
-                    i_, j_ = _fragment_entry(lane, half_n, c)
-                    s_l[i_, j_] = s_b[i_] * acc[c] if j_ < i_ else cutlass.Float32(0.0)
-            else:
-                for c in cutlass.range_constexpr(4):
-                    i_, j_ = _fragment_entry(lane, half_n, c)
-                    acc[c] = acc[c] if j_ <= i_ else cutlass.Float32(0.0)
-                _store_fragment_bf16(_stage_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
+            _reduce_products(s_part, s_b, s_l, _stage_part(record, "mqk", cutlass.BFloat16), pw, lane)
             _producer_sync(producer)
             _neumann_inverse(s_l, s_x0, s_x1, s_p0, s_p1, _stage_part(record, "inv", cutlass.BFloat16), pw, ptid, lane,
                              1 + producer)

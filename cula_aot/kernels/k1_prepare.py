@@ -218,6 +218,105 @@ def _row_scan(x, has_source: list):
 
 
 @cute.jit
+def _store_row_norms(vq: list, vk: list, s_norm: cute.Tensor, my_rows: tuple, warp):
+    """Phase A: the squared norms of the lane's q and k rows over its warp's columns into the
+    cross-warp exchange ``s_norm[(which·16 + row)·WARPS + warp]`` (which: 0 q, 1 k)."""
+    for which, values in enumerate((vq, vk)):
+        for half in cutlass.range_constexpr(2):
+            ss = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                ss = ss + values[half][j] * values[half][j]
+            # After the two butterflies the row's four lanes hold the same bits; each
+            # stores them (same value, same address).
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
+            ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
+            s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
+
+
+@cute.jit
+def _normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute.Tensor, my_rows: tuple, gate_scale,
+                          gate_bias: cute.Tensor, gamma_scale):
+    """Phase B: q̂ and k̂ (L2-normalised, rounded to bf16) and γ in log2 units (zero on rows past
+    the end) of the lane's elements, lists over its two rows."""
+    qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+    khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+    gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+    for half in cutlass.range_constexpr(2):
+        sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
+        rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+        for j in cutlass.range_constexpr(LANE_COLS):
+            qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+            khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+            logistic = cute.arch.rcp_approx(
+                cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
+            gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+    return qhat, khat, gamma
+
+
+@cute.jit
+def _gate_cumsum(gamma: list, has_source: list, lane):
+    """G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the first 8
+    rows' total, held by lane 28 + t), and G[15] with 2^G[15] (gt): (cum, total, gtot)."""
+    cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+    total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    totals_lane = last_row_lane(lane)
+    for j in cutlass.range_constexpr(LANE_COLS):
+        upper = _row_scan(gamma[0][j], has_source)
+        lower = _row_scan(gamma[1][j], has_source)
+        upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
+        lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
+        cum[0][j] = upper
+        cum[1][j] = upper_total + lower
+        total[j] = upper_total + lower_total
+        gtot[j] = exp2_fast(total[j])
+    return cum, total, gtot
+
+
+@cute.jit
+def _store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part: cute.Tensor, warp, lane):
+    """Phase C: this warp's partials (over its 32 keys) of product f = 2·p + n (p: 0 = kd·kinvᵀ,
+    1 = qd·kinvᵀ; n: token n-tile, i.e. B's rows 8n..8n+7 = the lane's row g + 8n) into the
+    exchange."""
+    partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+    for f in cutlass.range_constexpr(4):
+        partial[f].fill(0.0)
+    for s in cutlass.range_constexpr(K_STEPS):
+        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+        a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
+        for n in cutlass.range_constexpr(2):
+            b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
+            for p in cutlass.range_constexpr(2):
+                acc = partial[2 * p + n]
+                d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    acc[c] = d[c]
+    for f in cutlass.range_constexpr(4):
+        _vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+
+
+@cute.jit
+def _reduce_products(s_part: cute.Tensor, s_b: cute.Tensor, s_l: cute.Tensor, mqk: cute.Pointer, warp, lane):
+    """Phase C, after the exchange: warp w sums product f = w over the four warps (fixed order:
+    bitwise deterministic): warps 0-1 L into ``s_l`` (with b and the strict-lower mask), warps 2-3
+    Mqk as bf16 into ``mqk`` (lower incl.)."""
+    half_n = warp % 2
+    parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
+    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    for c in cutlass.range_constexpr(4):
+        acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
+    if warp < 2:
+        for c in cutlass.range_constexpr(4):
+            i, j = _fragment_entry(lane, half_n, c)
+            s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
+    else:
+        for c in cutlass.range_constexpr(4):
+            i, j = _fragment_entry(lane, half_n, c)
+            acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
+        _store_fragment_bf16(mqk, acc, half_n, lane)
+
+
+@cute.jit
 def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, next_base,
                varlen: cutlass.Constexpr[bool]):
     """The tile cursor: (first token, valid rows, seq, base, next_base) of tile slot ``slot``, given
@@ -421,16 +520,7 @@ def k1_prepare_kernel(
         # g needs no mask: γ itself is zeroed on rows past the end.
         vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
                        for r, ok in zip(my_rows, valid)] for which in range(3))
-        for which, values in enumerate((vq, vk)):
-            for half in cutlass.range_constexpr(2):
-                ss = cutlass.Float32(0.0)
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    ss = ss + values[half][j] * values[half][j]
-                # After the two butterflies the row's four lanes hold the same bits; each
-                # stores them (same value, same address).
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1)
-                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=2)
-                s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
+        _store_row_norms(vq, vk, s_norm, my_rows, warp)
         # β logits of rows tid < 16: loaded here, used only at the end of phase C, so their
         # global latency overlaps phases A-C instead of holding the next barrier.
         logit = cutlass.Float32(-float("inf"))
@@ -450,34 +540,9 @@ def k1_prepare_kernel(
 
         if rows > 0:
             # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
-            qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            for half in cutlass.range_constexpr(2):
-                sums = [_vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
-                rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-                    khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-                    logistic = cute.arch.rcp_approx(
-                        cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
-                    gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
-
-            # G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the
-            # first 8 rows' total, held by lane 28 + t), and G[15] for gt and kr.
-            cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-            total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            totals_lane = last_row_lane(lane)
-            for j in cutlass.range_constexpr(LANE_COLS):
-                upper = _row_scan(gamma[0][j], has_source)
-                lower = _row_scan(gamma[1][j], has_source)
-                upper_total = cute.arch.shuffle_sync(upper, offset=totals_lane)
-                lower_total = cute.arch.shuffle_sync(lower, offset=totals_lane)
-                cum[0][j] = upper
-                cum[1][j] = upper_total + lower
-                total[j] = upper_total + lower_total
-                gtot[j] = exp2_fast(total[j])
+            qhat, khat, gamma = _normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
+                                                      gamma_scale)
+            cum, total, gtot = _gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 _vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -504,45 +569,14 @@ def k1_prepare_kernel(
                     _store_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-            # Product f = 2·p + n (p: 0 = kd·kinvᵀ, 1 = qd·kinvᵀ; n: token n-tile, i.e. B's rows
-            # 8n..8n+7 = the lane's row g + 8n), its partial over this warp's 32 keys.
-            partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-            for f in cutlass.range_constexpr(4):
-                partial[f].fill(0.0)
-            for s in cutlass.range_constexpr(K_STEPS):
-                lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-                a = [[x[0][lo], x[1][lo], x[0][hi], x[1][hi]] for x in (kd_bits, qd_bits)]
-                for n in cutlass.range_constexpr(2):
-                    b_frag = [kinv_bits[n][lo], kinv_bits[n][hi]]
-                    for p in cutlass.range_constexpr(2):
-                        acc = partial[2 * p + n]
-                        d = mma_tf32_m16n8k8(a[p], b_frag, [acc[c] for c in range(4)])
-                        for c in cutlass.range_constexpr(4):
-                            acc[c] = d[c]
-            for f in cutlass.range_constexpr(4):
-                _vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+            _store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
             if tid < CHUNK:
                 b = sigmoid(logit)
                 s_b[tid] = b
                 cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[tid] = b
             cute.arch.sync_threads()
 
-            # Warp w sums product f = w over the four warps (fixed order: bitwise deterministic):
-            # warps 0-1 L (with b and the strict-lower mask), warps 2-3 Mqk (lower incl.).
-            half_n = warp % 2
-            parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
-            acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-            for c in cutlass.range_constexpr(4):
-                acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
-            if warp < 2:
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
-            else:
-                for c in cutlass.range_constexpr(4):
-                    i, j = _fragment_entry(lane, half_n, c)
-                    acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
-                _store_fragment_bf16(record_part(record, "mqk", cutlass.BFloat16), acc, half_n, lane)
+            _reduce_products(s_part, s_b, s_l, record_part(record, "mqk", cutlass.BFloat16), warp, lane)
             cute.arch.sync_threads()
 
             # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
