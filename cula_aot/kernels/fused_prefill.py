@@ -75,18 +75,21 @@ from .k2_recurrence import (
     N_TILES,
     STAGE_ALIGN,
     V_WARP_BYTES,
-    _fragment_value,
     _longest_first,
     _square_lane_offset,
     _stage_base,
     _stage_v_rows,
     _v_chunk,
+    issue_state_update,
     read_state,
+    tile_u,
+    tile_w,
+    wgmma_state_products,
     write_state,
 )
-from .warp_mma import (accumulators_as_a, bf16_as_f32, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
+from .warp_mma import (accumulators_as_a, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
                        pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
-from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
+from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 
 WARP = 32
 PRODUCER_THREADS = WARPS * WARP  # K1's warpgroup
@@ -413,40 +416,19 @@ def fused_prefill_kernel(
             a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
             kd_b = smem_descriptor(base + STAGE_PART_OFFSETS["kd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
             wgmma_fence()
-            ks_acc = [cutlass.Float32(0.0)] * 8
-            for kt in cutlass.range_constexpr(D // 16):
-                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt], kd_b + kt * STAGE_K_STEP_UNITS, False)
-            wgmma_commit()
+            ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, STAGE_K_STEP_UNITS)
             qs_acc = [cutlass.Float32(0.0)] * 8
             qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
-            for kt in cutlass.range_constexpr(D // 16):
-                qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt], qd_b + kt * STAGE_K_STEP_UNITS, False)
-            wgmma_commit()
+            qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, STAGE_K_STEP_UNITS)
             ks_acc = wgmma_wait(1, ks_acc)
 
             # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ ---------------------------------------
-            w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for i in cutlass.range_constexpr(8):
-                n_tile, half, column = _fragment_value(i)
-                v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
-                w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks_acc[i])
-            a_w = accumulators_as_a(w, 0)
-            b_inv = ldmatrix_x4(base + STAGE_PART_OFFSETS["inv"] + square_lane)
-            u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for n in cutlass.range_constexpr(2):
-                d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
-                for c in cutlass.range_constexpr(4):
-                    u[4 * n + c] = d_u[c]
-            a_u = accumulators_as_a(u, 0)
+            w = tile_w(v_regs, b_rows, ks_acc, t)
+            a_u = tile_u(w, base, STAGE_PART_OFFSETS["inv"], square_lane)
 
             # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr, in flight under the O work ------------------------
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
-            wgmma_fence()
-            updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
-                                 smem_descriptor(base + STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
-                                                 STAGE_KEY_GROUP_BYTES), True)
-            wgmma_commit()
+            updated = issue_state_update(state, gt, t, a_u, base, STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
+                                         STAGE_KEY_GROUP_BYTES)
 
             # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
             qs_acc = wgmma_wait(1, qs_acc)

@@ -259,6 +259,58 @@ def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_strid
 
 
 @cute.jit
+def wgmma_state_products(acc: list, a_steps: list, b_descriptor, k_step_units: int) -> list:
+    """One 8-step wgmma chain Sᵀ·Xᵀ over the keys (A: the state's bf16 k-steps, B: image X's
+    K-major descriptor, a k-step ``k_step_units`` on), committed as one group; in flight until
+    ``wgmma_wait``."""
+    for kt in cutlass.range_constexpr(D // 16):
+        acc = wgmma_bf16(16, acc, a_steps[kt], b_descriptor + kt * k_step_units, False)
+    wgmma_commit()
+    return acc
+
+
+@cute.jit
+def tile_w(v_regs: list, b_rows: cute.Tensor, ks, t) -> cute.Tensor:
+    """Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0. v_regs[2·n_tile + half]
+    holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half)."""
+    w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for i in cutlass.range_constexpr(8):
+        n_tile, half, column = _fragment_value(i)
+        v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
+        w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks[i])
+    return w
+
+
+@cute.jit
+def tile_u(w: cute.Tensor, base, inv_offset: int, square_lane) -> list:
+    """Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV at ``base + inv_offset``),
+    as the A fragment of the products that follow."""
+    a_w = accumulators_as_a(w, 0)
+    b_inv = ldmatrix_x4(base + inv_offset + square_lane)
+    u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for n in cutlass.range_constexpr(2):
+        d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
+        for c in cutlass.range_constexpr(4):
+            u[4 * n + c] = d_u[c]
+    return accumulators_as_a(u, 0)
+
+
+@cute.jit
+def issue_state_update(state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, kr_offset: int, leading: int,
+                       stride: int) -> list:
+    """Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued: one m64n128k16 for the warpgroup, B = kr N-major at
+    ``base + kr_offset`` (tokens lead, keys stride), the state the accumulator, scaled first; in
+    flight until ``wgmma_wait``."""
+    for i in cutlass.range_constexpr(4 * N_TILES):
+        state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
+    wgmma_fence()
+    updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
+                         smem_descriptor(base + kr_offset, leading, stride), True)
+    wgmma_commit()
+    return updated
+
+
+@cute.jit
 def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int):
     """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
     length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
@@ -465,17 +517,12 @@ def k2_recurrence_kernel(
             a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
             kd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], IMAGE_KEY_GROUP_BYTES, IMAGE_TOKEN_GROUP_BYTES)
             wgmma_fence()
-            ks_acc = [cutlass.Float32(0.0)] * 8
-            for kt in cutlass.range_constexpr(D // 16):
-                ks_acc = wgmma_bf16(16, ks_acc, a_steps[kt], kd_b + kt * IMAGE_K_STEP_UNITS, False)
-            wgmma_commit()
+            ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, IMAGE_K_STEP_UNITS)
             qs_acc = [cutlass.Float32(0.0)] * 8
             if cutlass.const_expr(not prescan):
                 qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES,
                                        IMAGE_TOKEN_GROUP_BYTES)
-                for kt in cutlass.range_constexpr(D // 16):
-                    qs_acc = wgmma_bf16(16, qs_acc, a_steps[kt], qd_b + kt * IMAGE_K_STEP_UNITS, False)
-                wgmma_commit()
+                qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, IMAGE_K_STEP_UNITS)
                 ks_acc = wgmma_wait(1, ks_acc)
             else:
                 ks_acc = wgmma_wait(0, ks_acc)
@@ -508,34 +555,13 @@ def k2_recurrence_kernel(
                 for i in cutlass.range_constexpr(8):
                     ks[i] = ks[i] + chain[i]
 
-        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0 --------------
-        # v_regs[2·n_tile + half] holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half).
-        w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-        for i in cutlass.range_constexpr(8):
-            n_tile, half, column = _fragment_value(i)
-            v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
-            w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks[i])
-
-        # -- Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV) --------------
-        a_w = accumulators_as_a(w, 0)
-        b_inv = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["inv"] + square_lane)
-        u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-        for n in cutlass.range_constexpr(2):
-            d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
-            for c in cutlass.range_constexpr(4):
-                u[4 * n + c] = d_u[c]
-        a_u = accumulators_as_a(u, 0)
+        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ --------------------------------------
+        w = tile_w(v_regs, b_rows, ks, t)
+        a_u = tile_u(w, base, WORKSPACE_PART_OFFSETS["inv"], square_lane)
         if cutlass.const_expr(wgmma):
-            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work: one
-            # m64n128k16 for the warpgroup, B = kr N-major (tokens lead, keys stride), the state
-            # the accumulator, scaled first.
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
-            wgmma_fence()
-            updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
-                                 smem_descriptor(base + WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
-                                                 IMAGE_KEY_GROUP_BYTES), True)
-            wgmma_commit()
+            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work.
+            updated = issue_state_update(state, gt, t, a_u, base, WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
+                                         IMAGE_KEY_GROUP_BYTES)
 
         # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
         # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
