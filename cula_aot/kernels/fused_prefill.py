@@ -320,7 +320,7 @@ def fused_prefill_kernel(
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
             qhat, khat, gamma = _normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
                                                       gamma_scale)
-            cum, total, gtot = _gate_cumsum(gamma, has_source, lane)
+            cum, _, gtot = _gate_cumsum(gamma, has_source, lane)  # kr uses 2^G[15], not G[15]
             if lane < 4:
                 _vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
             kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
@@ -454,6 +454,7 @@ def fused_prefill_kernel(
         if write_final != 0:
             write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,
                         final_stride_v, flags)
+
 
 @cute.jit
 def fused_prefill_launch(

@@ -374,6 +374,7 @@ def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, bu
 
 
 def _warpgroup_sync(barrier_id, cta_wide: bool):
+    """Phase D's barrier: the CTA's (K1, one warpgroup per CTA) or named ``barrier_id``."""
     if cta_wide:
         cute.arch.sync_threads()
     else:
@@ -422,6 +423,7 @@ def _neumann_inverse(s_l: cute.Tensor, s_x0: cute.Tensor, s_x1: cute.Tensor, s_p
     if warp < 2:
         _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
         _store_fragment_bf16(inv, acc, half_n, lane)
+
 
 @cute.kernel
 def k1_prepare_kernel(
