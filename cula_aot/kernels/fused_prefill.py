@@ -11,10 +11,11 @@ Roles (warp-specialised, ``producers`` + 2 warpgroups):
 
 * the **producers** (warpgroup p, p < ``producers``: K1's 128 threads each) take tiles p, p + P,
   p + 2P, …: each TMA-loads its tiles' q, k, g into its own two load buffers (its next tile's
-  loads fly while it computes one), runs K1's phases A–D and writes the tile's record into stage ``tile % stages``: it waits on the
-  stage's ``empty`` barrier before its first store and arrives on its ``full`` barrier after a
-  proxy fence (the consumers' wgmma read the stage through the async proxy).  Its barriers are
-  named barrier 1 + p over its 128 threads.
+  loads fly while it computes one), runs K1's phases A–D and writes the tile's record into stage
+  ``tile % stages``: it waits on the stage's ``empty`` barrier before its first store and arrives
+  on its ``full`` barrier after a proxy fence (the consumers' wgmma read the stage through the
+  async proxy).  Its barriers are named barrier 1 + p over its 128 threads; phase D runs in
+  warp p's registers (producer p − 1's runs on another scheduler).
 * the two **consumers** (the last two warpgroups, V columns 0–63 and 64–127): K2's tile chain on
   warpgroup MMAs, each warp staging its own 16 × 16 v block ``stages − 1`` tiles ahead; every
   consumer thread arrives on the stage's ``empty`` barrier once the state update has read it.
@@ -56,15 +57,16 @@ from .k1_prepare import (
     LANE_COLS,
     NORM_PARTIALS,
     PRODUCT_PARTIALS,
-    SMALL_ROW,
     WARPS,
     _copy_tiles,
     _gate_cumsum,
     _input_tile,
     _lane_row_values,
-    _neumann_inverse,
     _normalised_and_gates,
-    _reduce_products,
+    _reduce_l,
+    _reduce_mqk,
+    _register_inverse,
+    _store_inverse,
     _store_product_partials,
     _store_row_norms,
     _vector,
@@ -95,7 +97,6 @@ WARP = 32
 PRODUCER_THREADS = WARPS * WARP  # K1's warpgroup
 CONSUMER_WARPS = D // 16  # one warp per 16 V columns, two warpgroups
 
-_F32_SMALL = CHUNK * SMALL_ROW * 4
 
 # A tile's record in a stage: K1's parts, with the images' 8-token × 16-byte core matrices laid
 # out for the producer's stores instead of K_INTER's: key groups 160 bytes apart (≡ 32 mod 128),
@@ -143,10 +144,9 @@ def _store_stage_image_row(stage_base: cute.Pointer, part: cutlass.Constexpr[str
     _vector(image, stage_image_offset(row, col0) // 4, LANE_COLS // 2).store(words.load())
 
 
-# A producer's share of K1's shared memory: the load buffers and their barriers, the norm and
-# product exchanges, b, and L with the Neumann ping-pong matrices (no s_info: each producer
-# thread knows its tiles).
-PRODUCER_SMEM_BYTES = (6 * IMAGE_BYTES + 16 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL)
+# A producer's share of shared memory: the load buffers and their barriers, the norm and
+# product exchanges (no s_info: each producer thread knows its tiles; phase D is in registers).
+PRODUCER_SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 4 * NORM_PARTIALS + 4 * PRODUCT_PARTIALS
 
 
 def smem_bytes(stages: int, producers: int) -> int:
@@ -157,18 +157,11 @@ def smem_bytes(stages: int, producers: int) -> int:
 
 
 INPUT_ELEMS = 2 * 3 * CHUNK * D  # two load buffers of q, k, g tiles
-SMALL_ELEMS = CHUNK * SMALL_ROW  # one padded fp32 16 × 16 matrix
 
 
 def _slice(whole: cute.Tensor, index, count: int) -> cute.Tensor:
     """Elements [index·count, (index + 1)·count) of a 1-D shared array (``index`` dynamic)."""
     return cute.make_tensor(whole.iterator + cute.assume(index * count, divby=4), cute.make_layout(count))
-
-
-def _small(whole: cute.Tensor, index) -> cute.Tensor:
-    """Padded fp32 16 × 16 matrix ``index`` of a shared array of them."""
-    return cute.make_tensor(whole.iterator + cute.assume(index * SMALL_ELEMS, divby=4),
-                            cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1)))
 
 
 def _producer_sync(producer):
@@ -221,13 +214,11 @@ def fused_prefill_kernel(
     full = smem.allocate_array(cutlass.Int64, stages)
     empty = smem.allocate_array(cutlass.Int64, stages)
     # Each producer's own K1 buffers, side by side: two load buffers and their barriers, the
-    # norm and product exchanges, b, L and the Neumann ping-pong matrices.
+    # norm and product exchanges.
     all_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(producers * INPUT_ELEMS), 128)
     all_load_barriers = smem.allocate_array(cutlass.Int64, 2 * producers)
     all_norms = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * NORM_PARTIALS), 16)
-    all_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * CHUNK), 16)
     all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * PRODUCT_PARTIALS), 16)
-    all_small = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * 5 * SMALL_ELEMS), 16)
 
     # ---- this work item: first token, length (as K2's serial path) ------------------------
     if cutlass.const_expr(varlen):
@@ -260,13 +251,12 @@ def fused_prefill_kernel(
             cute.arch.setmaxregister_decrease(FUSED_PRODUCER_REGISTERS)
         producer = warp // WARPS
         pw = warp % WARPS  # the warp within its producer (K1's warp index)
-        ptid = tid % PRODUCER_THREADS
+        # The warp that inverts (I + L): producer p's warp p, on another scheduler than p − 1's.
+        inverse_warp = producer % 2
         s_inputs = _slice(all_inputs, producer, INPUT_ELEMS)
         load_barriers = all_load_barriers + 2 * producer
         s_norm = _slice(all_norms, producer, NORM_PARTIALS)
-        s_b = _slice(all_b, producer, CHUNK)
         s_part = _slice(all_parts, producer, PRODUCT_PARTIALS)
-        s_l, s_x0, s_x1, s_p0, s_p1 = (_small(all_small, producer * 5 + m) for m in range(5))
         atoms = (tma_q, tma_k, tma_g)
         my_tiles = (num_tiles - producer + (producers - 1)) // producers
         if pw == 0:
@@ -300,9 +290,9 @@ def fused_prefill_kernel(
                            for r, ok in zip(my_rows, valid)] for which in range(3))
             _store_row_norms(vq, vk, s_norm, my_rows, pw)
             logit = cutlass.Float32(-float("inf"))
-            if ptid < rows:
-                if ptid < CHUNK:
-                    beta_at = beta + (token0 + ptid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+            if pw == inverse_warp:
+                if lane < rows:
+                    beta_at = beta + (token0 + lane) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
                     logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             _producer_sync(producer)
             # Every thread of this producer has read the buffer: refill it with its tile after next.
@@ -347,15 +337,18 @@ def fused_prefill_kernel(
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
             _store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
-            if ptid < CHUNK:
+            b = cutlass.Float32(0.0)
+            if pw == inverse_warp:
                 b = sigmoid(logit)
-                s_b[ptid] = b
-                cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[ptid] = b
+                if lane < CHUNK:
+                    cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             _producer_sync(producer)
-            _reduce_products(s_part, s_b, s_l, _stage_part(record, "mqk", cutlass.BFloat16), pw, lane)
-            _producer_sync(producer)
-            _neumann_inverse(s_l, s_x0, s_x1, s_p0, s_p1, _stage_part(record, "inv", cutlass.BFloat16), pw, ptid, lane,
-                             1 + producer)
+            # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
+            if pw == inverse_warp:
+                _store_inverse(_stage_part(record, "inv", cutlass.BFloat16),
+                               _register_inverse(_reduce_l(s_part, b, lane), lane), lane)
+            elif pw >= 2:
+                _reduce_mqk(s_part, _stage_part(record, "mqk", cutlass.BFloat16), pw % 2, lane)
 
             # The record's generic stores before the consumers' wgmma reads (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")

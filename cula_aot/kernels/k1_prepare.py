@@ -8,8 +8,8 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
 * ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
   operands rounded from the fp32 values (more precise than the recipe's bf16 operands), and
-  ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with tf32 products and
-  fp32 accumulation (the recipe's fp16 has the same 10-bit mantissa and less range).
+  ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
+  operands and fp32 accumulation, in one warp's registers (``register_inverse``).
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
@@ -21,7 +21,8 @@ exchange between the warps, the cumsum over rows is a shuffle scan, and each lan
 of a row are one 16-byte row of a K_INTER image, stored straight to global.  For L and Mqk the
 contraction over keys is split by warp: the lane's values *are* A and B fragments of its warp's
 32 keys once the keys are renumbered (``fragment_value``), so each warp runs 16 MMAs and the
-four partial products are summed through shared memory in a fixed order.
+four partial products are summed through shared memory in a fixed order: warp 0 sums L's and
+inverts (I + L) in its registers, warps 2–3 sum Mqk's, with no barrier after the exchange.
 
 Workspaces: one record of ``layout.WORKSPACE_RECORD_BYTES`` per slot (slot = head · total_slots +
 tile slot), its parts at ``layout.WORKSPACE_PART_OFFSETS``:
@@ -69,7 +70,8 @@ from .common import (
 )
 from ..layout import WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
-from .warp_mma import f32_bits, mma_tf32_m16n8k8, pack_bf16x2, tf32_ready, to_tf32
+from .warp_mma import (f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2,
+                       tf32_ready)
 
 WARPS = THREADS // 32
 # The fragment layout: a warp's key columns, and the consecutive columns of one lane's row.
@@ -104,61 +106,14 @@ def fragment_value(k_step: int, upper: int) -> int:
 
 # Shared memory plan, in allocation order (bytes): two load buffers of TMA-loaded q, k, g tiles
 # (bf16 16×128 row-major), their two mbarriers, s_info (each buffer's first token and valid
-# rows, from the producer), the norms' cross-warp partial sums (fp32 [q/k][row][warp]),
-# b (fp32[16]), the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one
-# 16-byte word per lane and value group), L and the Neumann ping-pong buffers.
+# rows, from the producer), the norms' cross-warp partial sums (fp32 [q/k][row][warp]) and
+# the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one 16-byte word per
+# lane and value group).  Phase D needs none: it runs in warp 0's registers.
 NORM_PARTIALS = 2 * CHUNK * WARPS
 PRODUCT_PARTIALS = WARPS * 2 * 2 * 32 * 4
-# fp32 16×16 matrices, rows padded to 20 words: the tf32 A/B fragment loads hit distinct banks.
-SMALL_ROW = CHUNK + 4
-_F32_SMALL = CHUNK * SMALL_ROW * 4
-SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 16 + 4 * NORM_PARTIALS + CHUNK * 4 + 4 * PRODUCT_PARTIALS + 5 * _F32_SMALL + 8 * 128
+SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 16 + 4 * NORM_PARTIALS + 4 * PRODUCT_PARTIALS + 8 * 128
 # ptxas caps registers at 128 for four CTAs per SM; five (96 registers) spills.
 CTAS_PER_SM = K1_CTAS_PER_SM
-
-
-@cute.jit
-def _fragment_product(a: cute.Tensor, b_rows: cute.Tensor, b_transposed: cutlass.Constexpr[bool], k_steps: int,
-                      n_tile, lane, acc: cute.Tensor, a_ready: cutlass.Constexpr[bool] = False,
-                      b_ready: cutlass.Constexpr[bool] = False):
-    """acc += a · b[:, 8·n_tile : 8·n_tile + 8] on tensor cores (tf32 operands, fp32 C fragment).
-
-    ``a`` is a 16 × 8·k_steps fp32 smem matrix; ``b`` is ``b_rows`` itself (8·k_steps × 16), or its
-    transpose when ``b_transposed`` (then ``b_rows`` is 16 × 8·k_steps).
-    ``a_ready`` / ``b_ready``: that operand was stored with ``tf32_ready`` (no conversion per load).
-    Two accumulation chains (even and odd k-steps) halve the dependent MMA latency.
-    """
-    a_operand = f32_bits if cutlass.const_expr(a_ready) else to_tf32
-    b_operand = f32_bits if cutlass.const_expr(b_ready) else to_tf32
-    g = lane // 4
-    t = lane % 4
-    n = n_tile * 8 + g
-    odd = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-    odd.fill(0.0)
-    for ks in cutlass.range_constexpr(k_steps):
-        k0 = ks * 8
-        frag_a = [a_operand(a[g, k0 + t]), a_operand(a[g + 8, k0 + t]), a_operand(a[g, k0 + t + 4]),
-                  a_operand(a[g + 8, k0 + t + 4])]
-        if cutlass.const_expr(b_transposed):
-            frag_b = [b_operand(b_rows[n, k0 + t]), b_operand(b_rows[n, k0 + t + 4])]
-        else:
-            frag_b = [b_operand(b_rows[k0 + t, n]), b_operand(b_rows[k0 + t + 4, n])]
-        chain = acc if ks % 2 == 0 else odd
-        d = mma_tf32_m16n8k8(frag_a, frag_b, [chain[c] for c in range(4)])
-        for c in cutlass.range_constexpr(4):
-            chain[c] = d[c]
-    for c in cutlass.range_constexpr(4):
-        acc[c] = acc[c] + odd[c]
-
-
-@cute.jit
-def _p_plus_p_times_x(p: cute.Tensor, x: cute.Tensor, n_tile, lane, acc: cute.Tensor):
-    """acc = (p + p·x)[:, 8·n_tile : 8·n_tile + 8] as a C fragment (p, x: fp32 16×16 smem, x
-    stored ``tf32_ready``), one Neumann factor (I + X) applied to the running product P."""
-    for c in cutlass.range_constexpr(4):
-        i, j = _fragment_entry(lane, n_tile, c)
-        acc[c] = p[i, j]
-    _fragment_product(p, x, False, 2, n_tile, lane, acc, b_ready=True)
 
 
 def _fragment_entry(lane, n_tile, c: int):
@@ -296,24 +251,93 @@ def _store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_par
 
 
 @cute.jit
-def _reduce_products(s_part: cute.Tensor, s_b: cute.Tensor, s_l: cute.Tensor, mqk: cute.Pointer, warp, lane):
-    """Phase C, after the exchange: warp w sums product f = w over the four warps (fixed order:
-    bitwise deterministic): warps 0-1 L into ``s_l`` (with b and the strict-lower mask), warps 2-3
-    Mqk as bf16 into ``mqk`` (lower incl.)."""
-    half_n = warp % 2
-    parts = [_vector(s_part.iterator, ((src * 4 + warp) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
+def _summed_partials(s_part: cute.Tensor, f: int, lane) -> list:
+    """Product ``f``'s C fragment summed over the four warps' partials, in a fixed order."""
+    parts = [_vector(s_part.iterator, ((src * 4 + f) * 32 + lane) * 4, 4).load() for src in range(WARPS)]
+    return [(parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c]) for c in range(4)]
+
+
+@cute.jit
+def _reduce_mqk(s_part: cute.Tensor, mqk: cute.Pointer, half_n, lane):
+    """Phase C, after the exchange: n-tile ``half_n`` of Mqk (lower incl.) as bf16 into ``mqk``."""
     acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+    summed = _summed_partials(s_part, 2 + half_n, lane)
     for c in cutlass.range_constexpr(4):
-        acc[c] = (parts[0][c] + parts[1][c]) + (parts[2][c] + parts[3][c])
-    if warp < 2:
+        i, j = _fragment_entry(lane, half_n, c)
+        acc[c] = summed[c] if j <= i else cutlass.Float32(0.0)
+    _store_fragment_bf16(mqk, acc, half_n, lane)
+
+
+@cute.jit
+def _reduce_l(s_part: cute.Tensor, b, lane) -> list:
+    """Phase C, after the exchange, in one warp whose lane r < 16 holds b = σ(β) of row r:
+    L = strict_lower(diag(b)·kd·kinvᵀ) as C fragments ([n-tile][value], fp32)."""
+    g = lane // 4
+    b_row = [cute.arch.shuffle_sync(b, offset=g + 8 * h) for h in range(2)]
+    l_frags = []
+    for n in cutlass.range_constexpr(2):
+        summed = _summed_partials(s_part, n, lane)
+        tile = []
         for c in cutlass.range_constexpr(4):
-            i, j = _fragment_entry(lane, half_n, c)
-            s_l[i, j] = s_b[i] * acc[c] if j < i else cutlass.Float32(0.0)
-    else:
+            i, j = _fragment_entry(lane, n, c)
+            tile.append(cutlass.Float32(cutlass.select_(j < i, b_row[c // 2] * summed[c], cutlass.Float32(0.0))))
+        l_frags.append(tile)
+    return l_frags
+
+
+def _f16_blocks(m: list) -> list:
+    """A 16 × 16 matrix's C fragments (two n-tiles) as fp16 pairs, its four 8 × 8 blocks in the
+    m16n8k16 A order: (rows 0–7, cols 0–7), (8–15, 0–7), (0–7, 8–15), (8–15, 8–15)."""
+    return [pack_f16x2(m[n][2 * h], m[n][2 * h + 1]) for n in range(2) for h in range(2)]
+
+
+def _b_operand(blocks: list) -> list:
+    """B operands of both n-tiles of a product with the matrix of ``blocks`` on the right: B's
+    fragment of n-tile n is Bᵀ's rows 8n..8n+7, i.e. blocks (0, n) and (1, n) transposed."""
+    t = [movmatrix_trans(x) for x in blocks]
+    return [[t[2 * n], t[2 * n + 1]] for n in range(2)]
+
+
+def _f16_product(a_blocks: list, b_operand: list, init=None) -> list:
+    """C fragments of A·B (+ ``init``), 16 × 16, one m16n8k16 per n-tile."""
+    return [mma_f16_m16n8k16(a_blocks, b_operand[n], init[n] if init is not None else [cutlass.Float32(0.0)] * 4)
+            for n in range(2)]
+
+
+@cute.jit
+def _register_inverse(l_frags: list, lane) -> list:
+    """Phase D in one warp's registers: INV = (I − L)(I + L²)(I + L⁴)(I + L⁸) as C fragments from
+    L's (``_reduce_l``).  The m16n8k16 C layout of two n-tiles is its A layout, and B's fragments
+    are the transposed 8 × 8 blocks (``movmatrix``), so no value leaves the warp: no barrier.
+    fp16 operands (tf32's 11-bit significand; |L| ≤ 1 bounds every power and partial product of
+    a 16 × 16 unit triangular inverse by 2^15 < 65504), fp32 sums, P kept in fp32."""
+    p = []
+    for n in cutlass.range_constexpr(2):
+        tile = []
         for c in cutlass.range_constexpr(4):
-            i, j = _fragment_entry(lane, half_n, c)
-            acc[c] = acc[c] if j <= i else cutlass.Float32(0.0)
-        _store_fragment_bf16(mqk, acc, half_n, lane)
+            i, j = _fragment_entry(lane, n, c)
+            tile.append((cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - l_frags[n][c])
+        p.append(tile)
+    l_blocks = _f16_blocks(l_frags)
+    x = _f16_product(l_blocks, _b_operand(l_blocks))  # X = L²
+    for step in cutlass.range_constexpr(3):
+        x_blocks = _f16_blocks(x)
+        x_operand = _b_operand(x_blocks)
+        p_next = _f16_product(_f16_blocks(p), x_operand, init=p)  # P ← P + P·X
+        if cutlass.const_expr(step < 2):
+            x = _f16_product(x_blocks, x_operand)  # X ← X², beside P's product
+        p = p_next
+    return p
+
+
+@cute.jit
+def _store_inverse(inv: cute.Pointer, p: list, lane):
+    """INV's C fragments as the bf16 row-major 16 × 16 ``inv``."""
+    for n in cutlass.range_constexpr(2):
+        acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+        for c in cutlass.range_constexpr(4):
+            acc[c] = p[n][c]
+        _store_fragment_bf16(inv, acc, n, lane)
 
 
 @cute.jit
@@ -373,58 +397,6 @@ def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, bu
         cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
 
 
-def _warpgroup_sync(barrier_id, cta_wide: bool):
-    """Phase D's barrier: the CTA's (K1, one warpgroup per CTA) or named ``barrier_id``."""
-    if cta_wide:
-        cute.arch.sync_threads()
-    else:
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=THREADS)
-
-
-@cute.jit
-def _neumann_inverse(s_l: cute.Tensor, s_x0: cute.Tensor, s_x1: cute.Tensor, s_p0: cute.Tensor, s_p1: cute.Tensor,
-                     inv: cute.Pointer, warp, tid, lane, barrier_id, cta_wide: cutlass.Constexpr[bool] = False):
-    """K1's phase D on one warpgroup (``warp`` 0–3 and ``tid`` 0–127 within it, named barrier
-    ``barrier_id``; ``s_l`` written before its first barrier): INV = (I − L)(I + L²)(I + L⁴)(I + L⁸)
-    from the fp32 L in ``s_l``, tf32 products with fp32 accumulation, into the bf16 row-major
-    16 × 16 ``inv`` (by warps 0–1, after the last barrier).  ``cta_wide``: the warpgroup is the
-    whole CTA (K1), whose barrier is ``bar.sync 0``.  Round 0: warps 0–1 X0 = L·L, warps 2–3 P0 = I − L; rounds 1–2:
-    warps 0–1 P ← P + P·X, warps 2–3 X ← X·X; round 3: INV = P + P·X."""
-    half_n = warp % 2
-    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-    if warp < 2:
-        acc.fill(0.0)
-        _fragment_product(s_l, s_l, False, 2, half_n, lane, acc)
-        for c in cutlass.range_constexpr(4):
-            i, j = _fragment_entry(lane, half_n, c)
-            s_x0[i, j] = tf32_ready(acc[c])
-    else:
-        for e in cutlass.range_constexpr(4):
-            flat = (tid - 64) * 4 + e
-            i = flat // CHUNK
-            j = flat % CHUNK
-            s_p0[i, j] = (cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - s_l[i, j]
-    _warpgroup_sync(barrier_id, cta_wide)
-    for step in cutlass.range_constexpr(2):
-        p_src, x_src = (s_p0, s_x0) if step == 0 else (s_p1, s_x1)
-        p_dst, x_dst = (s_p1, s_x1) if step == 0 else (s_p0, s_x0)
-        if warp < 2:
-            _p_plus_p_times_x(p_src, x_src, half_n, lane, acc)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                p_dst[i, j] = acc[c]
-        else:
-            acc.fill(0.0)
-            _fragment_product(x_src, x_src, False, 2, half_n, lane, acc, a_ready=True, b_ready=True)
-            for c in cutlass.range_constexpr(4):
-                i, j = _fragment_entry(lane, half_n, c)
-                x_dst[i, j] = tf32_ready(acc[c])
-        _warpgroup_sync(barrier_id, cta_wide)
-    if warp < 2:
-        _p_plus_p_times_x(s_p0, s_x0, half_n, lane, acc)
-        _store_fragment_bf16(inv, acc, half_n, lane)
-
-
 @cute.kernel
 def k1_prepare_kernel(
     tma_q: cute.CopyAtom,
@@ -460,14 +432,7 @@ def k1_prepare_kernel(
     load_barriers = smem.allocate_array(cutlass.Int64, 2)
     s_info = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
     s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(CHUNK), 16)
     s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
-    small = cute.make_layout((CHUNK, CHUNK), stride=(SMALL_ROW, 1))
-    s_l = smem.allocate_tensor(cutlass.Float32, small, 16)
-    s_x0 = smem.allocate_tensor(cutlass.Float32, small, 16)
-    s_x1 = smem.allocate_tensor(cutlass.Float32, small, 16)
-    s_p0 = smem.allocate_tensor(cutlass.Float32, small, 16)
-    s_p1 = smem.allocate_tensor(cutlass.Float32, small, 16)
 
     # ---- TMA: this CTA's first two tiles --------------------------------------------------
     # Warp 0 is the producer: it walks the tile cursor over the CTA's slots in order, and for
@@ -572,22 +537,21 @@ def k1_prepare_kernel(
 
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
             _store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
-            if tid < CHUNK:
+            b = cutlass.Float32(0.0)
+            if warp == 0:
                 b = sigmoid(logit)
-                s_b[tid] = b
-                cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[tid] = b
+                if lane < CHUNK:
+                    cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             cute.arch.sync_threads()
 
-            _reduce_products(s_part, s_b, s_l, record_part(record, "mqk", cutlass.BFloat16), warp, lane)
-            cute.arch.sync_threads()
-
-            # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) ---------------------------------
-            # Round 0: warps 0-1 X0 = L·L (one n-tile each), warps 2-3 P0 = I - L.  Rounds 1-2:
-            # warps 0-1 P ← P + P·X, warps 2-3 X ← X·X (ping-pong buffers).  Round 3: INV = P + P·X.
-            # X is only ever an MMA operand, so it is stored tf32_ready; P and L are also summed as
-            # values (P + P·X, I - L) and keep full fp32.
-            _neumann_inverse(s_l, s_x0, s_x1, s_p0, s_p1, record_part(record, "inv", cutlass.BFloat16), warp, tid, lane,
-                             0, cta_wide=True)
+            # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) in warp 0's registers -----------
+            # (it sums L's partials first); warps 2-3 sum Mqk's meanwhile.  No barrier: the next
+            # tile's exchange is written after its phase A barrier, which warp 0 reaches last.
+            if warp == 0:
+                _store_inverse(record_part(record, "inv", cutlass.BFloat16), _register_inverse(_reduce_l(s_part, b, lane),
+                                                                                              lane), lane)
+            elif warp >= 2:
+                _reduce_mqk(s_part, record_part(record, "mqk", cutlass.BFloat16), warp % 2, lane)
 
 
 @cute.jit

@@ -69,6 +69,11 @@ def mma_bf16_m16n8k16(a: list, b: list, c: list) -> list:
     return _mma_f32_accumulate("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c)
 
 
+def mma_f16_m16n8k16(a: list, b: list, c: list) -> list:
+    """D = A·B + C on tensor cores: fp16 operands (4 + 2 b32 registers), fp32 accumulators (4)."""
+    return _mma_f32_accumulate("m16n8k16.row.col.f32.f16.f16.f32", a, b, c)
+
+
 def mma_tf32_m16n8k8(a: list, b: list, c: list) -> list:
     """D = A·B + C on tensor cores: tf32 operands (4 + 2 registers from ``to_tf32``), fp32 (4)."""
     return _mma_f32_accumulate("m16n8k8.row.col.f32.tf32.tf32.f32", a, b, c)
@@ -118,6 +123,27 @@ def pack_bf16x2(low, high):
             "cvt.rn.bf16x2.f32 $0, $1, $2;",
             "=r,f,f",
         )
+    )
+
+
+def pack_f16x2(low, high):
+    """Two fp32 values rounded to nearest fp16 in one b32 register, ``low`` in the low half."""
+    return cutlass.Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [cutlass.Float32(high).ir_value(), cutlass.Float32(low).ir_value()],
+            "cvt.rn.f16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+        )
+    )
+
+
+def movmatrix_trans(register):
+    """The transpose of the 8×8 b16 matrix whose row lane // 4, columns 2·(lane % 4) + {0, 1} is
+    each lane's ``register`` (the mma C layout), in the same layout."""
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Int32(register).ir_value()], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+                        "=r,r")
     )
 
 
