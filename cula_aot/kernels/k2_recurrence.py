@@ -228,34 +228,82 @@ def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_vali
 def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
                flags):
     """This thread's Sᵀ accumulator values (``_state_entry``) from state ``index`` of
-    ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``."""
-    if (flags & FLAG_BF16_INIT) != 0:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            k, c = _state_entry(t, v_col, i)
-            state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                     cutlass.BFloat16)[0].to(cutlass.Float32)
+    ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
+    layout puts them side by side (``_paired``)."""
+    dtype_is_bf16 = (flags & FLAG_BF16_INIT) != 0
+    if _paired(stride_k, slot_stride):
+        if dtype_is_bf16:
+            _read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+        else:
+            _read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
     else:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            k, c = _state_entry(t, v_col, i)
-            state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
+        if dtype_is_bf16:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                         cutlass.BFloat16)[0].to(cutlass.Float32)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
 
 
 @cute.jit
 def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
                 flags):
     """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
-    ``FLAG_BF16_FINAL``."""
-    if (flags & FLAG_BF16_FINAL) != 0:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            k, c = _state_entry(t, v_col, i)
-            element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                    cutlass.BFloat16)
-            element[0] = state[i].to(cutlass.BFloat16)
+    ``FLAG_BF16_FINAL``; paired as ``read_state``."""
+    dtype_is_bf16 = (flags & FLAG_BF16_FINAL) != 0
+    if _paired(stride_k, slot_stride):
+        if dtype_is_bf16:
+            _write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+        else:
+            _write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
     else:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            k, c = _state_entry(t, v_col, i)
-            element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
-            element[0] = state[i]
+        if dtype_is_bf16:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                        cutlass.BFloat16)
+                element[0] = state[i].to(cutlass.BFloat16)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = _state_entry(t, v_col, i)
+                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
+                element[0] = state[i]
+
+
+def _paired(stride_k, slot_stride):
+    """Whether a thread's keys k, k + 1 (k even, ``_state_entry`` values i, i + 1) are one aligned
+    pair in memory: the [.., V, K] layout (keys adjacent) with an even slot stride."""
+    return (stride_k == 1) & ((slot_stride % 2) == 0)
+
+
+def _state_pair(base: cute.Pointer, index, slot_stride, head, k, v, stride_v, dtype) -> cute.Tensor:
+    """S[k, v] and S[k + 1, v] of a ``_paired`` layout as a two-element view (one 8-byte fp32 or
+    4-byte bf16 access; k even)."""
+    ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
+    at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(head * (D * D) + k + v * stride_v)
+    return cute.make_tensor(ptr + cute.assume(at, divby=2), cute.make_layout(2))
+
+
+@cute.jit
+def _read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
+        k, c = _state_entry(t, v_col, i)
+        pair = _state_pair(initial_state, index, slot_stride, head, k, c, stride_v, dtype).load().to(cutlass.Float32)
+        state[i] = pair[0]
+        state[i + 1] = pair[1]
+
+
+@cute.jit
+def _write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
+        k, c = _state_entry(t, v_col, i)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        pair[0] = state[i]
+        pair[1] = state[i + 1]
+        _state_pair(final_state, index, slot_stride, head, k, c, stride_v, dtype).store(pair.load().to(dtype))
 
 
 @cute.jit
