@@ -380,16 +380,19 @@ class FusedSpec(KernelSpec):
         return (fused_threads(self.producers), 1, 1)
 
 
-# The fused prefill runs one CTA per SM and (sequence, head) item at ~1.8 µs per tile, where K2
-# alone takes ~0.5: it wins once the items fill the GPU and are long enough that K1's workspace
-# round trip outweighs the slower chain.  Measured (PERFORMANCE.md, session 21): 0.86–0.98 of K1
-# then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at H16–H128, 16×1024, the SPEC
-# varlen rows); slower below a wave (fixed 1×8192: 1.1–3×) and on many short items (32×256 at
-# H32/H64, 1.03–1.08) or ragged batches whose long sequences set the time (4×2048 + 16×128 at
-# H16, 1.14).  Decided from shapes only (items and mean length), so a plan stays valid for any
-# lengths of its signature.
+# The fused prefill runs one CTA per SM and (sequence, head) item at ~1.5 µs per tile (session 23),
+# where K2 alone takes ~0.5: it wins once the items fill the GPU and are long enough that K1's
+# workspace round trip outweighs the slower chain.  Measured (PERFORMANCE.md, sessions 21 and
+# 23): 0.82–0.96 of K1 then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at
+# H16–H128, 16×1024, the SPEC varlen rows); slower at half a wave (fixed 1×8192 at H64: 1.4×)
+# and on ragged batches whose long sequences set the time (4×2048 + 16×128 at H8–H16, 1.08–1.5).
+# Below a wave it wins only for very long items: H96 1×8192 (0.73 waves, 512 tiles) 0.95.
+# Decided from shapes only (items and mean length), so a plan stays valid for any lengths of
+# its signature.
 FUSED_MIN_WAVES = 0.9
 FUSED_MIN_MEAN_TILES = 48
+FUSED_LONG_MIN_WAVES = 0.7
+FUSED_LONG_MIN_MEAN_TILES = 512
 
 
 def fused_spec(heads: int, varlen: bool) -> FusedSpec:
@@ -401,7 +404,9 @@ def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int) -> b
     """Whether the serial prefill of ``num_seqs`` sequences (``total_tokens`` in all) × ``heads``
     heads runs as the fused kernel."""
     waves = heads * num_seqs / sm_count
-    return waves >= FUSED_MIN_WAVES and total_tokens / (16 * num_seqs) >= FUSED_MIN_MEAN_TILES
+    mean_tiles = total_tokens / (16 * num_seqs)
+    return ((waves >= FUSED_MIN_WAVES and mean_tiles >= FUSED_MIN_MEAN_TILES)
+            or (waves >= FUSED_LONG_MIN_WAVES and mean_tiles >= FUSED_LONG_MIN_MEAN_TILES))
 
 
 MERGE_PARAMS = (

@@ -153,6 +153,8 @@ def test_auto_fused_takes_many_long_items_only():
     assert auto_fused(64, 8, 8 * 1024, sms) and auto_fused(16, 8, 8 * 1024, sms)  # 0.97 and 3.9 waves, 64 tiles
     assert auto_fused(96, 6, 8192, sms)  # the SPEC varlen row: 4.4 waves, 85 tiles on average
     assert not auto_fused(64, 1, 8192, sms)  # half a wave of items
+    assert auto_fused(96, 1, 8192, sms)  # 0.73 waves of 512-tile items
+    assert not auto_fused(96, 1, 4096, sms)  # 0.73 waves, 256 tiles
     assert not auto_fused(8, 8, 8 * 1024, sms)  # 64 items
     assert not auto_fused(32, 32, 32 * 256, sms)  # many 16-tile items
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
