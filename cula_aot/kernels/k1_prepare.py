@@ -9,7 +9,7 @@ What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence 
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
   operands rounded from the fp32 values (more precise than the recipe's bf16 operands), and
   ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
-  operands and fp32 accumulation, in one warp's registers (``register_inverse``).
+  operands and fp32 accumulation, in one warp's registers (``_register_inverse``).
 
 Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
 
