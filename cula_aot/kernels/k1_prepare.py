@@ -318,13 +318,18 @@ def _register_inverse(l_frags: list, lane) -> list:
             i, j = _fragment_entry(lane, n, c)
             tile.append((cutlass.Float32(1.0) if i == j else cutlass.Float32(0.0)) - l_frags[n][c])
         p.append(tile)
+    return _neumann_products(p, l_frags)
+
+
+def _neumann_products(p: list, l_frags: list) -> list:
+    """P·(I + L²)(I + L⁴)(I + L⁸) from the C fragments of P (P = I − L gives INV) and L."""
     l_blocks = _f16_blocks(l_frags)
     x = _f16_product(l_blocks, _b_operand(l_blocks))  # X = L²
-    for step in cutlass.range_constexpr(3):
+    for step in range(3):
         x_blocks = _f16_blocks(x)
         x_operand = _b_operand(x_blocks)
         p_next = _f16_product(_f16_blocks(p), x_operand, init=p)  # P ← P + P·X
-        if cutlass.const_expr(step < 2):
+        if step < 2:
             x = _f16_product(x_blocks, x_operand)  # X ← X², beside P's product
         p = p_next
     return p

@@ -4,8 +4,9 @@ K1 keeps each lane's 2 rows × 8 consecutive columns of a tile in registers and 
 ``mma.sync.m16n8k8`` (tf32) as A and B fragments after renumbering the keys
 (``k1_prepare.fragment_value``).  These tests emulate the MMA as the PTX ISA defines its
 fragments and check that the split-over-warps product K1 assembles is exactly ``A·Bᵀ``, that the
-lanes' image rows tile the K_INTER image, and that the scan's partner lanes hold the right
-rows.  Needs CuTeDSL (the kernel module imports it).
+lanes' image rows tile the K_INTER image, that the scan's partner lanes hold the right rows,
+and that phase D's register products (m16n8k16, ``movmatrix`` and fp16 packing emulated per
+lane) invert I + L.  Needs CuTeDSL (the kernel module imports it).
 """
 
 import numpy as np
@@ -105,3 +106,59 @@ def test_scan_partners_hold_the_same_column_in_consecutive_rows():
                     assert k1.lane_rows(source)[0] == k1.lane_rows(lane)[0] - step // 4
             last = k1.last_row_lane(lane)
             assert k1.lane_rows(last) == (7, 15) and k1.lane_columns(warp, last) == k1.lane_columns(warp, lane)
+
+
+def _emulated_f16_intrinsics():
+    """numpy stand-ins for phase D's warp intrinsics, per lane as the PTX ISA defines them: a
+    register is a [lane] array (fp32 values) or [lane, 2] (an fp16 pair, low half first)."""
+    def pack(low, high):
+        return np.stack([np.asarray(low), np.asarray(high)], axis=1).astype(np.float16)
+
+    def movmatrix_trans(reg):
+        # Lane l holds row l // 4, columns 2·(l % 4) + {0, 1} of an 8 × 8 matrix.
+        m = np.zeros((8, 8), np.float16)
+        for lane in range(LANES):
+            m[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = reg[lane]
+        return np.stack([m.T[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] for lane in range(LANES)])
+
+    def mma(a_regs, b_regs, c):
+        a = np.zeros((16, 16))
+        b = np.zeros((16, 8))
+        for lane in range(LANES):
+            g, t = divmod(lane, 4)
+            for reg, (row, col) in zip(a_regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                a[row, col:col + 2] = reg[lane]
+            for reg, k in zip(b_regs, [2 * t, 2 * t + 8]):
+                b[k:k + 2, g] = reg[lane]
+        d = a @ b
+        lanes = [divmod(lane, 4) for lane in range(LANES)]
+        return [np.array([d[g + 8 * (v // 2), 2 * t + v % 2] for g, t in lanes])
+                + np.broadcast_to(np.asarray(c[v], float), LANES) for v in range(4)]
+
+    return pack, movmatrix_trans, mma
+
+
+def _fragments(matrix):
+    """A 16 × 16 matrix as C fragments: [n-tile][value] of [lane] arrays (``_fragment_entry``)."""
+    return [[np.array([matrix[k1._fragment_entry(lane, n, c)] for lane in range(LANES)]) for c in range(4)]
+            for n in range(2)]
+
+
+def test_register_phase_d_is_the_inverse_of_i_plus_l(monkeypatch):
+    # _register_inverse's products on emulated m16n8k16 / movmatrix / fp16 packing: blocks, the
+    # transposed B operands and the three P ← P + P·X, X ← X² rounds give (I + L)^-1 for a strictly
+    # lower L with |L| ≤ 1 (fp16 operands, fp32-level sums).
+    pack, transpose, mma = _emulated_f16_intrinsics()
+    monkeypatch.setattr(k1, "pack_f16x2", pack)
+    monkeypatch.setattr(k1, "movmatrix_trans", transpose)
+    monkeypatch.setattr(k1, "mma_f16_m16n8k16", mma)
+    monkeypatch.setattr(k1.cutlass, "Float32", float)
+    rng = np.random.default_rng(11)
+    lower = np.tril(rng.uniform(-1, 1, (CHUNK, CHUNK)) * 0.5, -1)
+    p = k1._neumann_products(_fragments(np.eye(CHUNK) - lower), _fragments(lower))
+    inv = np.zeros((CHUNK, CHUNK))
+    for n in range(2):
+        for c in range(4):
+            for lane in range(LANES):
+                inv[k1._fragment_entry(lane, n, c)] = p[n][c][lane]
+    np.testing.assert_allclose(inv @ (np.eye(CHUNK) + lower), np.eye(CHUNK), atol=2e-3)
