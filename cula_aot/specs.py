@@ -386,11 +386,13 @@ class FusedSpec(KernelSpec):
 # 23): 0.82–0.96 of K1 then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at
 # H16–H128, 16×1024, the SPEC varlen rows); slower at half a wave (fixed 1×8192 at H64: 1.4×)
 # and on ragged batches whose long sequences set the time (4×2048 + 16×128 at H8–H16, 1.08–1.5).
-# Below a wave it wins only for very long items: H96 1×8192 (0.73 waves, 512 tiles) 0.95.
-# Decided from shapes only (items and mean length), so a plan stays valid for any lengths of
-# its signature.
+# Below a wave it wins only for very long items: H96 1×8192 (0.73 waves, 512 tiles) 0.95.  On
+# equal lengths short items win too: 32×256 at H4–H32 0.74–0.90 (session 23), so a fixed-length
+# batch (uniform by its signature) needs 16 tiles.  Decided from shapes only (items and mean
+# length), so a plan stays valid for any lengths of its signature: a varlen batch may be ragged.
 FUSED_MIN_WAVES = 0.9
 FUSED_MIN_MEAN_TILES = 48
+FUSED_UNIFORM_MIN_MEAN_TILES = 16
 FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
@@ -400,12 +402,14 @@ def fused_spec(heads: int, varlen: bool) -> FusedSpec:
     return FusedSpec(heads=heads, varlen=varlen)
 
 
-def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int) -> bool:
+def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, uniform: bool = False) -> bool:
     """Whether the serial prefill of ``num_seqs`` sequences (``total_tokens`` in all) × ``heads``
-    heads runs as the fused kernel."""
+    heads runs as the fused kernel; ``uniform``: the sequences are known to be equally long (a
+    fixed-length batch)."""
     waves = heads * num_seqs / sm_count
     mean_tiles = total_tokens / (16 * num_seqs)
-    return ((waves >= FUSED_MIN_WAVES and mean_tiles >= FUSED_MIN_MEAN_TILES)
+    min_tiles = FUSED_UNIFORM_MIN_MEAN_TILES if uniform else FUSED_MIN_MEAN_TILES
+    return ((waves >= FUSED_MIN_WAVES and mean_tiles >= min_tiles)
             or (waves >= FUSED_LONG_MIN_WAVES and mean_tiles >= FUSED_LONG_MIN_MEAN_TILES))
 
 

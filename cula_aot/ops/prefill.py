@@ -633,7 +633,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     final_flags = FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed)
     if segments is None:
         if fused is None:
-            fused = v_block is None and auto_fused(heads, num_seqs, c.batch * c.seq_len, _sm_count(device))
+            fused = v_block is None and auto_fused(heads, num_seqs, c.batch * c.seq_len, _sm_count(device),
+                                                   uniform=not varlen)
         # The serial decision is the signature's alone unless CP was planned from host lengths;
         # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
         fixed_decision = intracard_cp is False or c.host_cu is None or not varlen

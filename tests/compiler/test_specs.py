@@ -156,7 +156,10 @@ def test_auto_fused_takes_many_long_items_only():
     assert auto_fused(96, 1, 8192, sms)  # 0.73 waves of 512-tile items
     assert not auto_fused(96, 1, 4096, sms)  # 0.73 waves, 256 tiles
     assert not auto_fused(8, 8, 8 * 1024, sms)  # 64 items
-    assert not auto_fused(32, 32, 32 * 256, sms)  # many 16-tile items
+    assert not auto_fused(32, 32, 32 * 256, sms)  # many 16-tile items, maybe ragged
+    assert auto_fused(32, 32, 32 * 256, sms, uniform=True) and auto_fused(4, 32, 32 * 256, sms, uniform=True)
+    assert not auto_fused(4, 32, 32 * 128, sms, uniform=True)  # 8 tiles
+    assert not auto_fused(4, 8, 8 * 1024, sms, uniform=True)  # a quarter wave
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
     spec = fused_spec(8, True)
     assert spec == FusedSpec(heads=8, varlen=True) and spec.block == (128 * spec.producers + 256, 1, 1)

@@ -129,7 +129,7 @@ def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
     # One SM: 16 resident CTAs in K1_WAVES = 4 waves, so 56 tiles take 4 per CTA (K1 then K2:
     # on one SM the item count alone would pick the fused kernel).
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 1)
-    monkeypatch.setattr(prefill_module, "auto_fused", lambda heads, num_seqs, tokens, sm_count: False)
+    monkeypatch.setattr(prefill_module, "auto_fused", lambda heads, num_seqs, tokens, sm_count, uniform=False: False)
     heads = 4
     x = standard_inputs(1, 200, heads, seed=9)
     cu = cu_seqlens_of([90, 110])
