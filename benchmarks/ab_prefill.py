@@ -7,7 +7,8 @@
 Each round runs ``TREE/benchmarks/bench_prefill.py`` once per arm, in arm order (A, B, A, B, …:
 lent machines differ by up to ~8%, so only alternated runs in one call compare), with the
 arm's tree as working directory and ``CULA_AOT_ARTIFACTS=ARTIFACTS`` when given (a throw-away
-``build_kernels.py --out DIR``).  JSON lands in ``DIR/<arm>_<round>.json``; the summary table
+``build_kernels.py --out DIR``).  JSON lands in ``DIR/<arm>.json`` (``{"rounds": [result, …]}``:
+one file per arm, as a lent device returns a limited number of files); the summary table
 (stdout and ``DIR/summary.md``) lists every graph timing the first arm has, per workload, as
 the mean over rounds of each arm and its ratio to the first arm (< 1: faster).
 """
@@ -95,6 +96,10 @@ def main(argv=None):
                 print(done.stderr[-2000:], file=sys.stderr)
             if path.exists():
                 runs[name].append(json.loads(path.read_text()))
+                path.unlink()
+    # One file per arm (a lent device returns a limited number of files from a call).
+    for name, results in runs.items():
+        (out / f"{name}.json").write_text(json.dumps({"rounds": results}))
     table = summarize(runs)
     (out / "summary.md").write_text(table)
     print(table)

@@ -84,6 +84,7 @@ def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
     ran = log.read_text().split()
     assert [r.split(":")[0] for r in ran] == ["a", "b", "a", "b"]  # alternated
     assert ran[0].endswith(":-") and ran[1].endswith(f":{tmp_path}")
-    assert sorted(p.name for p in out.iterdir()) == ["a_1.json", "a_2.json", "b_1.json", "b_2.json", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "b.json", "summary.md"]
+    assert [r["cp"][0]["cp_auto_graph_ms"] for r in json.loads((out / "b.json").read_text())["rounds"]] == [0.1, 0.1]
     row = next(line for line in (out / "summary.md").read_text().splitlines() if "cp_auto_graph_ms" in line)
     assert "0.2000" in row and "0.1000" in row and "0.500" in row  # b ÷ a; eager cp_4_ms is not listed
