@@ -131,14 +131,18 @@ def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq):
 
 
 def state_element(base: cute.Pointer, index, slot_stride, head, k, v, stride_k, stride_v,
-                  dtype=cutlass.Float32) -> cute.Tensor:
+                  dtype=cutlass.Float32, count: int = 1) -> cute.Tensor:
     """A one-element view of S[k, v] of head ``head`` in state ``index`` of a [slots, H, 128, 128]
     state tensor of ``dtype`` (fp32 or bf16; ``base`` is declared fp32 and recast): slots are
     ``slot_stride`` elements apart (H·128·128 when packed, more in a padded pool) and a head's
-    element (k, v) sits at ``k·stride_k + v·stride_v`` ([.., V, K]: 1, 128; [.., K, V]: 128, 1)."""
+    element (k, v) sits at ``k·stride_k + v·stride_v`` ([.., V, K]: 1, 128; [.., K, V]: 128, 1).
+    ``count`` 2: S[k, v] and the next element in memory, the offset asserted even (one aligned
+    access; the caller checks that it is)."""
     ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
     at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(head * (D * D) + k * stride_k + v * stride_v)
-    return cute.make_tensor(ptr + at, cute.make_layout(1))
+    if count > 1:
+        at = cute.assume(at, divby=count)
+    return cute.make_tensor(ptr + at, cute.make_layout(count))
 
 
 @cute.jit

@@ -279,19 +279,12 @@ def _paired(stride_k, slot_stride):
     return (stride_k == 1) & ((slot_stride % 2) == 0)
 
 
-def _state_pair(base: cute.Pointer, index, slot_stride, head, k, v, stride_v, dtype) -> cute.Tensor:
-    """S[k, v] and S[k + 1, v] of a ``_paired`` layout as a two-element view (one 8-byte fp32 or
-    4-byte bf16 access; k even)."""
-    ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
-    at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(head * (D * D) + k + v * stride_v)
-    return cute.make_tensor(ptr + cute.assume(at, divby=2), cute.make_layout(2))
-
-
 @cute.jit
 def _read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
         k, c = _state_entry(t, v_col, i)
-        pair = _state_pair(initial_state, index, slot_stride, head, k, c, stride_v, dtype).load().to(cutlass.Float32)
+        pair = state_element(initial_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2).load().to(
+            cutlass.Float32)
         state[i] = pair[0]
         state[i + 1] = pair[1]
 
@@ -303,7 +296,8 @@ def _write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stri
         pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         pair[0] = state[i]
         pair[1] = state[i + 1]
-        _state_pair(final_state, index, slot_stride, head, k, c, stride_v, dtype).store(pair.load().to(dtype))
+        element = state_element(final_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2)
+        element.store(pair.load().to(dtype))
 
 
 @cute.jit

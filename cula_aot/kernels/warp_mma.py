@@ -114,28 +114,27 @@ def tf32_split(x) -> tuple:
     return hi_bits, f32_bits(lo)
 
 
-def pack_bf16x2(low, high):
-    """Two fp32 values rounded to nearest bf16 in one b32 register, ``low`` in the low half."""
+def _pack_x2(kind: str, low, high):
+    """Two fp32 values rounded to nearest ``kind`` (bf16, f16) in one b32 register, ``low`` in
+    the low half."""
     return cutlass.Int32(
         llvm.inline_asm(
             T.i32(),
             [cutlass.Float32(high).ir_value(), cutlass.Float32(low).ir_value()],
-            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            f"cvt.rn.{kind}x2.f32 $0, $1, $2;",
             "=r,f,f",
         )
     )
+
+
+def pack_bf16x2(low, high):
+    """Two fp32 values rounded to nearest bf16 in one b32 register, ``low`` in the low half."""
+    return _pack_x2("bf16", low, high)
 
 
 def pack_f16x2(low, high):
     """Two fp32 values rounded to nearest fp16 in one b32 register, ``low`` in the low half."""
-    return cutlass.Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [cutlass.Float32(high).ir_value(), cutlass.Float32(low).ir_value()],
-            "cvt.rn.f16x2.f32 $0, $1, $2;",
-            "=r,f,f",
-        )
-    )
+    return _pack_x2("f16", low, high)
 
 
 def movmatrix_trans(register):
