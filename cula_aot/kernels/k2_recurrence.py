@@ -281,6 +281,7 @@ def _paired(stride_k, slot_stride):
 
 @cute.jit
 def _read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    """``read_state`` on a ``_paired`` layout (stride_k 1): values i, i + 1 in one access."""
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
         k, c = _state_entry(t, v_col, i)
         pair = state_element(initial_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2).load().to(
@@ -291,6 +292,7 @@ def _read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_str
 
 @cute.jit
 def _write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    """``write_state`` on a ``_paired`` layout (stride_k 1): values i, i + 1 in one access."""
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
         k, c = _state_entry(t, v_col, i)
         pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
