@@ -27,6 +27,10 @@ FLAG_BF16_FINAL = 256
 # beyond that, index order).  Scheduling only: results are bitwise the same.
 FLAG_LONGEST_FIRST = 512
 ORDER_MAX_SEQS = 128
+# The fused prefill (one variant for fixed and varlen input): grid row z is sequence z of
+# ``cu_seqlens`` (else rows z·seq_len ..).  A runtime bit, not a compile-time variant: the two
+# compiled variants differed by up to 6% in speed on the same work (PERFORMANCE.md, session 24).
+FLAG_VARLEN = 1024
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

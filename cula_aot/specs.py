@@ -53,22 +53,24 @@ def scalar(name: str, dtype: str) -> Param:
 
 
 def token_tma(name: str, source: str) -> Param:
-    """Descriptor for 16×128 bf16 boxes of a token-major [rows, H, 128] tensor ``source``.
+    """Descriptor for the 16×128 bf16 tiles of a token-major [rows, H, 128] tensor ``source``,
+    one tile per copy as a 3-D box (32 columns, 16 rows, 4 column blocks), so that shared memory
+    holds the tile block by block (``kernels.common.input_tile_layout``).
 
     The recipe is written in ``cuTensorMapEncodeTiled`` order (dimension 0 innermost); each
-    entry is an int or the name of a runtime value (``rows`` = tokens, ``row_elems`` = H·128,
-    ``<source>_row_bytes`` = that tensor's token stride in bytes: H·256 when contiguous, more for a view
-    cut from a fused projection).  It matches
-    the PTX: ``cp.async.bulk.tensor.2d`` with coordinates {head·128, first row}.
+    entry is an int or the name of a runtime value (``rows`` = tokens, ``row_blocks`` = H·4
+    32-column blocks, ``<source>_row_bytes`` = that tensor's token stride in bytes: H·256 when
+    contiguous, more for a view cut from a fused projection).  It matches the PTX:
+    ``cp.async.bulk.tensor.3d`` with coordinates {0, first row, 4·head}.
     """
     recipe = {
         "source": source,
         "dtype": "bf16",
-        "rank": 2,
-        "global_dims": ["row_elems", "rows"],
-        "global_strides_bytes": [f"{source}_row_bytes"],
-        "box_dims": [128, 16],
-        "element_strides": [1, 1],
+        "rank": 3,
+        "global_dims": [32, "rows", "row_blocks"],
+        "global_strides_bytes": [f"{source}_row_bytes", 64],
+        "box_dims": [32, 16, 4],
+        "element_strides": [1, 1, 1],
         "interleave": "none",
         "swizzle": "none",
         "l2_promotion": "L2_256B",
@@ -371,7 +373,6 @@ class FusedSpec(KernelSpec):
     grid: ClassVar[tuple] = (1, "heads", "num_seqs")
 
     heads: int
-    varlen: bool
     stages: int = FUSED_STAGES
     producers: int = FUSED_PRODUCERS
 
@@ -397,9 +398,9 @@ FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
 
-def fused_spec(heads: int, varlen: bool) -> FusedSpec:
-    """The fused prefill the runtime launches."""
-    return FusedSpec(heads=heads, varlen=varlen)
+def fused_spec(heads: int) -> FusedSpec:
+    """The fused prefill the runtime launches (fixed and varlen input alike: ``FLAG_VARLEN``)."""
+    return FusedSpec(heads=heads)
 
 
 def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, uniform: bool = False) -> bool:
@@ -617,7 +618,7 @@ def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
             specs.extend(K2Spec(heads=h, varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True)
                          for m in (False, True))
-            specs.append(fused_spec(h, varlen))
+        specs.append(fused_spec(h))
         # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
         # fixed and varlen input.
         specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

@@ -17,6 +17,7 @@ __all__ = [
     "exp2_fast",
     "k_inter_index",
     "input_tile_layout",
+    "input_element_offset",
     "make_token_tma",
     "record_part",
     "sigmoid",
@@ -84,15 +85,33 @@ def kept_start(lane_bits, count: int, levels: int):
 TRACE_ROWS = 1 << 20
 
 
+# A 16×128 bf16 input tile in shared memory is four blocks of 16 rows × 32 columns (64-byte
+# rows), each block one K1 warp's columns: the 8 lanes of a 16-byte read phase (rows g and
+# g + 1, 4 lanes each) then cover 128 distinct bytes, where 256-byte rows put both rows on the
+# same banks (2-way conflicts: twice the minimum wavefronts of every input read).  One 3-D TMA
+# box (32 columns, 16 rows, 4 blocks) writes that order.
+INPUT_BLOCK_COLS = 32
+INPUT_BLOCKS = D // INPUT_BLOCK_COLS
+
+
 def input_tile_layout():
-    """A 16×128 bf16 input tile in shared memory: row-major, unswizzled (the TMA box)."""
-    return cute.make_layout((CHUNK, D), stride=(D, 1))
+    """An input tile in shared memory as (row, column in block, block)."""
+    return cute.make_layout((CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS),
+                            stride=(INPUT_BLOCK_COLS, 1, CHUNK * INPUT_BLOCK_COLS))
+
+
+def input_element_offset(row, col):
+    """Element offset of (row, col) of an input tile (col a multiple of 8 stays in one block row)."""
+    return (col // INPUT_BLOCK_COLS) * (CHUNK * INPUT_BLOCK_COLS) + row * INPUT_BLOCK_COLS + col % INPUT_BLOCK_COLS
 
 
 def make_token_tma(base: cute.Pointer, heads: int):
-    """(TMA load atom, coordinate tensor) for 16×128 boxes of a [rows, heads·128] bf16 tensor."""
-    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, heads * D), stride=(heads * D, 1)))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(), (CHUNK, D))
+    """(TMA load atom, coordinate tensor) for one input tile per copy of a [rows, heads·128] bf16
+    tensor viewed as (row, column in block, block of all heads); a tile is at (token0, 0, 4·head)."""
+    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, INPUT_BLOCK_COLS, heads * INPUT_BLOCKS),
+                                                   stride=(heads * D, 1, INPUT_BLOCK_COLS)))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(),
+                                       (CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS))
 
 
 def record_part(record: cute.Pointer, part: str, dtype):

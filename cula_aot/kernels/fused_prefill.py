@@ -35,8 +35,9 @@ per tile against K2's ~0.5), so it pays only with enough long items (``specs.aut
 
 Launch: grid (1, H, N), block (128·producers + 256, 1, 1), ``smem_bytes(stages, producers)``
 dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, H
-compile-time; lower_bound ≥ −5 keeps 2^±G normal); varlen grid rows run the longest sequences
-first under ``FLAG_LONGEST_FIRST``.
+compile-time; lower_bound ≥ −5 keeps 2^±G normal).  One variant serves fixed and varlen input:
+under ``FLAG_VARLEN`` grid row z is a sequence of ``cu_seqlens`` (the z-th longest under
+``FLAG_LONGEST_FIRST``), else rows z·seq_len …
 """
 
 import cutlass
@@ -48,6 +49,7 @@ from ..layout import (
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
+    FLAG_VARLEN,
     IMAGE_BYTES,
     ORDER_MAX_SEQS,
 )
@@ -199,7 +201,6 @@ def fused_prefill_kernel(
     lower_bound: cutlass.Float32,
     token_coords: cute.Tensor,
     heads: cutlass.Constexpr[int],
-    varlen: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
 ):
@@ -221,18 +222,15 @@ def fused_prefill_kernel(
     all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * PRODUCT_PARTIALS), 16)
 
     # ---- this work item: first token, length (as K2's serial path) ------------------------
-    if cutlass.const_expr(varlen):
+    seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+    length = seq_len
+    if (flags & FLAG_VARLEN) != 0:
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
                 seq = _longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
                                      tid, fused_threads(producers))
-    seq_start = cutlass.Int64(0)
-    length = seq_len
-    if cutlass.const_expr(varlen):
         seq_start, _first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
-    else:
-        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
     if tid == 0:
@@ -286,7 +284,7 @@ def fused_prefill_kernel(
 
             # ---- phase A (K1): the lane's fragments, row norms -----------------------------
             valid = [r < rows for r in my_rows]
-            vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
+            vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
                            for r, ok in zip(my_rows, valid)] for which in range(3))
             _store_row_norms(vq, vk, s_norm, my_rows, pw)
             logit = cutlass.Float32(-float("inf"))
@@ -479,7 +477,6 @@ def fused_prefill_launch(
     lower_bound: cutlass.Float32,
     stream,
     heads: cutlass.Constexpr[int],
-    varlen: cutlass.Constexpr[bool],
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
 ):
@@ -490,7 +487,7 @@ def fused_prefill_launch(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, v, out, initial_state, final_state, cu_seqlens, state_indices,
         seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
         init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
-        scale, lower_bound, token_coords, heads, varlen, stages, producers,
+        scale, lower_bound, token_coords, heads, stages, producers,
     ).launch(grid=[1, heads, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
              stream=stream,
              min_blocks_per_mp=1, preferred_smem_carveout=100)

@@ -61,7 +61,9 @@ from .common import (
     THREADS,
     exp2_fast,
     k_inter_index,
+    INPUT_BLOCKS,
     input_tile_layout,
+    input_element_offset,
     make_token_tma,
     record_part,
     sigmoid,
@@ -105,8 +107,9 @@ def fragment_value(k_step: int, upper: int) -> int:
 
 
 # Shared memory plan, in allocation order (bytes): two load buffers of TMA-loaded q, k, g tiles
-# (bf16 16×128 row-major), their two mbarriers, s_info (each buffer's first token and valid
-# rows, from the producer), the norms' cross-warp partial sums (fp32 [q/k][row][warp]) and
+# (bf16 16×128 as four 16×32 row-major blocks, ``input_tile_layout``), their two mbarriers,
+# s_info (each buffer's first token and valid rows, from the producer), the norms' cross-warp
+# partial sums (fp32 [q/k][row][warp]) and
 # the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one 16-byte word per
 # lane and value group).  Phase D needs none: it runs in warp 0's registers.
 NORM_PARTIALS = 2 * CHUNK * WARPS
@@ -137,10 +140,10 @@ def _vector(base: cute.Pointer, offset, count: int) -> cute.Tensor:
 
 
 @cute.jit
-def _lane_row_values(tile: cute.Tensor, row, col0, valid):
-    """The 8 bf16 elements of ``tile`` at (row, col0 .. col0 + 7) as fp32 (one 16-byte shared
-    read), zeros if not ``valid`` (``True``: no mask)."""
-    raw = _vector(tile.iterator, row * D + col0, LANE_COLS).load().to(cutlass.Float32)
+def _lane_row_values(tile: cute.Pointer, row, col0, valid):
+    """The 8 bf16 elements of input tile ``tile`` at (row, col0 .. col0 + 7) as fp32 (one 16-byte
+    shared read), zeros if not ``valid`` (``True``: no mask)."""
+    raw = _vector(tile, input_element_offset(row, col0), LANE_COLS).load().to(cutlass.Float32)
     out = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     for j in cutlass.range_constexpr(LANE_COLS):
         if cutlass.const_expr(valid is True):
@@ -374,10 +377,9 @@ def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, nex
     return token0, rows, seq, base, next_base
 
 
-def _input_tile(inputs: cute.Tensor, buffer, which: int) -> cute.Tensor:
-    """Input tile ``which`` (0 q, 1 k, 2 g) of load buffer ``buffer`` (0 or 1, dynamic)."""
-    at = cute.assume((buffer * 3 + which) * (CHUNK * D), divby=CHUNK * D)
-    return cute.make_tensor(inputs.iterator + at, input_tile_layout())
+def _input_tile(inputs: cute.Pointer, buffer, which: int) -> cute.Pointer:
+    """Start of input tile ``which`` (0 q, 1 k, 2 g) of load buffer ``buffer`` (0 or 1, dynamic)."""
+    return inputs + cute.assume((buffer * 3 + which) * (CHUNK * D), divby=CHUNK * D)
 
 
 @cute.jit
@@ -393,12 +395,12 @@ def _publish_tile(s_info: cute.Tensor, barriers: cute.Pointer, buffer, token0, r
 def _copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, buffer, barrier, token0, head):
     """Warp 0 (each TMA copy elects a lane): the q, k, g tiles of rows [token0, token0 + 16) of
     ``head`` into load buffer ``buffer``, completing on ``barrier`` (armed beforehand)."""
-    origin = (cutlass.Int32(token0), head * D)
-    g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), (CHUNK, D), (0, 0))
+    origin = (cutlass.Int32(token0), 0, head * INPUT_BLOCKS)
+    g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), input_tile_layout().shape, (0, 0, 0))
     for which, atom in enumerate(atoms):
-        t_smem, t_gmem = cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(_input_tile(inputs, buffer, which), 0, 2),
-            cute.group_modes(g_tile, 0, 2))
+        s_tile = cute.make_tensor(_input_tile(inputs.iterator, buffer, which), input_tile_layout())
+        t_smem, t_gmem = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 3),
+                                               cute.group_modes(g_tile, 0, 3))
         cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
 
 
@@ -490,7 +492,7 @@ def k1_prepare_kernel(
         # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
         valid = [r < rows for r in my_rows]
         # g needs no mask: γ itself is zeroed on rows past the end.
-        vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs, buffer, which), r, col0, ok if which < 2 else True)
+        vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
                        for r, ok in zip(my_rows, valid)] for which in range(3))
         _store_row_norms(vq, vk, s_norm, my_rows, warp)
         # β logits of rows tid < 16: loaded here, used only at the end of phase C, so their

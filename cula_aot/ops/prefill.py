@@ -22,6 +22,7 @@ from ..layout import (
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
+    FLAG_VARLEN,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
     SEG_FIRST_SLOT,
@@ -464,9 +465,11 @@ class _FusedPlan(_Plan):
                  intracard_cp, split):
         super().__init__(c, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
+        chain = _serial_chain_values(c, state_layout, init_flags, final_flags)
+        if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
+            chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({
-            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-            **_serial_chain_values(c, state_layout, init_flags, final_flags)}, _FUSED_DYNAMIC)
+            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}, _FUSED_DYNAMIC)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
@@ -642,7 +645,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                        final_flags=final_flags, device=device, intracard_cp=intracard_cp,
                        split=1 if fixed_decision else None)
         if fused:
-            plan = _FusedPlan(c, loader.get(device, fused_spec(heads, varlen)), **options)
+            plan = _FusedPlan(c, loader.get(device, fused_spec(heads)), **options)
         else:
             if v_block is None:
                 v_block = auto_v_block(heads, num_seqs, _sm_count(device))

@@ -61,9 +61,10 @@ def contiguous_strides(heads: int) -> dict:
 
 
 def input_geometry(batch: int, seq_len: int, heads: int, strides: dict) -> dict:
-    """K1's values for its inputs' layout: the TMA views of q, k, g as [rows, H·128] with their
-    own token strides (recipe names, see ``specs.token_tma``) and β's token stride."""
-    return {"rows": batch * seq_len, "row_elems": heads * D,
+    """K1's values for its inputs' layout: the TMA views of q, k, g as [rows, H·4 blocks of 32
+    columns] with their own token strides (recipe names, see ``specs.token_tma``) and β's token
+    stride."""
+    return {"rows": batch * seq_len, "row_blocks": heads * D // 32,
             "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
             "beta_row_stride": strides["beta"]}
 

@@ -32,7 +32,7 @@ def test_declared_abi_matches_ptx_and_cubin(compiled):
     # sits at offset 48, so a naive running-sum layout would be wrong by 48 bytes.
     assert [p["offset"] for p in placed[:3]] == [48, 176, 304]
     assert param_bytes == kernel_params(cubin, entry["symbol"])["param_bytes"] == placed[-1]["offset"] + 4
-    assert entry["tma_ranks"] == ["2"] * 9
+    assert entry["tma_ranks"] == ["3"] * 9  # one 3-D box per q, k, g tile, three copy sites
 
 
 def _variant(params):
@@ -90,7 +90,7 @@ def test_k1_stores_its_images_from_registers(compiled):
     # kr images and its 8 gt values as 16-byte stores: no bulk S2G copy.
     _, ptx, _ = compiled
     assert ptx.count("cp.async.bulk.global.shared::cta") == 0
-    assert ptx.count("cp.async.bulk.tensor.2d") == 9
+    assert ptx.count("cp.async.bulk.tensor.3d") == 9
     assert ptx.count("elect.sync") == 9
     assert ptx.count("st.global.v4") == 8
 

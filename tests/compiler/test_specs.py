@@ -161,6 +161,6 @@ def test_auto_fused_takes_many_long_items_only():
     assert not auto_fused(4, 32, 32 * 128, sms, uniform=True)  # 8 tiles
     assert not auto_fused(4, 8, 8 * 1024, sms, uniform=True)  # a quarter wave
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
-    spec = fused_spec(8, True)
-    assert spec == FusedSpec(heads=8, varlen=True) and spec.block == (128 * spec.producers + 256, 1, 1)
-    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_heads8_varlen1_stages4_producers2"
+    spec = fused_spec(8)
+    assert spec == FusedSpec(heads=8) and spec.block == (128 * spec.producers + 256, 1, 1)
+    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_heads8_stages4_producers2"

@@ -53,7 +53,7 @@ def recorder(monkeypatch, manifest_path):
     from cula_aot.runtime import tma
 
     monkeypatch.setattr(tma, "_encode", lambda recipe, base, dims, strides, what:
-                        struct.pack("<QQQQ", base, dims[0], dims[1], strides[0]).ljust(128, b"\0"))
+                        struct.pack("<QQQQQQ", base, *dims, *strides).ljust(128, b"\0"))
     return rec
 
 
@@ -82,7 +82,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     total_slots = (40 + 15 * 2) // 16
     assert grid1 == (total_slots, heads, 1) and grid2[1:] == (heads, 2)
     assert v1["beta"] == y["beta"].data_ptr() and v1["scale"] == 0.5 and v1["cu_seqlens"] == cu.data_ptr()
-    assert struct.unpack("<QQQQ", v1["tma_q"][:32]) == (y["q"].data_ptr(), heads * 128, 40, heads * 256)
+    assert struct.unpack("<QQQQQQ", v1["tma_q"][:48]) == (y["q"].data_ptr(), 32, 40, heads * 4, heads * 256, 64)
     assert v1["beta_row_stride"] == heads and v1["total_slots"] == total_slots
     assert v2["v"] == y["v"].data_ptr() and v2["out"] == o2.data_ptr() and v2["state_indices"] == idx.data_ptr()
     assert v2["initial_state"] == v2["final_state"] == pool.data_ptr()
@@ -110,17 +110,24 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     o, f = prefill_module.prefill(*args, **kw, scale=0.5)
     assert f is pool and len(prefill_module._PLANS) == 1 and len(recorder.launches) == 2
     kernel, values, grid = recorder.values(1)
-    assert kernel.name == fused_spec(heads, True).name and grid == (1, heads, 2)
-    assert kernel.block == (fused_spec(heads, True).block[0], 1, 1)
-    assert struct.unpack("<QQQQ", values["tma_g"][:32]) == (x["g"].data_ptr(), heads * 128, 40, heads * 256)
+    assert kernel.name == fused_spec(heads).name and grid == (1, heads, 2)
+    assert kernel.block == (fused_spec(heads).block[0], 1, 1)
+    assert struct.unpack("<QQQQQQ", values["tma_g"][:48]) == (x["g"].data_ptr(), 32, 40, heads * 4, heads * 256, 64)
     assert values["beta"] == x["beta"].data_ptr() and values["beta_row_stride"] == heads and values["scale"] == 0.5
     assert values["v"] == x["v"].data_ptr() and values["out"] == o.data_ptr() and values["cu_seqlens"] == cu.data_ptr()
     assert values["initial_state"] == values["final_state"] == pool.data_ptr() and values["state_indices"] == idx.data_ptr()
     assert values["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST
+        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST | prefill_module.FLAG_VARLEN
     assert (values["init_stride_k"], values["init_stride_v"], values["seq_len"], values["num_seqs"]) == (128, 1, 40, 2)
     # No workspaces and no dependent launch: the fused kernel reads only the caller's tensors.
     assert recorder.launches[1][3] is False and "workspace" not in values
+    # Fixed-length input runs the same kernel, rows of seq_len tokens: no FLAG_VARLEN.
+    y = standard_inputs(2, 32, heads, seed=3)
+    prefill_module.prefill(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
+                           lower_bound=y["lower_bound"], intracard_cp=False, fused=True)
+    kernel, values, grid = recorder.values(2)
+    assert kernel.name == fused_spec(heads).name and grid == (1, heads, 2)
+    assert values["flags"] & prefill_module.FLAG_VARLEN == 0 and (values["seq_len"], values["num_seqs"]) == (32, 2)
 
 
 def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
@@ -154,7 +161,7 @@ def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
     _, v1, _ = recorder.values(0)
     _, v2, _ = recorder.values(1)
     row = fused.stride(1)
-    assert struct.unpack("<QQQQ", v1["tma_k"][:32]) == (views["k"].data_ptr(), heads * 128, T, 2 * row)
+    assert struct.unpack("<QQQQQQ", v1["tma_k"][:48]) == (views["k"].data_ptr(), 32, T, heads * 4, 2 * row, 64)
     assert v1["beta_row_stride"] == row and v2["v_row_stride"] == row and v2["out_row_stride"] == heads * 128
 
 

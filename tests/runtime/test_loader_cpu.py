@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from cula_aot.runtime.abi import ParamPacker
 from cula_aot.runtime.loader import LoadedKernel
@@ -152,13 +153,41 @@ def test_tma_recipe_validation_happens_before_the_driver():
     from cula_aot.runtime.tma import DescriptorCache
 
     recipe = dict(abi_layout(K1Spec.params)[0]["recipe"])
-    values = {"rows": 100, "row_elems": 1024, "q_row_bytes": 2048}
+    values = {"rows": 100, "row_blocks": 32, "q_row_bytes": 2048}
     with pytest.raises(ValueError, match="16-byte aligned tensor base"):
         DescriptorCache(recipe, "k1.tma_q").get(0x1008, values)
     with pytest.raises(ValueError, match="multiples of 16 bytes"):
         DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "q_row_bytes": 2050})
     with pytest.raises(ValueError, match="must be positive"):
         DescriptorCache(recipe, "k1.tma_q").get(0x1000, {**values, "rows": 0})
+
+
+def test_token_tma_box_lands_where_the_kernels_read_the_tile():
+    """The recipe's 3-D box, copied the way TMA does (box dimension 0 fastest in shared memory),
+    puts element (row, column) of head h's 16×128 tile at the kernels' ``input_element_offset``,
+    with a padded token stride (a view cut from a fused projection)."""
+    common = pytest.importorskip("cula_aot.kernels.common")  # the build extra (CuTeDSL)
+    from cula_aot.ops.prepare import input_geometry
+
+    heads, rows, token0, head = 3, 40, 21, 2
+    stride = heads * 128 + 8  # elements
+    recipe = dict(abi_layout(K1Spec.params)[0]["recipe"])
+    values = input_geometry(1, rows, heads, {"q": stride, "k": stride, "g": stride, "beta": heads})
+    dims = [d if isinstance(d, int) else values[d] for d in recipe["global_dims"]]
+    strides = [2] + [s if isinstance(s, int) else values[s] for s in recipe["global_strides_bytes"]]
+    assert recipe["rank"] == 3 and dims == [32, rows, heads * 4]
+    tensor = torch.arange(rows * stride, dtype=torch.int64)  # element index = its value
+    box = recipe["box_dims"]
+    origin = (0, token0, 4 * head)  # the PTX coordinates {0, first row, 4·head}
+    smem = torch.empty(box[0] * box[1] * box[2], dtype=torch.int64)
+    for i2 in range(box[2]):
+        for i1 in range(box[1]):
+            for i0 in range(box[0]):
+                at = sum((o + i) * s for o, i, s in zip(origin, (i0, i1, i2), strides)) // 2
+                smem[(i2 * box[1] + i1) * box[0] + i0] = tensor[at]
+    for row in range(16):
+        for col in range(128):
+            assert smem[common.input_element_offset(row, col)] == (token0 + row) * stride + head * 128 + col
 
 
 def test_descriptor_cache_encodes_once_per_address_and_shape(monkeypatch):
@@ -172,7 +201,7 @@ def test_descriptor_cache_encodes_once_per_address_and_shape(monkeypatch):
 
     monkeypatch.setattr(tma, "_encode", fake_encode)
     cache = tma.DescriptorCache(dict(abi_layout(K1Spec.params)[0]["recipe"]), "k1.tma_q")
-    values = {"rows": 100, "row_elems": 1024, "q_row_bytes": 2048}
+    values = {"rows": 100, "row_blocks": 32, "q_row_bytes": 2048}
     first = cache.get(0x1000, values)
     assert cache.get(0x1000, dict(values)) is first and len(encoded) == 1  # the per-call fast path
     assert cache.get(0x1000, {**values, "rows": 101}) != first  # another shape is another descriptor
