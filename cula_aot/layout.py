@@ -8,6 +8,9 @@ numbered ``head · total_slots + tile_slot`` (see ``cula_aot/kernels/k1_prepare.
 D = 128
 CHUNK = 16
 IMAGE_BYTES = CHUNK * D * 2
+# Input tiles (q, k, g) reach shared memory as blocks of 32 columns (``kernels.common``'s
+# ``input_tile_layout``; the TMA recipe ``specs.token_tma`` and its runtime values follow it).
+INPUT_BLOCK_COLS = 32
 
 # K2 ``flags`` bits (a launch argument; per row in a segment table).
 FLAG_INITIAL_STATE = 1  # read initial_state[init_index]

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 from typing import ClassVar
 
+from .layout import CHUNK, D, INPUT_BLOCK_COLS
+
 
 DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
@@ -67,9 +69,9 @@ def token_tma(name: str, source: str) -> Param:
         "source": source,
         "dtype": "bf16",
         "rank": 3,
-        "global_dims": [32, "rows", "row_blocks"],
-        "global_strides_bytes": [f"{source}_row_bytes", 64],
-        "box_dims": [32, 16, 4],
+        "global_dims": [INPUT_BLOCK_COLS, "rows", "row_blocks"],
+        "global_strides_bytes": [f"{source}_row_bytes", INPUT_BLOCK_COLS * 2],
+        "box_dims": [INPUT_BLOCK_COLS, CHUNK, D // INPUT_BLOCK_COLS],
         "element_strides": [1, 1, 1],
         "interleave": "none",
         "swizzle": "none",

@@ -4,7 +4,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from ..layout import CHUNK, D, IMAGE_BYTES, WORKSPACE_PART_OFFSETS, k_inter_index
+from ..layout import CHUNK, D, IMAGE_BYTES, INPUT_BLOCK_COLS, WORKSPACE_PART_OFFSETS, k_inter_index
 
 THREADS = 128
 
@@ -90,7 +90,6 @@ TRACE_ROWS = 1 << 20
 # g + 1, 4 lanes each) then cover 128 distinct bytes, where 256-byte rows put both rows on the
 # same banks (2-way conflicts: twice the minimum wavefronts of every input read).  One 3-D TMA
 # box (32 columns, 16 rows, 4 blocks) writes that order.
-INPUT_BLOCK_COLS = 32
 INPUT_BLOCKS = D // INPUT_BLOCK_COLS
 
 

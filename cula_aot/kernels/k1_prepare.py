@@ -109,9 +109,8 @@ def fragment_value(k_step: int, upper: int) -> int:
 # Shared memory plan, in allocation order (bytes): two load buffers of TMA-loaded q, k, g tiles
 # (bf16 16×128 as four 16×32 row-major blocks, ``input_tile_layout``), their two mbarriers,
 # s_info (each buffer's first token and valid rows, from the producer), the norms' cross-warp
-# partial sums (fp32 [q/k][row][warp]) and
-# the warps' partial L/Mqk fragments (fp32, per warp, product, n-tile: one 16-byte word per
-# lane and value group).  Phase D needs none: it runs in warp 0's registers.
+# partial sums (fp32 [q/k][row][warp]) and the warps' partial L/Mqk fragments (fp32, per warp,
+# product, n-tile: one 16-byte word per lane and value group).  Phase D needs none: it runs in warp 0's registers.
 NORM_PARTIALS = 2 * CHUNK * WARPS
 PRODUCT_PARTIALS = WARPS * 2 * 2 * 32 * 4
 SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 16 + 4 * NORM_PARTIALS + 4 * PRODUCT_PARTIALS + 8 * 128

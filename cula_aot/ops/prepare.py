@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..layout import D, fixed_total_slots, varlen_total_slots
+from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
 from .checks import DEFAULT_SCALE
@@ -64,7 +64,7 @@ def input_geometry(batch: int, seq_len: int, heads: int, strides: dict) -> dict:
     """K1's values for its inputs' layout: the TMA views of q, k, g as [rows, H·4 blocks of 32
     columns] with their own token strides (recipe names, see ``specs.token_tma``) and β's token
     stride."""
-    return {"rows": batch * seq_len, "row_blocks": heads * D // 32,
+    return {"rows": batch * seq_len, "row_blocks": heads * D // INPUT_BLOCK_COLS,
             "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
             "beta_row_stride": strides["beta"]}
 
