@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck, racecheck and synccheck over every kernel of a run (K1, K2,
-# pre_scan, merge, and torch's own):
-# a small varlen prefill with partial tiles, serial and with an intracard CP plan.
-# Usage (on the GPU machine): bash benchmarks/sanitize.sh OUTDIR
+# compute-sanitizer over every kernel of two runs (K1, K2, pre_scan, merge, fused, decode, and
+# torch's own):
+# * the small case: a varlen prefill with partial tiles, serial and with an intracard CP plan,
+#   under memcheck, racecheck and synccheck;
+# * the hostile case (tests/ops/hostile_device_values.py): hostile cu_seqlens and state_indices
+#   on every path, under memcheck.
+# Usage (on the GPU machine): bash benchmarks/sanitize.sh OUTDIR [hostile timeout s]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-/tmp}
+hostile_timeout=${2:-400}
 cat > /tmp/cula_sanitize_case.py <<'PY'
 import sys
 sys.path.insert(0, ".")
@@ -22,13 +26,19 @@ torch.cuda.synchronize()
 print("case done, finite:", bool(torch.isfinite(o).all()))
 PY
 status=0
-for tool in memcheck racecheck synccheck; do
-  # API errors are off: torch and cuda-bindings probe driver entry points with cuGetProcAddress,
-  # which answers INVALID_VALUE for the ones this driver lacks (34 such reports, none a kernel's).
-  timeout 60 compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
-      python3 /tmp/cula_sanitize_case.py > "$out/sanitize_$tool.log" 2>&1
-  rc=$?
-  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tr '\n' ' ')"
+# API errors are off: torch and cuda-bindings probe driver entry points with cuGetProcAddress,
+# which answers INVALID_VALUE for the ones this driver lacks (34 such reports, none a kernel's).
+sanitize() {  # tool, log name, timeout, command...
+  local tool=$1 log=$2 limit=$3
+  shift 3
+  timeout "$limit" compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 "$@" \
+      > "$out/$log.log" 2>&1
+  local rc=$?
+  echo "$log: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hostile device values:' "$out/$log.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
+}
+for tool in memcheck racecheck synccheck; do
+  sanitize "$tool" "sanitize_$tool" 60 python3 /tmp/cula_sanitize_case.py
 done
+sanitize memcheck sanitize_hostile_memcheck "$hostile_timeout" python3 -m tests.ops.hostile_device_values --no-reference
 exit $status

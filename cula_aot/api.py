@@ -9,7 +9,7 @@ from .runtime.loader import default_loader
 
 def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
                 output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto"):
+                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
@@ -20,13 +20,17 @@ def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host
     on the serial path: with only a device ``cu_seqlens`` its values are trusted
     (``check_seqlens="auto"``, the default; "host" checks them at the cost of a sync, "off" never
-    checks); pass ``cu_seqlens_cpu`` (a host copy) to have them checked for free.
+    checks); pass ``cu_seqlens_cpu`` (a host copy) to have them checked for free.  The kernels
+    never leave the buffers on a wrong device value: each entry is clamped into [0, T] and each
+    sequence's end to at least its start (an end below its start: an empty sequence), and the
+    results of a call with such a cu_seqlens are unspecified.
 
     States are fp32 or bf16 ``[N, H, 128, 128]``, laid out ``[N, H, V, K]`` (``state_layout="vk"``,
     default) or ``[N, H, K, V]`` (``"kv"``); the kernels carry fp32 inside.  State pools: with
     ``state_indices`` (int32 ``[N]``, device), ``initial_state`` / ``final_state`` are pools
     ``[slots, H, 128, 128]`` (slots may be padded apart) and sequence n reads and writes slot
-    ``state_indices[n]`` (< 0: zero start, nothing written); ``output_final_state=True`` with no
+    ``state_indices[n]`` (< 0 or ≥ slots: padding, a zero start and nothing written; -1 is the
+    padding value, anything else outside the pool is reported); ``output_final_state=True`` with no
     ``final_state`` writes back into ``initial_state`` in place.  ``out`` / ``final_state`` are
     written in place when given.  Returns ``(o, final_state)``, ``final_state`` None unless
     requested (``output_final_state`` or a ``final_state`` buffer).
@@ -35,21 +39,28 @@ def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     short or many-head inputs stay serial; a device-only varlen call stays serial), False
     (serial), True (CP with the planner's split, at least 2) or an int ``s_split`` (cut each
     sequence into at most that many tile-aligned segments); CP plans on the host, so varlen CP
-    needs ``cu_seqlens_cpu`` (or ``check_seqlens="host"``).
+    needs ``cu_seqlens_cpu`` (or ``check_seqlens="host"``), whose values are then always checked.
+
+    ``status``: an optional one-element int32 tensor on the device, owned (and zeroed) by the
+    caller: the kernels OR ``cula_aot.STATUS_CU_SEQLENS_MALFORMED`` (an entry outside [0, T], a
+    decrease, a first entry other than 0) and ``cula_aot.STATUS_SLOT_OUT_OF_RANGE`` (a
+    ``state_indices`` entry ≥ slots or below -1) into it, with no sync; read it whenever you like.
     """
     return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
-                   intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens)
+                   intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens,
+                   status=status)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto"):
+        cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto",
+        status=None):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
     States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
     FlashKDA (``intracard_cp="auto"`` opts in).  Sync-free and capturable in varlen with only a
-    device ``cu_seqlens`` (see ``kda_prefill`` for ``check_seqlens``, ``state_indices``).
+    device ``cu_seqlens`` (see ``kda_prefill`` for ``check_seqlens``, ``state_indices``, ``status``).
     Returns None, like FlashKDA.
     """
     if out is None:
@@ -57,7 +68,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
             cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
-            check_seqlens=check_seqlens)
+            check_seqlens=check_seqlens, status=status)
 
 
 def preload(device=None, heads=None) -> int:
@@ -68,7 +79,7 @@ def preload(device=None, heads=None) -> int:
 
 
 def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-               num_tokens=None, state_layout="vk", intermediate_states=None):
+               num_tokens=None, state_layout="vk", intermediate_states=None, status=None):
     """KDA decode (the recurrent step, SPEC §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
 
@@ -85,8 +96,9 @@ def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, sta
     state ``state_pool[state_indices[n]]`` is read, advanced over its T tokens (fp32 inside) and
     written back in place (rounded once to the pool dtype).  state_indices: int32 ``[N]`` on the
     GPU, never read by the host.  An index < 0 (or ≥ slots) is a padding row: nothing is read
-    or written for it and its outputs are zeros.  Indices must be distinct within one call
-    (two sequences updating one slot race).
+    or written for it and its outputs are zeros; ``status`` (as in ``kda_prefill``) gets
+    ``STATUS_SLOT_OUT_OF_RANGE`` for an index ≥ slots or below -1.  Indices must be distinct
+    within one call (two sequences updating one slot race).
 
     intermediate_states (optional): ``[N, T, H, 128, 128]`` contiguous, the pool's dtype and
     per-head layout; receives the state after every token (t = T−1 equals the new pool state),
@@ -97,4 +109,4 @@ def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, sta
     """
     return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                   state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states)
+                  state_layout=state_layout, intermediate_states=intermediate_states, status=status)

@@ -34,6 +34,15 @@ ORDER_MAX_SEQS = 128
 # ``cu_seqlens`` (else rows z·seq_len ..).  A runtime bit, not a compile-time variant: the two
 # compiled variants differed by up to 6% in speed on the same work (PERFORMANCE.md, session 24).
 FLAG_VARLEN = 1024
+# The caller passed a status word (``status``): kernels OR ``STATUS_*`` bits into it.
+FLAG_STATUS = 2048
+
+# Device values the kernels bound instead of trusting (a serving process must survive a bad
+# scheduler value): every ``cu_seqlens`` entry is clamped into [0, T] and each sequence's end
+# to at least its start; a pool slot outside [0, slots) is padding.  With a status word the
+# kernels report what they met, so an engine can check it whenever it wants, with no sync.
+STATUS_CU_SEQLENS_MALFORMED = 1  # an entry outside [0, T], a decrease, or a first entry other than 0
+STATUS_SLOT_OUT_OF_RANGE = 2  # a state index >= the pool's slots, or negative other than -1
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

@@ -187,10 +187,15 @@ def k1_grid(total_slots: int, heads: int, sm_count: int) -> dict:
 
 # State tensors: S[k, v] of state ``index`` and head h at element
 # ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
-# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.
+# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.  ``slots``: the
+# tensor's leading size, which bounds a pool index (one outside it is padding).
 def state_params(which: str) -> tuple:
-    return (scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
+    return (scalar(f"{which}_slots", "i32"), scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
             scalar(f"{which}_stride_v", "i32"))
+
+
+# The caller's status word (int32; ``layout.STATUS_*`` bits ORed in when the flags say it is given).
+STATUS_POINTER = pointer("status", "i32")
 
 
 K2_PARAMS = (
@@ -201,6 +206,7 @@ K2_PARAMS = (
     pointer("cu_seqlens", "i32"),
     pointer("segments", "i32"),
     pointer("state_indices", "i32"),
+    STATUS_POINTER,
     *WORKSPACE_POINTERS,
     *SEQUENCE_SCALARS,
     scalar("v_row_stride", "i32"),
@@ -337,6 +343,7 @@ FUSED_PARAMS = (
     pointer("final_state", "f32"),
     pointer("cu_seqlens", "i32"),
     pointer("state_indices", "i32"),
+    STATUS_POINTER,
     scalar("seq_len", "i32"),
     scalar("num_seqs", "i32"),
     scalar("beta_row_stride", "i32"),
@@ -422,6 +429,7 @@ MERGE_PARAMS = (
     pointer("carries", "f32"),
     pointer("seq_segments", "i32"),
     pointer("state_indices", "i32"),
+    STATUS_POINTER,
     scalar("num_seqs", "i32"),
     *state_params("init"),
     scalar("flags", "i32"),
@@ -457,6 +465,7 @@ class MergeSpec(KernelSpec):
 # ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
+DECODE_FLAG_STATUS = 2  # ``flags`` bit: a status word is given (``layout.STATUS_SLOT_OUT_OF_RANGE``)
 # (V rows per item, items per CTA) of the built decode kernels: one warp per 16 rows; with
 # several items a CTA walks V blocks of one head, the next one's state streaming into shared
 # memory while the current one computes.  Only what ``ops.decode.pick_variant`` launches is
@@ -476,6 +485,7 @@ DECODE_PARAMS = (
     pointer("state_pool", "state"),  # element dtype: f32 or bf16 by spec (see DecodeSpec.params)
     pointer("intermediate", "state"),
     pointer("out", "bf16"),
+    STATUS_POINTER,
     scalar("num_seqs", "i32"),
     scalar("num_tokens", "i32"),
     scalar("num_slots", "i32"),

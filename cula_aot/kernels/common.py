@@ -24,7 +24,10 @@ __all__ = [
     "butterfly_reduce_scatter",
     "kept_start",
     "state_element",
-    "pool_index",
+    "pool_slot",
+    "report_status",
+    "sequence_bounds",
+    "sequence_start",
     "varlen_sequence",
     "varlen_slot_sequence",
     "slot_base",
@@ -120,13 +123,30 @@ def record_part(record: cute.Pointer, part: str, dtype):
 
 
 @cute.jit
-def slot_base(cu_seqlens: cute.Tensor, seq):
-    """First tile slot of varlen sequence ``seq``: (cu[seq] + 15·seq) // 16 (see K1's docstring)."""
-    return (cu_seqlens[seq] + (CHUNK - 1) * seq) // CHUNK
+def sequence_start(cu_seqlens: cute.Tensor, seq, num_tokens):
+    """``cu_seqlens[seq]`` clamped into [0, num_tokens]: no device value, however wrong, moves a
+    read or a write outside the buffers (``layout.STATUS_CU_SEQLENS_MALFORMED``)."""
+    return cutlass.max(cutlass.min(cu_seqlens[seq], num_tokens), 0)
 
 
 @cute.jit
-def varlen_slot_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
+def sequence_bounds(cu_seqlens: cute.Tensor, seq, num_tokens):
+    """[start, end) of varlen sequence ``seq``, clamped: start into [0, T], end into [start, T]
+    (an end below its start makes the sequence empty)."""
+    start = sequence_start(cu_seqlens, seq, num_tokens)
+    return start, cutlass.max(cutlass.min(cu_seqlens[seq + 1], num_tokens), start)
+
+
+@cute.jit
+def slot_base(cu_seqlens: cute.Tensor, seq, num_tokens):
+    """First tile slot of varlen sequence ``seq``: (start + 15·seq) // 16 (see K1's docstring).
+    With clamped starts every sequence's slots stay below ``varlen_total_slots`` (the floor of
+    a sum bounds the sum of floors), monotone ``cu_seqlens`` or not."""
+    return (sequence_start(cu_seqlens, seq, num_tokens) + (CHUNK - 1) * seq) // CHUNK
+
+
+@cute.jit
+def varlen_slot_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, slot, num_tokens):
     """The varlen sequence whose slot range holds tile slot ``slot``: binary search for the last
     sequence whose first slot is ≤ ``slot`` (a slot past its tiles is a gap slot of it)."""
     cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
@@ -134,7 +154,7 @@ def varlen_slot_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if slot_base(cu, mid) <= slot:
+        if slot_base(cu, mid, num_tokens) <= slot:
             lo = mid
         else:
             hi = mid - 1
@@ -142,10 +162,14 @@ def varlen_slot_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, slot):
 
 
 @cute.jit
-def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq):
-    """(first token, first tile slot, length) of varlen sequence ``seq``."""
+def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq, num_tokens):
+    """(first token, first tile slot, length, malformed) of varlen sequence ``seq``, its bounds
+    clamped (``sequence_bounds``); ``malformed``: this sequence's entries needed the clamp, or
+    the first entry is not 0."""
     cu = cute.make_tensor(cu_seqlens_ptr, cute.make_layout(num_seqs + 1))
-    return cutlass.Int64(cu[seq]), slot_base(cu, seq), cu[seq + 1] - cu[seq]
+    start, end = sequence_bounds(cu, seq, num_tokens)
+    malformed = (start != cu[seq]) | (end != cu[seq + 1]) | ((seq == 0) & (start != 0))
+    return cutlass.Int64(start), slot_base(cu, seq, num_tokens), end - start, malformed
 
 
 def state_element(base: cute.Pointer, index, slot_stride, head, k, v, stride_k, stride_v,
@@ -164,6 +188,18 @@ def state_element(base: cute.Pointer, index, slot_stride, head, k, v, stride_k, 
 
 
 @cute.jit
-def pool_index(state_indices: cute.Pointer, seq):
-    """The state slot of sequence ``seq`` in a state pool (negative: padding, no state)."""
-    return cute.make_tensor(state_indices + seq, cute.make_layout(1))[0]
+def pool_slot(state_indices: cute.Pointer, seq, num_slots):
+    """(slot, usable, out of range) of sequence ``seq`` in a state pool of ``num_slots`` slots:
+    a slot outside [0, num_slots) is padding (zero start, nothing written); -1 is the padding
+    value, any other such slot is out of range (``layout.STATUS_SLOT_OUT_OF_RANGE``)."""
+    slot = cute.make_tensor(state_indices + seq, cute.make_layout(1))[0]
+    return slot, (slot >= 0) & (slot < num_slots), (slot >= num_slots) | (slot < -1)
+
+
+@cute.jit
+def report_status(status: cute.Pointer, enabled, bits):
+    """OR ``bits`` (``layout.STATUS_*``, 0: nothing to report) into the caller's status word when
+    the call has one; atomic, so CTAs may report at once.  Only the error path stores."""
+    if enabled:
+        if bits != 0:
+            cute.arch.red(status, bits, op="or", dtype="b32", sem="relaxed", scope="gpu")

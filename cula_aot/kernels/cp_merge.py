@@ -9,7 +9,8 @@ over the sequence's segments i = 0, 1, … in order, where ``M_i`` (the product 
 tile transitions) and ``B_i`` (its end state from S = 0) were written by the pre_scan (K2 in
 segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``.  All states here are fp32
 [K, V] row-major per head ("kv"); the user's initial state is read with its own strides and
-dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags`` say so.
+dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags`` say so (a slot
+outside the pool's ``init_slots`` is a zero start, reported in the status word under ``FLAG_STATUS``).
 
 Tensor cores, at fp32 accuracy: each step is a 128×128 · 128×v_block product done as three tf32
 ``mma.sync.m16n8k8`` per fragment (hi/lo splits of both operands, "3xTF32", ~2^-21 relative
@@ -31,9 +32,9 @@ leaves SMs idle (``specs.merge_v_block``).  Launched as the pre_scan's programma
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
+from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_STATUS, STATUS_SLOT_OUT_OF_RANGE
 from ..specs import MERGE_THREADS as THREADS
-from .common import D, pool_index, state_element
+from .common import D, pool_slot, report_status, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
 # carry_i as split tf32 (hi, lo) bits, [128 rows][v_block] with rows padded so the B fragment
@@ -109,7 +110,9 @@ def cp_merge_kernel(
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
@@ -147,10 +150,11 @@ def cp_merge_kernel(
     carry.fill(0.0)
     read_init = flags & FLAG_INITIAL_STATE
     init_index = seq
-    if (flags & FLAG_INDEXED_INIT) != 0:  # a state pool: slot state_indices[seq], < 0 = zero start
-        init_index = pool_index(state_indices, seq)
-        if init_index < 0:
-            read_init = cutlass.Int32(0)
+    if (flags & FLAG_INDEXED_INIT) != 0:  # a state pool: slot state_indices[seq]; outside the pool: zero start
+        init_index, usable, out_of_range = pool_slot(state_indices, seq, init_slots)
+        read_init = cutlass.select_(usable, read_init, 0)
+        if tid == 0:
+            report_status(status, (flags & FLAG_STATUS) != 0, cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0))
     if read_init != 0:
         if (flags & FLAG_BF16_INIT) != 0:
             for i in cutlass.range_constexpr(n_values):
@@ -234,7 +238,9 @@ def cp_merge_launch(
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
@@ -244,6 +250,6 @@ def cp_merge_launch(
     v_block: cutlass.Constexpr[int],
 ):
     cp_merge_kernel(
-        initial_state, prescan, carries, seq_segments, state_indices, num_seqs, init_slot_stride, init_stride_k,
-        init_stride_v, flags, heads, v_block,
+        initial_state, prescan, carries, seq_segments, state_indices, status, num_seqs, init_slots, init_slot_stride,
+        init_stride_k, init_stride_v, flags, heads, v_block,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)

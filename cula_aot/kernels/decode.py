@@ -17,7 +17,7 @@ State.  ``slot = state_indices[index_offset + n]``; the head state is at
 ``k·128 + v`` ("kv", ``kv_layout``), fp32 or bf16 (``bf16_state``; loaded once, carried fp32,
 rounded once per store).  ``slot < 0`` or ``slot ≥ num_slots`` is a padding row: the CTA writes
 zeros to its ``out`` rows and nothing else (no state read or written, never an out-of-range
-access).  With ``flags & FLAG_INTERMEDIATE`` the state after every token t is also written to
+access); a padding slot other than -1 is reported in the status word (``FLAG_STATUS``).  With ``flags & FLAG_INTERMEDIATE`` the state after every token t is also written to
 ``intermediate + ((n·T + t)·H + h)·128·128`` (same dtype and per-head layout as the pool).
 
 Thread tile.  Each thread owns 64 state values, ``VT`` V rows × ``KT`` keys, loaded and stored
@@ -53,15 +53,16 @@ import functools
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import D
+from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
 from ..specs import (
     DECODE_FLAG_INTERMEDIATE,
+    DECODE_FLAG_STATUS,
     DECODE_MAX_TOKENS,
     decode_smem_bytes,
     decode_stage_bytes,
     decode_token_bytes,
 )
-from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, sigmoid
+from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, report_status, sigmoid
 from .warp_mma import cp_async_16
 
 WARP = 32
@@ -393,6 +394,7 @@ def kda_decode_kernel(
     state_pool: cute.Pointer,
     intermediate: cute.Pointer,
     out: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
     num_tokens: cutlass.Int32,
     num_slots: cutlass.Int32,
@@ -560,7 +562,10 @@ def kda_decode_kernel(
                                           cute.make_layout(8))
                 cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(staged.load())
     else:
-        # Padding row: zeros out, nothing else.
+        # Padding row: zeros out, nothing else; a slot other than -1 is reported.
+        if tid == 0:
+            report_status(status, (flags & DECODE_FLAG_STATUS) != 0,
+                          cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0))
         for r in cutlass.range_constexpr(rounds):
             io_t = _io_token(tid, chunks, n_threads, r)
             if seq < num_seqs and io_t < num_tokens:
@@ -584,6 +589,7 @@ def kda_decode_launch(
     state_pool: cute.Pointer,
     intermediate: cute.Pointer,
     out: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
     num_tokens: cutlass.Int32,
     num_slots: cutlass.Int32,
@@ -613,7 +619,7 @@ def kda_decode_launch(
     items: cutlass.Constexpr[int],
 ):
     kda_decode_kernel(
-        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
+        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out, status,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,

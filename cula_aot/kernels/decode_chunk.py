@@ -37,16 +37,16 @@ or ≥ the pool) writes zeros to ``out`` and nothing else.
 
 Launch: grid (128 / (16·warps·items), H, N), block (32·warps, 1, 1), ``smem_bytes(warps, items)``
 dynamic shared memory.  Compile-time: H, warps, items.  Runtime: ``decode.py``'s parameter list
-(``intermediate`` and ``flags`` are not read; ``num_tokens`` must be 2..4: the host dispatches
-only those).
+(``intermediate`` is not read, of ``flags`` only the status bit; ``num_tokens`` must be 2..4: the
+host dispatches only those).
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import D
-from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
-from .common import butterfly_reduce_scatter, kept_start
+from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
+from ..specs import DECODE_CHUNK_MAX_TOKENS, DECODE_FLAG_STATUS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
+from .common import butterfly_reduce_scatter, kept_start, report_status
 from .decode import _defer_decay, _smem_run, _token_loads, _token_prepare
 from .warp_mma import (
     bf16_as_f32,
@@ -322,6 +322,7 @@ def kda_decode_chunk_kernel(
     state_pool: cute.Pointer,
     intermediate: cute.Pointer,
     out: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
     num_tokens: cutlass.Int32,
     num_slots: cutlass.Int32,
@@ -462,7 +463,10 @@ def kda_decode_chunk_kernel(
             if cutlass.const_expr(item + 1 < items):
                 cute.arch.sync_warp()  # the next item's o overwrites this one's staging
     else:
-        # Padding row: zeros out, nothing else.
+        # Padding row: zeros out, nothing else; a slot other than -1 is reported.
+        if tid == 0:
+            report_status(status, (flags & DECODE_FLAG_STATUS) != 0,
+                          cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0))
         if seq < num_seqs and lane < 2 * num_tokens:
             frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
             frag.fill(0.0)
@@ -485,6 +489,7 @@ def kda_decode_chunk_launch(
     state_pool: cute.Pointer,
     intermediate: cute.Pointer,
     out: cute.Pointer,
+    status: cute.Pointer,
     num_seqs: cutlass.Int32,
     num_tokens: cutlass.Int32,
     num_slots: cutlass.Int32,
@@ -512,7 +517,7 @@ def kda_decode_chunk_launch(
     items: cutlass.Constexpr[int],
 ):
     kda_decode_chunk_kernel(
-        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out,
+        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out, status,
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,

@@ -37,7 +37,9 @@ Launch: grid (1, H, N), block (128·producers + 256, 1, 1), ``smem_bytes(stages,
 dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, H
 compile-time; lower_bound ≥ −5 keeps 2^±G normal).  One variant serves fixed and varlen input:
 under ``FLAG_VARLEN`` grid row z is a sequence of ``cu_seqlens`` (the z-th longest under
-``FLAG_LONGEST_FIRST``), else rows z·seq_len …
+``FLAG_LONGEST_FIRST``), else rows z·seq_len …  Device values are bounded as in K2: cu_seqlens
+entries clamped, pool slots outside each pool's slot count are padding, both reported in the
+status word under ``FLAG_STATUS``.
 """
 
 import cutlass
@@ -49,12 +51,15 @@ from ..layout import (
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
+    FLAG_STATUS,
     FLAG_VARLEN,
     IMAGE_BYTES,
     ORDER_MAX_SEQS,
+    STATUS_CU_SEQLENS_MALFORMED,
+    STATUS_SLOT_OUT_OF_RANGE,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_index, sigmoid, varlen_sequence
+from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_slot, report_status, sigmoid, varlen_sequence
 from .k1_prepare import (
     LANE_COLS,
     NORM_PARTIALS,
@@ -185,14 +190,17 @@ def fused_prefill_kernel(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
@@ -224,13 +232,14 @@ def fused_prefill_kernel(
     # ---- this work item: first token, length (as K2's serial path) ------------------------
     seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
     length = seq_len
+    malformed = cutlass.Boolean(False)
     if (flags & FLAG_VARLEN) != 0:
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
                 seq = _longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
-                                     tid, fused_threads(producers))
-        seq_start, _first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
+                                     tid, fused_threads(producers), seq_len)
+        seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
     if tid == 0:
@@ -364,14 +373,20 @@ def fused_prefill_kernel(
         final_index = seq
         read_init = flags & FLAG_INITIAL_STATE
         write_final = flags & FLAG_FINAL_STATE
+        bad_slot = cutlass.Boolean(False)
         if (flags & FLAG_INDEXED_INIT) != 0:
-            init_index = pool_index(state_indices, init_index)
-            if init_index < 0:
-                read_init = cutlass.Int32(0)
+            init_index, usable, out_of_range = pool_slot(state_indices, init_index, init_slots)
+            bad_slot = bad_slot | out_of_range
+            read_init = cutlass.select_(usable, read_init, 0)
         if (flags & FLAG_INDEXED_FINAL) != 0:
-            final_index = pool_index(state_indices, final_index)
-            if final_index < 0:
-                write_final = cutlass.Int32(0)
+            final_index, usable, out_of_range = pool_slot(state_indices, final_index, final_slots)
+            bad_slot = bad_slot | out_of_range
+            write_final = cutlass.select_(usable, write_final, 0)
+        if cw == 0:
+            if lane == 0:
+                report_status(status, (flags & FLAG_STATUS) != 0,
+                              cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+                              | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0))
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
@@ -461,14 +476,17 @@ def fused_prefill_launch(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
@@ -485,8 +503,9 @@ def fused_prefill_launch(
     tma_g, _ = make_token_tma(g, heads)
     fused_prefill_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, v, out, initial_state, final_state, cu_seqlens, state_indices,
-        seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
-        init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
+        status, seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
+        init_slots, init_slot_stride, init_stride_k, init_stride_v,
+        final_slots, final_slot_stride, final_stride_k, final_stride_v, flags,
         scale, lower_bound, token_coords, heads, stages, producers,
     ).launch(grid=[1, heads, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
              stream=stream,

@@ -37,7 +37,9 @@ Tile slots.  Fixed mode (B sequences of T tokens): slot = b·ceil(T/16) + tile. 
 ``floor((x+L+15)/16) ≥ floor(x/16) + ceil(L/16)`` the ranges never overlap, the total is
 ``(T + 15·N) // 16`` and a CTA finds its first slot's sequence by binary search over
 cu_seqlens alone, then steps forward (``_next_tile``): no prefix scan, no extra launch, no
-GPU→CPU sync.  Slots in the gaps are left unwritten.
+GPU→CPU sync.  Slots in the gaps are left unwritten.  The cu_seqlens entries are clamped
+(``common.sequence_bounds``): however wrong they are, every tile stays inside the input tensors
+and the CTA's own slots.
 
 Launch: grid (ceil(total_slots / tiles_per_cta), H, 1), block (128, 1, 1), ``SMEM_BYTES``
 dynamic shared memory.  A CTA walks ``tiles_per_cta`` consecutive slots of one head (a runtime
@@ -66,6 +68,7 @@ from .common import (
     input_element_offset,
     make_token_tma,
     record_part,
+    sequence_bounds,
     sigmoid,
     slot_base,
     varlen_slot_sequence,
@@ -353,20 +356,21 @@ def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, nex
     """The tile cursor: (first token, valid rows, seq, base, next_base) of tile slot ``slot``, given
     the cursor (seq, its first slot ``base``, the next sequence's ``next_base``) at an earlier
     slot of this CTA (varlen; rows ≤ 0 marks a gap slot).  Slots are visited in order, so a
-    CTA searches cu_seqlens once and then steps; the last sequence's ``next_base`` is
-    slot_base(num_seqs) ≥ total_slots, so the step never runs past cu_seqlens."""
+    CTA searches cu_seqlens once and then steps, never past the last sequence (a well-formed
+    cu_seqlens has slot_base(num_seqs) ≥ total_slots; a malformed one may not).  A malformed
+    cu_seqlens only maps slots to wrong tiles: rows stay in [start, end) ⊆ [0, T), and the first
+    token is ≥ 0 (slot < base only for the search's fallback, sequence 0, whose base ≤ start / 16)."""
     token0 = cutlass.Int32(0)
     rows = cutlass.Int32(0)
     if cutlass.const_expr(varlen):
         cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
-        while slot >= next_base:
+        while (slot >= next_base) & (seq < num_seqs - 1):
             seq = seq + 1
             base = next_base
-            next_base = slot_base(cu, seq + 1)
-        tile = slot - base
-        start = cu[seq]
-        token0 = start + tile * CHUNK
-        rows = cutlass.min(cu[seq + 1] - token0, CHUNK)
+            next_base = slot_base(cu, seq + 1, seq_len)
+        start, end = sequence_bounds(cu, seq, seq_len)
+        token0 = start + (slot - base) * CHUNK
+        rows = cutlass.min(end - token0, CHUNK)
     else:
         tiles_per_seq = (seq_len + (CHUNK - 1)) // CHUNK
         seq = slot // tiles_per_seq
@@ -457,9 +461,9 @@ def k1_prepare_kernel(
     if cute.arch.warp_idx() == 0:
         if cutlass.const_expr(varlen):
             cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
-            seq = varlen_slot_sequence(cu_seqlens, num_seqs, first_slot)
-            base = slot_base(cu, seq)
-            next_base = slot_base(cu, seq + 1)
+            seq = varlen_slot_sequence(cu_seqlens, num_seqs, first_slot, seq_len)
+            base = slot_base(cu, seq, seq_len)
+            next_base = slot_base(cu, seq + 1, seq_len)
         for b in cutlass.range_constexpr(2):
             if b < count:
                 token0, rows, seq, base, next_base = _next_tile(

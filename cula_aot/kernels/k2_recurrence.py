@@ -59,9 +59,11 @@ kernel before it (K1, or the CP merge): ``griddepcontrol.wait`` comes before the
 workspace record (serial) or of the start state (segmented).  Runtime: lengths, cu_seqlens or the
 segment table, the token strides of v and out (elements; rows 16-byte aligned, heads and D
 packed), initial/final state slot and element strides (``[N,H,V,K]``, ``[N,H,K,V]``, padded
-pool slots), an optional ``state_indices`` pool map and flags (``cula_aot.layout.FLAG_*``: which
-states exist, pool indexing, fp32 or bf16 states).  Compile-time: H, varlen, v_block (16, 32,
-64, ...), segmented, prescan, stages, multicast, wgmma.
+pool slots), an optional ``state_indices`` pool map with each pool's slot count (a slot outside
+it is padding), flags (``cula_aot.layout.FLAG_*``: which states exist, pool indexing, fp32 or
+bf16 states) and an optional status word (``FLAG_STATUS``: malformed cu_seqlens entries, which
+are clamped, and slots out of range are reported there).  Compile-time: H, varlen, v_block (16,
+32, 64, ...), segmented, prescan, stages, multicast, wgmma.
 """
 
 import cutlass
@@ -78,6 +80,7 @@ from ..layout import (
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
+    FLAG_STATUS,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
     SEG_FIRST_SLOT,
@@ -88,13 +91,15 @@ from ..layout import (
     SEGMENT_FIELDS,
     ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
+    STATUS_CU_SEQLENS_MALFORMED,
+    STATUS_SLOT_OUT_OF_RANGE,
     WORKSPACE_PART_OFFSETS,
     WORKSPACE_RECORD_BYTES,
     WORKSPACE_SLOT_BYTES,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, pool_index, record_part, state_element, varlen_sequence
+from .common import CHUNK, D, pool_slot, record_part, report_status, sequence_bounds, state_element, varlen_sequence
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
 from .warp_mma import (accumulators_as_a, bf16_as_f32, cp_async_16, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
                        pack_bf16x2, st_global_v4, stmatrix_x4_trans)
@@ -355,15 +360,17 @@ def issue_state_update(state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, 
 
 
 @cute.jit
-def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int):
+def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int, num_tokens):
     """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
     length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
-    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences."""
+    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences.
+    Ranks are a permutation for any lengths, so every sequence still runs exactly once."""
     cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
     lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
     i = tid
     while i < num_seqs:
-        lengths[i] = cu[i + 1] - cu[i]
+        start, end = sequence_bounds(cu, i, num_tokens)
+        lengths[i] = end - start
         i = i + threads
     cute.arch.sync_threads()
     i = tid
@@ -390,15 +397,18 @@ def k2_recurrence_kernel(
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
@@ -439,12 +449,14 @@ def k2_recurrence_kernel(
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
                 seq = _longest_first(cu_seqlens, num_seqs, seq,
-                                     cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32), tid, k2_threads(v_block))
+                                     cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32), tid, k2_threads(v_block),
+                                     seq_len)
     seq_start = cutlass.Int64(0)
     first_slot = cutlass.Int32(0)
     length = seq_len
     init_index = seq
     final_index = seq
+    malformed = cutlass.Boolean(False)
     if cutlass.const_expr(segmented):
         seg_row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
         seq_start = cutlass.Int64(seg_row[SEG_FIRST_TOKEN])
@@ -452,9 +464,9 @@ def k2_recurrence_kernel(
         length = seg_row[SEG_TOKENS]
         init_index = seg_row[SEG_INIT_INDEX]
         final_index = seg_row[SEG_FINAL_INDEX]
-        flags = seg_row[SEG_FLAGS]
+        flags = seg_row[SEG_FLAGS] | (flags & FLAG_STATUS)  # the row's flags, the launch's status word
     elif cutlass.const_expr(varlen):
-        seq_start, first_slot, length = varlen_sequence(cu_seqlens, num_seqs, seq)
+        seq_start, first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     else:
         seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
         first_slot = seq * ((seq_len + (CHUNK - 1)) // CHUNK)
@@ -463,17 +475,22 @@ def k2_recurrence_kernel(
     # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
     # key 8j + 2t + c % 2) -------------------------------------------------------------------
     # State pools: the row's index is a sequence number and the slot is state_indices[n]
-    # (negative: a zero start and no write).
+    # (outside the pool: a zero start and no write).
     read_init = flags & FLAG_INITIAL_STATE
     write_final = flags & FLAG_FINAL_STATE
+    bad_slot = cutlass.Boolean(False)
     if (flags & FLAG_INDEXED_INIT) != 0:
-        init_index = pool_index(state_indices, init_index)
-        if init_index < 0:
-            read_init = cutlass.Int32(0)
+        init_index, usable, out_of_range = pool_slot(state_indices, init_index, init_slots)
+        bad_slot = bad_slot | out_of_range
+        read_init = cutlass.select_(usable, read_init, 0)
     if (flags & FLAG_INDEXED_FINAL) != 0:
-        final_index = pool_index(state_indices, final_index)
-        if final_index < 0:
-            write_final = cutlass.Int32(0)
+        final_index, usable, out_of_range = pool_slot(state_indices, final_index, final_slots)
+        bad_slot = bad_slot | out_of_range
+        write_final = cutlass.select_(usable, write_final, 0)
+    if tid == 0:
+        report_status(status, (flags & FLAG_STATUS) != 0,
+                      cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+                      | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0))
     if cutlass.const_expr(segmented):
         # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
         # is the merge's output, so nothing of the predecessor's is read before its grid is done.
@@ -677,15 +694,18 @@ def k2_recurrence_launch(
     cu_seqlens: cute.Pointer,
     segments: cute.Pointer,
     state_indices: cute.Pointer,
+    status: cute.Pointer,
     workspace: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     total_slots: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
+    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
+    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
@@ -702,10 +722,11 @@ def k2_recurrence_launch(
 ):
     # Segmented launches: num_seqs counts the work items (segment table rows).
     k2_recurrence_kernel(
-        v, out, initial_state, final_state, cu_seqlens, segments, state_indices,
+        v, out, initial_state, final_state, cu_seqlens, segments, state_indices, status,
         workspace,
         seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
-        init_slot_stride, init_stride_k, init_stride_v, final_slot_stride, final_stride_k, final_stride_v, flags,
+        init_slots, init_slot_stride, init_stride_k, init_stride_v,
+        final_slots, final_slot_stride, final_stride_k, final_stride_v, flags,
         heads, varlen, v_block, segmented, prescan, stages, multicast, wgmma,
     ).launch(grid=[D // v_block, heads, num_seqs], block=[k2_threads(v_block), 1, 1],
              smem=smem_bytes(v_block, stages, prescan), stream=stream,

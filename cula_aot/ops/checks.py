@@ -36,3 +36,20 @@ def check_scalars(lower_bound, scale) -> tuple[float, float]:
     if not (scale == scale and abs(scale) != float("inf")):
         fail(f"scale must be a finite number, got {scale}")
     return lower_bound, scale
+
+
+def check_status(status, device) -> None:
+    """The optional status word: one int32 on q's device, 16-byte aligned (the kernels OR
+    ``layout.STATUS_*`` bits into it and never clear it)."""
+    if status is None:
+        return
+    if not isinstance(status, torch.Tensor):
+        fail(f"status must be a torch.Tensor, got {type(status).__name__}")
+    if status.dtype != torch.int32 or status.numel() != 1:
+        fail(f"status must be a one-element torch.int32 tensor, got {status.dtype} with {status.numel()} elements; "
+             f"e.g. torch.zeros(1, dtype=torch.int32, device=q.device)")
+    if status.device != device:
+        fail(f"status is on {status.device} but q is on {device}; move all inputs to one CUDA device")
+    if status.data_ptr() % 16:
+        fail("status must start on a 16-byte boundary; allocate it with torch.zeros(1, dtype=torch.int32, ...) "
+             "or pass status[i, :1] of an [n, 4] int32 tensor")

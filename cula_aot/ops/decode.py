@@ -13,11 +13,12 @@ from ..runtime.loader import default_loader
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
     DECODE_FLAG_INTERMEDIATE,
+    DECODE_FLAG_STATUS,
     DECODE_MAX_TOKENS,
     DecodeChunkSpec,
     DecodeSpec,
 )
-from .checks import check_dtype_shape, check_scalars, fail
+from .checks import check_dtype_shape, check_scalars, check_status, fail
 from .prefill import STATE_LAYOUTS
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -95,7 +96,7 @@ def _as_4d(name, t, num_tokens):
 
 
 def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool, state_indices, out,
-             num_tokens, state_layout, intermediate_states):
+             num_tokens, state_layout, intermediate_states, status=None):
     """Check every argument; returns the (possibly [N, T]-unflattened) q, k, v, g, beta, out and
     (num_seqs, num_tokens, heads, scale)."""
     _is_tensor("q", q)
@@ -189,6 +190,7 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
         if t is not None and any(abs(s) > _INT32_MAX for s in t.stride()):
             fail(f"{name} strides {list(t.stride())} must fit in int32")
+    check_status(status, device)
     # Last, so every rule above is also checked (and testable) on the CPU.
     if device.type != "cuda":
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
@@ -248,7 +250,7 @@ def _aligned_down(t) -> tuple[int, int]:
 
 
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None):
+           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
@@ -256,7 +258,7 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-        state_layout=state_layout, intermediate_states=intermediate_states)
+        state_layout=state_layout, intermediate_states=intermediate_states, status=status)
     device = q.device
     bf16_state = state_pool.dtype == torch.bfloat16
     intermediates = intermediate_states is not None
@@ -280,13 +282,14 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(), "state_indices": index_base,
         "state_pool": state_pool.data_ptr(),
         "intermediate": 0 if intermediate_states is None else intermediate_states.data_ptr(),
-        "out": out.data_ptr(),
+        "out": out.data_ptr(), "status": 0 if status is None else status.data_ptr(),
         "num_seqs": num_seqs, "num_tokens": tokens, "num_slots": state_pool.shape[0],
         "slot_stride": state_pool.stride(0) if state_pool.shape[0] > 1 else heads * D * D,
         "beta_offset": beta_offset, "index_offset": index_offset,
         "out_stride_n": _stride(out, 0), "out_stride_t": _stride(out, 1),
         "scale": scale, "lower_bound": float(lower_bound),
-        "flags": DECODE_FLAG_INTERMEDIATE if intermediate_states is not None else 0,
+        "flags": (DECODE_FLAG_INTERMEDIATE if intermediate_states is not None else 0)
+                 | (DECODE_FLAG_STATUS if status is not None else 0),
         "heads": heads,
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

@@ -22,6 +22,7 @@ from ..layout import (
     FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
+    FLAG_STATUS,
     FLAG_VARLEN,
     FLAG_ZERO_V,
     SEG_FINAL_INDEX,
@@ -38,7 +39,7 @@ from ..runtime.loader import default_loader
 from ..specs import (WORKSPACE_POINTERS, K2_SEGMENTED_V_BLOCK, K1Spec, MergeSpec, auto_fused, auto_v_block, fused_spec,
                      k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block, serial_k2_spec)
 from . import cp_plan
-from .checks import KDAInputError, check_dtype_shape, check_scalars, fail  # noqa: F401 (KDAInputError: re-exported)
+from .checks import KDAInputError, check_dtype_shape, check_scalars, check_status, fail  # noqa: F401 (re-exported)
 from .prepare import input_geometry, plan_slots
 from .prepare import sm_count as _sm_count
 from .workspace import ARENA, SEGMENT_TABLES
@@ -110,11 +111,13 @@ def _check_device(device) -> None:
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
-def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices) -> None:
+def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices,
+                     status=None) -> None:
     """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
     assumption) and outputs that do not alias an input."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-             "initial_state": initial_state, "final_state": final_state, "out": out, "state_indices": state_indices}
+             "initial_state": initial_state, "final_state": final_state, "out": out, "state_indices": state_indices,
+             "status": status}
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
             fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
@@ -167,6 +170,8 @@ class Checked:
     strides: dict  # token strides (elements) of q, k, v, g, beta and out (when given)
     init_slot_stride: int
     final_slot_stride: int
+    init_slots: int  # leading size of initial_state (pool slots), 0 without one
+    final_slots: int
 
 
 def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
@@ -180,7 +185,7 @@ def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
 
 def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
              cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto", state_indices=None,
-             check_seqlens="auto") -> Checked:
+             check_seqlens="auto", status=None) -> Checked:
     """Check every argument before anything launches (the device rule last, so every other rule
     is testable on the CPU)."""
     if not isinstance(q, torch.Tensor):
@@ -244,13 +249,16 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         final_slot = _check_state("final_state", final_state, leading, leading_what, heads, device)
     if out is not None:
         out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
-    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices)
+    check_status(status, device)
+    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status)
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     _check_device(device)
     strides["beta"] = beta_stride
     if out is not None:
         strides["out"] = out_stride
-    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, seqlens_checked, strides, init_slot, final_slot)
+    init_slots, final_slots = (0 if t is None else t.shape[0] for t in (initial_state, final_state))
+    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, seqlens_checked, strides, init_slot, final_slot,
+                   init_slots, final_slots)
 
 
 def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, device) -> int:
@@ -334,15 +342,16 @@ _K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSP
 # pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
 # its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
 DEPENDENT_LAUNCH = True
-_K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", *_WORKSPACES)
+_K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", "status", *_WORKSPACES)
 
 
 _FUSED_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "v", "out", "initial_state", "final_state", "cu_seqlens",
-                  "state_indices", "scale", "lower_bound")
+                  "state_indices", "status", "scale", "lower_bound")
 
 # The segmented K2's per-call parameters (pre_scan and recurrence rows alike) and the merge's.
 _SEGMENTED_DYNAMIC = (*_K2_DYNAMIC, "segments")
-_MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices")
+_MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices", "status")
+_K1_CU_SEQLENS = _K1_DYNAMIC.index("cu_seqlens")
 
 
 class _Plan:
@@ -382,7 +391,7 @@ class _Plan:
         return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-               cu_seqlens, cu_seqlens_cpu, state_indices, host_cu):
+               cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu):
         """One call's checks and allocations, before anything launches: (out, final_state, the
         int32 device cu_seqlens to keep alive until the launches are issued, K1's dynamic values,
         the K2 values of ``_K2_DYNAMIC``).  ``host_cu``: the host cu_seqlens when the caller already
@@ -396,8 +405,10 @@ class _Plan:
         fp = 0 if final_state is None else final_state.data_ptr()
         op = 0 if out is None else out.data_ptr()
         xp = 0 if state_indices is None else state_indices.data_ptr()
-        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp) & 15 or op in (qp, kp, vp, gp) or fp in (qp, kp, vp, gp):
-            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices)
+        sp = 0 if status is None else status.data_ptr()
+        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp) & 15 or op in (qp, kp, vp, gp) \
+                or fp in (qp, kp, vp, gp):
+            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status)
         if c.seqlens_checked and host_cu is None:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
@@ -413,7 +424,7 @@ class _Plan:
                 cu_seqlens.to(device=device, dtype=torch.int32)
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
         return (out, final_state, cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound),
-                (vp, op, ip, fp, cu_ptr, xp, *workspaces))
+                (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces))
 
 
 # The serial K2's grid order: varlen sequences longest first, so the longest chains start in the
@@ -421,14 +432,16 @@ class _Plan:
 SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 
 
-def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int) -> dict:
+def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int) -> dict:
     """The serial chain's static values (K2's, and the fused kernel's): v and out token strides,
-    both states' slot and element strides, and the flags."""
+    both states' slot counts, slot and element strides (an allocated final state: N packed
+    slots), and the flags."""
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
     return {"v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slots": c.init_slots, "final_slots": c.final_slots or c.num_seqs,
             "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | SERIAL_K2_ORDER}
+            "flags": init_flags | final_flags | status_flag | SERIAL_K2_ORDER}
 
 
 class _SerialPlan(_Plan):
@@ -437,19 +450,20 @@ class _SerialPlan(_Plan):
 
     serial = True
 
-    def __init__(self, c: Checked, k1, k2, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
-                 intracard_cp, split):
+    def __init__(self, c: Checked, k1, k2, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, status_flag,
+                 device, intracard_cp, split):
         super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
-        self.k2 = k2.template({**self.geometry, "segments": 0, **_serial_chain_values(c, state_layout, init_flags, final_flags)},
+        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag)
+        self.k2 = k2.template({**self.geometry, "segments": 0, **chain},
                               _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
         stream = _raw_stream(self.device)
         out, final_state, _cu32, k1_values, k2_values = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
         self.k1.launch(k1_values, stream)
         self.k2.launch(k2_values, stream)
         return out, final_state
@@ -461,23 +475,23 @@ class _FusedPlan(_Plan):
 
     serial = True
 
-    def __init__(self, c: Checked, fused, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, device,
-                 intracard_cp, split):
+    def __init__(self, c: Checked, fused, *, cu_seqlens, alloc_final, state_layout, init_flags, final_flags, status_flag,
+                 device, intracard_cp, split):
         super().__init__(c, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
-        chain = _serial_chain_values(c, state_layout, init_flags, final_flags)
+        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag)
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({
             **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}, _FUSED_DYNAMIC)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
         stream = _raw_stream(self.device)
-        out, final_state, _cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, scale, lower_bound), (vp, op, ip, fp, _, xp) = \
+        out, final_state, _cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, scale, lower_bound), (vp, op, ip, fp, _, xp, sp) = \
             self._begin(stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                        cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
-        self.kernel.launch((qp, kp, gp, bp, ap, dp, vp, op, ip, fp, cu_ptr, xp, scale, lower_bound), stream)
+                        cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        self.kernel.launch((qp, kp, gp, bp, ap, dp, vp, op, ip, fp, cu_ptr, xp, sp, scale, lower_bound), stream)
         return out, final_state
 
 
@@ -489,7 +503,7 @@ class _CPPlan(_Plan):
     serial = False
 
     def __init__(self, c: Checked, loader, k1, segments, s_split, *, cu_seqlens, alloc_final, state_layout, init_flags,
-                 final_flags, device, intracard_cp, split):
+                 final_flags, status_flag, device, intracard_cp, split):
         super().__init__(c, k1, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
         heads, sm_count = c.heads, _sm_count(device)
@@ -502,41 +516,53 @@ class _CPPlan(_Plan):
         prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count),
                                                           prescan=True))
         recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
-        # One int32 buffer per plan: the pre_scan rows, the recurrence rows, then the per-sequence
-        # bounds (at a multiple of 32 bytes).
+        # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
+        # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
+        # from (at a multiple of 16 bytes): K1 reads those, so the records always match the
+        # table, whatever the device cu_seqlens holds.
         self.segments, self.final_flags = segments, final_flags
+        self.host_cu = c.host_cu
         self.table_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
                           final_flags)
         row_bytes = 4 * SEGMENT_FIELDS
         self.main_rows_at, self.bounds_at = row_bytes * n_prescan, row_bytes * (n_prescan + n_segments)
+        self.cu_at = self.bounds_at + 16 * -(-4 * (len(segments) + 1) // 16)
         # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.  The
         # transition pairs (M_i, B_i) and carries are fp32 [K, V] row-major per head.
         stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
         packed_slot = heads * D * D
+        # The rows' states: carries (init), transition pairs (the pre_scan's final), the user's final
+        # state (the recurrence's); the user's pool slot counts bound the indexed ones.
         k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
-                     "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1, "flags": 0}
+                     "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
         self.prescan = prescan_k2.template({
-            **k2_common, "num_seqs": n_prescan, "final_slot_stride": packed_slot, "final_stride_k": D,
-            "final_stride_v": 1}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            **k2_common, "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
+            "final_stride_k": D, "final_stride_v": 1, "flags": 0}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
         self.merge = merge.template({
-            "num_seqs": c.num_seqs, "heads": heads, "init_slot_stride": c.init_slot_stride, "init_stride_k": stride_k,
-            "init_stride_v": stride_v, "flags": init_flags}, _MERGE_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags | status_flag},
+            _MERGE_DYNAMIC, dependent=DEPENDENT_LAUNCH)
         self.recurrence = recurrence_k2.template({
-            **k2_common, "num_seqs": n_segments, "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
-            "final_stride_k": stride_k, "final_stride_v": stride_v}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            **k2_common, "num_seqs": n_segments, "final_slots": c.num_seqs if alloc_final else c.final_slots,
+            "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
+            "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag},
+            _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
 
     def _table_values(self) -> list[int]:
         prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
-        return [v for row in prescan_rows + main_rows for v in row] + bounds
+        values = [v for row in prescan_rows + main_rows for v in row] + bounds
+        if self.host_cu is not None:
+            values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
+        return values
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu=None):
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
         c, device = self.c, self.device
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
-        out, final_state, _cu32, k1_values, (vp, op, ip, fp, cu_ptr, xp, *workspaces) = self._begin(
+        out, final_state, _cu32, k1_values, (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces) = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
         # The tables before any launch, so nothing on the GPU waits for Python between them.
         # Looked up on every call, not held: the lookup records this call's stream and marks a
         # table a capture uses, which is then never evicted.
@@ -545,14 +571,17 @@ class _CPPlan(_Plan):
             fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
                   "call (same lengths) once before capturing, or pass intracard_cp=False")
         rows = table.data_ptr()
+        if self.host_cu is not None:  # K1 places the records by the lengths the table was planned from
+            k1_values = (*k1_values[:_K1_CU_SEQLENS], rows + self.cu_at, *k1_values[_K1_CU_SEQLENS + 1:])
         # Transition pairs (M_i, B_i) and merged start states.
         prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         pp, cp = prescan.data_ptr(), carries.data_ptr()
         self.k1.launch(k1_values, stream)
-        self.prescan.launch((vp, op, 0, pp, cu_ptr, xp, *workspaces, rows), stream)  # 0: identity starts
-        self.merge.launch((ip, pp, cp, rows + self.bounds_at, xp), stream)
-        self.recurrence.launch((vp, op, cp, fp, cu_ptr, xp, *workspaces, rows + self.main_rows_at), stream)
+        # The pre_scan starts from 0 or the identity and writes transition pairs: no pool, no status.
+        self.prescan.launch((vp, op, 0, pp, cu_ptr, xp, 0, *workspaces, rows), stream)
+        self.merge.launch((ip, pp, cp, rows + self.bounds_at, xp, sp), stream)
+        self.recurrence.launch((vp, op, cp, fp, cu_ptr, xp, sp, *workspaces, rows + self.main_rows_at), stream)
         return out, final_state
 
 
@@ -578,7 +607,7 @@ def _remember(key, plan) -> None:
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=None, fused=None):
+            v_block=None, fused=None, status=None):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -588,7 +617,10 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     values are the caller's contract (non-decreasing from 0 to T; empty sequences are harmless).
     ``state_indices`` (int32 [N], device): initial/final states are pools ``[slots, H, 128, 128]``
     and sequence n uses slot ``state_indices[n]`` (< 0: zero start, no write); in place when the
-    same pool is both.  Indices are not range-checked (that would need a sync).
+    same pool is both.  The kernels bound every device value instead of trusting it: a
+    cu_seqlens entry is clamped into [0, T] and a sequence's end to at least its start, an index
+    outside the pool is padding; ``status`` (a one-element int32 device tensor the caller owns
+    and zeroes) then gets ``layout.STATUS_*`` bits ORed in, with no sync.
 
     ``v_block``: V columns per serial K2 CTA (16, 32 or 64, as built); None picks 32 or 64 from
     the grid size (``specs.auto_v_block``).  ``fused``: run the serial path as the fused kernel
@@ -602,7 +634,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         final_state = initial_state  # a pool's final states go back where they came from
     try:
         key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
-                          cu_seqlens_cpu, state_indices),
+                          cu_seqlens_cpu, state_indices, status),
                state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block, fused)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
@@ -611,17 +643,20 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         plan, host_cu = plan.plan_for(key, cu_seqlens, cu_seqlens_cpu)
         if plan is not None:
             return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                            cu_seqlens, cu_seqlens_cpu, state_indices, host_cu)
+                            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
 
     c = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp,
-        state_indices=state_indices, check_seqlens=check_seqlens)
+        state_indices=state_indices, check_seqlens=check_seqlens, status=status)
     device = q.device
     heads, num_seqs = c.heads, c.num_seqs
     varlen = cu_seqlens is not None
     s_split = _resolve_split(intracard_cp, c.batch, c.seq_len, heads, cu_seqlens, c.host_cu, device)
+    if s_split > 1 and c.host_cu is not None and not c.seqlens_checked:
+        # A CP table is built from these host values, so they are checked whatever check_seqlens says.
+        _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
     segments = cp_plan.plan(cp_plan.sequences(c.batch, c.seq_len, c.host_cu), s_split) if s_split > 1 else None
     if segments is not None and all(len(s) == 1 for s in segments):
         segments = None  # nothing long enough to split: the serial path is the same work, faster
@@ -634,6 +669,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     alloc_final = want_final and final_state is None
     # An allocated final state is plain fp32; without want_final there is no final_state.
     final_flags = FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed)
+    status_flag = 0 if status is None else FLAG_STATUS
     if segments is None:
         if fused is None:
             fused = v_block is None and auto_fused(heads, num_seqs, c.batch * c.seq_len, _sm_count(device),
@@ -642,7 +678,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         # under "auto" the plan then re-plans each call (cheaply) and is kept while serial.
         fixed_decision = intracard_cp is False or c.host_cu is None or not varlen
         options = dict(cu_seqlens=cu_seqlens, alloc_final=alloc_final, state_layout=state_layout, init_flags=init_flags,
-                       final_flags=final_flags, device=device, intracard_cp=intracard_cp,
+                       final_flags=final_flags, status_flag=status_flag, device=device, intracard_cp=intracard_cp,
                        split=1 if fixed_decision else None)
         if fused:
             plan = _FusedPlan(c, loader.get(device, fused_spec(heads)), **options)
@@ -653,15 +689,15 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         if key is not None and (fixed_decision or intracard_cp == "auto"):
             _remember(key, plan)
         return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                        cu_seqlens, cu_seqlens_cpu, state_indices, c.host_cu)
+                        cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu)
     # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its
     # split from its lengths, a fixed-length one has them in the signature.
     plan = _CPPlan(c, loader, k1, segments, s_split, cu_seqlens=cu_seqlens, alloc_final=alloc_final,
-                   state_layout=state_layout, init_flags=init_flags, final_flags=final_flags, device=device,
-                   intracard_cp=intracard_cp, split=None if varlen else s_split)
+                   state_layout=state_layout, init_flags=init_flags, final_flags=final_flags, status_flag=status_flag,
+                   device=device, intracard_cp=intracard_cp, split=None if varlen else s_split)
     if key is not None:
         _remember(_cp_key(key, c.host_cu, s_split), plan)
         if key not in _PLANS:  # the signature's first plan: it reads later calls' lengths
             _remember(key, plan)
     return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                    cu_seqlens, cu_seqlens_cpu, state_indices, c.host_cu)
+                    cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu)

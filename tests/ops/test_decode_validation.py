@@ -86,6 +86,8 @@ RULES = [
     (lambda x: {"out": x["state_pool"].view(-1)[:N * T * H * D].view(torch.bfloat16)[:N * T * H * D].view(N, T, H, D)},
      "out must not alias state_pool"),
     (lambda x: {"out": torch.zeros(N, T, H, D + 8, dtype=torch.bfloat16)[..., :D]}, "out must have unit stride along D and head stride 128"),
+    (lambda x: {"status": torch.zeros(1, 1, dtype=torch.float32)}, "status must be a one-element torch.int32 tensor"),
+    (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
 ]
 
 

@@ -89,6 +89,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert v2["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
         | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
+    assert (v2["init_slots"], v2["final_slots"], v2["status"]) == (5, 5, 0)  # the pool bounds its indices
     # Same workspaces on both calls: the arena's cached addresses.
     assert recorder.values(1)[1]["workspace"] == v2["workspace"] and v1["workspace"] == v2["workspace"]
     # K1 waits for whatever ran before it; K2 starts as K1's programmatic dependent.
@@ -319,10 +320,14 @@ def test_new_lengths_plan_again_with_their_own_tables(recorder, tables, slow_pat
     assert slow_path == {"validate": 2, "plan": 2} and len(tables.entries) == 2
     table_a, table_b = (t.data_ptr() for t in tables.entries.values())
     assert a[1][3]["segments"] == table_a and b[1][3]["segments"] == table_b
+    host_cu = [0, *_OTHER_SPLIT[:1], 4096]
     want = prefill_module._segment_tables(prefill_module.cp_plan.plan(
-        prefill_module.cp_plan.sequences(1, 4096, [0, *_OTHER_SPLIT[:1], 4096]), 8), 0)
+        prefill_module.cp_plan.sequences(1, 4096, host_cu), 8), 0)
     rows = [v for row in want[0] + want[1] for v in row] + want[2]
-    assert list(tables.entries.values())[1].tolist() == rows
+    # Then the host lengths at the next 16-byte boundary: K1 reads those, not the device cu_seqlens.
+    cu_at = 16 * -(-4 * len(rows) // 16)
+    assert list(tables.entries.values())[1].tolist() == rows + [0] * (cu_at // 4 - len(rows)) + host_cu
+    assert b[0][3]["cu_seqlens"] == table_b + cu_at
     # Both plans stay cached: the first lengths again are a hit on their own plan and table.
     assert call(_SPLIT) == a and slow_path["validate"] == 2
 
@@ -370,3 +375,26 @@ def test_planned_split_searches_each_length_set_once(monkeypatch):
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 66)
     prefill_module.planned_split([16, 4080], 4, None)
     assert len(searches) == 3
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_status_word_is_passed_and_flagged_on_every_launch(recorder, fused):
+    heads = 4
+    x = standard_inputs(1, 40, heads, seed=21)
+    pool = torch.zeros(3, heads, 128, 128)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    status = torch.zeros(4, dtype=torch.int32)[:1]
+    cula_aot.ops.prefill.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                 lower_bound=x["lower_bound"], cu_seqlens=cu_seqlens_of([7, 33]), initial_state=pool,
+                                 state_indices=idx, output_final_state=True, intracard_cp=False, fused=fused,
+                                 status=status)
+    _, values, _ = recorder.values(len(recorder.launches) - 1)
+    assert values["status"] == status.data_ptr() and values["flags"] & prefill_module.FLAG_STATUS
+    assert (values["init_slots"], values["final_slots"]) == (3, 3)
+    # Another signature without it: no word, no flag.
+    cula_aot.ops.prefill.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                 lower_bound=x["lower_bound"], cu_seqlens=cu_seqlens_of([7, 33]), output_final_state=True,
+                                 intracard_cp=False, fused=fused)
+    _, values, _ = recorder.values(len(recorder.launches) - 1)
+    assert values["status"] == 0 and not values["flags"] & prefill_module.FLAG_STATUS
+    assert values["final_slots"] == 2  # the allocated final state: one slot per sequence

@@ -76,6 +76,10 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         (lambda x: {"intracard_cp": "yes"}, "intracard_cp must be 'auto', True, False or an int s_split >= 1"),
         (lambda x: {"intracard_cp": 0}, "intracard_cp must be"),
         (lambda x: {"intracard_cp": 2.0}, "intracard_cp must be"),
+        (lambda x: {"status": torch.zeros(1, dtype=torch.int64)}, "status must be a one-element torch.int32 tensor"),
+        (lambda x: {"status": torch.zeros(2, dtype=torch.int32)}, "status must be a one-element torch.int32 tensor"),
+        (lambda x: {"status": 0}, "status must be a torch.Tensor, got int"),
+        (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
     ],
 )
 def test_rule(inputs, overrides, message):
