@@ -174,7 +174,7 @@ def harnesses(seed: int) -> list:
         ("serial", _prefill_path(x, cu, intracard_cp=False, fused=False), varlen_out, 1, torch.float32, True),
         ("fused", _prefill_path(x, cu, intracard_cp=False, fused=True), varlen_out, 1, torch.bfloat16, True),
         ("cp", _prefill_path(x, cu, intracard_cp=2), varlen_out, 1, torch.float32, False),
-        ("serial fixed", _prefill_path(fixed, None, intracard_cp=False, fused=False), (3, 160, HEADS, 128), 1,
+        ("serial fixed", _prefill_path(fixed, None, intracard_cp=False, fused=False), (3, 160, HEADS, 128), 0,
          torch.float32, False),
     ]
     for tokens, dtype in ((1, torch.float32), (2, torch.bfloat16)):  # token kernel, chunk kernel
