@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Kernel timeline of three serial prefills (torch.profiler / CUPTI): each kernel's start and
+"""Kernel timeline of three prefills (torch.profiler / CUPTI): each kernel's start and
 duration, to see whether launches overlap (PDL, a streamed K2) and what each kernel takes in
 place, where ncu would serialise them:
 
-    python3 benchmarks/kernel_timeline.py 1x8192x4 8x1024x64   # BATCHxSEQ_LENxHEADS ...
+    python3 benchmarks/kernel_timeline.py 1x8192x4 8x1024x64   # BATCHxSEQ_LENxHEADS ..., serial
+    python3 benchmarks/kernel_timeline.py --cp 16 --varlen 1x16384x8   # intracard CP, cu_seqlens
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,14 +20,20 @@ from torch.profiler import ProfilerActivity, profile
 import cula_aot
 
 
-def timeline(batch: int, seq_len: int, heads: int) -> list:
-    """(name, start µs from the first kernel, duration µs) of every kernel of three calls, after five warm-up calls."""
+def timeline(batch: int, seq_len: int, heads: int, intracard_cp=False, varlen=False) -> list:
+    """(name, start µs from the first kernel, duration µs) of every kernel of three calls, after
+    five warm-up calls; ``varlen``: the batch as one cu_seqlens sequence each (host copy given)."""
     q, k, v, g, beta, a_log, dt_bias = random_inputs(batch, seq_len, heads)
     s0 = torch.zeros(batch, heads, 128, 128, device="cuda")
+    lengths = {}
+    if varlen:
+        q, k, v, g, beta = (t.flatten(0, 1).unsqueeze(0) for t in (q, k, v, g, beta))
+        cu = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32)
+        lengths = {"cu_seqlens": cu.cuda(), "cu_seqlens_cpu": cu}
 
     def run():
         cula_aot.kda_prefill(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-                             initial_state=s0, output_final_state=True, intracard_cp=False)
+                             initial_state=s0, output_final_state=True, intracard_cp=intracard_cp, **lengths)
 
     for _ in range(5):
         run()
@@ -40,10 +48,15 @@ def timeline(batch: int, seq_len: int, heads: int) -> list:
 
 
 def main():
-    for shape in sys.argv[1:]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shapes", nargs="+", help="BATCHxSEQ_LENxHEADS")
+    parser.add_argument("--cp", type=int, default=False, help="intracard_cp s_split (default: serial)")
+    parser.add_argument("--varlen", action="store_true", help="pass the batch as cu_seqlens sequences")
+    args = parser.parse_args()
+    for shape in args.shapes:
         batch, seq_len, heads = map(int, shape.split("x"))
         print(f"== {shape}")
-        for name, start, duration in timeline(batch, seq_len, heads):
+        for name, start, duration in timeline(batch, seq_len, heads, args.cp, args.varlen):
             print(f"  {name[:60]:60s} start {start:9.1f} us  dur {duration:8.1f} us")
 
 

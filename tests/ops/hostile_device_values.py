@@ -57,8 +57,11 @@ def random_cases(rng: random.Random, count: int) -> tuple[list, list]:
     values = [INT32_MIN, -1, 0, 1, 15, 16, 17, TOTAL - 1, TOTAL, TOTAL + 1, INT32_MAX]
     cus = [[rng.choice(values) if rng.random() < 0.3 else rng.randint(-2 * TOTAL, 2 * TOTAL) for _ in range(4)]
            for _ in range(count)]
-    indices = [[rng.choice([INT32_MIN, -2, SLOTS, SLOTS + 7, INT32_MAX]) if rng.random() < 0.5
-                else rng.randint(-1, SLOTS - 1) for _ in range(3)] for _ in range(count)]
+    indices = []
+    for _ in range(count):
+        free = rng.sample(range(SLOTS), 3)  # in-pool slots distinct: two sequences on one slot race
+        indices.append([rng.choice([INT32_MIN, -2, -1, SLOTS, SLOTS + 7, INT32_MAX]) if rng.random() < 0.5 else slot
+                        for slot in free])
     return cus, indices
 
 
