@@ -7,7 +7,7 @@
 # workload after this many seconds), BENCH_TIMEOUT_S (kill bench_prefill after this), BENCH_ARGS
 # (more bench_prefill options).  fla's first call per (H, fixed/varlen) costs ~2 min of Triton JIT on
 # a fresh machine, ~14 min for every section: inside one 10-minute call use e.g.
-# BENCH_ARGS="--fla-heads 64" or "--no-fla" (docs/PERFORMANCE.md, session 9).
+# BENCH_ARGS="--fla-heads 64" or "--no-fla" (fla's JIT cost as measured 2026-11-29).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cula_out}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""KDA decode benchmark (issue 14): cula_aot.kda_decode against the HBM copy rate and fla.
+"""KDA decode benchmark (docs/CONTRACT.md §10): cula_aot.kda_decode against the HBM copy rate and fla.
 
     python benchmarks/bench_decode.py [--json PATH] [--markdown PATH] [--quick] [--no-fla]
                                       [--heads 4 8 ..] [--seqs 1 16 ..] [--tokens 1 4]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The KDA prefill benchmark suite (issue 5, SPEC §7): cula_aot against its peers on one GPU.
+"""The KDA prefill benchmark suite (docs/CONTRACT.md §7): cula_aot against its peers on one GPU.
 
     python benchmarks/bench_prefill.py [--json PATH] [--markdown PATH] [--only SECTIONS]
                                        [--quick] [--no-fla] [--budget-s S] [--dry-run]
@@ -8,18 +8,18 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 
 * ``overhead``: host time per call of a tiny problem (H=8, T=16) issued back to back, for
   cula_aot and for fla, plus the tiny problem's eager and CUDA-graph time.
-* ``spec``: SPEC §7 serial workloads (H ∈ {64, 96}: fixed 1×8192, varlen 6 seqs, uniform
+* ``spec``: CONTRACT §7 serial workloads (H ∈ {64, 96}: fixed 1×8192, varlen 6 seqs, uniform
   8×1024) for every K2 V block the build compiled, beside K1 alone, the published cuLA H200
   figures and fla.
-* ``serving``: the serving matrix (issue 11): H ∈ {4, 8, 16, 32} × varlen batches 1×8192,
+* ``serving``: the serving matrix (CONTRACT §7's serving shapes): H ∈ {4, 8, 16, 32} × varlen batches 1×8192,
   8×1024, 32×256 and 4×2048 + 16×128; K1 alone, serial and ``intracard_cp="auto"``, eager and
   graph (``auto`` must never lose to serial), fla beside when importable.
-* ``cp``: SPEC §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
+* ``cp``: CONTRACT §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
-* ``cp_long``: long contexts (issue 12): H ∈ {1, 4, 8} × [65536], [131072] and
+* ``cp_long``: long contexts: H ∈ {1, 4, 8} × [65536], [131072] and
   [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
   with the CP speedup over serial (``auto`` must never lose to serial).
-* ``cp_sweep``: planner data (issue 12 item 3): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
+* ``cp_sweep``: planner data (the CP cost model's fit): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
   sequences and many-sequence batches, CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
   32} and ``auto`` (how far ``auto`` is from the best split, and that it never loses to serial).
 * ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, automatic V block.
@@ -68,7 +68,7 @@ from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
-# SPEC §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
+# CONTRACT §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
 SPEC_LENGTHS = [1300, 547, 2048, 963, 271, 3063]
 SPEC_WORKLOADS = [
     ("fixed 1x8192", 64, None, 8192, 1.1928),
@@ -78,7 +78,7 @@ SPEC_WORKLOADS = [
     ("varlen 6 seqs 8K", 96, SPEC_LENGTHS, None, 1.2497),
     ("uniform 8x1024", 96, [1024] * 8, None, 0.9939),
 ]
-# SPEC §7 CP: (heads, lengths, published cuLA H200 ms with s_split 8)
+# CONTRACT §7 CP: (heads, lengths, published cuLA H200 ms with s_split 8)
 CP_WORKLOADS = [
     (4, [8192], 0.3561), (4, [8192, 2048], 0.3638), (4, [16384], 0.6357),
     (8, [8192], 0.3768), (8, [8192, 2048], 0.3911), (8, [16384], 0.6759),
@@ -86,15 +86,15 @@ CP_WORKLOADS = [
 CP_SPLITS = (False, 2, 4, 8, 16, "auto")
 # CP splits also timed under CUDA-graph replay (CP captures once its plan has run eagerly).
 CP_GRAPH_SPLITS = (4, 8, 16, "auto")
-# Long contexts (issue 12 item 5): (heads, lengths), graph replay only.
+# Long contexts: (heads, lengths), graph replay only.
 CP_LONG_WORKLOADS = [(h, lengths) for h in (1, 4, 8) for lengths in ([65536], [131072], [131072] + [1024] * 5)]
 CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
-# Planner data (issue 12 item 3): (heads, lengths), graph replay only.
+# Planner data (the CP cost model's fit): (heads, lengths), graph replay only.
 CP_SWEEP_WORKLOADS = [(1, [8192]), (1, [16384]), (2, [8192]), (2, [16384]), (4, [1024] * 8), (4, [4096]),
                       (8, [1024] * 8), (8, [4096]), (16, [8192]), (16, [16384]), (16, [2048] * 4 + [128] * 16),
                       (32, [8192]), (32, [16384])]
 CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
-# Serving matrix (issue 11 item 5): tensor-parallel shard head counts × batch shapes, varlen.
+# Serving matrix: tensor-parallel shard head counts × batch shapes, varlen.
 SERVING_HEADS = (4, 8, 16, 32)
 SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
                    ("4x2048+16x128", [2048] * 4 + [128] * 16)]
@@ -134,7 +134,7 @@ def varlen_lengths(n, total, dist):
 
 
 def make_inputs(heads, batch, lengths, seq_len, device, seed=0):
-    """SPEC §8 inputs drawn on the device (seeded): q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16
+    """CONTRACT §8 inputs drawn on the device (seeded): q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16
     logits, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1), initial state ~ 0.1·N(0,1) fp32."""
     gen = torch.Generator(device=device).manual_seed(seed)
     total = sum(lengths) if lengths else seq_len
@@ -557,7 +557,7 @@ def render_markdown(res):
                         + [_f(r["published_cula_ms"]), _ratio(r.get("ours_graph_ms"), r["published_cula_ms"]),
                            _f(best_peer), _ratio(r.get("ours_graph_ms"), best_peer), _f(r["GB"], 3),
                            _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        title = ("## SPEC §7 serial workloads (ours graph: the automatic V block, see the JSON's auto_v_block; "
+        title = ("## CONTRACT §7 serial workloads (ours graph: the automatic V block, see the JSON's auto_v_block; "
                  "'ours eager ms' = the best V block)")
         out += [title, "", _table(header, rows), ""]
     if res.get("serving"):
@@ -598,7 +598,7 @@ def render_markdown(res):
                         + [_f(r.get("ours_graph_ms")), _f(r.get("fla_eager_ms")), _f(r.get("fla_graph_ms")),
                            _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms")), _f(r["published_cula_ms"]),
                            _f(best), _f(best_peer), _ratio(best, best_peer), _rmse(r)])
-        out += ["## SPEC §7 intracard-CP workloads (eager and CUDA-graph replay)", "",
+        out += ["## CONTRACT §7 intracard-CP workloads (eager and CUDA-graph replay)", "",
                 _table(header, rows), ""]
     for section, splits, title in (
             ("cp_long", CP_LONG_SPLITS, "Long contexts, intracard CP"),

@@ -2,7 +2,7 @@
 """The fused prefill's cost per tile and per work item: CUPTI durations (torch.profiler) of the
 fused kernel alone at one wave of (sequence, head) items, over sequence lengths, with and
 without the initial + final state, so a line through them gives the step per tile (slope) and
-the fill/drain and state I/O per item (intercepts; PERFORMANCE.md, session 23):
+the fill/drain and state I/O per item (intercepts; PERFORMANCE.md, Fused prefill):
 
     python3 benchmarks/fused_item_cost.py [HEADS [BATCH]]     # default 64 2: 128 items
 """

@@ -12,7 +12,7 @@ def iqm(samples):
 
 
 def time_cuda(fn, warmup=25, iters=100):
-    """Milliseconds per call of ``fn`` on the current stream (SPEC §7: 25 warm-up, 100 timed, IQM)."""
+    """Milliseconds per call of ``fn`` on the current stream (CONTRACT §7: 25 warm-up, 100 timed, IQM)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -1,4 +1,4 @@
-"""cula-aot: ahead-of-time compiled Hopper KDA prefill kernels, launched through cuda-python."""
+"""cula-aot: ahead-of-time compiled Hopper KDA prefill and decode kernels, launched through cuda-python."""
 
 __version__ = "0.1.0"
 

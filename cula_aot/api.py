@@ -1,4 +1,4 @@
-"""Public API: ``kda_prefill`` and the FlashKDA-compatible in-place ``fwd`` (SPEC §6)."""
+"""Public API: ``kda_prefill`` and the FlashKDA-compatible in-place ``fwd`` (docs/CONTRACT.md §6)."""
 
 import torch
 
@@ -80,7 +80,7 @@ def preload(device=None, heads=None) -> int:
 
 def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
                num_tokens=None, state_layout="vk", intermediate_states=None, status=None):
-    """KDA decode (the recurrent step, SPEC §10): T = 1..8 tokens per sequence applied to states
+    """KDA decode (the recurrent step, docs/CONTRACT.md §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
 
     q, k, v, g: bf16 ``[N, T, H, 128]`` (or token-major ``[N·T, H, 128]`` with ``num_tokens`` = T);

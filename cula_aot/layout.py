@@ -18,7 +18,7 @@ FLAG_FINAL_STATE = 2  # write final_state[final_index]
 FLAG_IDENTITY_INIT = 4  # start from S = I (pre_scan: the product of the tiles' A_t)
 FLAG_ZERO_V = 8  # treat v as 0 (pre_scan's A_t product)
 FLAG_NO_OUTPUT = 16  # do not write out (pre_scan)
-# State pools (SPEC §9): the row's state index is a sequence number n, and the state actually
+# State pools (docs/CONTRACT.md §9): the row's state index is a sequence number n, and the state actually
 # used is pool[state_indices[n]]; a negative entry means a zero start / no write (padding).
 FLAG_INDEXED_INIT = 32
 FLAG_INDEXED_FINAL = 64
@@ -32,7 +32,7 @@ FLAG_LONGEST_FIRST = 512
 ORDER_MAX_SEQS = 128
 # The fused prefill (one variant for fixed and varlen input): grid row z is sequence z of
 # ``cu_seqlens`` (else rows z·seq_len ..).  A runtime bit, not a compile-time variant: the two
-# compiled variants differed by up to 6% in speed on the same work (PERFORMANCE.md, session 24).
+# compiled variants differed by up to 6% in speed on the same work (PERFORMANCE.md, Fused prefill).
 FLAG_VARLEN = 1024
 # The caller passed a status word (``status``): kernels OR ``STATUS_*`` bits into it.
 FLAG_STATUS = 2048

@@ -1,7 +1,7 @@
-"""Pure-torch float64 reference of the KDA chunked prefill (SPEC §2).
+"""Pure-torch float64 reference of the KDA chunked prefill (docs/CONTRACT.md §2).
 
-This module is the ground truth the kernels are checked against (SPEC §8). It has no dependency
-beyond torch and runs on whatever device its inputs live on (CPU or CUDA).
+This module is the ground truth the kernels are checked against (docs/CONTRACT.md §8). It has no
+dependency beyond torch and runs on whatever device its inputs live on (CPU or CUDA).
 
 Math (per head, D = K = V = 128, CHUNK = 16), all in float64 unless the precision recipe says
 otherwise:
@@ -80,7 +80,7 @@ def l2norm_bf16(x):
     """``x · rsqrt(Σx² + 1e-6)`` over the last dim, computed in float64, rounded to bf16.
 
     The result is returned as float64 holding bf16 values: the bf16 rounding of q̂/k̂ is part of
-    the SPEC semantics, so even the exact reference uses the rounded vectors.
+    the contract's semantics (CONTRACT §2), so even the exact reference uses the rounded vectors.
     """
     x = x.to(torch.float64)
     y = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _NORM_EPS)
@@ -177,7 +177,7 @@ def _neumann_inverse_fp16(L: torch.Tensor) -> torch.Tensor:
 
 def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None,
                   recipe=False):
-    """Per-(tile, head) quantities of SPEC §2 (what kernel K1 writes), as float64 tensors.
+    """Per-(tile, head) quantities of CONTRACT §2 (what kernel K1 writes), as float64 tensors.
 
     q, k, g bf16 ``[B, T, H, K]``; beta bf16 ``[B, T, H]`` (logits); A_log fp32 ``[H]``; dt_bias fp32
     ``[H, K]``; scale defaults to ``K ** -0.5`` (128**-0.5). Tiles are ordered sequence by
@@ -249,7 +249,7 @@ def _initial_state(initial_state, N, H, K, V, device):
 
 def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
                 cu_seqlens=None, recipe=False):
-    """Tile recurrence of SPEC §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
+    """Tile recurrence of CONTRACT §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
 
     initial_state: optional ``[N, H, K, V]`` (fp32), S itself, not transposed; None = zeros.
     All sequences and heads advance together, one tile index per step; sequences that have run

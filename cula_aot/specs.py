@@ -171,7 +171,7 @@ class K1Spec(KernelSpec):
 # K1 CTAs resident per SM (registers), and the most tile slots one CTA walks: each CTA loads its
 # next tiles while it computes one, so fewer, longer CTAs hide the load latency; the grid keeps
 # K1_WAVES waves of resident CTAs so that it still spreads evenly over the SMs (one wave of
-# 8-tile CTAs lost 4% on 32×256 H8; PERFORMANCE.md, session 16).
+# 8-tile CTAs lost 4% on 32×256 H8; PERFORMANCE.md, K1 prepare).
 K1_CTAS_PER_SM = 4
 K1_MAX_TILES_PER_CTA = 8
 K1_WAVES = 4
@@ -222,15 +222,15 @@ K2_V_BLOCKS = (16, 32, 64)
 # Cluster multicast (serial K2): the wide V block only, the one ``auto_v_block`` takes for grids of
 # K2_WIDE_V_BLOCK_WAVES or more waves, where each record's L2 reads bound the kernel.  There it was 2–5% faster;
 # on latency-bound grids (few CTAs per SM, 32 columns) the cluster's per-tile coupling made it
-# 7–27% slower (PERFORMANCE.md, session 19).
+# 7–27% slower (PERFORMANCE.md, K2 recurrence).
 K2_MULTICAST_V_BLOCKS = (64,)
 K2_DEFAULT_V_BLOCK = 32
 # Many-CTA serial calls take 64 columns instead: each CTA stages a tile's 13.9 KB of workspace
 # for its V block, so halving the CTAs per (sequence, head) halves the L2 reads that bound those
 # rows (ncu, H64 8×1024: L2 87% busy).  Chosen when the 32-column grid is at least
-# K2_WIDE_V_BLOCK_WAVES waves of K2_CTAS_PER_SM resident CTAs (PERFORMANCE.md, session 13; 3
-# until session 19, when the multicast 64-column K2 won at 1.94 and 2.33 waves, H16 4×2048 +
-# 16×128 and H64 6 seqs, by 7% and 3.5%, and lost 3–7% at 1.55, H8 32×256 and H32 8×1024).
+# K2_WIDE_V_BLOCK_WAVES waves of K2_CTAS_PER_SM resident CTAs (PERFORMANCE.md, K2 recurrence:
+# with multicast the 64-column K2 won at 1.94 and 2.33 waves, H16 4×2048 + 16×128 and H64 6 seqs,
+# by 7% and 3.5%, and lost 3–7% at 1.55, H8 32×256 and H32 8×1024).
 K2_WIDE_V_BLOCK = 64
 K2_WIDE_V_BLOCK_WAVES = 1.75
 K2_WGMMA_V_BLOCK = 64
@@ -246,7 +246,7 @@ def auto_v_block(heads: int, num_seqs: int, sm_count: int) -> int:
 
 # The CP segmented K2: two warps per CTA share each staged tile (half the record traffic of
 # 16-column CTAs, twice the warps per SM at five CTAs per SM): 5–31% faster on every CP row
-# (PERFORMANCE.md, session 14).  The planner counts its V blocks.
+# (PERFORMANCE.md, Intracard CP).  The planner counts its V blocks.
 K2_SEGMENTED_V_BLOCK = 32
 # Four warps per CTA (four CTAs per SM) for a launch whose 32-column grid would not fit one wave.
 K2_SEGMENTED_WIDE_V_BLOCK = 64
@@ -254,7 +254,7 @@ K2_SEGMENTED_V_BLOCKS = (K2_SEGMENTED_V_BLOCK, K2_SEGMENTED_WIDE_V_BLOCK)
 # Tiles a K2 CTA stages (stages − 1 in flight ahead of the one it computes).  Three, not four:
 # 43–48 KB of shared memory instead of 58–64 KB fits five 16- or 32-column CTAs per SM instead
 # of three (58 KB was 288 B over the four-CTA limit), and two tiles in flight still cover a bulk
-# load (PERFORMANCE.md, session 12: SPEC CP rows 12–34% faster, serial rows 3–9%).
+# load (PERFORMANCE.md, K2 recurrence: the CP benchmark rows 12–34% faster, serial rows 3–9%).
 K2_STAGES = 3
 # One K2 warp per 16 V columns (the tensor-core M dimension).
 K2_WARP_COLUMNS = 16
@@ -313,7 +313,7 @@ def serial_k2_spec(heads: int, varlen: bool, v_block: int) -> K2Spec:
     """The serial K2 for ``heads`` and ``v_block``: multicast where it is built, and warpgroup
     MMAs for the one-warpgroup V block (3.5–6% faster where ``auto_v_block`` takes it; on the
     few-CTA fixed rows, where 32 columns stay the pick, 64 with wgmma lost 6–9%: PERFORMANCE.md,
-    session 20)."""
+    K2 recurrence)."""
     return K2Spec(heads=heads, varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
                   wgmma=v_block == K2_WGMMA_V_BLOCK)
 
@@ -328,7 +328,7 @@ def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:
     """The segmented K2's V block for a launch over ``rows`` segment-table rows: 32 columns, or
     64 once the 32-column grid exceeds one wave of ``K2_CTAS_PER_SM`` CTAs per SM (then 64
     holds it in one wave of four: H8 [8192, 2048] at s = 8, 896 pre_scan CTAs, 5% faster;
-    PERFORMANCE.md, session 14)."""
+    PERFORMANCE.md, Intracard CP)."""
     ctas = (128 // K2_SEGMENTED_V_BLOCK) * heads * rows
     return K2_SEGMENTED_WIDE_V_BLOCK if ctas > K2_CTAS_PER_SM * sm_count else K2_SEGMENTED_V_BLOCK
 
@@ -356,7 +356,7 @@ FUSED_PARAMS = (
     scalar("lower_bound", "f32"),
 )
 # Two producer warpgroups (tiles dealt round robin) and four record stages: one producer per
-# CTA was 3–12% slower on every row (PERFORMANCE.md, session 21).
+# CTA was 3–12% slower on every row (PERFORMANCE.md, Fused prefill).
 FUSED_PRODUCERS = 2
 FUSED_STAGES = 4
 # Two producer warpgroups split the registers with the two consumer warpgroups (``setmaxnreg``):
@@ -390,14 +390,14 @@ class FusedSpec(KernelSpec):
         return (fused_threads(self.producers), 1, 1)
 
 
-# The fused prefill runs one CTA per SM and (sequence, head) item at ~1.5 µs per tile (session 23),
+# The fused prefill runs one CTA per SM and (sequence, head) item at ~1.5 µs per tile,
 # where K2 alone takes ~0.5: it wins once the items fill the GPU and are long enough that K1's
-# workspace round trip outweighs the slower chain.  Measured (PERFORMANCE.md, sessions 21 and
-# 23): 0.82–0.96 of K1 then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at
-# H16–H128, 16×1024, the SPEC varlen rows); slower at half a wave (fixed 1×8192 at H64: 1.4×)
+# workspace round trip outweighs the slower chain.  Measured (PERFORMANCE.md, Fused prefill):
+# 0.82–0.96 of K1 then K2 at ≥ 0.97 waves of items with ≥ 64 tiles each (8×1024 at
+# H16–H128, 16×1024, the benchmark's varlen rows); slower at half a wave (fixed 1×8192 at H64: 1.4×)
 # and on ragged batches whose long sequences set the time (4×2048 + 16×128 at H8–H16, 1.08–1.5).
 # Below a wave it wins only for very long items: H96 1×8192 (0.73 waves, 512 tiles) 0.95.  On
-# equal lengths short items win too: 32×256 at H4–H32 0.74–0.90 (session 23), so a fixed-length
+# equal lengths short items win too: 32×256 at H4–H32 0.74–0.90, so a fixed-length
 # batch (uniform by its signature) needs 16 tiles.  Decided from shapes only (items and mean
 # length), so a plan stays valid for any lengths of its signature: a varlen batch may be ragged.
 FUSED_MIN_WAVES = 0.9
@@ -462,7 +462,7 @@ class MergeSpec(KernelSpec):
         return (128 // self.v_block, "heads", "num_seqs")
 
 
-# ---- decode (issue 14): the recurrent step over a state pool, ``kernels/decode.py`` ----------
+# ---- decode: the recurrent step over a state pool, ``kernels/decode.py`` ----------------------
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
 DECODE_FLAG_STATUS = 2  # ``flags`` bit: a status word is given (``layout.STATUS_SLOT_OUT_OF_RANGE``)

@@ -1,4 +1,4 @@
-"""Float64 token recurrence and input builders for the decode tests (SPEC §2, §10)."""
+"""Float64 token recurrence and input builders for the decode tests (CONTRACT §2, §10)."""
 
 import torch
 
@@ -39,7 +39,7 @@ def from_pool_layout(stored, layout):
 
 def fused_inputs(n, tokens, heads, *, device, seed, pad_cols=24):
     """q, k, v, g as token-strided views cut from one fused [N, T, 4·H·128 + pad] projection and
-    β from a fused [N, T, H + 3] tensor (offset 1: not 16-byte aligned), standard SPEC §8 draws."""
+    β from a fused [N, T, H + 3] tensor (offset 1: not 16-byte aligned), standard CONTRACT §8 draws."""
     gen = torch.Generator(device=device).manual_seed(seed)
     width = 4 * heads * 128 + pad_cols
     fused = torch.randn(n, tokens, width, generator=gen, device=device).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Input generators shared by the tests (SPEC §8 distributions)."""
+"""Input generators shared by the tests (CONTRACT §8 distributions)."""
 
 import os
 

@@ -7,7 +7,7 @@ from cula_aot.layout import (CHUNK, D, IMAGE_BYTES, decode_k_inter, fixed_total_
 
 
 def test_k_inter_formula_matches_spec_bytes():
-    # SPEC §3: element (r, c) at byte 2·((c//8)·128 + r·8 + c%8).
+    # CONTRACT §3: element (r, c) at byte 2·((c//8)·128 + r·8 + c%8).
     for r, c in [(0, 0), (1, 0), (0, 1), (15, 7), (0, 8), (3, 77), (15, 127)]:
         assert 2 * k_inter_index(r, c) == 2 * ((c // 8) * 128 + r * 8 + c % 8)
     indices = {k_inter_index(r, c) for r in range(CHUNK) for c in range(D)}

@@ -20,7 +20,7 @@ VARLEN = [0, 1, 17, 40, 72]  # lengths 1, 16, 23, 32: one token, one exact tile,
 
 
 def make_inputs(seed, B, T, H, *, decay="standard", n_states=None):
-    """SPEC §8 inputs. decay='standard': lower_bound=-5, A_log=log U(1,16); 'slow': -0.05, -4.
+    """CONTRACT §8 inputs. decay='standard': lower_bound=-5, A_log=log U(1,16); 'slow': -0.05, -4.
 
     Returns (q, k, v, g, beta, kwargs, initial_state); initial_state ~ 0.1·N(0,1) has
     n_states sequences (None: no initial state).
@@ -151,7 +151,7 @@ def test_prepare_tiles_layout_and_invariants():
 
 
 def test_prepare_tiles_matches_spec_formulas():
-    # One full tile checked against the SPEC §2 formulas written out directly.
+    # One full tile checked against the CONTRACT §2 formulas written out directly.
     scale = 0.3
     q, k, v, g, beta, kw, _ = make_inputs(17, 1, CHUNK, 1)
     t = prepare_tiles(q, k, g, beta, **kw, scale=scale)
@@ -205,7 +205,7 @@ def test_gate_range(decay):
     gam = gate(g, **kw)
     assert gam.dtype == torch.float64 and gam.shape == g.shape
     assert torch.all(gam >= kw["lower_bound"]) and torch.all(gam < 0)
-    # σ(x) = ½(tanh(x/2) + 1) as SPEC writes it
+    # σ(x) = ½(tanh(x/2) + 1) as CONTRACT §2 writes it
     x = torch.exp(kw["A_log"].double())[:, None] * (g.double() + kw["dt_bias"].double())
     assert torch.allclose(gam, kw["lower_bound"] * 0.5 * (torch.tanh(x / 2) + 1), rtol=1e-14)
 

@@ -1,6 +1,6 @@
 """Intracard CP "merge": chain the segment transitions of each sequence into start states.
 
-What it computes (shared/design/SPEC.md §2, CP), for one sequence, one head and one block of
+What it computes (docs/CONTRACT.md §2, CP), for one sequence, one head and one block of
 ``v_block`` (8 or 16) state columns: with ``carry_0`` = the sequence's initial state (or 0),
 
     carries[s] = carry_i,   carry_{i+1} = M_i · carry_i + B_i

@@ -1,4 +1,4 @@
-"""KDA decode: the token recurrence applied to states in a pool, in place (SPEC §10).
+"""KDA decode: the token recurrence applied to states in a pool, in place (docs/CONTRACT.md §10).
 
 What it computes, for one sequence n, one head h and one block of ``v_block`` value rows of
 its state S (``[V, K]``, fp32 inside), for the tokens t = 0 .. T−1 in order

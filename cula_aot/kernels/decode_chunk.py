@@ -1,6 +1,6 @@
 """KDA decode of 2–4 tokens on a bf16 "vk" state pool, on tensor cores (the chunk form).
 
-What it computes: what ``decode.py`` computes (SPEC §10) for T = ``num_tokens`` ∈ {2, 3, 4}
+What it computes: what ``decode.py`` computes (docs/CONTRACT.md §10) for T = ``num_tokens`` ∈ {2, 3, 4}
 tokens of one sequence and head, the state S ``[V, K]`` (keys contiguous) in a bf16 pool,
 updated in place; no intermediate states (calls that ask for them run ``decode.py``).  With
 the decay deferred as there (A_t = α_0⋯α_t, kd_t = A_t⊙k̂_t, qd_t = A_t⊙q̂_t, ki_t = k̂_t/A_t),

@@ -29,7 +29,7 @@ matrices with key groups 160 bytes apart instead of K_INTER's 256, so the produc
 are conflict-free; the wgmma descriptors take the same strides.
 
 Why: the two-kernel path writes and reads a 13.9 KB record per (tile, head), ~60% of all the
-bytes moved at H64 8×1024 (PERFORMANCE.md, session 19); fused, only q, k, g, v, β in and o out
+bytes moved at H64 8×1024 (PERFORMANCE.md, Fused prefill); fused, only q, k, g, v, β in and o out
 remain.  The price is one (sequence, head) per SM with K1's work on two warpgroups (~1.8 µs
 per tile against K2's ~0.5), so it pays only with enough long items (``specs.auto_fused``).
 

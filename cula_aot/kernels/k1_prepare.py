@@ -1,6 +1,6 @@
 """K1 "prepare": per (16-token tile, head) KDA workspaces, compiled ahead of time.
 
-What it computes (shared/design/SPEC.md §2, §3), for one tile of one sequence and one head:
+What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and one head:
 
 * ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, ``G`` its inclusive cumsum
   over the tile's rows, ``gtot = exp(G[15])``;

@@ -1,7 +1,7 @@
 """K2 "recurrence": the sequential KDA state update over the tiles of each (sequence, head),
 on tensor cores.
 
-What it computes (shared/design/SPEC.md §2), for one sequence, one head and one block of
+What it computes (docs/CONTRACT.md §2), for one sequence, one head and one block of
 ``v_block`` value columns (the recurrence is independent across V columns), over the tiles of
 the sequence in order.  Written transposed, so that V is the MMA's M dimension:
 

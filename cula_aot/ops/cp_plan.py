@@ -15,11 +15,12 @@ tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = S
 (pre_scan: two chains per non-last segment; merge: one step per segment; the segmented K2
 re-runs every tile from its merged carry; OVERHEAD: two more launches plus host table work
 that the GPU waits on).  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when
-CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 SPEC §7 CP workloads
+CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 CONTRACT §7 CP workloads
 × serial and s_split 2/4/8/16, H200, 2026-11-29; tile step 0.90 µs), then CTAS_PER_SM and
-MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (SPEC rows and long contexts,
-the five-CTA segmented K2): every SPEC pick stays the measured best, and the worst long-context
-loss against the best split, 23% before, measured 3.7% after (docs/PERFORMANCE.md, sessions 12-13).
+MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (CONTRACT §7 rows and long
+contexts, the five-CTA segmented K2): every CONTRACT §7 pick stays the measured best, and the worst
+long-context loss against the best split, 23% before, measured 3.7% after (docs/PERFORMANCE.md,
+Intracard CP).
 """
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""KDA decode over a state pool: validation and one launch on the current stream (SPEC §10).
+"""KDA decode over a state pool: validation and one launch on the current stream (docs/CONTRACT.md §10).
 
 Every rule is checked before the launch (and before ``out`` is allocated), so a rejected call
 writes nothing; the device check is last, so every other rule is testable on the CPU.  Nothing
@@ -209,7 +209,7 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
     token kernel's (v_block, items); chosen from every variant timed per row on an H200
     (docs/PERFORMANCE.md "Decode"):
 
-    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel (session 18). N·H < 512:
+    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel (measured 2026-12-02). N·H < 512:
       one 64-row item per CTA (the most CTAs); up to 8192: a whole head per CTA as four 32-row
       items, the next one streaming in while the current one computes (at N·H = 1024 every CTA
       is resident at once: 23.5 µs against 26.2 for two 64-row items, whose 1.6 waves leave a

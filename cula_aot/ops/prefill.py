@@ -1,4 +1,4 @@
-"""The KDA prefill: validation, K1 then K2 (or the CP chain) on the current stream (SPEC §5, §6, §9).
+"""The KDA prefill: validation, K1 then K2 (or the CP chain) on the current stream (docs/CONTRACT.md §5, §6, §9).
 
 Validation runs entirely before the first launch, so a rejected call writes nothing.  The serial
 path never reads a device tensor on the host: grids come from shapes (``layout.varlen_total_slots``)
@@ -428,7 +428,7 @@ class _Plan:
 
 
 # The serial K2's grid order: varlen sequences longest first, so the longest chains start in the
-# first wave (a fixed-length kernel ignores the bit; PERFORMANCE.md, session 19).
+# first wave (a fixed-length kernel ignores the bit; PERFORMANCE.md, K2 recurrence).
 SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 
 

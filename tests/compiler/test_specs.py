@@ -80,12 +80,12 @@ def test_abi_layout_offsets_respect_alignment():
 
 
 def test_auto_v_block_widens_only_many_cta_grids():
-    # SPEC §7 rows on a 132-SM H200: one long sequence stays at 32 columns, 8 × 1024 at H = 64 widens.
+    # CONTRACT §7 rows on a 132-SM H200: one long sequence stays at 32 columns, 8 × 1024 at H = 64 widens.
     assert auto_v_block(64, 1, 132) == K2_DEFAULT_V_BLOCK
     assert auto_v_block(96, 1, 132) == K2_DEFAULT_V_BLOCK
     assert auto_v_block(64, 8, 132) == K2_WIDE_V_BLOCK
     assert auto_v_block(4, 32, 132) == K2_DEFAULT_V_BLOCK
-    # Session 19's measured boundary: 64 at 1.94 and 2.33 waves, 32 at 1.55.
+    # The measured boundary (2026-12-02): 64 at 1.94 and 2.33 waves, 32 at 1.55.
     assert auto_v_block(16, 20, 132) == auto_v_block(64, 6, 132) == K2_WIDE_V_BLOCK
     assert auto_v_block(32, 8, 132) == auto_v_block(8, 32, 132) == K2_DEFAULT_V_BLOCK
     assert {K2_DEFAULT_V_BLOCK, K2_WIDE_V_BLOCK} <= set(K2_V_BLOCKS)
@@ -151,7 +151,7 @@ def test_auto_fused_takes_many_long_items_only():
 
     sms = 132
     assert auto_fused(64, 8, 8 * 1024, sms) and auto_fused(16, 8, 8 * 1024, sms)  # 0.97 and 3.9 waves, 64 tiles
-    assert auto_fused(96, 6, 8192, sms)  # the SPEC varlen row: 4.4 waves, 85 tiles on average
+    assert auto_fused(96, 6, 8192, sms)  # the CONTRACT §7 varlen row: 4.4 waves, 85 tiles on average
     assert not auto_fused(64, 1, 8192, sms)  # half a wave of items
     assert auto_fused(96, 1, 8192, sms)  # 0.73 waves of 512-tile items
     assert not auto_fused(96, 1, 4096, sms)  # 0.73 waves, 256 tiles

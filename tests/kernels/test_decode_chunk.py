@@ -5,7 +5,7 @@ per-head T×T solve folded into a matrix G, and a rank-T update, with every lane
 addressed through plain integer maps.  Here one warp's registers are filled exactly as those
 maps say, each ``mma.sync`` is emulated from the PTX ISA's fragment definitions, the shared-
 memory operand arrays are laid out by the kernel's own chunk maps, and the result must equal
-the token recurrence (SPEC §10) to float64 rounding: a wrong map, index or formula shows up as
+the token recurrence (CONTRACT §10) to float64 rounding: a wrong map, index or formula shows up as
 an O(1) error.  Quarter-warp bank-conflict freedom of the operand reads is checked as well.
 Needs CuTeDSL (the kernel module imports it).
 """
@@ -71,7 +71,7 @@ def _problem(tokens, seed):
 
 
 def _recurrence(x, tokens):
-    """SPEC §10 token by token: S ← S·diag(α); u = b(v − S k̂); o = scale·S_new q̂."""
+    """CONTRACT §10 token by token: S ← S·diag(α); u = b(v − S k̂); o = scale·S_new q̂."""
     s = x["s0"].copy()
     outs = []
     for t in range(tokens):

@@ -1,9 +1,9 @@
-"""kda_decode on the GPU against the float64 token recurrence (SPEC §8, §10).
+"""kda_decode on the GPU against the float64 token recurrence (CONTRACT §8, §10).
 
 Every case poisons ``out`` and ``intermediate_states`` with NaN, draws fresh inputs (token-
 strided views of one fused projection, β at an unaligned offset) and a pool with more slots
 than sequences (padded slot stride in some cases), and prints its rel-RMSE; the bound is
-SPEC §8's 1e-2 (target 5e-3).
+CONTRACT §8's 1e-2 (target 5e-3).
 """
 
 import pytest
@@ -237,7 +237,7 @@ def test_token_major_3d_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_then_decode_equals_one_prefill(layout, dtype):
     """kda_prefill of T0 tokens (final state into a pool slot), then decode steps of 1, 4 and 2
-    tokens from that slot, equals one kda_prefill of all T0 + 7 tokens (SPEC §10)."""
+    tokens from that slot, equals one kda_prefill of all T0 + 7 tokens (CONTRACT §10)."""
     heads, t0, steps = 8, 37, (1, 4, 2)
     total = t0 + sum(steps)
     x = standard_inputs(2, total, heads, device="cuda")

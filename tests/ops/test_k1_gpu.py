@@ -1,4 +1,4 @@
-"""AOT K1 on the GPU against the float64 reference, workspace by workspace (SPEC §3, §8)."""
+"""AOT K1 on the GPU against the float64 reference, workspace by workspace (CONTRACT §3, §8)."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""Serial kda_prefill on the GPU against the float64 reference (SPEC §8).
+"""Serial kda_prefill on the GPU against the float64 reference (CONTRACT §8).
 
 Every case poisons ``out`` and ``final_state`` with NaN, draws fresh inputs, and prints its
-rel-RMSE; the bound is SPEC §8's 1e-2 (target 5e-3).
+rel-RMSE; the bound is CONTRACT §8's 1e-2 (target 5e-3).
 """
 
 import pytest

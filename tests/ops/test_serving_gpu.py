@@ -1,4 +1,4 @@
-"""Serving contracts on the GPU (SPEC §9): state pools (indices, padding rows, padded slots,
+"""Serving contracts on the GPU (CONTRACT §9): state pools (indices, padding rows, padded slots,
 aliasing), bf16 states, token-strided views cut from one fused projection, sync-free varlen and
 CUDA-graph capture of ``kda_prefill`` / ``fwd`` with only a device ``cu_seqlens``.
 

@@ -1,4 +1,4 @@
-"""Every input rule of SPEC §6 raises a clear KDAInputError before any launch (CPU only)."""
+"""Every input rule of CONTRACT §6 raises a clear KDAInputError before any launch (CPU only)."""
 
 import pytest
 import torch
