@@ -10,13 +10,14 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..specs import (
+from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, re-exported)
     DECODE_CHUNK_MAX_TOKENS,
     DECODE_FLAG_INTERMEDIATE,
     DECODE_FLAG_STATUS,
     DECODE_MAX_TOKENS,
-    DecodeChunkSpec,
-    DecodeSpec,
+    chunk_applies,
+    pick_variant,
+    variant_spec,
 )
 from .checks import check_dtype_shape, check_scalars, check_status, fail
 from .prefill import STATE_LAYOUTS
@@ -24,14 +25,6 @@ from .prefill import STATE_LAYOUTS
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 _INT32_MAX = 2**31 - 1
-# N·H thresholds of pick_variant.
-_PAIRED_MIN_HEADS = 256
-_STREAMING_MIN_HEADS = 1024  # bf16 T > 1: four items per CTA from here
-_LARGE_HEADS = 2048
-# N·H thresholds of the chunk kernel's CTA shape: one 64-row item below the first, a whole head
-# streamed as four 32-row items (one wave of resident CTAs) up to the second, two 64-row items above.
-_CHUNK_STREAMING_MIN_HEADS = 512
-_CHUNK_PAIRED_MIN_HEADS = 8192
 
 
 def _is_tensor(name, t):
@@ -195,51 +188,6 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     if device.type != "cuda":
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
-
-
-def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediates: bool) -> bool:
-    """The tensor-core chunk kernel serves 2–4 tokens on a bf16 "vk" pool without intermediate
-    states (``kernels/decode_chunk.py``)."""
-    return bf16_state and state_layout == "vk" and not intermediates and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS
-
-
-def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
-                 intermediates: bool = False) -> tuple:
-    """The kernel to launch: ``("chunk", warps, items)`` for the tensor-core chunk kernel, else the
-    token kernel's (v_block, items); chosen from every variant timed per row on an H200
-    (docs/PERFORMANCE.md "Decode"):
-
-    * bf16 pools, 2–4 tokens, "vk", no intermediates: the chunk kernel (measured 2026-12-02). N·H < 512:
-      one 64-row item per CTA (the most CTAs); up to 8192: a whole head per CTA as four 32-row
-      items, the next one streaming in while the current one computes (at N·H = 1024 every CTA
-      is resident at once: 23.5 µs against 26.2 for two 64-row items, whose 1.6 waves leave a
-      tail); from 8192 two 64-row items (1–2% faster there);
-    * N·H < 256: one 32-row item per CTA (the most CTAs; latency-bound sizes);
-    * bf16 pools: two 32-row items per CTA (the second streams into shared memory while the
-      first computes), and for T > 1 from N·H = 1024 four (a whole head per CTA, the next item
-      always in flight): 3-5% faster at T = 4;
-    * fp32 pools: single items, except T = 1 from N·H = 2048, where pairs are 1% faster.
-
-    16-row items and 64-row single items or pairs lost everywhere: none is built."""
-    nh = num_seqs * heads
-    if chunk_applies(tokens, bf16_state, state_layout, intermediates):
-        if nh < _CHUNK_STREAMING_MIN_HEADS:
-            return ("chunk", 4, 1)
-        return ("chunk", 4, 2) if nh >= _CHUNK_PAIRED_MIN_HEADS else ("chunk", 2, 4)
-    if nh < _PAIRED_MIN_HEADS:
-        return 32, 1
-    if bf16_state:
-        return (32, 4) if tokens > 1 and nh >= _STREAMING_MIN_HEADS else (32, 2)
-    return (32, 2) if tokens == 1 and nh >= _LARGE_HEADS else (32, 1)
-
-
-def variant_spec(variant: tuple, heads: int, bf16_state: bool, state_layout: str):
-    """The spec of a ``pick_variant`` result."""
-    if variant[0] == "chunk":
-        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2])
-    v_block, items = variant
-    return DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
-                      items=items)
 
 
 def _aligned_down(t) -> tuple[int, int]:

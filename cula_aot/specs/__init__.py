@@ -1,0 +1,58 @@
+"""Kernel specializations and their declared parameter ABI (no cutlass, no GPU).
+
+One module per kernel, named after its kernel module in ``cula_aot/kernels/``: the
+specialization class (every code-generation argument is a field, and its ``name`` is built from
+all of them, so two different cubins can never share a name), its parameter list (the ABI the
+runtime packs by name, written once, there), its variants, shared memory, grid and the rule that
+dispatches to it.  ``abi`` holds the parameter kinds and the base class.  The build compiles
+``default_specs()``.
+"""
+
+from .abi import (  # noqa: F401
+    DEFAULT_HEADS, ARCH, CUTEDSL_VERSION, POINTER_ALIGN, SCALAR_TYPES, TMA_DESCRIPTOR_BYTES, TMA_DESCRIPTOR_ALIGN,
+    Param, pointer, scalar, token_tma, abi_layout, KernelSpec, WORKSPACE_POINTERS, SEQUENCE_SCALARS, K1_INPUTS,
+    state_params, STATUS_POINTER,
+)
+from .k1_prepare import (  # noqa: F401
+    K1_PARAMS, K1Spec, K1_CTAS_PER_SM, K1_MAX_TILES_PER_CTA, K1_WAVES, k1_grid,
+)
+from .k2_recurrence import (  # noqa: F401
+    K2_PARAMS, K2_V_BLOCKS, K2_MULTICAST_V_BLOCKS, K2_DEFAULT_V_BLOCK, K2_WIDE_V_BLOCK, K2_WIDE_V_BLOCK_WAVES,
+    K2_WGMMA_V_BLOCK, K2_CTAS_PER_SM, auto_v_block, K2_SEGMENTED_V_BLOCK, K2_SEGMENTED_WIDE_V_BLOCK,
+    K2_SEGMENTED_V_BLOCKS, K2_STAGES, K2_WARP_COLUMNS, k2_threads, K2Spec, serial_k2_spec, segmented_k2_spec,
+    segmented_v_block,
+)
+from .fused_prefill import (  # noqa: F401
+    FUSED_PARAMS, FUSED_PRODUCERS, FUSED_STAGES, FUSED_PRODUCER_REGISTERS, FUSED_CONSUMER_REGISTERS, fused_threads,
+    FusedSpec, FUSED_MIN_WAVES, FUSED_MIN_MEAN_TILES, FUSED_UNIFORM_MIN_MEAN_TILES, FUSED_LONG_MIN_WAVES,
+    FUSED_LONG_MIN_MEAN_TILES, fused_spec, auto_fused,
+)
+from .cp_merge import (  # noqa: F401
+    MERGE_PARAMS, MERGE_V_BLOCKS, MERGE_THREADS, merge_v_block, MergeSpec,
+)
+from .decode import (  # noqa: F401
+    DECODE_MAX_TOKENS, DECODE_FLAG_INTERMEDIATE, DECODE_FLAG_STATUS, DECODE_VARIANTS, DECODE_PARAMS, decode_params,
+    decode_threads, decode_stage_bytes, decode_token_bytes, decode_smem_bytes, DecodeSpec, DECODE_CHUNK_MAX_TOKENS,
+    DECODE_CHUNK_VARIANTS, decode_chunk_stage_bytes, decode_chunk_smem_bytes, DecodeChunkSpec, decode_specs,
+    DECODE_PAIRED_MIN_HEADS, DECODE_STREAMING_MIN_HEADS, DECODE_LARGE_HEADS, DECODE_CHUNK_STREAMING_MIN_HEADS,
+    DECODE_CHUNK_PAIRED_MIN_HEADS, chunk_applies, pick_variant, variant_spec,
+)
+
+
+def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
+    """Every specialization the build produces for the given head counts."""
+    specs: list[KernelSpec] = []
+    for h in sorted(set(heads)):
+        for varlen in (False, True):
+            specs.append(K1Spec(heads=h, varlen=varlen))
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
+            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True)
+                         for m in (False, True))
+        specs.append(fused_spec(h))
+        # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
+        # fixed and varlen input.
+        specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
+        specs.extend(MergeSpec(heads=h, v_block=vb) for vb in MERGE_V_BLOCKS)
+    specs.extend(decode_specs(heads))
+    return specs

@@ -1,0 +1,154 @@
+"""The parameter ABI every kernel spec declares (no cutlass, no GPU): parameter kinds, the TMA
+recipe of the token inputs, the base specialization class, and the parameter groups several
+kernels share.  The build cross-checks each declared list against the ``.entry`` of the PTX it
+produced and writes it, with the offsets ptxas chose, into ``manifest.json``.
+"""
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+from ..layout import CHUNK, D, INPUT_BLOCK_COLS
+
+DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+ARCH = "sm_90a"
+# The CuTeDSL release the kernels, their ABI declarations and the manifest are keyed on
+# (pyproject's ``build`` extra pins the same version; a test checks they agree).
+CUTEDSL_VERSION = "4.8.1"
+
+# Parameter kinds: a global pointer (element dtype, address alignment the kernel assumes), a
+# scalar passed by value, or a TMA descriptor (a CUtensorMap passed by value, with the recipe
+# the runtime encodes it from).  Sizes and alignments are those of the PTX ``.param`` space.
+POINTER_ALIGN = 16
+SCALAR_TYPES = {"i32": (4, ".u32"), "f32": (4, ".f32")}
+TMA_DESCRIPTOR_BYTES = 128
+TMA_DESCRIPTOR_ALIGN = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "pointer", "scalar" or "tma_descriptor"
+    dtype: str  # element dtype of a pointer or descriptor, value dtype of a scalar
+    recipe: tuple = ()  # tma_descriptor only: sorted (key, value) pairs, see token_tma_recipe
+
+    @property
+    def size(self) -> int:
+        if self.kind == "tma_descriptor":
+            return TMA_DESCRIPTOR_BYTES
+        return 8 if self.kind == "pointer" else SCALAR_TYPES[self.dtype][0]
+
+    @property
+    def align(self) -> int:
+        return TMA_DESCRIPTOR_ALIGN if self.kind == "tma_descriptor" else self.size
+
+
+def pointer(name: str, dtype: str) -> Param:
+    return Param(name, "pointer", dtype)
+
+
+def scalar(name: str, dtype: str) -> Param:
+    return Param(name, "scalar", dtype)
+
+
+def token_tma(name: str, source: str) -> Param:
+    """Descriptor for the 16×128 bf16 tiles of a token-major [rows, H, 128] tensor ``source``,
+    one tile per copy as a 3-D box (32 columns, 16 rows, 4 column blocks), so that shared memory
+    holds the tile block by block (``kernels.common.input_tile_layout``).
+
+    The recipe is written in ``cuTensorMapEncodeTiled`` order (dimension 0 innermost); each
+    entry is an int or the name of a runtime value (``rows`` = tokens, ``row_blocks`` = H·4
+    32-column blocks, ``<source>_row_bytes`` = that tensor's token stride in bytes: H·256 when
+    contiguous, more for a view cut from a fused projection).  It matches the PTX:
+    ``cp.async.bulk.tensor.3d`` with coordinates {0, first row, 4·head}.
+    """
+    recipe = {
+        "source": source,
+        "dtype": "bf16",
+        "rank": 3,
+        "global_dims": [INPUT_BLOCK_COLS, "rows", "row_blocks"],
+        "global_strides_bytes": [f"{source}_row_bytes", INPUT_BLOCK_COLS * 2],
+        "box_dims": [INPUT_BLOCK_COLS, CHUNK, D // INPUT_BLOCK_COLS],
+        "element_strides": [1, 1, 1],
+        "interleave": "none",
+        "swizzle": "none",
+        "l2_promotion": "L2_256B",
+        "oob_fill": "zeros",
+    }
+    return Param(name, "tma_descriptor", "bf16", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                                              for k, v in recipe.items())))
+
+
+def abi_layout(params) -> list[dict]:
+    """Ordered ABI records with naturally aligned offsets.  The build replaces the offsets with
+    the ones ptxas chose (``compiler.cubin.place_params``) before writing the manifest."""
+    records, offset = [], 0
+    for p in params:
+        offset = -(-offset // p.align) * p.align
+        record = {"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size, "align": p.align, "offset": offset}
+        if p.kind == "pointer":
+            record["address_align"] = POINTER_ALIGN
+        if p.kind == "tma_descriptor":
+            record["recipe"] = {k: list(v) if isinstance(v, tuple) else v for k, v in p.recipe}
+        records.append(record)
+        offset += p.size
+    return records
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Base of all specializations: subclasses add their codegen fields."""
+
+    kernel: ClassVar[str]
+    params: ClassVar[tuple]
+    # Kernel arguments fixed at trace time that lower to no parameter (e.g. static TMA
+    # coordinate tensors): excluded from the ABI.
+    static_args: ClassVar[tuple] = ()
+    block: ClassVar[tuple] = (128, 1, 1)
+    cluster: ClassVar[tuple] = (1, 1, 1)
+    # Grid dimensions: an int or the name of a scalar parameter / codegen argument.
+    grid: ClassVar[tuple]
+    # The kernel runs ``griddepcontrol.wait`` before it reads anything the kernel before it on the
+    # stream may write, so it may be launched as a programmatic dependent (PDL): its CTAs start
+    # while that kernel drains.  The build checks the PTX for the instruction.
+    dependent_launch: ClassVar[bool] = False
+
+    @property
+    def args(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @functools.cached_property
+    def name(self) -> str:
+        parts = [self.kernel]
+        for key, value in self.args.items():
+            parts.append(f"{key}{int(value) if isinstance(value, bool) else value}")
+        return "_".join(parts)
+
+
+# K1's outputs and K2's / pre_scan's inputs: the workspace records (``layout.WORKSPACE_RECORD_*``,
+# bytes), then the sequence geometry both kernels read (``ops.prepare.workspace_values`` supplies
+# all of them).
+WORKSPACE_POINTERS = (pointer("workspace", "u8"),)
+SEQUENCE_SCALARS = (scalar("seq_len", "i32"), scalar("num_seqs", "i32"), scalar("total_slots", "i32"))
+
+# K1's inputs (also the fused prefill's): q, k, g through TMA descriptors, β and the gate parameters.
+K1_INPUTS = (
+    token_tma("tma_q", "q"),
+    token_tma("tma_k", "k"),
+    token_tma("tma_g", "g"),
+    pointer("beta", "bf16"),
+    pointer("a_log", "f32"),
+    pointer("dt_bias", "f32"),
+)
+
+# State tensors: S[k, v] of state ``index`` and head h at element
+# ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
+# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.  ``slots``: the
+# tensor's leading size, which bounds a pool index (one outside it is padding).
+def state_params(which: str) -> tuple:
+    return (scalar(f"{which}_slots", "i32"), scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
+            scalar(f"{which}_stride_v", "i32"))
+
+
+# The caller's status word (int32; ``layout.STATUS_*`` bits ORed in when the flags say it is given).
+STATUS_POINTER = pointer("status", "i32")
