@@ -3,7 +3,7 @@
 ``build_py`` copies ``manifest.json`` and every cubin it names into ``cula_aot/_prebuilt/``
 (where the runtime looks for package data), building them first with ``build_kernels.py``'s
 builder when the checkout has none (that needs the ``build`` extra: nvidia-cutlass-dsl).
-Metadata lives in pyproject.toml.
+Metadata lives in pyproject.toml; the version is read from ``cula_aot/_version.py``.
 """
 
 import json

@@ -25,10 +25,10 @@ python3 -c "import fla; print('fla', fla.__version__)" 2>&1 | tail -1 | tee -a "
 timeout "$TEST_TIMEOUT_S" python3 -m pytest -q -rs "$@" > "$OUT/pytest.log" 2>&1
 echo "pytest exit $? after $((SECONDS - t0)) s"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
-python3 benchmarks/cold_start.py "$OUT/cold_start.json" 2>&1
-python3 benchmarks/bench_k1.py --json "$OUT/bench_k1.json" 2>&1 | tail -7
+python3 -m benchmarks.cold_start "$OUT/cold_start.json" 2>&1
+python3 -m benchmarks.bench_k1 --json "$OUT/bench_k1.json" 2>&1 | tail -7
 echo "benchmarks start after $((SECONDS - t0)) s"
-timeout "$BENCH_TIMEOUT_S" python3 benchmarks/bench_prefill.py "${budget[@]}" "${bench_args[@]}" --json "$OUT/bench_prefill.json" \
+timeout "$BENCH_TIMEOUT_S" python3 -m benchmarks.bench_prefill "${budget[@]}" "${bench_args[@]}" --json "$OUT/bench_prefill.json" \
     --markdown "$OUT/bench_prefill.md" > "$OUT/bench_prefill.log" 2>&1
 echo "bench_prefill exit $? after $((SECONDS - t0)) s"
 grep -E "^\[|copy bandwidth|Error|error" "$OUT/bench_prefill.log" | tail -60

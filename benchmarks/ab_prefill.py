@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """A/B the prefill benchmark between source trees (or artifact sets) in one device call.
 
-    python3 benchmarks/ab_prefill.py --arm main=../ab_main --arm new=. [--arm NAME=TREE[@ARTIFACTS] ...]
+    python3 -m benchmarks.ab_prefill --arm main=../ab_main --arm new=. [--arm NAME=TREE[@ARTIFACTS] ...]
         [--rounds 2] [--out DIR] -- --only spec,serving,cp --no-fla --quick
 
-Each round runs ``TREE/benchmarks/bench_prefill.py`` once per arm, in arm order (A, B, A, B, …:
+Each round runs ``python -m benchmarks.bench_prefill`` once per arm, in arm order (A, B, A, B, …:
 lent machines differ by up to ~8%, so only alternated runs in one call compare), with the
-arm's tree as working directory and ``CULA_AOT_ARTIFACTS=ARTIFACTS`` when given (a throw-away
+arm's tree as working directory (so the tree's own ``benchmarks`` and ``cula_aot`` are imported)
+and ``CULA_AOT_ARTIFACTS=ARTIFACTS`` when given (a throw-away
 ``build_kernels.py --out DIR``).  JSON lands in ``DIR/<arm>.json`` (``{"rounds": [result, …]}``:
 one file per arm, as a lent device returns a limited number of files); the summary table
 (stdout and ``DIR/summary.md``) lists every graph timing the first arm has, per workload, as
@@ -88,7 +89,7 @@ def main(argv=None):
             env = dict(os.environ)
             if artifacts:
                 env["CULA_AOT_ARTIFACTS"] = str(Path(artifacts).resolve())
-            command = [sys.executable, "benchmarks/bench_prefill.py", *bench_args, "--json", str(path)]
+            command = [sys.executable, "-m", "benchmarks.bench_prefill", *bench_args, "--json", str(path)]
             done = subprocess.run(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, timeout=args.timeout_s, check=False)
             print(f"round {round_} {name}: rc={done.returncode}", flush=True)

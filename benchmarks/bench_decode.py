@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """KDA decode benchmark (docs/CONTRACT.md §10): cula_aot.kda_decode against the HBM copy rate and fla.
 
-    python benchmarks/bench_decode.py [--json PATH] [--markdown PATH] [--quick] [--no-fla]
+    python -m benchmarks.bench_decode [--json PATH] [--markdown PATH] [--quick] [--no-fla]
                                       [--heads 4 8 ..] [--seqs 1 16 ..] [--tokens 1 4]
                                       [--dtypes fp32 bf16] [--sweep] [--budget-s S] [--dry-run]
 
@@ -49,12 +49,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, iqm
 from cula_aot.specs import DECODE_CHUNK_VARIANTS, DECODE_VARIANTS
+from cula_aot.testing import standard_inputs
 
 HEADS = (4, 8, 16, 32, 64)
 SEQS = (1, 16, 64, 256, 1024)
@@ -115,17 +115,13 @@ class Bench:
 
     # ---- one row -----------------------------------------------------------------------------
     def inputs(self, n, tokens, heads, dtype, seed=0):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-
-        def bf16(*shape):
-            return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
-
+        """CONTRACT §8 draws (``cula_aot.testing.standard_inputs``, seeded, on the GPU), the pool
+        (one slot per sequence, ~ 0.1·N(0,1) in ``dtype``), a random permutation of the slots
+        and the output buffer."""
         shape = (n, tokens, heads, D)
-        x = {"q": bf16(*shape), "k": bf16(*shape), "v": bf16(*shape), "g": bf16(*shape),
-             "beta": bf16(n, tokens, heads),
-             "A_log": torch.log(torch.rand(heads, generator=gen, device="cuda") * 15 + 1).float(),
-             "dt_bias": 0.1 * torch.randn(heads, D, generator=gen, device="cuda")}
-        x["pool"] = (0.1 * torch.randn(n, heads, D, D, generator=gen, device="cuda")).to(dtype)
+        std = standard_inputs(n, tokens, heads, device="cuda", seed=seed, n_states=n)
+        x = {name: std[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+        x["pool"] = std["initial_state"].to(dtype)
         x["indices"] = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(torch.int32).cuda()
         x["out"] = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
         return x

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Cold start and K1 timing on the GPU: module-load cost per cubin and K1 throughput.
 
-    python benchmarks/bench_k1.py            # prints a table; --json PATH also writes JSON
+    python -m benchmarks.bench_k1            # prints a table; --json PATH also writes JSON
 
 Cold start is measured in this fresh process: manifest discovery + sha256 checks + every
 ``cuModuleLoadData`` (``preload``), then the first K1 launch.  K1 is timed with CUDA events
@@ -10,12 +10,10 @@ Cold start is measured in this fresh process: manifest discovery + sha256 checks
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 t_import = time.perf_counter()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import cula_aot  # noqa: F401
@@ -25,6 +23,7 @@ from benchmarks.timing import time_cuda
 from cula_aot.layout import WORKSPACE_SLOT_BYTES
 from cula_aot.ops.prepare import plan_slots, prepare, sm_count
 from cula_aot.runtime.loader import default_loader
+from cula_aot.testing import standard_inputs
 
 t_import = time.perf_counter() - t_import
 
@@ -49,12 +48,9 @@ def main():
     cases += [(h, b, t, cap) for cap in args.tile_caps for h, b, t in [(64, 1, 8192), (8, 1, 16384), (4, 1, 8192)]]
     for heads, batch, seq_len, cap in cases:
         specs.K1_MAX_TILES_PER_CTA = default_cap if cap is None else cap
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        shape = (batch, seq_len, heads, 128)
-        q, k, g = (torch.randn(*shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(3))
-        beta = torch.randn(batch, seq_len, heads, generator=gen).to(torch.bfloat16).to(device)
-        a_log = torch.log(torch.rand(heads, generator=gen) * 15 + 1).to(device)
-        dt_bias = (0.1 * torch.randn(heads, 128, generator=gen)).to(device)
+        x = standard_inputs(batch, seq_len, heads, seed=0)  # drawn on the host (seeded), K1's inputs moved
+        q, k, g, beta, a_log, dt_bias = (x[name].to(device) for name in ("q", "k", "g", "beta", "A_log", "dt_bias"))
+        del x
 
         def run(q=q, k=k, g=g, beta=beta, a_log=a_log, dt_bias=dt_bias):
             prepare(q, k, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)

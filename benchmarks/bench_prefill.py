@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The KDA prefill benchmark suite (docs/CONTRACT.md §7): cula_aot against its peers on one GPU.
 
-    python benchmarks/bench_prefill.py [--json PATH] [--markdown PATH] [--only SECTIONS]
+    python -m benchmarks.bench_prefill [--json PATH] [--markdown PATH] [--only SECTIONS]
                                        [--quick] [--no-fla] [--budget-s S] [--dry-run]
 
 Sections (default: all, in this order; ``--only spec,cp`` picks some):
@@ -57,13 +57,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, time_cuda
 from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
+from cula_aot.testing import cu_seqlens_of, standard_inputs
 
 SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
 LOWER_BOUND = -5.0
@@ -134,25 +134,18 @@ def varlen_lengths(n, total, dist):
 
 
 def make_inputs(heads, batch, lengths, seq_len, device, seed=0):
-    """CONTRACT §8 inputs drawn on the device (seeded): q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16
-    logits, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1), initial state ~ 0.1·N(0,1) fp32."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """CONTRACT §8 inputs drawn on the device (seeded; ``cula_aot.testing.standard_inputs``): q, k,
+    v, g ~ N(0,1) bf16, β ~ N(0,1) bf16 logits, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1), initial
+    state ``s0`` ~ 0.1·N(0,1) fp32 per sequence; ``cu``/``cu_cpu`` (varlen) on the device and the host."""
     total = sum(lengths) if lengths else seq_len
-    shape = (batch, total, heads, 128)
-
-    def randn(*s):
-        return torch.randn(*s, generator=gen, device=device)
-
-    q, k, v, g = (randn(*shape).to(torch.bfloat16) for _ in range(4))
-    beta = randn(batch, total, heads).to(torch.bfloat16)
     n = len(lengths) if lengths else batch
+    x = standard_inputs(batch, total, heads, device=device, seed=seed, n_states=n)
     cu = cu_cpu = None
     if lengths:
-        cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu_cpu = cu_seqlens_of(lengths)
         cu = cu_cpu.to(device)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu": cu, "cu_cpu": cu_cpu,
-            "A_log": torch.log(torch.rand(heads, generator=gen, device=device) * 15 + 1),
-            "dt_bias": 0.1 * randn(heads, 128), "s0": 0.1 * randn(n, heads, 128, 128)}
+    return {"q": x["q"], "k": x["k"], "v": x["v"], "g": x["g"], "beta": x["beta"], "cu": cu, "cu_cpu": cu_cpu,
+            "A_log": x["A_log"], "dt_bias": x["dt_bias"], "s0": x["initial_state"]}
 
 
 def prefill_runner(x, **options):

@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
 """Cold start in fresh processes: what a serving process pays before its first prefill.
 
-    python benchmarks/cold_start.py
+    python -m benchmarks.cold_start [JSON]
 
 Child 1 (lazy): import torch + CUDA init (not counted), then ``import cula_aot`` and a first
 prefill (H=8, T=1024) including loading its two cubins.  Child 2 (eager): ``import cula_aot``,
 ``preload(heads=[8])`` (the ten cubins a server with H = 8 can need), then the first prefill.
-Wall-clock times, synchronised.
+Wall-clock times, synchronised.  The children find ``cula_aot`` through ``PYTHONPATH`` (this
+checkout first), as a GPU machine runs it from the checkout without installing.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 CHILD = r"""
-import json, sys, time
-sys.path.insert(0, {root!r})
+import json, time
 import torch
 torch.cuda.init(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 x = [torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
@@ -37,9 +38,10 @@ print(json.dumps({{"import_ms": 1e3 * (t1 - t0), "preload_ms": 1e3 * (t2 - t1), 
 
 def main():
     root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     results = {}
     for mode, eager in (("lazy", False), ("preload", True)):
-        out = subprocess.run([sys.executable, "-c", CHILD.format(root=root, eager=eager)], check=True,
+        out = subprocess.run([sys.executable, "-c", CHILD.format(eager=eager)], check=True, env=env,
                              capture_output=True, text=True).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     for mode, r in results.items():

@@ -4,18 +4,15 @@ fused kernel alone at one wave of (sequence, head) items, over sequence lengths,
 without the initial + final state, so a line through them gives the step per tile (slope) and
 the fill/drain and state I/O per item (intercepts; PERFORMANCE.md, Fused prefill):
 
-    python3 benchmarks/fused_item_cost.py [HEADS [BATCH]]     # default 64 2: 128 items
+    python3 -m benchmarks.fused_item_cost [HEADS [BATCH]]     # default 64 2: 128 items
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from bench_prefill import LOWER_BOUND, make_inputs
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.bench_prefill import LOWER_BOUND, make_inputs
 from cula_aot.ops.prefill import prefill
 
 LENGTHS = (256, 512, 1024, 2048, 4096)

@@ -3,21 +3,18 @@ short enough that the launch queue never fills (so the GPU never holds the host 
 with the two driver launches stubbed out (the Python part), the bare driver launch, then a
 cProfile of the loop.
 
-    python benchmarks/host_overhead.py [--calls 3000] [--varlen]
+    python -m benchmarks.host_overhead [--calls 3000] [--varlen]
 """
 
 import argparse
 import cProfile
 import pstats
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
+import torch
 
-import cula_aot  # noqa: E402
-from tests.helpers import cu_seqlens_of, standard_inputs  # noqa: E402
+import cula_aot
+from cula_aot.testing import cu_seqlens_of, standard_inputs
 
 
 def main():

@@ -3,27 +3,25 @@
 duration, to see whether launches overlap (PDL, a streamed K2) and what each kernel takes in
 place, where ncu would serialise them:
 
-    python3 benchmarks/kernel_timeline.py 1x8192x4 8x1024x64   # BATCHxSEQ_LENxHEADS ..., serial
-    python3 benchmarks/kernel_timeline.py --cp 16 --varlen 1x16384x8   # intracard CP, cu_seqlens
+    python3 -m benchmarks.kernel_timeline 1x8192x4 8x1024x64   # BATCHxSEQ_LENxHEADS ..., serial
+    python3 -m benchmarks.kernel_timeline --cp 16 --varlen 1x16384x8   # intracard CP, cu_seqlens
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from profile_k2 import random_inputs
 from torch.profiler import ProfilerActivity, profile
 
 import cula_aot
+from cula_aot.testing import standard_inputs
 
 
 def timeline(batch: int, seq_len: int, heads: int, intracard_cp=False, varlen=False) -> list:
     """(name, start µs from the first kernel, duration µs) of every kernel of three calls, after
-    five warm-up calls; ``varlen``: the batch as one cu_seqlens sequence each (host copy given)."""
-    q, k, v, g, beta, a_log, dt_bias = random_inputs(batch, seq_len, heads)
+    five warm-up calls; ``varlen``: the batch as one cu_seqlens sequence each (host copy given).
+    Inputs: ``cula_aot.testing.standard_inputs`` drawn on the host with seed 0."""
+    x = standard_inputs(batch, seq_len, heads, device="cuda", seed=0, generator_device="cpu")
+    q, k, v, g, beta, a_log, dt_bias = (x[name] for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
     s0 = torch.zeros(batch, heads, 128, 128, device="cuda")
     lengths = {}
     if varlen:

@@ -3,19 +3,17 @@
 
     ncu --clock-control none -k regex:kda_decode --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \\
-        python3 benchmarks/profile_decode.py --heads 64 --seqs 1024 --tokens 4 --dtype bf16
+        python3 -m benchmarks.profile_decode --heads 64 --seqs 1024 --tokens 4 --dtype bf16
 
 ``--variant 32x2`` picks the (v_block, items) kernel (default: ``pick_variant``).
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from cula_aot.ops.decode import decode
+from cula_aot.testing import standard_inputs
 
 
 def parse_variant(name):
@@ -37,17 +35,12 @@ def main():
     parser.add_argument("--variant", default=None, help="e.g. 32x2 or chunk4x2 (default: pick_variant)")
     args = parser.parse_args()
     n, t, h = args.seqs, args.tokens, args.heads
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, g = (torch.randn(n, t, h, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4))
-    beta = torch.randn(n, t, h, generator=gen, device="cuda").to(torch.bfloat16)
+    x = standard_inputs(n, t, h, device="cuda", seed=0, n_states=n)  # the pool: one slot per sequence
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    pool = (0.1 * torch.randn(n, h, 128, 128, generator=gen, device="cuda")).to(dtype)
+    pool = x.pop("initial_state").to(dtype)
     indices = torch.randperm(n, device="cuda").to(torch.int32)
-    a_log = torch.log(torch.rand(h, generator=gen, device="cuda") * 15 + 1)
-    dt_bias = 0.1 * torch.randn(h, 128, generator=gen, device="cuda")
     for _ in range(args.steps):
-        decode(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, state_pool=pool,
-               state_indices=indices, variant=parse_variant(args.variant))
+        decode(**x, state_pool=pool, state_indices=indices, variant=parse_variant(args.variant))
     torch.cuda.synchronize()
 
 

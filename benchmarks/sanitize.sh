@@ -8,13 +8,13 @@
 # Usage (on the GPU machine): bash benchmarks/sanitize.sh OUTDIR [hostile timeout s]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The case script lives in /tmp: it finds cula_aot in this checkout through PYTHONPATH.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out=${1:-/tmp}
 hostile_timeout=${2:-400}
 cat > /tmp/cula_sanitize_case.py <<'PY'
-import sys
-sys.path.insert(0, ".")
 import torch, cula_aot
-from tests.helpers import cu_seqlens_of, standard_inputs
+from cula_aot.testing import cu_seqlens_of, standard_inputs
 x = standard_inputs(1, 1 + 17 + 300, 2, device="cuda", seed=1)
 cu = cu_seqlens_of([1, 17, 300], "cuda")
 s0 = torch.zeros(3, 2, 128, 128, device="cuda")

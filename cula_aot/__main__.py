@@ -2,11 +2,12 @@
 
 import argparse
 import hashlib
-import runpy
+import os
+import subprocess
 import sys
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
 from .runtime.manifest import ArtifactError, Manifest
 
 
@@ -55,16 +56,16 @@ def main(argv=None) -> int:
     sub.add_parser("info", help="package, toolchain, arch, head counts, kernels and sizes")
     sub.add_parser("verify", help="sha256 of every artifact; exit 1 on any mismatch")
     bench = sub.add_parser("bench", help="run the prefill benchmark (needs an sm_90a GPU)")
-    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to benchmarks/bench_prefill.py")
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to python -m benchmarks.bench_prefill")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_prefill.py"
-        if not script.is_file():
+        root = Path(__file__).resolve().parent.parent
+        if not (root / "benchmarks" / "bench_prefill.py").is_file():
             print("the benchmark ships with the source tree: run it from a checkout", file=sys.stderr)
             return 2
-        sys.argv = [str(script), *args.args]
-        runpy.run_path(str(script), run_name="__main__")
-        return 0
+        # The checkout's benchmarks package, from wherever this is run.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+        return subprocess.run([sys.executable, "-m", "benchmarks.bench_prefill", *args.args], env=env).returncode
     try:
         manifest = Manifest.discover()
     except ArtifactError as exc:

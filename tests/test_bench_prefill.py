@@ -1,7 +1,7 @@
 """The prefill benchmark's planning and rendering (CPU): the sections it lists and the tables it
 writes from a results file, so a device call is never spent on a script that cannot report."""
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(not SCRIPT.exists(), reason="benchmarks/ is not 
 
 
 def _load_script(path: Path):
-    """A benchmark script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """A benchmark script imported as ``benchmarks.<name>``, as ``python -m`` runs it (the
+    repository root is importable, as it is for the tests); checked to be this checkout's file."""
+    module = importlib.import_module(f"benchmarks.{path.stem}")
+    assert Path(module.__file__).resolve() == path.resolve(), module.__file__
     return module
 
 
@@ -67,11 +67,14 @@ def test_ab_arm_syntax(ab):
 
 def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
     # Two fake trees whose "benchmark" writes a cp row with a known graph time and records the
-    # order it ran in and the artifacts it was pointed at.
+    # order it ran in and the artifacts it was pointed at; run as ``-m benchmarks.bench_prefill``
+    # in either layout: a package (b) or a plain folder of scripts, as older trees have (a).
     log = tmp_path / "order.txt"
     for name, ms in (("a", 0.2), ("b", 0.1)):
         script = tmp_path / name / "benchmarks" / "bench_prefill.py"
         script.parent.mkdir(parents=True)
+        if name == "b":
+            (script.parent / "__init__.py").write_text("")
         script.write_text(
             "import json, os, sys\n"
             f"open({str(log)!r}, 'a').write({name!r} + ':' + os.environ.get('CULA_AOT_ARTIFACTS', '-') + '\\n')\n"

@@ -14,34 +14,22 @@ from cula_aot.reference import (
     prepare_tiles,
     rel_rmse,
 )
+from cula_aot.testing import standard_inputs
 
 D = 128
 VARLEN = [0, 1, 17, 40, 72]  # lengths 1, 16, 23, 32: one token, one exact tile, partial tiles
 
 
 def make_inputs(seed, B, T, H, *, decay="standard", n_states=None):
-    """CONTRACT §8 inputs. decay='standard': lower_bound=-5, A_log=log U(1,16); 'slow': -0.05, -4.
+    """CONTRACT §8 inputs (``cula_aot.testing.standard_inputs``, CPU). decay='standard':
+    lower_bound=-5, A_log=log U(1,16); 'slow': -0.05, -4.
 
     Returns (q, k, v, g, beta, kwargs, initial_state); initial_state ~ 0.1·N(0,1) has
     n_states sequences (None: no initial state).
     """
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen)
-
-    q, k, v, g = (randn(B, T, H, D).bfloat16() for _ in range(4))
-    beta = randn(B, T, H).bfloat16()
-    if decay == "standard":
-        lower_bound = -5.0
-        A_log = torch.log(1 + 15 * torch.rand(H, generator=gen))
-    else:
-        lower_bound = -0.05
-        A_log = torch.full((H,), -4.0)
-    dt_bias = 0.1 * randn(H, D)
-    state = None if n_states is None else 0.1 * randn(n_states, H, D, D)
-    kwargs = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
-    return q, k, v, g, beta, kwargs, state
+    x = standard_inputs(B, T, H, seed=seed, slow_decay=decay != "standard", n_states=n_states)
+    kwargs = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"])
+    return x["q"], x["k"], x["v"], x["g"], x["beta"], kwargs, x.get("initial_state")
 
 
 def assert_close(actual, expected, tol):

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import __version__
+from .._version import __version__
 from ..runtime.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from ..specs import ARCH, CUTEDSL_VERSION, KernelSpec, default_specs
 from .cubin import place_params
@@ -28,7 +28,7 @@ from .ptx import check_abi, parse_entry, ptx_toolchain
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # Everything that determines the generated code besides the toolchain.
 SOURCE_FILES = sorted(
-    [*(PACKAGE_DIR / "kernels").glob("*.py"), PACKAGE_DIR / "specs.py", PACKAGE_DIR / "layout.py"]
+    [*(PACKAGE_DIR / "kernels").glob("*.py"), *(PACKAGE_DIR / "specs").glob("*.py"), PACKAGE_DIR / "layout.py"]
 )
 
 

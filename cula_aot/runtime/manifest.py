@@ -63,7 +63,7 @@ class Manifest:
                 f"manifest {self.path} has schema {data['schema_version']}, this cula_aot reads schema "
                 f"{SCHEMA_VERSION}. Rebuild the kernels with this version: `{BUILD_HINT}`."
             )
-        from .. import __version__
+        from .._version import __version__
         from ..specs import CUTEDSL_VERSION
 
         built_by = data.get("package_version")

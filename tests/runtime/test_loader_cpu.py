@@ -224,8 +224,11 @@ def test_packer_refuses_bad_values():
 
 
 def test_runtime_never_imports_cutlass():
+    # The package, the loader, the prefill and decode entry points and the input generators
+    # (cula_aot.testing), down to reading a cubin: no cutlass module anywhere.
     code = (
         "import sys, cula_aot, cula_aot.runtime.loader, cula_aot.runtime.manifest, cula_aot.ops.prepare\n"
+        "import cula_aot.ops.decode, cula_aot.testing\n"
         "from cula_aot.runtime.manifest import Manifest\n"
         "Manifest.discover().read_cubin(next(iter(Manifest.discover().kernels.values())))\n"
         "bad = [m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')]\n"
