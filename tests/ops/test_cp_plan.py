@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 from cula_aot.layout import CHUNK, FLAG_FINAL_STATE, varlen_slot_base
 from cula_aot.ops import cp_plan
-from cula_aot.ops.prefill import _segment_tables
+from cula_aot.ops.prefill_plans import _segment_tables
 
 
 def _cu(lengths):

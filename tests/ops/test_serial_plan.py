@@ -1,4 +1,4 @@
-"""The cached fast paths (``ops.prefill._SerialPlan``, ``_CPPlan``) on the CPU: a fake loader
+"""The cached fast paths (``ops.prefill_plans._SerialPlan``, ``_CPPlan``) on the CPU: a fake loader
 over the real manifest records captures the packed parameter buffers, so the launch values, the
 per-call re-checks and the plan cache are checked without a GPU."""
 
@@ -10,7 +10,9 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.layout import FLAG_BF16_FINAL, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE
+from cula_aot.layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT,
+                             FLAG_INITIAL_STATE, FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN)
+from cula_aot.ops import cp_plan, prefill_checks, prefill_plans
 from cula_aot.ops import prefill as prefill_module
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
@@ -44,9 +46,11 @@ class _Recorder:
 def recorder(monkeypatch, manifest_path):
     rec = _Recorder()
     loader = rec.loader(Manifest(manifest_path) if not hasattr(Manifest, "discover") else Manifest.discover())
+    # Each name patched on the module that looks it up: kernels and sm_count in prefill (the
+    # entry resolves them), the device rule in prefill_checks, the stream in prefill_plans.
     monkeypatch.setattr(prefill_module, "default_loader", lambda: loader)
-    monkeypatch.setattr(prefill_module, "_check_device", lambda device: None)
-    monkeypatch.setattr(prefill_module, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(prefill_checks, "_check_device", lambda device: None)
+    monkeypatch.setattr(prefill_plans, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
     monkeypatch.setattr(prefill_module, "_PLANS", {})
     # TMA descriptors: a recognisable encoding of (address, dims, strides) instead of the driver's.
@@ -87,7 +91,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert v2["v"] == y["v"].data_ptr() and v2["out"] == o2.data_ptr() and v2["state_indices"] == idx.data_ptr()
     assert v2["initial_state"] == v2["final_state"] == pool.data_ptr()
     assert v2["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST
+        | FLAG_BF16_INIT | FLAG_BF16_FINAL | FLAG_LONGEST_FIRST
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
     assert (v2["init_slots"], v2["final_slots"], v2["status"]) == (5, 5, 0)  # the pool bounds its indices
     # Same workspaces on both calls: the arena's cached addresses.
@@ -118,7 +122,7 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     assert values["v"] == x["v"].data_ptr() and values["out"] == o.data_ptr() and values["cu_seqlens"] == cu.data_ptr()
     assert values["initial_state"] == values["final_state"] == pool.data_ptr() and values["state_indices"] == idx.data_ptr()
     assert values["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | prefill_module.FLAG_BF16_INIT | FLAG_BF16_FINAL | prefill_module.FLAG_LONGEST_FIRST | prefill_module.FLAG_VARLEN
+        | FLAG_BF16_INIT | FLAG_BF16_FINAL | FLAG_LONGEST_FIRST | FLAG_VARLEN
     assert (values["init_stride_k"], values["init_stride_v"], values["seq_len"], values["num_seqs"]) == (128, 1, 40, 2)
     # No workspaces and no dependent launch: the fused kernel reads only the caller's tensors.
     assert recorder.launches[1][3] is False and "workspace" not in values
@@ -128,7 +132,7 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
                            lower_bound=y["lower_bound"], intracard_cp=False, fused=True)
     kernel, values, grid = recorder.values(2)
     assert kernel.name == fused_spec(heads).name and grid == (1, heads, 2)
-    assert values["flags"] & prefill_module.FLAG_VARLEN == 0 and (values["seq_len"], values["num_seqs"]) == (32, 2)
+    assert values["flags"] & FLAG_VARLEN == 0 and (values["seq_len"], values["num_seqs"]) == (32, 2)
 
 
 def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
@@ -217,7 +221,7 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
     def plan_spy(seqs, s_split):
         raise Planned(s_split)
 
-    monkeypatch.setattr(prefill_module.cp_plan, "plan", plan_spy)
+    monkeypatch.setattr(cp_plan, "plan", plan_spy)
     with pytest.raises(Planned) as planned:
         _call(x, cu_seqlens=split_cu, cu_seqlens_cpu=split_cu.clone())
     assert validations and planned.value.args[0] > 1
@@ -240,7 +244,7 @@ class _Tables:
 def tables(recorder, monkeypatch):
     """The CP path on the CPU: fake segment tables and a current stream of raw address 0."""
     fake = _Tables()
-    monkeypatch.setattr(prefill_module, "SEGMENT_TABLES", fake)
+    monkeypatch.setattr(prefill_plans, "SEGMENT_TABLES", fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
     return fake
 
@@ -260,7 +264,7 @@ def slow_path(monkeypatch):
         monkeypatch.setattr(module, name, spy)
 
     counting(prefill_module, "validate")
-    counting(prefill_module.cp_plan, "plan")
+    counting(cp_plan, "plan")
     return calls
 
 
@@ -321,8 +325,7 @@ def test_new_lengths_plan_again_with_their_own_tables(recorder, tables, slow_pat
     table_a, table_b = (t.data_ptr() for t in tables.entries.values())
     assert a[1][3]["segments"] == table_a and b[1][3]["segments"] == table_b
     host_cu = [0, *_OTHER_SPLIT[:1], 4096]
-    want = prefill_module._segment_tables(prefill_module.cp_plan.plan(
-        prefill_module.cp_plan.sequences(1, 4096, host_cu), 8), 0)
+    want = prefill_plans._segment_tables(cp_plan.plan(cp_plan.sequences(1, 4096, host_cu), 8), 0)
     rows = [v for row in want[0] + want[1] for v in row] + want[2]
     # Then the host lengths at the next 16-byte boundary: K1 reads those, not the device cu_seqlens.
     cu_at = 16 * -(-4 * len(rows) // 16)
@@ -365,8 +368,8 @@ def test_auto_switches_between_cached_serial_and_cp_plans(recorder, tables, slow
 def test_planned_split_searches_each_length_set_once(monkeypatch):
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
     searches = []
-    real = prefill_module.cp_plan.auto_split
-    monkeypatch.setattr(prefill_module.cp_plan, "auto_split", lambda *a: searches.append(a) or real(*a))
+    real = cp_plan.auto_split
+    monkeypatch.setattr(cp_plan, "auto_split", lambda *a: searches.append(a) or real(*a))
     prefill_module._cached_split.cache_clear()
     first = prefill_module.planned_split([16, 4080], 4, None)
     assert prefill_module.planned_split([16, 4080], 4, None) == first and len(searches) == 1
@@ -389,12 +392,12 @@ def test_a_status_word_is_passed_and_flagged_on_every_launch(recorder, fused):
                                  state_indices=idx, output_final_state=True, intracard_cp=False, fused=fused,
                                  status=status)
     _, values, _ = recorder.values(len(recorder.launches) - 1)
-    assert values["status"] == status.data_ptr() and values["flags"] & prefill_module.FLAG_STATUS
+    assert values["status"] == status.data_ptr() and values["flags"] & FLAG_STATUS
     assert (values["init_slots"], values["final_slots"]) == (3, 3)
     # Another signature without it: no word, no flag.
     cula_aot.ops.prefill.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                  lower_bound=x["lower_bound"], cu_seqlens=cu_seqlens_of([7, 33]), output_final_state=True,
                                  intracard_cp=False, fused=fused)
     _, values, _ = recorder.values(len(recorder.launches) - 1)
-    assert values["status"] == 0 and not values["flags"] & prefill_module.FLAG_STATUS
+    assert values["status"] == 0 and not values["flags"] & FLAG_STATUS
     assert values["final_slots"] == 2  # the allocated final state: one slot per sequence

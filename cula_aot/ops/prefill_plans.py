@@ -1,0 +1,305 @@
+"""The prefill's launch plans, one per call signature: the serial path (K1 then K2, ``_SerialPlan``),
+the fused kernel (``_FusedPlan``) and the intracard-CP chain (K1, pre_scan, merge, segmented K2,
+``_CPPlan``), with what they launch: the kernels' launch templates and static values, the K2 /
+merge flag bits, the CP segment tables, and each call's checks, allocations and launches.
+"""
+
+import torch
+
+from ..layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_IDENTITY_INIT, FLAG_INDEXED_FINAL,
+                      FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_NO_OUTPUT, FLAG_STATUS, FLAG_VARLEN, FLAG_ZERO_V,
+                      SEG_FINAL_INDEX, SEG_FIRST_SLOT, SEG_FIRST_TOKEN, SEG_FLAGS, SEG_INIT_INDEX, SEG_SEQ, SEG_TOKENS,
+                      SEGMENT_FIELDS, D)
+from ..specs import WORKSPACE_POINTERS, MergeSpec, k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block
+from .checks import check_scalars, fail
+from .prefill_checks import Checked, _check_addresses, _host_cu_seqlens
+from .prepare import input_geometry, plan_slots
+from .workspace import ARENA, SEGMENT_TABLES
+
+
+def _segment_row(seg, init_index, final_index, flags) -> list[int]:
+    row = [0] * SEGMENT_FIELDS
+    row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
+    row[SEG_TOKENS], row[SEG_INIT_INDEX], row[SEG_FINAL_INDEX], row[SEG_FLAGS] = (
+        seg.num_tokens, init_index, final_index, flags)
+    return row
+
+
+def _segment_tables(segments, final_flags: int):
+    """Rows of the pre_scan jobs and of the segmented recurrence, and each sequence's segment
+    range.  Pre_scan job 2i (2i + 1) writes M_i (B_i) of segment i; segment i of the recurrence
+    starts from carries[i]; a sequence's last segment writes the user's final state with
+    ``final_flags`` (0: no final state)."""
+    transition = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
+    prescan_rows, main_rows, bounds = [], [], [0]
+    for seq_segments in segments:
+        for n, seg in enumerate(seq_segments):
+            index = len(main_rows)
+            last = n + 1 == len(seq_segments)
+            if not last:
+                prescan_rows.append(_segment_row(seg, -1, 2 * index, transition))
+                prescan_rows.append(_segment_row(seg, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+            main_rows.append(_segment_row(seg, index, seg.seq, FLAG_INITIAL_STATE | (final_flags if last else 0)))
+        bounds.append(len(main_rows))
+    return prescan_rows, main_rows, bounds
+
+
+def _state_flags(state, which: str, indexed: bool) -> int:
+    """K2 / merge flag bits for a user state tensor (``which`` = "init" or "final")."""
+    if state is None:
+        return 0
+    present, pooled, bf16 = {"init": (FLAG_INITIAL_STATE, FLAG_INDEXED_INIT, FLAG_BF16_INIT),
+                             "final": (FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_BF16_FINAL)}[which]
+    return present | (pooled if indexed else 0) | (bf16 if state.dtype == torch.bfloat16 else 0)
+
+
+def _state_options(initial_state, final_state, output_final_state, state_indices, status) -> dict:
+    """Every plan's state and status options: ``alloc_final`` (a final state is wanted but not
+    given: each call allocates one) and the flag bits of both states and of the status word."""
+    indexed = state_indices is not None
+    want_final = output_final_state or final_state is not None
+    alloc_final = want_final and final_state is None
+    # An allocated final state is plain fp32; without want_final there is no final_state.
+    return {"alloc_final": alloc_final, "init_flags": _state_flags(initial_state, "init", indexed),
+            "final_flags": FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed),
+            "status_flag": 0 if status is None else FLAG_STATUS}
+
+
+def _raw_stream(device) -> int:
+    """The current stream of ``device`` as a raw ``cudaStream_t`` (without building a Stream)."""
+    return _current_raw_stream(device.index)
+
+
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                              lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+# K1's and K2's per-call parameters (everything else is fixed by a _SerialPlan's signature).
+_WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
+_K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSPACES, "scale", "lower_bound")
+# Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →
+# pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
+# its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
+DEPENDENT_LAUNCH = True
+_K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", "status", *_WORKSPACES)
+
+
+_FUSED_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "v", "out", "initial_state", "final_state", "cu_seqlens",
+                  "state_indices", "status", "scale", "lower_bound")
+
+# The segmented K2's per-call parameters (pre_scan and recurrence rows alike) and the merge's.
+_SEGMENTED_DYNAMIC = (*_K2_DYNAMIC, "segments")
+_MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices", "status")
+_K1_CU_SEQLENS = _K1_DYNAMIC.index("cu_seqlens")
+
+
+class _Plan:
+    """What the serial and the CP plan of one call signature (shapes, strides, dtypes, devices
+    and options) share: the validated facts, K1's launch template (``k1`` and the device's
+    ``sm_count``: None on the fused path), what the plan cache needs to pick a call's plan, and
+    the per-call checks and allocations the signature does not fix (addresses, scalars, host
+    cu_seqlens values)."""
+
+    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split):
+        self.c, self.device, self.alloc_final = c, device, alloc_final
+        # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
+        # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
+        # does not fix them).  Read by the plan cache (``prefill._plan_for_lengths``).
+        self.intracard_cp, self.split = intracard_cp, split
+        total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
+        # The fused path (k1 None) has no workspaces.
+        self.slots = 0 if k1 is None else c.heads * total_slots
+        self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
+        if k1 is not None:
+            self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+                                   **k1_grid(total_slots, c.heads, sm_count)}, _K1_DYNAMIC)
+
+    def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+               cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu):
+        """One call's checks and allocations, before anything launches: (out, final_state, the
+        int32 device cu_seqlens to keep alive until the launches are issued, K1's dynamic values,
+        the K2 values of ``_K2_DYNAMIC``).  ``host_cu``: the host cu_seqlens when the caller already
+        read (and, if the signature checks them, checked) them."""
+        c, device = self.c, self.device
+        lower_bound, scale = check_scalars(lower_bound, scale)
+        # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
+        qp, kp, vp, gp, bp, ap, dp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                                      A_log.data_ptr(), dt_bias.data_ptr())
+        ip = 0 if initial_state is None else initial_state.data_ptr()
+        fp = 0 if final_state is None else final_state.data_ptr()
+        op = 0 if out is None else out.data_ptr()
+        xp = 0 if state_indices is None else state_indices.data_ptr()
+        sp = 0 if status is None else status.data_ptr()
+        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp) & 15 or op in (qp, kp, vp, gp) \
+                or fp in (qp, kp, vp, gp):
+            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status)
+        if c.seqlens_checked and host_cu is None:
+            _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
+        if out is None:
+            out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+            op = out.data_ptr()
+        if self.alloc_final:
+            final_state = torch.empty(c.num_seqs, c.heads, D, D, dtype=torch.float32, device=device)
+            fp = final_state.data_ptr()
+        workspaces = ARENA.pointers(device, self.slots, stream) if self.slots else ()
+        cu32 = None
+        if cu_seqlens is not None:
+            cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
+                cu_seqlens.to(device=device, dtype=torch.int32)
+        cu_ptr = 0 if cu32 is None else cu32.data_ptr()
+        return (out, final_state, cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound),
+                (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces))
+
+
+def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int,
+                         order: int) -> dict:
+    """The serial chain's static values (K2's, and the fused kernel's): v and out token strides,
+    both states' slot counts, slot and element strides (an allocated final state: N packed
+    slots), and the flags (``order``: the grid order bit, ``prefill.SERIAL_K2_ORDER``)."""
+    stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+    return {"v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
+            "init_slots": c.init_slots, "final_slots": c.final_slots or c.num_seqs,
+            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
+            "flags": init_flags | final_flags | status_flag | order}
+
+
+class _SerialPlan(_Plan):
+    """The serial path (K1, K2) for one call signature: launched from templates while the
+    call's lengths keep it serial."""
+
+    serial = True
+
+    def __init__(self, c: Checked, k1, k2, *, sm_count, order, cu_seqlens, alloc_final, state_layout, init_flags,
+                 final_flags, status_flag, device, intracard_cp, split):
+        super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
+        self.k2 = k2.template({**self.geometry, "segments": 0, **chain},
+                              _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+        stream = _raw_stream(self.device)
+        out, final_state, _cu32, k1_values, k2_values = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        self.k1.launch(k1_values, stream)
+        self.k2.launch(k2_values, stream)
+        return out, final_state
+
+
+class _FusedPlan(_Plan):
+    """The serial path as one fused kernel (``kernels/fused_prefill.py``: K1's work and K2's
+    chain in one CTA per (sequence, head), no workspaces) for one call signature."""
+
+    serial = True
+
+    def __init__(self, c: Checked, fused, *, order, cu_seqlens, alloc_final, state_layout, init_flags, final_flags,
+                 status_flag, device, intracard_cp, split):
+        super().__init__(c, None, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
+        if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
+            chain["flags"] |= FLAG_VARLEN
+        self.kernel = fused.template({
+            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}, _FUSED_DYNAMIC)
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+        stream = _raw_stream(self.device)
+        out, final_state, _cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, scale, lower_bound), (vp, op, ip, fp, _, xp, sp) = \
+            self._begin(stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+                        cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        self.kernel.launch((qp, kp, gp, bp, ap, dp, vp, op, ip, fp, cu_ptr, xp, sp, scale, lower_bound), stream)
+        return out, final_state
+
+
+class _CPPlan(_Plan):
+    """The intracard-CP chain (K1, pre_scan, merge, segmented K2) for one call signature, one
+    set of lengths and one s_split: its segment plan and the four launch templates, so a
+    repeated call skips validation, planning, table building and descriptor encoding."""
+
+    serial = False
+
+    def __init__(self, c: Checked, loader, k1, segments, s_split, *, sm_count, cu_seqlens, alloc_final, state_layout,
+                 init_flags, final_flags, status_flag, device, intracard_cp, split):
+        super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
+                         intracard_cp=intracard_cp, split=split)
+        heads = c.heads
+        n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
+        n_segments = self.n_segments = sum(len(seq) for seq in segments)
+        # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's
+        # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
+        # launch: an unbuilt head count fails before anything runs.
+        merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, c.num_seqs, sm_count)))
+        prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count),
+                                                          prescan=True))
+        recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
+        # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
+        # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
+        # from (at a multiple of 16 bytes): K1 reads those, so the records always match the
+        # table, whatever the device cu_seqlens holds.
+        self.segments, self.final_flags = segments, final_flags
+        self.host_cu = c.host_cu
+        self.table_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
+                          final_flags)
+        row_bytes = 4 * SEGMENT_FIELDS
+        self.main_rows_at, self.bounds_at = row_bytes * n_prescan, row_bytes * (n_prescan + n_segments)
+        self.cu_at = self.bounds_at + 16 * -(-4 * (len(segments) + 1) // 16)
+        # [*, H, V, K] ("vk", the public default) or [*, H, K, V]: S[k, v] at k·sk + v·sv.  The
+        # transition pairs (M_i, B_i) and carries are fp32 [K, V] row-major per head.
+        stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+        packed_slot = heads * D * D
+        # The rows' states: carries (init), transition pairs (the pre_scan's final), the user's final
+        # state (the recurrence's); the user's pool slot counts bound the indexed ones.
+        k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
+                     "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
+        self.prescan = prescan_k2.template({
+            **k2_common, "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
+            "final_stride_k": D, "final_stride_v": 1, "flags": 0}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.merge = merge.template({
+            "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
+            "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags | status_flag},
+            _MERGE_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.recurrence = recurrence_k2.template({
+            **k2_common, "num_seqs": n_segments, "final_slots": c.num_seqs if alloc_final else c.final_slots,
+            "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
+            "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag},
+            _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+
+    def _table_values(self) -> list[int]:
+        prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
+        values = [v for row in prescan_rows + main_rows for v in row] + bounds
+        if self.host_cu is not None:
+            values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
+        return values
+
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+        c, device = self.c, self.device
+        torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
+        stream = torch_stream.cuda_stream
+        out, final_state, _cu32, k1_values, (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces) = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        # The tables before any launch, so nothing on the GPU waits for Python between them.
+        # Looked up on every call, not held: the lookup records this call's stream and marks a
+        # table a capture uses, which is then never evicted.
+        table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
+        if table is None:
+            fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
+                  "call (same lengths) once before capturing, or pass intracard_cp=False")
+        rows = table.data_ptr()
+        if self.host_cu is not None:  # K1 places the records by the lengths the table was planned from
+            k1_values = (*k1_values[:_K1_CU_SEQLENS], rows + self.cu_at, *k1_values[_K1_CU_SEQLENS + 1:])
+        # Transition pairs (M_i, B_i) and merged start states.
+        prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
+        carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
+        pp, cp = prescan.data_ptr(), carries.data_ptr()
+        self.k1.launch(k1_values, stream)
+        # The pre_scan starts from 0 or the identity and writes transition pairs: no pool, no status.
+        self.prescan.launch((vp, op, 0, pp, cu_ptr, xp, 0, *workspaces, rows), stream)
+        self.merge.launch((ip, pp, cp, rows + self.bounds_at, xp, sp), stream)
+        self.recurrence.launch((vp, op, cp, fp, cu_ptr, xp, sp, *workspaces, rows + self.main_rows_at), stream)
+        return out, final_state
+
