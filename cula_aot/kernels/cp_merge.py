@@ -71,14 +71,14 @@ def _fragment_index(m_tile: int, n_tile: int, c: int, n_tiles: int) -> int:
     return (m_tile * n_tiles + n_tile) * 4 + c
 
 
-def _fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
+def fragment_entry(warp, lane, m_tile: int, n_tile: int, c: int):
     """(row k, column within the block) of accumulator value c of tile (m_tile, n_tile)."""
     return (warp * _M_TILES + m_tile) * 16 + lane // 4 + 8 * (c // 2), n_tile * 8 + 2 * (lane % 4) + c % 2
 
 
 def _entry_of_value(warp, lane, i: int, n_tiles: int):
     """(row k, column) of value i of a thread's carry (``_fragment_index`` order)."""
-    return _fragment_entry(warp, lane, i // (4 * n_tiles), (i // 4) % n_tiles, i % 4)
+    return fragment_entry(warp, lane, i // (4 * n_tiles), (i // 4) % n_tiles, i % 4)
 
 
 @cute.jit

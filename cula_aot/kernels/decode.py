@@ -62,8 +62,9 @@ from ..specs import (
     decode_stage_bytes,
     decode_token_bytes,
 )
-from .common import LOG2E, butterfly_reduce_scatter, exp2_fast, kept_start, report_status, sigmoid
+from .common import butterfly_reduce_scatter, kept_start, report_status
 from .warp_mma import cp_async_16
+from .token_step import bf16_row8, defer_decay, smem_run, token_loads, token_prepare
 
 WARP = 32
 ROWS_PER_WARP = 16
@@ -98,7 +99,8 @@ def io_rounds(v_block: int, items: int) -> int:
     return -(-MAX_TOKENS * chunks // threads(v_block))
 
 
-class _Tile:
+@functools.lru_cache(maxsize=None)
+class Tile:
     """Trace-time description of a thread's 64 state values for one variant."""
 
     def __init__(self, kv_layout: bool, bf16_state: bool):
@@ -190,13 +192,12 @@ class _Tile:
         return out
 
 
-@functools.lru_cache(maxsize=None)
-def _tile(kv_layout: bool, bf16_state: bool) -> _Tile:
-    return _Tile(bool(kv_layout), bool(bf16_state))
+def _tile(kv_layout: bool, bf16_state: bool) -> Tile:
+    return Tile(bool(kv_layout), bool(bf16_state))
 
 
-# Plain Python helpers (trace-time loops, no dynamic control flow): they may take the _Tile.
-def _load_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
+# Plain Python helpers (trace-time loops, no dynamic control flow): they may take the Tile.
+def _load_state(state: cute.Tensor, base: cute.Pointer, tile: Tile, lane_off):
     """This thread's 64 values of the head state at ``base`` into ``state`` (fp32)."""
     for static_off, regs in tile.vectors():
         at = cute.assume(lane_off + static_off, divby=tile.ce)  # lane_off: a multiple of CE
@@ -205,12 +206,12 @@ def _load_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off):
             state[regs[e]] = vec[e]
 
 
-def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off, s_decay, t, j):
+def _store_state(state: cute.Tensor, base: cute.Pointer, tile: Tile, lane_off, s_decay, t, j):
     """The state ``state``·diag(A_t) (the deferred decay, A_t of token ``t`` from ``s_decay``)
     rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
     decay = {}
     for ki0, count in tile.key_chunks():
-        for c, value in enumerate(_smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)):
+        for c, value in enumerate(smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)):
             decay[ki0 + c] = value
     frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
     for static_off, regs in tile.vectors():
@@ -220,39 +221,21 @@ def _store_state(state: cute.Tensor, base: cute.Pointer, tile: _Tile, lane_off, 
         cute.make_tensor(base + at, cute.make_layout(tile.ce)).store(frag.load().to(tile.dtype))
 
 
-def _bf16_row8(base: cute.Pointer, offset):
-    """Eight bf16 at ``base + offset`` (16-byte aligned) widened to fp32."""
-    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load().to(cutlass.Float32)
-
-
-def _f32x8(base: cute.Pointer, offset):
-    """Eight fp32 at ``base + offset`` (32-byte aligned: two 16-byte vectors)."""
-    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load()
-
-
 def _store8(dst: cute.Tensor, offset, values):
     """Eight values (a TensorSSA of ``dst``'s dtype) into shared memory at ``offset`` (a multiple of 8)."""
     cute.make_tensor(dst.iterator + cute.assume(offset, divby=8), cute.make_layout(8)).store(values)
 
 
-def _smem_run(array: cute.Tensor, at, count: int):
-    """``count`` consecutive fp32 of a shared-memory array (one vector read when count > 1)."""
-    if count == 1:
-        return [array[at]]
-    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=count), cute.make_layout(count)).load()
-    return [vec[e] for e in range(count)]
-
-
-def _reduce_rows(tile: _Tile, dk, dq, j):
+def _reduce_rows(tile: Tile, dk, dq, j):
     """The group totals (S k, S q) of row ``tile.row_of(j)``: a reduce-scatter of the VT row
     pairs over the L lanes of a group (VT + VT/2 + … shuffle pairs instead of VT·log2 L)."""
     return butterfly_reduce_scatter(list(zip(dk, dq)), j, tile.xor_offsets)[0]
 
 
-def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
+def _token_step(tile: Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
                 scale, v_stride: int):
     """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
-    see ``_defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
+    see ``defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
     reduce-scattered over the group (``_reduce_rows``), u and o of the lane's row (o staged in
     ``s_o``), u of every row gathered back by shuffles, and the rank-1 update S' += u (k̂/A_t)ᵀ:
     three FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs
@@ -262,8 +245,8 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, 
     dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     for ki0, count in tile.key_chunks():
         at = t * D + tile.key_pos(j, ki0)
-        kds = _smem_run(s_kd, at, count)
-        qds = _smem_run(s_qd, at, count)
+        kds = smem_run(s_kd, at, count)
+        qds = smem_run(s_qd, at, count)
         for c in range(count):
             ki = ki0 + c
             for vi in range(tile.vt):
@@ -277,13 +260,13 @@ def _token_step(tile: _Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, 
     s_o[t * v_stride + row] = (scale * (dq_row + u_row * s_kq[t])).to(cutlass.BFloat16)
     u = [cute.arch.shuffle_sync(u_row, offset=tile.lane_of(group, tile.holder(vi))) for vi in range(tile.vt)]
     for ki0, count in tile.key_chunks():
-        kinvs = _smem_run(s_kinv, t * D + tile.key_pos(j, ki0), count)
+        kinvs = smem_run(s_kinv, t * D + tile.key_pos(j, ki0), count)
         for c in range(count):
             for vi in range(tile.vt):
                 state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * kinvs[c]
 
 
-def _stage_state(tile: _Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
+def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
     """cp.async this thread's 16 state vectors at ``base`` into shared memory (vector i of
     thread tid at ``stage_address + (i·threads + tid)·16``: a warp's copies are contiguous)."""
     for i, (static_off, _) in enumerate(tile.vectors()):
@@ -291,7 +274,7 @@ def _stage_state(tile: _Tile, base: cute.Pointer, lane_off, stage_address, tid, 
         cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
 
 
-def _unstage_state(tile: _Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_threads: int, dtype):
+def _unstage_state(tile: Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_threads: int, dtype):
     """This thread's staged vectors (``_stage_state``) from shared memory into ``state`` (fp32)."""
     for i, (_, regs) in enumerate(tile.vectors()):
         at = cute.assume((i * n_threads + tid) * tile.ce, divby=tile.ce)
@@ -299,86 +282,6 @@ def _unstage_state(tile: _Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_t
                                cute.make_layout(tile.ce)).load().to(cutlass.Float32)
         for e in range(tile.ce):
             state[regs[e]] = vec[e]
-
-
-def _token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
-                 dt_bias: cute.Pointer, hl, q_at, k_at, g_at, beta_at, head):
-    """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
-    dt_bias, β, A_log); the values are consumed by ``_token_prepare``."""
-    col = hl * 8
-    return (_bf16_row8(q, q_at + col), _bf16_row8(k, k_at + col), _bf16_row8(g, g_at + col),
-            _f32x8(dt_bias, head * D + col),
-            cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
-            cute.make_tensor(a_log + head, cute.make_layout(1))[0])
-
-
-def _token_prepare(tile: _Tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
-                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound):
-    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
-    ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
-    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
-    vq, vk, vg, bias, logit, a_log_value = inputs
-    col = hl * 8
-    ssq = cutlass.Float32(0.0)
-    ssk = cutlass.Float32(0.0)
-    for e in range(8):
-        ssq = ssq + vq[e] * vq[e]
-        ssk = ssk + vk[e] * vk[e]
-    for b in range(4):
-        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
-        ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
-    rq = cute.math.rsqrt(ssq + 1e-6)
-    rk = cute.math.rsqrt(ssk + 1e-6)
-    decay_rate = exp2_fast(a_log_value * cutlass.Float32(LOG2E))
-    fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    kq = cutlass.Float32(0.0)
-    for e in range(8):
-        fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
-        fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-        kq = kq + fq[e] * fk[e]
-        gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
-        fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
-    for b in range(4):
-        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
-    for run in range(2):  # keys col + 4·run .. + 3
-        at = t * D + tile.pos_of_key(col + 4 * run)
-        for dst, values in ((s_qhat, fq), (s_khat, fk), (s_alpha, fa)):
-            if tile.kv:  # consecutive keys lie 4 positions apart
-                for e in range(4):
-                    dst[at + 4 * e] = values[4 * run + e]
-            else:  # consecutive keys are consecutive positions: one 16-byte store
-                run_values = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-                for e in range(4):
-                    run_values[e] = values[4 * run + e]
-                cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(
-                    run_values.load())
-    s_kq[t] = kq
-    s_b[t] = sigmoid(logit)
-
-
-@cute.jit
-def _defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_decay: cute.Tensor, num_tokens,
-                 tid, n_threads: cutlass.Constexpr[int]):
-    """Deferred decay, in place per key (all four arrays share the key positions, so this walks
-    positions): with A_t = α_0·…·α_t, the state after token t is
-    S_t = S'_t·diag(A_t) where S' only takes rank-1 updates, so token t needs A_t⊙k̂ and A_t⊙q̂
-    (for the dot products, over k̂ and q̂) and k̂/A_t (for the update, over α), and a stored state
-    is S'·diag(A_t) (``s_decay``).  A_t ≥ e^(−5·8) stays a normal fp32 (lower_bound ≥ −5,
-    T ≤ 8), and every product is exact to fp32 rounding relative to the state it contributes
-    to."""
-    for i in cutlass.range_constexpr(D // n_threads):
-        position = tid + i * n_threads
-        decay = cutlass.Float32(1.0)
-        for t in cutlass.range(num_tokens, unroll=1):
-            at = t * D + position
-            decay = decay * s_alpha[at]
-            khat = s_khat[at]
-            s_khat[at] = khat * decay
-            s_qhat[at] = s_qhat[at] * decay
-            s_alpha[at] = khat / decay
-            s_decay[at] = decay
 
 
 @cute.kernel
@@ -469,7 +372,7 @@ def kda_decode_kernel(
     # ---- issued before the slot is known: the first round of token inputs (token half_id,
     # clamped) and the v rows; the state loads then wait only for the index ------------------
     t0 = cutlass.min(half_id, num_tokens - 1)
-    inputs0 = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+    inputs0 = token_loads(q, k, g, beta, a_log, dt_bias, hl,
                            n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
                            n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
                            n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
@@ -478,11 +381,11 @@ def kda_decode_kernel(
     v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-        v_row = _bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
+        v_row = bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
         for e in cutlass.range_constexpr(8):
             v_rows[8 * r + e] = v_row[e]
 
-    # The _Tile is a trace-time object: it is never bound to a local name here, since a Python
+    # The Tile is a trace-time object: it is never bound to a local name here, since a Python
     # object live across a dynamic `if`/`for` cannot be staged.
     group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
     # First of this thread's VT rows within a v_block item.
@@ -502,7 +405,7 @@ def kda_decode_kernel(
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
-    _token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
         _store8(s_v, io_tc * rows + io_col,
@@ -512,14 +415,14 @@ def kda_decode_kernel(
     for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
         t = cutlass.min(base + half_id, num_tokens - 1)
         t64 = cutlass.Int64(t)
-        inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+        inputs = token_loads(q, k, g, beta, a_log, dt_bias, hl,
                               n64 * q_stride_n + t64 * q_stride_t + head * D,
                               n64 * k_stride_n + t64 * k_stride_t + head * D,
                               n64 * g_stride_n + t64 * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
-        _token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
+        token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
     cute.arch.sync_threads()
-    _defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
 
     if seq < num_seqs and slot >= 0 and slot < num_slots:

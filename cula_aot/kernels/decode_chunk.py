@@ -47,7 +47,7 @@ import cutlass.cute as cute
 from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
 from ..specs import DECODE_CHUNK_MAX_TOKENS, DECODE_FLAG_STATUS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
 from .common import butterfly_reduce_scatter, kept_start, report_status
-from .decode import _defer_decay, _smem_run, _token_loads, _token_prepare
+from .token_step import defer_decay, smem_run, token_loads, token_prepare
 from .warp_mma import (
     bf16_as_f32,
     cp_async_16,
@@ -64,7 +64,7 @@ WARP = 32
 ROWS = 16  # V rows per warp
 PAIRS = 16  # b32 pairs of state values per row and lane
 TOKENS = DECODE_CHUNK_MAX_TOKENS
-HALF = 16  # lanes per token in the prologue (decode.py's token preparation)
+HALF = 16  # lanes per token in the prologue (token_step's token preparation)
 P_COLUMNS = 2 * TOKENS  # P = S_0·[kd_0 qd_0 kd_1 qd_1 …]
 # The per-head dot products the triangle needs, in the order warp 0 reduces them: (kind, t, s)
 # = ki_s·kd_t (kind 0) or ki_s·qd_t (kind 1) for s < t; padded to a power of two.
@@ -131,7 +131,7 @@ def g2_index(k, n):
 
 
 class _NaturalKeys:
-    """decode.py's token preparation writes key k at position k here."""
+    """``token_step.token_prepare`` writes key k at position k here."""
 
     kv = False
 
@@ -167,7 +167,7 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, w
         m, n, c = pb_work(tid + i * workers)
         chunk = pb_chunk(m, n, c)
         kind, t = p_column(n)
-        src = _smem_run(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
+        src = smem_run(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
         hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         lo = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for e in range(8):
@@ -186,8 +186,8 @@ def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute
     (one per thread): 8 keys read as vectors, written at ``kt_index``."""
     t, m, c_key = kt_work(item)
     at = 32 * m + 8 * c_key
-    kinv = _smem_run(s_kinv, t * D + at, 8)
-    final = _smem_run(s_decay, (num_tokens - 1) * D + at, 8)
+    kinv = smem_run(s_kinv, t * D + at, 8)
+    final = smem_run(s_decay, (num_tokens - 1) * D + at, 8)
     for e in range(2):
         vals = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         for jj in range(4):
@@ -201,10 +201,10 @@ def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane):
     """Warp 0's share of G: the per-head dot products ``DOTS`` (lane l sums keys 4l .. 4l + 3,
     then a reduce-scatter over the warp); returns the total lane l holds, that of
     ``DOTS[kept_start(l, DOT_SLOTS, 5)]`` (slots past ``len(DOTS)`` are zero)."""
-    ki = [_smem_run(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
+    ki = [smem_run(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
     partial = []
     for kind, t, s in DOTS:
-        other = _smem_run(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
+        other = smem_run(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
         acc = cutlass.Float32(0.0)
         for e in range(4):
             acc = acc + ki[s][e] * other[e]
@@ -296,8 +296,8 @@ def _compute_item(state: cute.Tensor, s_pb: cute.Tensor, s_g: cute.Tensor, s_dec
     a_u = [uh_g, uh_g8, ul_g, ul_g8]
     last = (num_tokens - 1) * D
     for m in range(4):
-        decay = _smem_run(s_decay, last + 32 * m + 8 * cl, 8)
-        kt = _smem_run(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
+        decay = smem_run(s_decay, last + 32 * m + 8 * cl, 8)
+        kt = smem_run(s_kt, kt_index(cl, gl % 2, gl // 2, 4 * m), 4)
         for jj in range(4):
             j = 4 * m + jj
             kb = f32_bits(kt[jj])
@@ -406,15 +406,15 @@ def kda_decode_chunk_kernel(
     # the norms shuffle over the warp; the last token is repeated past T: identical values) ------
     if warp * 2 < num_tokens:
         t0 = cutlass.min(tid // HALF, num_tokens - 1)
-        inputs = _token_loads(q, k, g, beta, a_log, dt_bias, hl,
+        inputs = token_loads(q, k, g, beta, a_log, dt_bias, hl,
                               n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
                               n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
                               n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
                               + head, head)
-        _token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
     cute.arch.sync_threads()
-    _defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
     _build_p_operands(s_kdqd, s_pb, num_tokens, tid, n_threads)
     for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):

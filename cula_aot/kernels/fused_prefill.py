@@ -60,35 +60,35 @@ from ..layout import (
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_slot, report_status, sigmoid, varlen_sequence
-from .k1_prepare import (
+from .prepare_tile import (
     LANE_COLS,
     NORM_PARTIALS,
     PRODUCT_PARTIALS,
     WARPS,
-    _copy_tiles,
-    _gate_cumsum,
-    _input_tile,
-    _lane_row_values,
-    _normalised_and_gates,
-    _reduce_l,
-    _reduce_mqk,
-    _register_inverse,
-    _store_inverse,
-    _store_product_partials,
-    _store_row_norms,
-    _vector,
+    copy_tiles,
+    gate_cumsum,
+    input_tile,
+    lane_row_values,
+    normalised_and_gates,
+    reduce_l,
+    reduce_mqk,
+    register_inverse,
+    store_inverse,
+    store_product_partials,
+    store_row_norms,
+    vector,
     lane_columns,
     lane_rows,
 )
-from .k2_recurrence import (
+from .tile_chain import (
     N_TILES,
     STAGE_ALIGN,
     V_WARP_BYTES,
-    _longest_first,
-    _square_lane_offset,
-    _stage_base,
-    _stage_v_rows,
-    _v_chunk,
+    longest_first,
+    square_lane_offset,
+    stage_pointer,
+    stage_v_rows,
+    v_chunk,
     issue_state_update,
     read_state,
     tile_u,
@@ -148,7 +148,7 @@ def _store_stage_image_row(stage_base: cute.Pointer, part: cutlass.Constexpr[str
     for m in cutlass.range_constexpr(LANE_COLS // 2):
         words[m] = pack_bf16x2(values[2 * m], values[2 * m + 1])
     image = cute.recast_ptr(stage_base + STAGE_PART_OFFSETS[part], dtype=cutlass.Int32)
-    _vector(image, stage_image_offset(row, col0) // 4, LANE_COLS // 2).store(words.load())
+    vector(image, stage_image_offset(row, col0) // 4, LANE_COLS // 2).store(words.load())
 
 
 # A producer's share of shared memory: the load buffers and their barriers, the norm and
@@ -237,7 +237,7 @@ def fused_prefill_kernel(
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
-                seq = _longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
+                seq = longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
                                      tid, fused_threads(producers), seq_len)
         seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
@@ -271,12 +271,12 @@ def fused_prefill_kernel(
                 if b < my_tiles:
                     if lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
-                    _copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b,
+                    copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b,
                                 seq_start + (producer + b * producers) * CHUNK, head)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
         gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
-        bias = _vector(dt_bias, head * D + col0, LANE_COLS).load()
+        bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
         gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
         for j in cutlass.range_constexpr(LANE_COLS):
             gate_bias[j] = bias[j] * gate_scale
@@ -293,9 +293,9 @@ def fused_prefill_kernel(
 
             # ---- phase A (K1): the lane's fragments, row norms -----------------------------
             valid = [r < rows for r in my_rows]
-            vq, vk, vg = ([_lane_row_values(_input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
+            vq, vk, vg = ([lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
                            for r, ok in zip(my_rows, valid)] for which in range(3))
-            _store_row_norms(vq, vk, s_norm, my_rows, pw)
+            store_row_norms(vq, vk, s_norm, my_rows, pw)
             logit = cutlass.Float32(-float("inf"))
             if pw == inverse_warp:
                 if lane < rows:
@@ -307,19 +307,19 @@ def fused_prefill_kernel(
                 if mine + 2 < my_tiles:
                     if lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
-                    _copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer,
+                    copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer,
                                 token0 + 2 * producers * CHUNK, head)
             # The stage is free once both consumer warpgroups are done with tile i − stages.
             if i >= stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // stages) + 1) % 2)
-            record = _stage_base(s_stages, stage, STAGE_BYTES)
+            record = stage_pointer(s_stages, stage, STAGE_BYTES)
 
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
-            qhat, khat, gamma = _normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
+            qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
                                                       gamma_scale)
-            cum, _, gtot = _gate_cumsum(gamma, has_source, lane)  # kr uses 2^G[15], not G[15]
+            cum, _, gtot = gate_cumsum(gamma, has_source, lane)  # kr uses 2^G[15], not G[15]
             if lane < 4:
-                _vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+                vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
             kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
             qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
             kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
@@ -343,7 +343,7 @@ def fused_prefill_kernel(
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            _store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
+            store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)
@@ -352,10 +352,10 @@ def fused_prefill_kernel(
             _producer_sync(producer)
             # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
             if pw == inverse_warp:
-                _store_inverse(_stage_part(record, "inv", cutlass.BFloat16),
-                               _register_inverse(_reduce_l(s_part, b, lane), lane), lane)
+                store_inverse(_stage_part(record, "inv", cutlass.BFloat16),
+                               register_inverse(reduce_l(s_part, b, lane), lane), lane)
             elif pw >= 2:
-                _reduce_mqk(s_part, _stage_part(record, "mqk", cutlass.BFloat16), pw % 2, lane)
+                reduce_mqk(s_part, _stage_part(record, "mqk", cutlass.BFloat16), pw % 2, lane)
 
             # The record's generic stores before the consumers' wgmma reads (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")
@@ -395,17 +395,17 @@ def fused_prefill_kernel(
         v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
         v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
         for s in cutlass.range_constexpr(stages - 1):
-            _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
+            stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                           length - s * CHUNK, head, warp_col0, lane, True)
             cute.arch.cp_async_commit_group()
-        square_lane = _square_lane_offset(lane)
+        square_lane = square_lane_offset(lane)
         out_stride = cutlass.Int64(out_row_stride)
         for tile in cutlass.range(num_tiles, unroll=1):
             stage = tile % stages
-            stage_base = _stage_base(s_stages, stage, STAGE_BYTES)
+            stage_base = stage_pointer(s_stages, stage, STAGE_BYTES)
             ahead = tile + (stages - 1)
             ahead_stage = ahead % stages
-            _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
+            stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                           length - ahead * CHUNK, head, warp_col0, lane, True)
             cute.arch.cp_async_commit_group()
             rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
@@ -447,7 +447,7 @@ def fused_prefill_kernel(
             stmatrix_x4_trans(o_slot + square_lane, o_pairs)
             cute.arch.sync_warp()
             words = ld_shared_v4(o_slot + lane * 16)
-            out_row, out_half = _v_chunk(lane)
+            out_row, out_half = v_chunk(lane)
             if out_row < rows_valid:
                 at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
                 st_global_v4((out + at).toint(), words)

@@ -71,8 +71,6 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..layout import (
-    FLAG_BF16_FINAL,
-    FLAG_BF16_INIT,
     FLAG_FINAL_STATE,
     FLAG_IDENTITY_INIT,
     FLAG_INDEXED_FINAL,
@@ -99,16 +97,38 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, pool_slot, record_part, report_status, sequence_bounds, state_element, varlen_sequence
-from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence, wgmma_wait
-from .warp_mma import (accumulators_as_a, bf16_as_f32, cp_async_16, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
-                       pack_bf16x2, st_global_v4, stmatrix_x4_trans)
+from .common import CHUNK, D, pool_slot, record_part, report_status, varlen_sequence
+from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
+from .warp_mma import (
+    accumulators_as_a,
+    ld_shared_v4,
+    ldmatrix_x4,
+    mma_bf16_m16n8k16,
+    pack_bf16x2,
+    st_global_v4,
+    stmatrix_x4_trans,
+)
+from .tile_chain import (
+    N_TILES,
+    STAGE_ALIGN,
+    V_WARP_BYTES,
+    issue_state_update,
+    longest_first,
+    read_state,
+    square_lane_offset,
+    stage_pointer,
+    stage_v_rows,
+    state_entry,
+    tile_u,
+    tile_w,
+    v_chunk,
+    wgmma_state_products,
+    write_state,
+)
 
 WARP = 32
-N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
 KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile loop)
 
-STAGE_ALIGN = 32  # every part offset and stage size is a multiple of this
 assert all(o % STAGE_ALIGN == 0 for o in (WORKSPACE_RECORD_BYTES, PRESCAN_RECORD_BYTES, *WORKSPACE_PART_OFFSETS.values()))
 
 
@@ -118,8 +138,6 @@ def stage_bytes(prescan: bool) -> int:
     return PRESCAN_RECORD_BYTES if prescan else WORKSPACE_RECORD_BYTES
 
 
-# Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
-V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
 # A K_INTER image as wgmma no-swizzle core matrices (8 rows × 16 bytes): 8 keys × 8 tokens each,
 # the next 8 tokens 128 bytes on, the next 8 keys 256 bytes on; a k-step (16 keys) advances the
 # descriptor's address by 512 bytes, in its 16-byte units.
@@ -133,12 +151,6 @@ def smem_bytes(v_block: int, stages: int, prescan: bool = False) -> int:
     (fragments live in registers)."""
     warps = v_block // WARP_COLUMNS
     return stages * (stage_bytes(prescan) + warps * V_WARP_BYTES) + 8 * stages + 128
-
-
-def _stage_base(stages: cute.Tensor, stage, nbytes: int):
-    """Start of stage ``stage`` (dynamic; stages ``nbytes`` apart) with its alignment stated, so
-    copies stay vectorised."""
-    return stages.iterator + cute.assume(stage * nbytes, divby=STAGE_ALIGN)
 
 
 def _stage_view(stage_base: cute.Pointer, part: str, dtype):
@@ -177,18 +189,6 @@ def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrie
                   mcast_mask=cutlass.Int16((1 << cluster_ctas) - 1))
 
 
-def _fragment_value(i: int):
-    """(n-tile, row half, column) of value ``i`` of a two-n-tile accumulator over 16 tokens:
-    V row ``g + 8·half``, token ``8·n_tile + 2t + column``."""
-    return i // 4, (i // 2) % 2, i % 2
-
-
-def _state_entry(t, v_col, i: int):
-    """(key k, V column) of value ``i`` of this thread's Sᵀ accumulator fragments: n-tile i // 4
-    covers keys 8·(i // 4) .. + 7, value i % 4 is C entry (row g + 8·(c // 2), column 2t + c % 2)."""
-    return (i // 4) * 8 + 2 * t + i % 2, v_col + 8 * ((i // 2) % 2)
-
-
 def _image_lane_offset(lane):
     """Byte offset of this lane's ldmatrix row in a K_INTER image for k-step 0: matrix
     m = lane // 8 is (token block m // 2, column block m % 2), row lane % 8 of it."""
@@ -199,193 +199,6 @@ def _image_trans_lane_offset(lane):
     """Byte offset of this lane's ``ldmatrix.trans`` row in a K_INTER image for n-tile pair 0:
     matrix m = lane // 8 is (column block m // 2, token block m % 2)."""
     return (lane // 16) * (CHUNK * 16) + (((lane // 8) % 2) * 8 + lane % 8) * 16
-
-
-def _square_lane_offset(lane):
-    """Byte offset of this lane's ldmatrix row in a row-major bf16 16×16 matrix (INV, Mqk, a
-    warp's v block): matrix m = lane // 8 is (row block m // 2, column half m % 2)."""
-    return ((lane // 16) * 8 + lane % 8) * (CHUNK * 2) + ((lane // 8) % 2) * 16
-
-
-def _v_chunk(lane):
-    """(token row, 8-column half) of the 16-byte piece of a warp's 16 × 16 v block that lane
-    ``lane`` stages: the 32 lanes cover the block once."""
-    return lane // 2, lane % 2
-
-
-@cute.jit
-def _stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_valid, head, warp_col0, lane, enabled):
-    """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
-    of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
-    row, half = _v_chunk(lane)
-    # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
-    # at worst a row of the same tensor when the whole tile is past the end).
-    src_row = token0
-    nbytes = cutlass.Int32(0)
-    if row < rows_valid and enabled:
-        src_row = token0 + cutlass.Int64(row)
-        nbytes = cutlass.Int32(16)
-    at = src_row * cutlass.Int64(v_row_stride) + cutlass.Int64(head * D + warp_col0 + half * 8)
-    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
-
-
-@cute.jit
-def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
-               flags):
-    """This thread's Sᵀ accumulator values (``_state_entry``) from state ``index`` of
-    ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
-    layout puts them side by side (``_paired``)."""
-    dtype_is_bf16 = (flags & FLAG_BF16_INIT) != 0
-    if _paired(stride_k, slot_stride):
-        if dtype_is_bf16:
-            _read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
-        else:
-            _read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
-    else:
-        if dtype_is_bf16:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                         cutlass.BFloat16)[0].to(cutlass.Float32)
-        else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
-
-
-@cute.jit
-def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
-                flags):
-    """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
-    ``FLAG_BF16_FINAL``; paired as ``read_state``."""
-    dtype_is_bf16 = (flags & FLAG_BF16_FINAL) != 0
-    if _paired(stride_k, slot_stride):
-        if dtype_is_bf16:
-            _write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
-        else:
-            _write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
-    else:
-        if dtype_is_bf16:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                        cutlass.BFloat16)
-                element[0] = state[i].to(cutlass.BFloat16)
-        else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = _state_entry(t, v_col, i)
-                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
-                element[0] = state[i]
-
-
-def _paired(stride_k, slot_stride):
-    """Whether a thread's keys k, k + 1 (k even, ``_state_entry`` values i, i + 1) are one aligned
-    pair in memory: the [.., V, K] layout (keys adjacent) with an even slot stride."""
-    return (stride_k == 1) & ((slot_stride % 2) == 0)
-
-
-@cute.jit
-def _read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
-    """``read_state`` on a ``_paired`` layout (stride_k 1): values i, i + 1 in one access."""
-    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        k, c = _state_entry(t, v_col, i)
-        pair = state_element(initial_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2).load().to(
-            cutlass.Float32)
-        state[i] = pair[0]
-        state[i + 1] = pair[1]
-
-
-@cute.jit
-def _write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
-    """``write_state`` on a ``_paired`` layout (stride_k 1): values i, i + 1 in one access."""
-    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        k, c = _state_entry(t, v_col, i)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        pair[0] = state[i]
-        pair[1] = state[i + 1]
-        element = state_element(final_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2)
-        element.store(pair.load().to(dtype))
-
-
-@cute.jit
-def wgmma_state_products(acc: list, a_steps: list, b_descriptor, k_step_units: int) -> list:
-    """One 8-step wgmma chain Sᵀ·Xᵀ over the keys (A: the state's bf16 k-steps, B: image X's
-    K-major descriptor, a k-step ``k_step_units`` on), committed as one group; in flight until
-    ``wgmma_wait``."""
-    for kt in cutlass.range_constexpr(D // 16):
-        acc = wgmma_bf16(16, acc, a_steps[kt], b_descriptor + kt * k_step_units, False)
-    wgmma_commit()
-    return acc
-
-
-@cute.jit
-def tile_w(v_regs: list, b_rows: cute.Tensor, ks, t) -> cute.Tensor:
-    """Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0. v_regs[2·n_tile + half]
-    holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half)."""
-    w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    for i in cutlass.range_constexpr(8):
-        n_tile, half, column = _fragment_value(i)
-        v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
-        w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks[i])
-    return w
-
-
-@cute.jit
-def tile_u(w: cute.Tensor, base, inv_offset: int, square_lane) -> list:
-    """Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV at ``base + inv_offset``),
-    as the A fragment of the products that follow."""
-    a_w = accumulators_as_a(w, 0)
-    b_inv = ldmatrix_x4(base + inv_offset + square_lane)
-    u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-    for n in cutlass.range_constexpr(2):
-        d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
-        for c in cutlass.range_constexpr(4):
-            u[4 * n + c] = d_u[c]
-    return accumulators_as_a(u, 0)
-
-
-@cute.jit
-def issue_state_update(state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, kr_offset: int, leading: int,
-                       stride: int) -> list:
-    """Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued: one m64n128k16 for the warpgroup, B = kr N-major at
-    ``base + kr_offset`` (tokens lead, keys stride), the state the accumulator, scaled first; in
-    flight until ``wgmma_wait``."""
-    for i in cutlass.range_constexpr(4 * N_TILES):
-        state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
-    wgmma_fence()
-    updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
-                         smem_descriptor(base + kr_offset, leading, stride), True)
-    wgmma_commit()
-    return updated
-
-
-@cute.jit
-def _longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int, num_tokens):
-    """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
-    length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
-    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences.
-    Ranks are a permutation for any lengths, so every sequence still runs exactly once."""
-    cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
-    lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
-    i = tid
-    while i < num_seqs:
-        start, end = sequence_bounds(cu, i, num_tokens)
-        lengths[i] = end - start
-        i = i + threads
-    cute.arch.sync_threads()
-    i = tid
-    while i < num_seqs:
-        mine = lengths[i]
-        rank = cutlass.Int32(0)
-        for j in cutlass.range(num_seqs, unroll=1):
-            other = lengths[j]
-            if (other > mine) | ((other == mine) & (j < i)):
-                rank = rank + 1
-        if rank == row:
-            lengths[ORDER_MAX_SEQS] = i
-        i = i + threads
-    cute.arch.sync_threads()
-    return lengths[ORDER_MAX_SEQS]
 
 
 @cute.kernel
@@ -448,7 +261,7 @@ def k2_recurrence_kernel(
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
-                seq = _longest_first(cu_seqlens, num_seqs, seq,
+                seq = longest_first(cu_seqlens, num_seqs, seq,
                                      cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32), tid, k2_threads(v_block),
                                      seq_len)
     seq_start = cutlass.Int64(0)
@@ -501,7 +314,7 @@ def k2_recurrence_kernel(
         read_state(state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags)
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(4 * N_TILES):
-            key, column = _state_entry(t, v_col, i)
+            key, column = state_entry(t, v_col, i)
             state[i] = cutlass.Float32(1.0) if key == column else cutlass.Float32(0.0)
     load_v = (flags & FLAG_ZERO_V) == 0
     write_out = (flags & FLAG_NO_OUTPUT) == 0
@@ -528,19 +341,19 @@ def k2_recurrence_kernel(
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                _issue_stage_loads(workspace, _stage_base(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
+                _issue_stage_loads(workspace, stage_pointer(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
                                    stage_nbytes, cluster_ctas, rank)
-        _stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
+        stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                       length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
 
     image_lane = _image_lane_offset(lane)
     image_trans_lane = _image_trans_lane_offset(lane)
-    square_lane = _square_lane_offset(lane)
+    square_lane = square_lane_offset(lane)
     out_stride = cutlass.Int64(out_row_stride)
     for tile in cutlass.range(num_tiles, unroll=1):
         stage = tile % stages
-        stage_base = _stage_base(s_stages, stage, stage_nbytes)
+        stage_base = stage_pointer(s_stages, stage, stage_nbytes)
         # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
         ahead = tile + (stages - 1)
         ahead_stage = ahead % stages
@@ -551,9 +364,9 @@ def k2_recurrence_kernel(
                     cute.arch.cluster_wait()
         if tid == 0:
             if ahead < num_tiles:
-                _issue_stage_loads(workspace, _stage_base(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
+                _issue_stage_loads(workspace, stage_pointer(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
                                    slot0 + cutlass.Int64(ahead), stage_nbytes, cluster_ctas, rank)
-        _stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
+        stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
                       length - ahead * CHUNK, head, warp_col0, lane, load_v)
         # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
         cute.arch.cp_async_commit_group()
@@ -655,7 +468,7 @@ def k2_recurrence_kernel(
             stmatrix_x4_trans(o_slot + square_lane, o_pairs)
             cute.arch.sync_warp()
             words = ld_shared_v4(o_slot + lane * 16)
-            out_row, out_half = _v_chunk(lane)
+            out_row, out_half = v_chunk(lane)
             if out_row < rows_valid and write_out:
                 at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
                 st_global_v4((out + at).toint(), words)

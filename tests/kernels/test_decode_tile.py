@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels.decode import (  # noqa: E402
-    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, _Tile, io_rounds, smem_bytes, threads)
+    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, Tile, io_rounds, smem_bytes, threads)
 from cula_aot.specs import DECODE_VARIANTS, decode_stage_bytes, decode_threads  # noqa: E402
 
 D = 128
@@ -20,7 +20,7 @@ def _address(v, k, kv_layout):
 @pytest.mark.parametrize("kv_layout", [False, True])
 @pytest.mark.parametrize("bf16_state", [False, True])
 def test_tile_covers_the_block_once_at_the_right_addresses(kv_layout, bf16_state):
-    tile = _Tile(kv_layout, bf16_state)
+    tile = Tile(kv_layout, bf16_state)
     assert tile.vt * tile.kt == VALUES and tile.lanes * tile.kt == D
     vectors = tile.vectors()
     assert sorted(r for _, regs in vectors for r in regs) == list(range(VALUES))
@@ -52,7 +52,7 @@ def test_tile_covers_the_block_once_at_the_right_addresses(kv_layout, bf16_state
 @pytest.mark.parametrize("bf16_state", [False, True])
 def test_a_vector_instruction_reads_whole_sectors(kv_layout, bf16_state):
     """For each vector the warp loads, its 32 lanes' 16-byte pieces form runs of >= 32 bytes."""
-    tile = _Tile(kv_layout, bf16_state)
+    tile = Tile(kv_layout, bf16_state)
     size = 2 if bf16_state else 4
     for static_off, _ in tile.vectors():
         starts = sorted((tile.lane_offset(tile.lane_parts(l)[0] * tile.vt, tile.lane_parts(l)[1]) + static_off) * size
@@ -74,14 +74,14 @@ def test_block_shapes():
         for bf16_state in (False, True):
             assert smem_bytes(v_block, items, bf16_state) <= 227 * 1024
             # the next item's staged vectors lie inside the stage (one item, refilled)
-            vectors = len(_Tile(False, bf16_state).vectors())
+            vectors = len(Tile(False, bf16_state).vectors())
             staged = min(items - 1, 1) * threads(v_block) * vectors * 16
             assert staged <= decode_stage_bytes(v_block, items, bf16_state)
 
 
 @pytest.mark.parametrize("kv_layout", [False, True])
 def test_second_item_is_the_same_tile_further_down(kv_layout):
-    tile = _Tile(kv_layout, False)
+    tile = Tile(kv_layout, False)
     for rows in (32, 64):
         assert tile.lane_offset(rows, 3) == tile.lane_offset(0, 3) + tile.row_offset(rows)
 
@@ -89,7 +89,7 @@ def test_second_item_is_the_same_tile_further_down(kv_layout):
 @pytest.mark.parametrize("kv_layout", [False, True])
 @pytest.mark.parametrize("bf16_state", [False, True])
 def test_key_positions_are_a_permutation_read_without_bank_conflicts(kv_layout, bf16_state):
-    tile = _Tile(kv_layout, bf16_state)
+    tile = Tile(kv_layout, bf16_state)
     positions = {}
     for j in range(tile.lanes):
         for ki in range(tile.kt):
@@ -133,7 +133,7 @@ def test_reduce_rows_leaves_each_lane_the_group_totals_of_its_row(kv_layout, bf1
     """Runs the kernel's own reduce-scatter on lane vectors, then the gather of u."""
     from cula_aot.kernels import common, decode
 
-    tile = _Tile(kv_layout, bf16_state)
+    tile = Tile(kv_layout, bf16_state)
     monkeypatch.setattr(common, "cutlass", _LaneVectors)
     monkeypatch.setattr(common, "cute", _LaneVectors)
     rng = np.random.default_rng(7)

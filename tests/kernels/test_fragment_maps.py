@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cula_aot.kernels import cp_merge, k1_prepare, k2_recurrence  # noqa: E402
+from cula_aot.kernels import cp_merge, k2_recurrence, prepare_tile, tile_chain  # noqa: E402
 from cula_aot.layout import CHUNK, D, k_inter_index  # noqa: E402
 
 LANES = 32
@@ -73,7 +73,7 @@ def test_kr_transposed_b_fragments_for_the_state_update():
 def test_square_matrices_give_the_transposed_b_operand():
     # Uᵀ = Wᵀ·INVᵀ needs B[j][i] = INV[i][j]: pairs along a row of the row-major INV.
     memory = {2 * (CHUNK * i + j): ("inv", i, j) for i in range(CHUNK) for j in range(CHUNK)}
-    regs = _ldmatrix_x4(memory, [k2_recurrence._square_lane_offset(lane) for lane in range(LANES)])
+    regs = _ldmatrix_x4(memory, [tile_chain.square_lane_offset(lane) for lane in range(LANES)])
     for lane in range(LANES):
         g, t = lane // 4, lane % 4
         for n in range(2):
@@ -86,24 +86,24 @@ def test_staged_v_block_reads_back_as_the_accumulator_fragment():
     row_bytes = k2_recurrence.WARP_COLUMNS * 2
     memory = {}
     for lane in range(LANES):  # each lane's 16-byte cp.async piece
-        row, half = k2_recurrence._v_chunk(lane)
+        row, half = tile_chain.v_chunk(lane)
         for e in range(8):
             address = row * row_bytes + half * 16 + 2 * e
             assert address not in memory, "two lanes stage the same element"
             memory[address] = ("v", row, 8 * half + e)
     assert len(memory) == CHUNK * k2_recurrence.WARP_COLUMNS
-    regs = _ldmatrix_x4(memory, [k2_recurrence._square_lane_offset(lane) for lane in range(LANES)], transpose=True)
+    regs = _ldmatrix_x4(memory, [tile_chain.square_lane_offset(lane) for lane in range(LANES)], transpose=True)
     for lane in range(LANES):
         g, t = lane // 4, lane % 4
         for i in range(8):  # value i of the Wᵀ fragment: V column g + 8·half, token 8·n_tile + 2t + column
-            n_tile, half, column = k2_recurrence._fragment_value(i)
+            n_tile, half, column = tile_chain.fragment_value(i)
             assert regs[lane][2 * n_tile + half][column] == ("v", 8 * n_tile + 2 * t + column, g + 8 * half)
 
 
 def test_accumulator_fragments_cover_their_tiles_once():
     # K1 phases C/D: a warp's 16×8 C fragment of n-tile n covers rows 0..15 × columns 8n..8n+7.
     for n in range(2):
-        seen = [k1_prepare._fragment_entry(lane, n, c) for lane in range(LANES) for c in range(4)]
+        seen = [prepare_tile.fragment_entry(lane, n, c) for lane in range(LANES) for c in range(4)]
         assert sorted(seen) == [(i, j) for i in range(CHUNK) for j in range(8 * n, 8 * n + 8)]
     # Merge: its warps × (m-tiles × n-tiles) cover the 128 × v_block carry block once.
     warps = cp_merge.THREADS // LANES

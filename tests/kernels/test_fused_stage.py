@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels import fused_prefill as fused  # noqa: E402
-from cula_aot.kernels import k1_prepare as k1  # noqa: E402
+from cula_aot.kernels import prepare_tile as k1  # noqa: E402
 from cula_aot.layout import CHUNK, D  # noqa: E402
 
 

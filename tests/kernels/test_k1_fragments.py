@@ -2,7 +2,7 @@
 
 K1 keeps each lane's 2 rows × 8 consecutive columns of a tile in registers and feeds them to
 ``mma.sync.m16n8k8`` (tf32) as A and B fragments after renumbering the keys
-(``k1_prepare.fragment_value``).  These tests emulate the MMA as the PTX ISA defines its
+(``prepare_tile.fragment_value``).  These tests emulate the MMA as the PTX ISA defines its
 fragments and check that the split-over-warps product K1 assembles is exactly ``A·Bᵀ``, that the
 lanes' image rows tile the K_INTER image, that the scan's partner lanes hold the right rows,
 and that phase D's register products (m16n8k16, ``movmatrix`` and fp16 packing emulated per
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from cula_aot.kernels import k1_prepare as k1  # noqa: E402
+from cula_aot.kernels import prepare_tile as k1  # noqa: E402
 from cula_aot.layout import CHUNK, D, k_inter_index  # noqa: E402
 
 LANES = 32
@@ -66,7 +66,7 @@ def test_split_over_warps_products_are_a_times_b_transposed():
             total = partial[:, 2 * p + n].sum(axis=0)
             for lane in range(LANES):
                 for c in range(4):
-                    i, j = k1._fragment_entry(lane, n, c)
+                    i, j = k1.fragment_entry(lane, n, c)
                     product[i, j] = total[lane, c]
         np.testing.assert_allclose(product, a @ kinv.T, rtol=1e-12, atol=1e-12)
 
@@ -139,13 +139,13 @@ def _emulated_f16_intrinsics():
 
 
 def _fragments(matrix):
-    """A 16 × 16 matrix as C fragments: [n-tile][value] of [lane] arrays (``_fragment_entry``)."""
-    return [[np.array([matrix[k1._fragment_entry(lane, n, c)] for lane in range(LANES)]) for c in range(4)]
+    """A 16 × 16 matrix as C fragments: [n-tile][value] of [lane] arrays (``fragment_entry``)."""
+    return [[np.array([matrix[k1.fragment_entry(lane, n, c)] for lane in range(LANES)]) for c in range(4)]
             for n in range(2)]
 
 
 def test_register_phase_d_is_the_inverse_of_i_plus_l(monkeypatch):
-    # _register_inverse's products on emulated m16n8k16 / movmatrix / fp16 packing: blocks, the
+    # register_inverse's products on emulated m16n8k16 / movmatrix / fp16 packing: blocks, the
     # transposed B operands and the three P ← P + P·X, X ← X² rounds give (I + L)^-1 for a strictly
     # lower L with |L| ≤ 1 (fp16 operands, fp32-level sums).
     pack, transpose, mma = _emulated_f16_intrinsics()
@@ -155,10 +155,10 @@ def test_register_phase_d_is_the_inverse_of_i_plus_l(monkeypatch):
     monkeypatch.setattr(k1.cutlass, "Float32", float)
     rng = np.random.default_rng(11)
     lower = np.tril(rng.uniform(-1, 1, (CHUNK, CHUNK)) * 0.5, -1)
-    p = k1._neumann_products(_fragments(np.eye(CHUNK) - lower), _fragments(lower))
+    p = k1.neumann_products(_fragments(np.eye(CHUNK) - lower), _fragments(lower))
     inv = np.zeros((CHUNK, CHUNK))
     for n in range(2):
         for c in range(4):
             for lane in range(LANES):
-                inv[k1._fragment_entry(lane, n, c)] = p[n][c][lane]
+                inv[k1.fragment_entry(lane, n, c)] = p[n][c][lane]
     np.testing.assert_allclose(inv @ (np.eye(CHUNK) + lower), np.eye(CHUNK), atol=2e-3)

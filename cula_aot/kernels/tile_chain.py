@@ -1,0 +1,223 @@
+"""K2's per-tile chain and its state I/O, shared by K2 (``k2_recurrence.py``) and the fused prefill's
+consumers (``fused_prefill.py``): the state's load and store (key pairs where the layout allows),
+the v staging, the wgmma state products, W, U and the state update, and the longest-first grid
+order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import FLAG_BF16_FINAL, FLAG_BF16_INIT, ORDER_MAX_SEQS
+from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
+from .common import CHUNK, D, sequence_bounds, state_element
+from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
+from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
+
+N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
+STAGE_ALIGN = 32  # every part offset and stage size is a multiple of this
+# Each warp's v block of one tile: 16 tokens × 16 columns bf16, rows of 32 bytes.
+V_WARP_BYTES = CHUNK * WARP_COLUMNS * 2
+
+
+def stage_pointer(stages: cute.Tensor, stage, nbytes: int):
+    """Start of stage ``stage`` (dynamic; stages ``nbytes`` apart) with its alignment stated, so
+    copies stay vectorised."""
+    return stages.iterator + cute.assume(stage * nbytes, divby=STAGE_ALIGN)
+
+
+def fragment_value(i: int):
+    """(n-tile, row half, column) of value ``i`` of a two-n-tile accumulator over 16 tokens:
+    V row ``g + 8·half``, token ``8·n_tile + 2t + column``."""
+    return i // 4, (i // 2) % 2, i % 2
+
+
+def state_entry(t, v_col, i: int):
+    """(key k, V column) of value ``i`` of this thread's Sᵀ accumulator fragments: n-tile i // 4
+    covers keys 8·(i // 4) .. + 7, value i % 4 is C entry (row g + 8·(c // 2), column 2t + c % 2)."""
+    return (i // 4) * 8 + 2 * t + i % 2, v_col + 8 * ((i // 2) % 2)
+
+
+def square_lane_offset(lane):
+    """Byte offset of this lane's ldmatrix row in a row-major bf16 16×16 matrix (INV, Mqk, a
+    warp's v block): matrix m = lane // 8 is (row block m // 2, column half m % 2)."""
+    return ((lane // 16) * 8 + lane % 8) * (CHUNK * 2) + ((lane // 8) % 2) * 16
+
+
+def v_chunk(lane):
+    """(token row, 8-column half) of the 16-byte piece of a warp's 16 × 16 v block that lane
+    ``lane`` stages: the 32 lanes cover the block once."""
+    return lane // 2, lane % 2
+
+
+@cute.jit
+def stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_valid, head, warp_col0, lane, enabled):
+    """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
+    of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
+    row, half = v_chunk(lane)
+    # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
+    # at worst a row of the same tensor when the whole tile is past the end).
+    src_row = token0
+    nbytes = cutlass.Int32(0)
+    if row < rows_valid and enabled:
+        src_row = token0 + cutlass.Int64(row)
+        nbytes = cutlass.Int32(16)
+    at = src_row * cutlass.Int64(v_row_stride) + cutlass.Int64(head * D + warp_col0 + half * 8)
+    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
+
+
+@cute.jit
+def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
+               flags):
+    """This thread's Sᵀ accumulator values (``state_entry``) from state ``index`` of
+    ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
+    layout puts them side by side (``paired``)."""
+    dtype_is_bf16 = (flags & FLAG_BF16_INIT) != 0
+    if paired(stride_k, slot_stride):
+        if dtype_is_bf16:
+            read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+        else:
+            read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
+    else:
+        if dtype_is_bf16:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                         cutlass.BFloat16)[0].to(cutlass.Float32)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = state_entry(t, v_col, i)
+                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
+
+
+@cute.jit
+def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
+                flags):
+    """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
+    ``FLAG_BF16_FINAL``; paired as ``read_state``."""
+    dtype_is_bf16 = (flags & FLAG_BF16_FINAL) != 0
+    if paired(stride_k, slot_stride):
+        if dtype_is_bf16:
+            write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+        else:
+            write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
+    else:
+        if dtype_is_bf16:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = state_entry(t, v_col, i)
+                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
+                                        cutlass.BFloat16)
+                element[0] = state[i].to(cutlass.BFloat16)
+        else:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                k, c = state_entry(t, v_col, i)
+                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
+                element[0] = state[i]
+
+
+def paired(stride_k, slot_stride):
+    """Whether a thread's keys k, k + 1 (k even, ``state_entry`` values i, i + 1) are one aligned
+    pair in memory: the [.., V, K] layout (keys adjacent) with an even slot stride."""
+    return (stride_k == 1) & ((slot_stride % 2) == 0)
+
+
+@cute.jit
+def read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    """``read_state`` on a ``paired`` layout (stride_k 1): values i, i + 1 in one access."""
+    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
+        k, c = state_entry(t, v_col, i)
+        pair = state_element(initial_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2).load().to(
+            cutlass.Float32)
+        state[i] = pair[0]
+        state[i + 1] = pair[1]
+
+
+@cute.jit
+def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
+    """``write_state`` on a ``paired`` layout (stride_k 1): values i, i + 1 in one access."""
+    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
+        k, c = state_entry(t, v_col, i)
+        pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+        pair[0] = state[i]
+        pair[1] = state[i + 1]
+        element = state_element(final_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2)
+        element.store(pair.load().to(dtype))
+
+
+@cute.jit
+def wgmma_state_products(acc: list, a_steps: list, b_descriptor, k_step_units: int) -> list:
+    """One 8-step wgmma chain Sᵀ·Xᵀ over the keys (A: the state's bf16 k-steps, B: image X's
+    K-major descriptor, a k-step ``k_step_units`` on), committed as one group; in flight until
+    ``wgmma_wait``."""
+    for kt in cutlass.range_constexpr(D // 16):
+        acc = wgmma_bf16(16, acc, a_steps[kt], b_descriptor + kt * k_step_units, False)
+    wgmma_commit()
+    return acc
+
+
+@cute.jit
+def tile_w(v_regs: list, b_rows: cute.Tensor, ks, t) -> cute.Tensor:
+    """Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b): 0 past the end, where K1 stored b = 0. v_regs[2·n_tile + half]
+    holds the bf16 pair (token 8·n_tile + 2t + {0, 1}, column g + 8·half)."""
+    w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for i in cutlass.range_constexpr(8):
+        n_tile, half, column = fragment_value(i)
+        v_value = bf16_as_f32(v_regs[2 * n_tile + half], column == 1)
+        w[i] = b_rows[n_tile * 8 + 2 * t + column] * (v_value - ks[i])
+    return w
+
+
+@cute.jit
+def tile_u(w: cute.Tensor, base, inv_offset: int, square_lane) -> list:
+    """Uᵀ = Wᵀ·INVᵀ (B[j, i] = INV[i, j]: ldmatrix of the row-major INV at ``base + inv_offset``),
+    as the A fragment of the products that follow."""
+    a_w = accumulators_as_a(w, 0)
+    b_inv = ldmatrix_x4(base + inv_offset + square_lane)
+    u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for n in cutlass.range_constexpr(2):
+        d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
+        for c in cutlass.range_constexpr(4):
+            u[4 * n + c] = d_u[c]
+    return accumulators_as_a(u, 0)
+
+
+@cute.jit
+def issue_state_update(state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, kr_offset: int, leading: int,
+                       stride: int) -> list:
+    """Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued: one m64n128k16 for the warpgroup, B = kr N-major at
+    ``base + kr_offset`` (tokens lead, keys stride), the state the accumulator, scaled first; in
+    flight until ``wgmma_wait``."""
+    for i in cutlass.range_constexpr(4 * N_TILES):
+        state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
+    wgmma_fence()
+    updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
+                         smem_descriptor(base + kr_offset, leading, stride), True)
+    wgmma_commit()
+    return updated
+
+
+@cute.jit
+def longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int, num_tokens):
+    """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
+    length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
+    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences.
+    Ranks are a permutation for any lengths, so every sequence still runs exactly once."""
+    cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+    lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
+    i = tid
+    while i < num_seqs:
+        start, end = sequence_bounds(cu, i, num_tokens)
+        lengths[i] = end - start
+        i = i + threads
+    cute.arch.sync_threads()
+    i = tid
+    while i < num_seqs:
+        mine = lengths[i]
+        rank = cutlass.Int32(0)
+        for j in cutlass.range(num_seqs, unroll=1):
+            other = lengths[j]
+            if (other > mine) | ((other == mine) & (j < i)):
+                rank = rank + 1
+        if rank == row:
+            lengths[ORDER_MAX_SEQS] = i
+        i = i + threads
+    cute.arch.sync_threads()
+    return lengths[ORDER_MAX_SEQS]

@@ -1,0 +1,107 @@
+"""A decode token's preparation, shared by the token kernel (``decode.py``) and the chunk kernel
+(``decode_chunk.py``): the token loads (q, k, g, β and the gate parameters), q̂, k̂, α = e^γ, k̂·q̂ and
+b into shared memory by half-warps, and the deferred decay (A_t, k̂/A_t, A_t⊙k̂, A_t⊙q̂)."""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import D
+from .common import LOG2E, exp2_fast, sigmoid
+
+
+def bf16_row8(base: cute.Pointer, offset):
+    """Eight bf16 at ``base + offset`` (16-byte aligned) widened to fp32."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load().to(cutlass.Float32)
+
+
+def f32x8(base: cute.Pointer, offset):
+    """Eight fp32 at ``base + offset`` (32-byte aligned: two 16-byte vectors)."""
+    return cute.make_tensor(base + cute.assume(offset, divby=8), cute.make_layout(8)).load()
+
+
+def smem_run(array: cute.Tensor, at, count: int):
+    """``count`` consecutive fp32 of a shared-memory array (one vector read when count > 1)."""
+    if count == 1:
+        return [array[at]]
+    vec = cute.make_tensor(array.iterator + cute.assume(at, divby=count), cute.make_layout(count)).load()
+    return [vec[e] for e in range(count)]
+
+
+def token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
+                 dt_bias: cute.Pointer, hl, q_at, k_at, g_at, beta_at, head):
+    """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
+    dt_bias, β, A_log); the values are consumed by ``token_prepare``."""
+    col = hl * 8
+    return (bf16_row8(q, q_at + col), bf16_row8(k, k_at + col), bf16_row8(g, g_at + col),
+            f32x8(dt_bias, head * D + col),
+            cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(a_log + head, cute.make_layout(1))[0])
+
+
+def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
+                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound):
+    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
+    ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
+    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
+    vq, vk, vg, bias, logit, a_log_value = inputs
+    col = hl * 8
+    ssq = cutlass.Float32(0.0)
+    ssk = cutlass.Float32(0.0)
+    for e in range(8):
+        ssq = ssq + vq[e] * vq[e]
+        ssk = ssk + vk[e] * vk[e]
+    for b in range(4):
+        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
+        ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
+    rq = cute.math.rsqrt(ssq + 1e-6)
+    rk = cute.math.rsqrt(ssk + 1e-6)
+    decay_rate = exp2_fast(a_log_value * cutlass.Float32(LOG2E))
+    fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    kq = cutlass.Float32(0.0)
+    for e in range(8):
+        fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+        fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
+        kq = kq + fq[e] * fk[e]
+        gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
+        fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
+    for b in range(4):
+        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    for run in range(2):  # keys col + 4·run .. + 3
+        at = t * D + tile.pos_of_key(col + 4 * run)
+        for dst, values in ((s_qhat, fq), (s_khat, fk), (s_alpha, fa)):
+            if tile.kv:  # consecutive keys lie 4 positions apart
+                for e in range(4):
+                    dst[at + 4 * e] = values[4 * run + e]
+            else:  # consecutive keys are consecutive positions: one 16-byte store
+                run_values = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                for e in range(4):
+                    run_values[e] = values[4 * run + e]
+                cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(
+                    run_values.load())
+    s_kq[t] = kq
+    s_b[t] = sigmoid(logit)
+
+
+@cute.jit
+def defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_decay: cute.Tensor, num_tokens,
+                 tid, n_threads: cutlass.Constexpr[int]):
+    """Deferred decay, in place per key (all four arrays share the key positions, so this walks
+    positions): with A_t = α_0·…·α_t, the state after token t is
+    S_t = S'_t·diag(A_t) where S' only takes rank-1 updates, so token t needs A_t⊙k̂ and A_t⊙q̂
+    (for the dot products, over k̂ and q̂) and k̂/A_t (for the update, over α), and a stored state
+    is S'·diag(A_t) (``s_decay``).  A_t ≥ e^(−5·8) stays a normal fp32 (lower_bound ≥ −5,
+    T ≤ 8), and every product is exact to fp32 rounding relative to the state it contributes
+    to."""
+    for i in cutlass.range_constexpr(D // n_threads):
+        position = tid + i * n_threads
+        decay = cutlass.Float32(1.0)
+        for t in cutlass.range(num_tokens, unroll=1):
+            at = t * D + position
+            decay = decay * s_alpha[at]
+            khat = s_khat[at]
+            s_khat[at] = khat * decay
+            s_qhat[at] = s_qhat[at] * decay
+            s_alpha[at] = khat / decay
+            s_decay[at] = decay
