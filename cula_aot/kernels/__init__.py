@@ -43,13 +43,36 @@ def _fake_argument(param: Param):
 
 
 def declared_names_match(spec: KernelSpec) -> None:
-    """The spec's parameter list must name the device kernel's runtime parameters in order."""
-    _, kernel, _ = _KERNELS[spec.kernel]
-    signature = inspect.signature(inspect.unwrap(kernel))
-    runtime = [n for n in signature.parameters if n not in spec.args and n not in spec.static_args]
+    """The spec's parameter list is the one the kernel module writes out: the device kernel's
+    runtime parameters in order, the launch function's parameters (a TMA descriptor as the
+    pointer it is built from, then the stream and the codegen arguments), and the arguments the
+    launch function passes to the kernel (every kernel parameter, by its own name, in order)."""
+    launch, kernel, _ = _KERNELS[spec.kernel]
+    kernel_params = list(inspect.signature(inspect.unwrap(kernel)).parameters)
+    runtime = [n for n in kernel_params if n not in spec.args and n not in spec.static_args]
     declared = [p.name for p in spec.params]
     if runtime != declared:
         raise ValueError(f"{spec.name}: kernel parameters {runtime} != declared ABI {declared}")
+    sources = [dict(p.recipe)["source"] if p.kind == "tma_descriptor" else p.name for p in spec.params]
+    launch_params = list(inspect.signature(inspect.unwrap(launch)).parameters)
+    if launch_params != [*sources, "stream", *spec.args]:
+        raise ValueError(f"{spec.name}: launch parameters {launch_params} != {[*sources, 'stream', *spec.args]}")
+    passed = _kernel_call_arguments(inspect.unwrap(launch), kernel.__name__)
+    if passed != kernel_params:
+        raise ValueError(f"{spec.name}: the launch passes {passed} to a kernel that takes {kernel_params}")
+
+
+def _kernel_call_arguments(launch, kernel_name: str) -> list:
+    """The names the launch function passes, positionally, to its kernel (from its source)."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(launch)))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == kernel_name]
+    if len(calls) != 1 or calls[0].keywords or not all(isinstance(a, ast.Name) for a in calls[0].args):
+        raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, name, ...)")
+    return [a.id for a in calls[0].args]
 
 
 def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
