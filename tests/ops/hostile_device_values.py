@@ -102,10 +102,13 @@ def _bits(t):
 
 class Harness:
     """One prefill or decode path with its guarded output and pool, the pool's start values, and
-    the correct call's results."""
+    the correct call's results.  ``varlen``: the path takes a ``cu_seqlens``; ``reads_device_cu``:
+    its kernels read the device copy (CP plans from the host copy); ``inputs``: the prefill
+    inputs its correct call is checked with against float64 (None: decode, tested elsewhere)."""
 
-    def __init__(self, name, call, out_shape, out_dim, pool_dtype, seed):
+    def __init__(self, name, call, out_shape, out_dim, pool_dtype, seed, *, varlen, reads_device_cu, inputs):
         self.name, self.call = name, call
+        self.varlen, self.reads_device_cu, self.inputs = varlen, reads_device_cu, inputs
         self.out = Guarded(out_shape, out_dim, 3, torch.bfloat16, seed)
         self.pool = Guarded((SLOTS, HEADS, 128, 128), 0, 1, pool_dtype, seed + 1)
         self.pool_start = (0.1 * torch.randn(SLOTS, HEADS, 128, 128, device="cuda")).to(pool_dtype)
@@ -172,23 +175,22 @@ def harnesses(seed: int) -> list:
     fixed = standard_inputs(3, 160, HEADS, device="cuda", seed=seed + 1, slow_decay=True)
     cu = cu_seqlens_of(LENGTHS, "cuda")
     varlen_out = (1, TOTAL, HEADS, 128)
-    paths = [
-        ("serial", _prefill_path(x, cu, intracard_cp=False, fused=False), varlen_out, 1, torch.float32, True),
-        ("fused", _prefill_path(x, cu, intracard_cp=False, fused=True), varlen_out, 1, torch.bfloat16, True),
-        ("cp", _prefill_path(x, cu, intracard_cp=2), varlen_out, 1, torch.float32, False),
+    varlen = dict(varlen=True, inputs=x)
+    paths = [  # (name, call, out shape, out guard dim, pool dtype, options)
+        ("serial", _prefill_path(x, cu, intracard_cp=False, fused=False), varlen_out, 1, torch.float32,
+         dict(varlen, reads_device_cu=True)),
+        ("fused", _prefill_path(x, cu, intracard_cp=False, fused=True), varlen_out, 1, torch.bfloat16,
+         dict(varlen, reads_device_cu=True)),
+        ("cp", _prefill_path(x, cu, intracard_cp=2), varlen_out, 1, torch.float32, dict(varlen, reads_device_cu=False)),
         ("serial fixed", _prefill_path(fixed, None, intracard_cp=False, fused=False), (3, 160, HEADS, 128), 0,
-         torch.float32, False),
+         torch.float32, dict(varlen=False, reads_device_cu=False, inputs=fixed)),
     ]
     for tokens, dtype in ((1, torch.float32), (2, torch.bfloat16)):  # token kernel, chunk kernel
         d = standard_inputs(3, tokens, HEADS, device="cuda", seed=seed + 2 + tokens)
-        paths.append((f"decode T={tokens} {dtype}", _decode_path(d), (3, tokens, HEADS, 128), 0, dtype, False))
-    built = []
-    for n, (name, call, shape, dim, dtype, reads_cu) in enumerate(paths):
-        h = Harness(name, call, shape, dim, dtype, seed + 10 * n)
-        h.reads_device_cu = reads_cu
-        h.inputs = {"serial": x, "fused": x, "cp": x, "serial fixed": fixed}.get(name)
-        built.append(h)
-    return built
+        paths.append((f"decode T={tokens} {dtype}", _decode_path(d), (3, tokens, HEADS, 128), 0, dtype,
+                      dict(varlen=False, reads_device_cu=False, inputs=None)))
+    return [Harness(name, call, shape, dim, dtype, seed + 10 * n, **options)
+            for n, (name, call, shape, dim, dtype, options) in enumerate(paths)]
 
 
 def check_reference(h) -> list:
@@ -220,7 +222,7 @@ def run(seed=None, with_reference=True, random_count=6) -> tuple[int, list]:
         if with_reference:
             failures += check_reference(h)
         cases = [(None, idx) for idx in HOSTILE_INDICES + extra_indices]
-        if h.reads_device_cu or h.name == "cp":
+        if h.varlen:
             cases += [(cu, GOOD_INDICES) for cu in HOSTILE_CU + extra_cu]
             cases += [(cu, idx) for cu, idx in zip(HOSTILE_CU[:3] + extra_cu[:2], HOSTILE_INDICES[:3] + extra_indices[:2])]
         for cu, idx in cases:
