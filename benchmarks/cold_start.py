@@ -5,7 +5,7 @@
 
 Child 1 (lazy): import torch + CUDA init (not counted), then ``import cula_aot`` and a first
 prefill (H=8, T=1024) including loading its two cubins.  Child 2 (eager): ``import cula_aot``,
-``preload(heads=[8])`` (the ten cubins a server with H = 8 can need), then the first prefill.
+``preload()`` (every cubin: each serves any head count), then the first prefill.
 Wall-clock times, synchronised.  The children find ``cula_aot`` through ``PYTHONPATH`` (this
 checkout first), as a GPU machine runs it from the checkout without installing.
 """
@@ -26,7 +26,7 @@ a_log, dt_bias = torch.zeros(8, device="cuda"), torch.zeros(8, 128, device="cuda
 t0 = time.perf_counter()
 import cula_aot
 t1 = time.perf_counter()
-loaded = cula_aot.preload(heads=[8]) if {eager} else 0
+loaded = cula_aot.preload() if {eager} else 0
 t2 = time.perf_counter()
 cula_aot.kda_prefill(*x, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
 torch.cuda.synchronize()

@@ -19,7 +19,7 @@ def _info(manifest: Manifest) -> int:
     print(f"arch          {data['arch']}")
     print(f"CuTeDSL       {data['cutedsl_version']} ({', '.join(f'{k} {v}' for k, v in data['distributions'].items())})")
     print(f"ptxas         {data.get('ptxas_version')}")
-    print(f"head counts   {data.get('heads')}")
+    print("head counts   any: H is the launch grid's, no kernel is built per head count")
     print(f"kernels       {len(manifest.kernels)} cubins, {sizes / 1e6:.1f} MB")
     by_kernel: dict[str, list] = {}
     for name, rec in manifest.kernels.items():

@@ -71,11 +71,11 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             check_seqlens=check_seqlens, status=status)
 
 
-def preload(device=None, heads=None) -> int:
-    """Load kernels on ``device`` (default: the current CUDA device) now instead of lazily at
-    first use: all of them, or only those for the head counts in ``heads``.  Returns how many."""
+def preload(device=None) -> int:
+    """Load every kernel on ``device`` (default: the current CUDA device) now instead of lazily at
+    first use (each serves every head count).  Returns how many."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return default_loader().preload(device, heads=heads)
+    return default_loader().preload(device)
 
 
 def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,

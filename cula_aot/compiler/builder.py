@@ -144,14 +144,14 @@ def _kernel_record(spec: KernelSpec, ptx: str, cubin: bytes, rel_path: str, key:
     }
 
 
-def build(out_dir, heads, jobs=None, force=False, log=print) -> dict:
-    """Build every specialization for ``heads`` into ``out_dir``; returns the manifest dict."""
+def build(out_dir, jobs=None, force=False, log=print) -> dict:
+    """Build every specialization into ``out_dir``; returns the manifest dict."""
     out_dir = Path(out_dir).resolve()
     manifest_path = out_dir / MANIFEST_NAME
     sources = source_sha256()
     tools = toolchain()
     arch_dir = Path("artifacts") / tools["cutedsl_version"] / ARCH
-    specs = default_specs(heads)
+    specs = default_specs()
     previous = {} if force else _load_previous(manifest_path)
 
     records, todo = {}, []
@@ -191,7 +191,6 @@ def build(out_dir, heads, jobs=None, force=False, log=print) -> dict:
         "arch": ARCH,
         **tools,
         "source_sha256": sources,
-        "heads": sorted(set(heads)),
         "kernels": {spec.name: records[spec.name] for spec in specs},
     }
     _write_atomic(manifest_path, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -202,20 +201,13 @@ def build(out_dir, heads, jobs=None, force=False, log=print) -> dict:
 def main(argv=None) -> int:
     import argparse
 
-    from ..specs import DEFAULT_HEADS
-
     parser = argparse.ArgumentParser(description="Compile cula-aot kernels to sm_90a cubins (no GPU needed).")
     parser.add_argument("--out", default=str(PACKAGE_DIR.parent), help="directory for manifest.json and artifacts/")
-    parser.add_argument("--heads", type=int, nargs="*", default=[], help="head counts to add to the defaults")
-    parser.add_argument("--only-heads", type=int, nargs="+", help="build exactly these head counts")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile workers (default: all cores)")
     parser.add_argument("--force", action="store_true", help="recompile even when up to date")
     args = parser.parse_args(argv)
-    heads = args.only_heads or [*DEFAULT_HEADS, *args.heads]
-    if any(h < 1 for h in heads):
-        parser.error("head counts must be positive")
     try:
-        build(args.out, heads, jobs=args.jobs, force=args.force)
+        build(args.out, jobs=args.jobs, force=args.force)
     except BuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

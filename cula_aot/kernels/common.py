@@ -83,9 +83,16 @@ def kept_start(lane_bits, count: int, levels: int):
     return start
 
 
-# Token-major input tensors [rows, H, 128] are viewed as 2-D [rows, H·128] for TMA; the row
-# count the kernel is traced with is a placeholder (the runtime encodes the true one).
+# Token-major input tensors [rows, H, 128] are viewed as 2-D [rows, H·128] for TMA; the row and
+# head counts the kernels are traced with are placeholders (the runtime encodes the true ones in
+# the descriptors and launches the true grid; the kernels read H from the grid, never from code).
 TRACE_ROWS = 1 << 20
+TRACE_HEADS = 128
+
+
+def grid_heads():
+    """H: the launch grid's second dimension (every kernel's grid is (·, H, ·))."""
+    return cute.arch.grid_dim()[1]
 
 
 # A 16×128 bf16 input tile in shared memory is four blocks of 16 rows × 32 columns (64-byte
@@ -107,11 +114,11 @@ def input_element_offset(row, col):
     return (col // INPUT_BLOCK_COLS) * (CHUNK * INPUT_BLOCK_COLS) + row * INPUT_BLOCK_COLS + col % INPUT_BLOCK_COLS
 
 
-def make_token_tma(base: cute.Pointer, heads: int):
-    """(TMA load atom, coordinate tensor) for one input tile per copy of a [rows, heads·128] bf16
+def make_token_tma(base: cute.Pointer):
+    """(TMA load atom, coordinate tensor) for one input tile per copy of a [rows, H·128] bf16
     tensor viewed as (row, column in block, block of all heads); a tile is at (token0, 0, 4·head)."""
-    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, INPUT_BLOCK_COLS, heads * INPUT_BLOCKS),
-                                                   stride=(heads * D, 1, INPUT_BLOCK_COLS)))
+    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, INPUT_BLOCK_COLS, TRACE_HEADS * INPUT_BLOCKS),
+                                                   stride=(TRACE_HEADS * D, 1, INPUT_BLOCK_COLS)))
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(),
                                        (CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS))
 

@@ -34,7 +34,7 @@ import cutlass.cute as cute
 
 from ..layout import FLAG_BF16_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_STATUS, STATUS_SLOT_OUT_OF_RANGE
 from ..specs import MERGE_THREADS as THREADS
-from .common import D, pool_slot, report_status, state_element
+from .common import D, TRACE_HEADS, grid_heads, pool_slot, report_status, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
 # carry_i as split tf32 (hi, lo) bits, [128 rows][v_block] with rows padded so the B fragment
@@ -82,7 +82,7 @@ def _entry_of_value(warp, lane, i: int, n_tiles: int):
 
 
 @cute.jit
-def _prefetch_transition(prescan: cute.Pointer, seg, heads: cutlass.Constexpr[int], head, col0, m_stage_address,
+def _prefetch_transition(prescan: cute.Pointer, seg, heads, head, col0, m_stage_address,
                          b_stage_address, tid, v_block: cutlass.Constexpr[int]):
     """Issue this thread's 16-byte ``cp.async`` chunks of M_seg into a padded smem stage (a warp
     copies one 512-byte row per round, so the reads coalesce) and of B_seg's [128][v_block] block
@@ -93,7 +93,7 @@ def _prefetch_transition(prescan: cute.Pointer, seg, heads: cutlass.Constexpr[in
         col = (tid % 32) * 4
         cp_async_16(m_stage_address + (row * _M_ROW + col) * 4,
                     (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
-    b_base = m_base + heads * (D * D)
+    b_base = m_base + cutlass.Int64(heads) * (D * D)
     row_chunks = v_block // 4
     for j in cutlass.range_constexpr(D * row_chunks // THREADS):
         chunk = tid + j * THREADS
@@ -110,18 +110,18 @@ def cp_merge_kernel(
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
     state_indices: cute.Pointer,
-    status: cute.Pointer,
     num_seqs: cutlass.Int32,
-    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
-    heads: cutlass.Constexpr[int],
+    status: cute.Pointer,
+    init_slots: cutlass.Int32,
     v_block: cutlass.Constexpr[int],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
+    heads = grid_heads()
     warp = tid // 32
     lane = tid % 32
     g = lane // 4
@@ -238,18 +238,17 @@ def cp_merge_launch(
     carries: cute.Pointer,
     seq_segments: cute.Pointer,
     state_indices: cute.Pointer,
-    status: cute.Pointer,
     num_seqs: cutlass.Int32,
-    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
+    status: cute.Pointer,
+    init_slots: cutlass.Int32,
     stream,
-    heads: cutlass.Constexpr[int],
     v_block: cutlass.Constexpr[int],
 ):
     cp_merge_kernel(
-        initial_state, prescan, carries, seq_segments, state_indices, status, num_seqs, init_slots, init_slot_stride,
-        init_stride_k, init_stride_v, flags, heads, v_block,
-    ).launch(grid=[D // v_block, heads, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)
+        initial_state, prescan, carries, seq_segments, state_indices, num_seqs, init_slot_stride,
+        init_stride_k, init_stride_v, flags, status, init_slots, v_block,
+    ).launch(grid=[D // v_block, TRACE_HEADS, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)

@@ -62,7 +62,7 @@ from ..specs import (
     decode_stage_bytes,
     decode_token_bytes,
 )
-from .common import butterfly_reduce_scatter, kept_start, report_status
+from .common import TRACE_HEADS, butterfly_reduce_scatter, grid_heads, kept_start, report_status
 from .warp_mma import cp_async_16
 from .token_step import bf16_row8, defer_decay, smem_run, token_loads, token_prepare
 
@@ -319,7 +319,6 @@ def kda_decode_kernel(
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     flags: cutlass.Int32,
-    heads: cutlass.Constexpr[int],
     kv_layout: cutlass.Constexpr[bool],
     bf16_state: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
@@ -448,7 +447,7 @@ def kda_decode_kernel(
                 for t in cutlass.range(num_tokens, unroll=1):
                     _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
                                 t, group, j, item * v_block + row_local, scale, rows)
-                    inter_at = (n64 * num_tokens + cutlass.Int64(t)) * heads * (D * D) + head_elems
+                    inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
                     _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j)
             else:
@@ -515,7 +514,6 @@ def kda_decode_launch(
     lower_bound: cutlass.Float32,
     flags: cutlass.Int32,
     stream,
-    heads: cutlass.Constexpr[int],
     kv_layout: cutlass.Constexpr[bool],
     bf16_state: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
@@ -526,6 +524,6 @@ def kda_decode_launch(
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, kv_layout, bf16_state, v_block, items,
-    ).launch(grid=[D // (items * v_block), heads, num_seqs], block=[threads(v_block), 1, 1],
+        kv_layout, bf16_state, v_block, items,
+    ).launch(grid=[D // (items * v_block), TRACE_HEADS, num_seqs], block=[threads(v_block), 1, 1],
              smem=smem_bytes(v_block, items, bf16_state), stream=stream)

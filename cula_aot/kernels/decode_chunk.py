@@ -46,7 +46,7 @@ import cutlass.cute as cute
 
 from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
 from ..specs import DECODE_CHUNK_MAX_TOKENS, DECODE_FLAG_STATUS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
-from .common import butterfly_reduce_scatter, kept_start, report_status
+from .common import TRACE_HEADS, butterfly_reduce_scatter, kept_start, report_status
 from .token_step import defer_decay, smem_run, token_loads, token_prepare
 from .warp_mma import (
     bf16_as_f32,
@@ -344,7 +344,6 @@ def kda_decode_chunk_kernel(
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
     flags: cutlass.Int32,
-    heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
 ):
@@ -512,7 +511,6 @@ def kda_decode_chunk_launch(
     lower_bound: cutlass.Float32,
     flags: cutlass.Int32,
     stream,
-    heads: cutlass.Constexpr[int],
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
 ):
@@ -521,6 +519,6 @@ def kda_decode_chunk_launch(
         num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
         v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
         index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        heads, warps, items,
-    ).launch(grid=[D // (ROWS * warps * items), heads, num_seqs], block=[threads(warps), 1, 1],
+        warps, items,
+    ).launch(grid=[D // (ROWS * warps * items), TRACE_HEADS, num_seqs], block=[threads(warps), 1, 1],
              smem=smem_bytes(warps, items), stream=stream)

@@ -59,7 +59,7 @@ from ..layout import (
     STATUS_SLOT_OUT_OF_RANGE,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, LOG2E, exp2_fast, make_token_tma, pool_slot, report_status, sigmoid, varlen_sequence
+from .common import CHUNK, D, LOG2E, TRACE_HEADS, exp2_fast, make_token_tma, pool_slot, report_status, sigmoid, varlen_sequence
 from .prepare_tile import (
     LANE_COLS,
     NORM_PARTIALS,
@@ -190,25 +190,24 @@ def fused_prefill_kernel(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     state_indices: cute.Pointer,
-    status: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
-    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
-    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
+    status: cute.Pointer,
+    init_slots: cutlass.Int32,
+    final_slots: cutlass.Int32,
     token_coords: cute.Tensor,
-    heads: cutlass.Constexpr[int],
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
 ):
@@ -275,7 +274,7 @@ def fused_prefill_kernel(
                                 seq_start + (producer + b * producers) * CHUNK, head)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
-        gate_scale = -cute.math.exp(cute.make_tensor(a_log, cute.make_layout(heads))[head]) * cutlass.Float32(LOG2E)
+        gate_scale = -cute.math.exp(cute.make_tensor(a_log + head, cute.make_layout(1))[0]) * cutlass.Float32(LOG2E)
         bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
         gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
         for j in cutlass.range_constexpr(LANE_COLS):
@@ -476,37 +475,36 @@ def fused_prefill_launch(
     final_state: cute.Pointer,
     cu_seqlens: cute.Pointer,
     state_indices: cute.Pointer,
-    status: cute.Pointer,
     seq_len: cutlass.Int32,
     num_seqs: cutlass.Int32,
     beta_row_stride: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
-    init_slots: cutlass.Int32,
     init_slot_stride: cutlass.Int32,
     init_stride_k: cutlass.Int32,
     init_stride_v: cutlass.Int32,
-    final_slots: cutlass.Int32,
     final_slot_stride: cutlass.Int32,
     final_stride_k: cutlass.Int32,
     final_stride_v: cutlass.Int32,
     flags: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
+    status: cute.Pointer,
+    init_slots: cutlass.Int32,
+    final_slots: cutlass.Int32,
     stream,
-    heads: cutlass.Constexpr[int],
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
 ):
-    tma_q, token_coords = make_token_tma(q, heads)
-    tma_k, _ = make_token_tma(k, heads)
-    tma_g, _ = make_token_tma(g, heads)
+    tma_q, token_coords = make_token_tma(q)
+    tma_k, _ = make_token_tma(k)
+    tma_g, _ = make_token_tma(g)
     fused_prefill_kernel(
         tma_q, tma_k, tma_g, beta, a_log, dt_bias, v, out, initial_state, final_state, cu_seqlens, state_indices,
-        status, seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
-        init_slots, init_slot_stride, init_stride_k, init_stride_v,
-        final_slots, final_slot_stride, final_stride_k, final_stride_v, flags,
-        scale, lower_bound, token_coords, heads, stages, producers,
-    ).launch(grid=[1, heads, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
+        seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
+        init_slot_stride, init_stride_k, init_stride_v,
+        final_slot_stride, final_stride_k, final_stride_v, flags,
+        scale, lower_bound, status, init_slots, final_slots, token_coords, stages, producers,
+    ).launch(grid=[1, TRACE_HEADS, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
              stream=stream,
              min_blocks_per_mp=1, preferred_smem_carveout=100)

@@ -216,8 +216,8 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' "
              f"pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
              f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None")
-    spec = variant_spec(variant, heads, bf16_state, state_layout)
-    kernel = default_loader().get(device, spec)  # an unbuilt H fails here, before anything is written
+    spec = variant_spec(variant, bf16_state, state_layout)
+    kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)
     result = out.flatten(0, 1) if flat else out

@@ -200,8 +200,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device)
     heads, varlen = c.heads, cu_seqlens is not None
     loader = default_loader()
-    # Resolve every kernel first: an unbuilt head count fails before anything launches.
-    k1 = loader.get(device, K1Spec(heads=heads, varlen=varlen))
+    # Resolve every kernel first: a missing cubin fails before anything launches.
+    k1 = loader.get(device, K1Spec(varlen=varlen))
     options = dict(cu_seqlens=cu_seqlens, state_layout=state_layout, device=device, intracard_cp=intracard_cp,
                    split=path.split,
                    **_state_options(initial_state, final_state, output_final_state, state_indices, status))
@@ -215,9 +215,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                 _remember(key, plan)
     else:
         if path.kind == "fused":
-            plan = _FusedPlan(c, loader.get(device, fused_spec(heads)), order=SERIAL_K2_ORDER, **options)
+            plan = _FusedPlan(c, loader.get(device, fused_spec()), order=SERIAL_K2_ORDER, **options)
         else:
-            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(heads, varlen, path.v_block)),
+            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block)),
                                sm_count=_sm_count(device), order=SERIAL_K2_ORDER, **options)
         # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
         # kept while serial; True or an s_split with host lengths keeps no serial plan.

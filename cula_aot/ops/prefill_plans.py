@@ -230,11 +230,11 @@ class _CPPlan(_Plan):
         n_segments = self.n_segments = sum(len(seq) for seq in segments)
         # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's
         # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
-        # launch: an unbuilt head count fails before anything runs.
-        merge = loader.get(device, MergeSpec(heads=heads, v_block=merge_v_block(heads, c.num_seqs, sm_count)))
-        prescan_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_prescan, sm_count),
+        # launch: a missing cubin fails before anything runs.
+        merge = loader.get(device, MergeSpec(v_block=merge_v_block(heads, c.num_seqs, sm_count)))
+        prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sm_count),
                                                           prescan=True))
-        recurrence_k2 = loader.get(device, segmented_k2_spec(heads, segmented_v_block(heads, n_segments, sm_count)))
+        recurrence_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count)))
         # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
         # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
         # from (at a multiple of 16 bytes): K1 reads those, so the records always match the

@@ -93,7 +93,7 @@ def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlen
     """
     batch, seq_len, heads, _ = q.shape
     device = q.device
-    kernel = default_loader().get(device, K1Spec(heads=heads, varlen=cu_seqlens is not None))
+    kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None))
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,

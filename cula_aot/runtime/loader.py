@@ -259,15 +259,11 @@ class KernelLoader:
             )
         return LoadedKernel(name, record, function)
 
-    def preload(self, device: torch.device, heads=None) -> int:
-        """Load the manifest's kernels (those for ``heads`` if given) on ``device``; returns how many."""
-        wanted = {
-            name: record for name, record in self.manifest.kernels.items()
-            if heads is None or record["args"].get("heads") in set(heads)
-        }
-        for name, record in wanted.items():
+    def preload(self, device: torch.device) -> int:
+        """Load every kernel of the manifest on ``device``; returns how many."""
+        for name, record in self.manifest.kernels.items():
             self._get(device, name, record)
-        return len(wanted)
+        return len(self.manifest.kernels)
 
 
 _DEFAULT: KernelLoader | None = None

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 ENV_ARTIFACTS = "CULA_AOT_ARTIFACTS"
 BUILD_HINT = "python build_kernels.py"
@@ -94,23 +94,12 @@ class Manifest:
     def discover(cls) -> "Manifest":
         return cls(find_manifest())
 
-    def built_heads(self, kernel: str) -> list[int]:
-        return sorted({r["args"]["heads"] for r in self.kernels.values() if r["kernel"] == kernel})
-
     def record(self, spec) -> tuple[str, dict]:
         """The (name, record) of a specialization (``cula_aot.specs``); a clear error if not built."""
         rec = self.kernels.get(spec.name)
         if rec is not None:
             return spec.name, rec
-        kernel, args = spec.kernel, spec.args
-        heads = args.get("heads")
-        built = self.built_heads(kernel)
-        if heads is not None and heads not in built:
-            raise ArtifactError(
-                f"no {kernel} kernel built for H={heads} heads (built: {built}). Add it with "
-                f"`python build_kernels.py --heads {heads}` and point {ENV_ARTIFACTS} at the output if needed."
-            )
-        raise ArtifactError(f"no {kernel} specialization for {args} in {self.path}. Rebuild with `{BUILD_HINT}`.")
+        raise ArtifactError(f"no {spec.kernel} specialization for {spec.args} in {self.path}. Rebuild with `{BUILD_HINT}`.")
 
     def check_arch(self, device_arch: str) -> None:
         if device_arch != self.arch:

@@ -9,9 +9,9 @@ dispatches to it.  ``abi`` holds the parameter kinds and the base class.  The bu
 """
 
 from .abi import (  # noqa: F401
-    DEFAULT_HEADS, ARCH, CUTEDSL_VERSION, POINTER_ALIGN, SCALAR_TYPES, TMA_DESCRIPTOR_BYTES, TMA_DESCRIPTOR_ALIGN,
+    ARCH, CUTEDSL_VERSION, POINTER_ALIGN, SCALAR_TYPES, TMA_DESCRIPTOR_BYTES, TMA_DESCRIPTOR_ALIGN,
     Param, pointer, scalar, token_tma, abi_layout, KernelSpec, WORKSPACE_POINTERS, SEQUENCE_SCALARS, K1_INPUTS,
-    state_params, STATUS_POINTER,
+    state_params, STATUS_POINTER, bound_params,
 )
 from .k1_prepare import (  # noqa: F401
     K1_PARAMS, K1Spec, K1_CTAS_PER_SM, K1_MAX_TILES_PER_CTA, K1_WAVES, k1_grid,
@@ -39,20 +39,19 @@ from .decode import (  # noqa: F401
 )
 
 
-def default_specs(heads=DEFAULT_HEADS) -> list[KernelSpec]:
-    """Every specialization the build produces for the given head counts."""
+def default_specs() -> list[KernelSpec]:
+    """Every specialization the build produces.  None depends on the head count: H is the
+    launch grid's second dimension, and the kernels read it from there."""
     specs: list[KernelSpec] = []
-    for h in sorted(set(heads)):
-        for varlen in (False, True):
-            specs.append(K1Spec(heads=h, varlen=varlen))
-            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
-            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
-            specs.extend(K2Spec(heads=h, varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True)
-                         for m in (False, True))
-        specs.append(fused_spec(h))
-        # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves
-        # fixed and varlen input.
-        specs.extend(segmented_k2_spec(h, vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
-        specs.extend(MergeSpec(heads=h, v_block=vb) for vb in MERGE_V_BLOCKS)
-    specs.extend(decode_specs(heads))
+    for varlen in (False, True):
+        specs.append(K1Spec(varlen=varlen))
+        specs.extend(K2Spec(varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
+        specs.extend(K2Spec(varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
+        specs.extend(K2Spec(varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True) for m in (False, True))
+    specs.append(fused_spec())
+    # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves fixed
+    # and varlen input.
+    specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
+    specs.extend(MergeSpec(v_block=vb) for vb in MERGE_V_BLOCKS)
+    specs.extend(decode_specs())
     return specs

@@ -10,7 +10,6 @@ from typing import ClassVar
 
 from ..layout import CHUNK, D, INPUT_BLOCK_COLS
 
-DEFAULT_HEADS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 ARCH = "sm_90a"
 # The CuTeDSL release the kernels, their ABI declarations and the manifest are keyed on
 # (pyproject's ``build`` extra pins the same version; a test checks they agree).
@@ -143,12 +142,18 @@ K1_INPUTS = (
 
 # State tensors: S[k, v] of state ``index`` and head h at element
 # ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
-# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.  ``slots``: the
-# tensor's leading size, which bounds a pool index (one outside it is padding).
+# fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.
 def state_params(which: str) -> tuple:
-    return (scalar(f"{which}_slots", "i32"), scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
+    return (scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
             scalar(f"{which}_stride_v", "i32"))
 
 
-# The caller's status word (int32; ``layout.STATUS_*`` bits ORed in when the flags say it is given).
+# Device-value bounds, last in every prefill kernel's list (so the parameters before them keep the
+# offsets they had without them): the caller's status word (int32; ``layout.STATUS_*`` bits ORed
+# in when the flags say it is given) and each state tensor's leading size, which bounds a pool
+# index (one outside it is padding).
 STATUS_POINTER = pointer("status", "i32")
+
+
+def bound_params(*states: str) -> tuple:
+    return (STATUS_POINTER, *(scalar(f"{which}_slots", "i32") for which in states))

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import ClassVar
 
-from .abi import STATUS_POINTER, KernelSpec, pointer, scalar, state_params
+from .abi import KernelSpec, bound_params, pointer, scalar, state_params
 
 MERGE_PARAMS = (
     pointer("initial_state", "f32"),
@@ -11,10 +11,10 @@ MERGE_PARAMS = (
     pointer("carries", "f32"),
     pointer("seq_segments", "i32"),
     pointer("state_indices", "i32"),
-    STATUS_POINTER,
     scalar("num_seqs", "i32"),
     *state_params("init"),
     scalar("flags", "i32"),
+    *bound_params("init"),
 )
 MERGE_V_BLOCKS = (8, 16)  # state columns per merge CTA, both built
 MERGE_THREADS = 256  # eight warps, one m16 tile of the 128 state rows each
@@ -35,7 +35,6 @@ class MergeSpec(KernelSpec):
     params: ClassVar[tuple] = MERGE_PARAMS
     dependent_launch: ClassVar[bool] = True
 
-    heads: int
     v_block: int = 16
     block: ClassVar[tuple] = (MERGE_THREADS, 1, 1)
 

@@ -84,7 +84,6 @@ class DecodeSpec(KernelSpec):
 
     kernel: ClassVar[str] = "kda_decode"
 
-    heads: int
     kv_layout: bool
     bf16_state: bool
     v_block: int
@@ -135,7 +134,6 @@ class DecodeChunkSpec(KernelSpec):
 
     kernel: ClassVar[str] = "kda_decode_chunk"
 
-    heads: int
     warps: int
     items: int = 1
 
@@ -155,13 +153,12 @@ class DecodeChunkSpec(KernelSpec):
         return decode_chunk_smem_bytes(self.warps, self.items)
 
 
-def decode_specs(heads) -> list[KernelSpec]:
-    """Every decode specialization for the given head counts (both layouts, both pool dtypes,
-    every ``DECODE_VARIANTS``; the chunk form for every ``DECODE_CHUNK_VARIANTS``)."""
-    return [DecodeSpec(heads=h, kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
-            for h in sorted(set(heads)) for kv in (False, True) for bf16 in (False, True)
-            for vb, items in DECODE_VARIANTS] + [
-        DecodeChunkSpec(heads=h, warps=w, items=i) for h in sorted(set(heads)) for w, i in DECODE_CHUNK_VARIANTS]
+def decode_specs() -> list[KernelSpec]:
+    """Every decode specialization (both layouts, both pool dtypes, every ``DECODE_VARIANTS``; the
+    chunk form for every ``DECODE_CHUNK_VARIANTS``)."""
+    return [DecodeSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items)
+            for kv in (False, True) for bf16 in (False, True) for vb, items in DECODE_VARIANTS] + [
+        DecodeChunkSpec(warps=w, items=i) for w, i in DECODE_CHUNK_VARIANTS]
 
 
 # N·H thresholds of pick_variant.
@@ -210,10 +207,10 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
     return (32, 2) if tokens == 1 and nh >= DECODE_LARGE_HEADS else (32, 1)
 
 
-def variant_spec(variant: tuple, heads: int, bf16_state: bool, state_layout: str):
+def variant_spec(variant: tuple, bf16_state: bool, state_layout: str):
     """The spec of a ``pick_variant`` result."""
     if variant[0] == "chunk":
-        return DecodeChunkSpec(heads=heads, warps=variant[1], items=variant[2])
+        return DecodeChunkSpec(warps=variant[1], items=variant[2])
     v_block, items = variant
-    return DecodeSpec(heads=heads, kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
+    return DecodeSpec(kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
                       items=items)

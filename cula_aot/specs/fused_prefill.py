@@ -5,7 +5,7 @@ register split and the rule that picks it over K1 then K2."""
 import dataclasses
 from typing import ClassVar
 
-from .abi import K1_INPUTS, STATUS_POINTER, KernelSpec, pointer, scalar, state_params
+from .abi import K1_INPUTS, KernelSpec, bound_params, pointer, scalar, state_params
 
 FUSED_PARAMS = (
     *K1_INPUTS,
@@ -15,7 +15,6 @@ FUSED_PARAMS = (
     pointer("final_state", "f32"),
     pointer("cu_seqlens", "i32"),
     pointer("state_indices", "i32"),
-    STATUS_POINTER,
     scalar("seq_len", "i32"),
     scalar("num_seqs", "i32"),
     scalar("beta_row_stride", "i32"),
@@ -26,6 +25,7 @@ FUSED_PARAMS = (
     scalar("flags", "i32"),
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
+    *bound_params("init", "final"),
 )
 # Two producer warpgroups (tiles dealt round robin) and four record stages: one producer per
 # CTA was 3–12% slower on every row (PERFORMANCE.md, Fused prefill).
@@ -53,7 +53,6 @@ class FusedSpec(KernelSpec):
     static_args: ClassVar[tuple] = ("token_coords",)
     grid: ClassVar[tuple] = (1, "heads", "num_seqs")
 
-    heads: int
     stages: int = FUSED_STAGES
     producers: int = FUSED_PRODUCERS
 
@@ -79,9 +78,9 @@ FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
 
-def fused_spec(heads: int) -> FusedSpec:
+def fused_spec() -> FusedSpec:
     """The fused prefill the runtime launches (fixed and varlen input alike: ``FLAG_VARLEN``)."""
-    return FusedSpec(heads=heads)
+    return FusedSpec()
 
 
 def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, uniform: bool = False) -> bool:

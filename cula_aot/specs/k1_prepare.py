@@ -26,7 +26,6 @@ class K1Spec(KernelSpec):
     static_args: ClassVar[tuple] = ("token_coords",)
     grid: ClassVar[tuple] = ("k1_ctas", "heads", 1)
 
-    heads: int
     varlen: bool
 
 

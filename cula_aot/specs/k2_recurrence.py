@@ -4,8 +4,7 @@ multicast, wgmma), grid, and the V-block dispatch of the serial and CP launches.
 import dataclasses
 from typing import ClassVar
 
-from .abi import (SEQUENCE_SCALARS, STATUS_POINTER, WORKSPACE_POINTERS, KernelSpec, pointer, scalar,
-                  state_params)
+from .abi import SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, bound_params, pointer, scalar, state_params
 
 K2_PARAMS = (
     pointer("v", "bf16"),
@@ -15,7 +14,6 @@ K2_PARAMS = (
     pointer("cu_seqlens", "i32"),
     pointer("segments", "i32"),
     pointer("state_indices", "i32"),
-    STATUS_POINTER,
     *WORKSPACE_POINTERS,
     *SEQUENCE_SCALARS,
     scalar("v_row_stride", "i32"),
@@ -23,6 +21,7 @@ K2_PARAMS = (
     *state_params("init"),
     *state_params("final"),
     scalar("flags", "i32"),
+    *bound_params("init", "final"),
 )
 
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
@@ -82,7 +81,6 @@ class K2Spec(KernelSpec):
     params: ClassVar[tuple] = K2_PARAMS
     dependent_launch: ClassVar[bool] = True
 
-    heads: int
     varlen: bool
     v_block: int
     segmented: bool = False
@@ -118,19 +116,19 @@ class K2Spec(KernelSpec):
         return (k2_threads(self.v_block), 1, 1)
 
 
-def serial_k2_spec(heads: int, varlen: bool, v_block: int) -> K2Spec:
-    """The serial K2 for ``heads`` and ``v_block``: multicast where it is built, and warpgroup
+def serial_k2_spec(varlen: bool, v_block: int) -> K2Spec:
+    """The serial K2 for ``v_block``: multicast where it is built, and warpgroup
     MMAs for the one-warpgroup V block (3.5–6% faster where ``auto_v_block`` takes it; on the
     few-CTA fixed rows, where 32 columns stay the pick, 64 with wgmma lost 6–9%: PERFORMANCE.md,
     K2 recurrence)."""
-    return K2Spec(heads=heads, varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
+    return K2Spec(varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
                   wgmma=v_block == K2_WGMMA_V_BLOCK)
 
 
-def segmented_k2_spec(heads: int, v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
-    """The CP segmented K2 for ``heads``: the segment recurrence, or (``prescan``) the pre_scan
+def segmented_k2_spec(v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
+    """The CP segmented K2: the segment recurrence, or (``prescan``) the pre_scan
     jobs, which write states only."""
-    return K2Spec(heads=heads, varlen=True, v_block=v_block, segmented=True, prescan=prescan)
+    return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan)
 
 
 def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:

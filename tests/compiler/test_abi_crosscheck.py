@@ -16,7 +16,7 @@ pytest.importorskip("cutlass", reason="the build extra (nvidia-cutlass-dsl) is n
 def compiled(tmp_path_factory):
     from cula_aot.kernels import compile_spec
 
-    spec = K1Spec(heads=1, varlen=True)
+    spec = K1Spec(varlen=True)
     ptx_path, cubin_path = compile_spec(spec, ARCH, str(tmp_path_factory.mktemp("k1")))
     return spec, Path(ptx_path).read_text(), Path(cubin_path).read_bytes()
 
@@ -41,7 +41,7 @@ def _variant(params):
         pass
 
     Variant.params = tuple(params)
-    return Variant(heads=1, varlen=True)
+    return Variant(varlen=True)
 
 
 def _replaced(params, new):
@@ -107,7 +107,7 @@ def test_dependent_launch_declaration_matches_the_ptx(compiled):
         dependent_launch = True
 
     with pytest.raises(AbiMismatch, match="griddepcontrol.wait"):
-        check_abi(Dependent(heads=1, varlen=True), entry)
+        check_abi(Dependent(varlen=True), entry)
     with pytest.raises(AbiMismatch, match="dependent_launch=False"):
         check_abi(spec, {**entry, "grid_wait": True})
 
@@ -124,9 +124,9 @@ def test_cluster_declaration_matches_the_ptx(compiled):
         cluster = (2, 1, 1)
 
     with pytest.raises(AbiMismatch, match="has no cluster instructions"):
-        check_abi(Clustered(heads=1, varlen=True), entry)
+        check_abi(Clustered(varlen=True), entry)
     with pytest.raises(AbiMismatch, match="has cluster instructions"):
         check_abi(spec, {**entry, "cluster_ops": True})
     with pytest.raises(AbiMismatch, match="PTX"):
-        check_abi(Clustered(heads=1, varlen=True), {**entry, "cluster_ops": True, "cluster": (4, 1, 1)})
+        check_abi(Clustered(varlen=True), {**entry, "cluster_ops": True, "cluster": (4, 1, 1)})
     assert parse_entry(ptx + "\n\tbarrier.cluster.arrive;\n")["cluster_ops"]

@@ -2,24 +2,25 @@ import dataclasses
 
 import pytest
 
-from cula_aot.specs import (DEFAULT_HEADS, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
+from cula_aot.specs import (K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
                             K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs,
                             segmented_v_block)
 
 
-def test_default_heads_cover_the_spec_list():
-    assert set(DEFAULT_HEADS) >= {1, 2, 4, 8, 16, 32, 48, 64, 96, 128}
+def test_the_spec_list_names_no_head_count():
     specs = default_specs()
-    k1 = {(s.heads, s.varlen) for s in specs if isinstance(s, K1Spec)}
-    k2 = {(s.heads, s.varlen, s.v_block) for s in specs if isinstance(s, K2Spec)}
-    assert k1 == {(h, v) for h in DEFAULT_HEADS for v in (False, True)}
-    assert k2 == {(h, v, b) for h in DEFAULT_HEADS for v in (False, True) for b in K2_V_BLOCKS}
+    # H is a launch value (the grid's second dimension): no specialization is per head count.
+    assert not any("heads" in s.args for s in specs) and all("heads" in s.grid for s in specs)
+    k1 = {s.varlen for s in specs if isinstance(s, K1Spec)}
+    k2 = {(s.varlen, s.v_block) for s in specs if isinstance(s, K2Spec)}
+    assert k1 == {False, True}
+    assert k2 == {(v, b) for v in (False, True) for b in K2_V_BLOCKS}
     assert {K2_DEFAULT_V_BLOCK, *K2_SEGMENTED_V_BLOCKS} <= set(K2_V_BLOCKS)
     # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
     assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
     segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
-    assert sorted((s.heads, s.v_block, s.prescan) for s in segmented) == \
-        sorted((h, b, p) for h in DEFAULT_HEADS for b in K2_SEGMENTED_V_BLOCKS for p in (False, True))
+    assert sorted((s.v_block, s.prescan) for s in segmented) == \
+        sorted((b, p) for b in K2_SEGMENTED_V_BLOCKS for p in (False, True))
     assert not any(s.prescan for s in specs if isinstance(s, K2Spec) and not s.segmented)
     assert all(s.block == (2 * s.v_block, 1, 1) for s in specs if isinstance(s, K2Spec))
 
@@ -41,10 +42,10 @@ def test_names_cover_every_codegen_argument():
                 assert field in ("prescan", "segmented", "multicast", "v_block", "wgmma")
                 continue
             assert other.name != spec.name
-    assert K1Spec(heads=8, varlen=True).name == "k1_prepare_heads8_varlen1"
-    assert K2Spec(heads=8, varlen=False, v_block=32).name == \
-        "k2_recurrence_heads8_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0"
-    assert K2Spec(heads=8, varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
+    assert K1Spec(varlen=True).name == "k1_prepare_varlen1"
+    assert K2Spec(varlen=False, v_block=32).name == \
+        "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0"
+    assert K2Spec(varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
 def test_multicast_k2_is_one_cluster_per_sequence_and_head():
@@ -53,21 +54,21 @@ def test_multicast_k2_is_one_cluster_per_sequence_and_head():
     from cula_aot.specs import K2_MULTICAST_V_BLOCKS, K2_WGMMA_V_BLOCK, serial_k2_spec
 
     for vb in K2_MULTICAST_V_BLOCKS:
-        spec = K2Spec(heads=8, varlen=True, v_block=vb, multicast=True)
+        spec = K2Spec(varlen=True, v_block=vb, multicast=True)
         # The cluster spans the grid's V blocks exactly: its CTAs share the sequence and head.
         assert spec.cluster == (spec.grid[0], 1, 1) and spec.cluster[0] > 1
         for prescan in (False, True):
             part = multicast_slice_bytes(stage_bytes(prescan), spec.cluster[0])
             assert part % 16 == 0 and part * spec.cluster[0] == stage_bytes(prescan)
-        assert serial_k2_spec(8, True, vb) == dataclasses.replace(spec, wgmma=vb == K2_WGMMA_V_BLOCK)
+        assert serial_k2_spec(True, vb) == dataclasses.replace(spec, wgmma=vb == K2_WGMMA_V_BLOCK)
     assert multicast_slice_bytes(stage_bytes(False), 4) == 3472  # a 32-column cluster would split too
-    assert serial_k2_spec(8, True, 32).cluster == serial_k2_spec(8, True, 16).cluster == (1, 1, 1)
+    assert serial_k2_spec(True, 32).cluster == serial_k2_spec(True, 16).cluster == (1, 1, 1)
     with pytest.raises(ValueError, match="multicast"):
-        K2Spec(heads=8, varlen=True, v_block=16, multicast=True)
+        K2Spec(varlen=True, v_block=16, multicast=True)
     with pytest.raises(ValueError, match="slices"):
         multicast_slice_bytes(stage_bytes(False), 8)  # 13 888 B is not 8 × a 16-byte multiple
-    built = {(s.heads, s.varlen, s.v_block) for s in default_specs() if isinstance(s, K2Spec) and s.multicast}
-    assert built == {(h, vl, vb) for h in DEFAULT_HEADS for vl in (False, True) for vb in K2_MULTICAST_V_BLOCKS}
+    built = {(s.varlen, s.v_block) for s in default_specs() if isinstance(s, K2Spec) and s.multicast}
+    assert built == {(vl, vb) for vl in (False, True) for vb in K2_MULTICAST_V_BLOCKS}
 
 
 def test_abi_layout_offsets_respect_alignment():
@@ -103,13 +104,13 @@ def test_merge_v_block_keeps_one_wave_and_both_are_built():
 
     assert merge_v_block(4, 2, 132) == 8  # 16 · 4 · 2 = 128 one-CTA-per-SM blocks
     assert merge_v_block(8, 2, 132) == 16 and merge_v_block(1, 9, 132) == 16
-    built = {(s.heads, s.v_block) for s in default_specs() if isinstance(s, MergeSpec)}
-    assert built == {(h, b) for h in DEFAULT_HEADS for b in MERGE_V_BLOCKS}
+    built = {s.v_block for s in default_specs() if isinstance(s, MergeSpec)}
+    assert built == set(MERGE_V_BLOCKS)
 
 
 def test_prescan_needs_segmented_and_stages_the_record_prefix():
     with pytest.raises(ValueError, match="segmented"):
-        K2Spec(heads=8, varlen=True, v_block=32, prescan=True)
+        K2Spec(varlen=True, v_block=32, prescan=True)
     from cula_aot.layout import PRESCAN_RECORD_BYTES, PRESCAN_RECORD_PARTS, WORKSPACE_PART_OFFSETS, WORKSPACE_SLOT_BYTES
     # The pre_scan's bulk copy is the record's first PRESCAN_RECORD_BYTES: its parts must lead.
     assert set(PRESCAN_RECORD_PARTS) == {"kd", "kr", "inv", "gt", "b"}
@@ -138,12 +139,12 @@ def test_wgmma_k2_is_the_one_warpgroup_v_block_and_built_for_every_serial_k2():
 
     assert k2_threads(K2_WGMMA_V_BLOCK) == 128  # one warpgroup: wgmma's M = 64 is its 4 warps × 16
     for vb in K2_V_BLOCKS:
-        assert serial_k2_spec(8, False, vb).wgmma == (vb == K2_WGMMA_V_BLOCK)
+        assert serial_k2_spec(False, vb).wgmma == (vb == K2_WGMMA_V_BLOCK)
         if vb != K2_WGMMA_V_BLOCK:
             with pytest.raises(ValueError, match="wgmma"):
-                K2Spec(heads=8, varlen=True, v_block=vb, wgmma=True)
-    built = {(s.heads, s.varlen, s.multicast) for s in default_specs() if isinstance(s, K2Spec) and s.wgmma}
-    assert built == {(h, vl, m) for h in DEFAULT_HEADS for vl in (False, True) for m in (False, True)}
+                K2Spec(varlen=True, v_block=vb, wgmma=True)
+    built = {(s.varlen, s.multicast) for s in default_specs() if isinstance(s, K2Spec) and s.wgmma}
+    assert built == {(vl, m) for vl in (False, True) for m in (False, True)}
 
 
 def test_auto_fused_takes_many_long_items_only():
@@ -161,6 +162,6 @@ def test_auto_fused_takes_many_long_items_only():
     assert not auto_fused(4, 32, 32 * 128, sms, uniform=True)  # 8 tiles
     assert not auto_fused(4, 8, 8 * 1024, sms, uniform=True)  # a quarter wave
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
-    spec = fused_spec(8)
-    assert spec == FusedSpec(heads=8) and spec.block == (128 * spec.producers + 256, 1, 1)
-    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_heads8_stages4_producers2"
+    spec = fused_spec()
+    assert spec == FusedSpec() and spec.block == (128 * spec.producers + 256, 1, 1)
+    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_stages4_producers2"

@@ -129,7 +129,7 @@ def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
     for multicast in {False, v_block in K2_MULTICAST_V_BLOCKS}:
         for order in (0, FLAG_LONGEST_FIRST):
             monkeypatch.setattr(prefill_module, "serial_k2_spec",
-                                lambda h, vl, vb, m=multicast: K2Spec(heads=h, varlen=vl, v_block=vb, multicast=m))
+                                lambda vl, vb, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m))
             monkeypatch.setattr(prefill_module, "SERIAL_K2_ORDER", order)
             monkeypatch.setattr(prefill_module, "_PLANS", {})
             results[multicast, order] = _bits(inputs, cu, v_block)
@@ -146,7 +146,7 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
     import cula_aot.ops.prefill as prefill_module
     from cula_aot.specs import K2_WGMMA_V_BLOCK, K2Spec, serial_k2_spec
 
-    assert serial_k2_spec(8, True, K2_WGMMA_V_BLOCK).wgmma
+    assert serial_k2_spec(True, K2_WGMMA_V_BLOCK).wgmma
     lengths = [700, 33, 1, 2100]
     cu = cu_seqlens_of(lengths, "cuda")
     for slow_decay in (False, True):
@@ -155,7 +155,7 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
         for wgmma in (True, False):
             for multicast in (False, True):
                 monkeypatch.setattr(prefill_module, "serial_k2_spec",
-                                    lambda h, vl, vb, w=wgmma, m=multicast: K2Spec(heads=h, varlen=vl, v_block=vb,
+                                    lambda vl, vb, w=wgmma, m=multicast: K2Spec(varlen=vl, v_block=vb,
                                                                                    multicast=m, wgmma=w))
                 monkeypatch.setattr(prefill_module, "_PLANS", {})
                 if wgmma:
@@ -256,12 +256,3 @@ def test_scale_and_lower_bound_are_runtime():
         ref, _ = reference.kda_chunked(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
                                        lower_bound=lower_bound, scale=scale)
         assert reference.rel_rmse(o, ref) <= BOUND
-
-
-def test_unbuilt_head_count_fails_before_launch():
-    inputs = standard_inputs(1, 20, 3, device="cuda")
-    out = torch.full_like(inputs["v"], 5.0)
-    with pytest.raises(cula_aot.ArtifactError, match="H=3 heads.*build_kernels.py --heads 3"):
-        cula_aot.kda_prefill(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                             A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=-5.0, out=out)
-    assert bool((out == 5.0).all())

@@ -82,7 +82,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert len(prefill_module._PLANS) == 1 and len(recorder.launches) == 4
     k1, v1, grid1 = recorder.values(2)
     k2, v2, grid2 = recorder.values(3)
-    assert k1.name == "k1_prepare_heads4_varlen1" and k2.name.startswith("k2_recurrence_heads4_varlen1")
+    assert k1.name == "k1_prepare_varlen1" and k2.name.startswith("k2_recurrence_varlen1")
     total_slots = (40 + 15 * 2) // 16
     assert grid1 == (total_slots, heads, 1) and grid2[1:] == (heads, 2)
     assert v1["beta"] == y["beta"].data_ptr() and v1["scale"] == 0.5 and v1["cu_seqlens"] == cu.data_ptr()
@@ -115,8 +115,8 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     o, f = prefill_module.prefill(*args, **kw, scale=0.5)
     assert f is pool and len(prefill_module._PLANS) == 1 and len(recorder.launches) == 2
     kernel, values, grid = recorder.values(1)
-    assert kernel.name == fused_spec(heads).name and grid == (1, heads, 2)
-    assert kernel.block == (fused_spec(heads).block[0], 1, 1)
+    assert kernel.name == fused_spec().name and grid == (1, heads, 2)
+    assert kernel.block == (fused_spec().block[0], 1, 1)
     assert struct.unpack("<QQQQQQ", values["tma_g"][:48]) == (x["g"].data_ptr(), 32, 40, heads * 4, heads * 256, 64)
     assert values["beta"] == x["beta"].data_ptr() and values["beta_row_stride"] == heads and values["scale"] == 0.5
     assert values["v"] == x["v"].data_ptr() and values["out"] == o.data_ptr() and values["cu_seqlens"] == cu.data_ptr()
@@ -131,7 +131,7 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     prefill_module.prefill(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
                            lower_bound=y["lower_bound"], intracard_cp=False, fused=True)
     kernel, values, grid = recorder.values(2)
-    assert kernel.name == fused_spec(heads).name and grid == (1, heads, 2)
+    assert kernel.name == fused_spec().name and grid == (1, heads, 2)
     assert values["flags"] & FLAG_VARLEN == 0 and (values["seq_len"], values["num_seqs"]) == (32, 2)
 
 

@@ -12,11 +12,11 @@ import torch
 from cula_aot.runtime.abi import ParamPacker
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import ENV_ARTIFACTS, ArtifactError, Manifest, find_manifest
-from cula_aot.specs import K1Spec, MergeSpec, abi_layout, segmented_k2_spec
+from cula_aot.specs import K1Spec, K2Spec, MergeSpec, abi_layout, segmented_k2_spec
 
 
-def _record(m, heads=8):
-    return m.record(K1Spec(heads=heads, varlen=False))[1]
+def _record(m):
+    return m.record(K1Spec(varlen=False))[1]
 
 
 def test_tampered_cubin_is_refused(artifact_copy):
@@ -52,10 +52,10 @@ def test_foreign_arch_is_refused(manifest_path):
         m.check_arch("sm_80")
 
 
-def test_unbuilt_head_count_names_the_build_command(manifest_path):
+def test_unbuilt_specialization_names_the_build_command(manifest_path):
     m = Manifest(manifest_path)
-    with pytest.raises(ArtifactError, match=r"H=3 heads \(built: \[1, 2, 4.*build_kernels.py --heads 3"):
-        m.record(K1Spec(heads=3, varlen=False))
+    with pytest.raises(ArtifactError, match=r"no k2_recurrence specialization.*'v_block': 8.*build_kernels.py"):
+        m.record(K2Spec(varlen=False, v_block=8))
 
 
 def test_schema_mismatch_and_garbage_are_refused(artifact_copy):
@@ -242,11 +242,10 @@ def test_dependent_launch_only_for_kernels_that_wait(manifest_path):
     # Launching a kernel without griddepcontrol.wait as a programmatic dependent would let it
     # read its predecessor's output early: refused before the driver is reached.
     manifest = Manifest(manifest_path)
-    for spec, waits in ((K1Spec(heads=4, varlen=True), False), (MergeSpec(heads=4, v_block=8), True),
-                        (segmented_k2_spec(4), True)):
+    for spec, waits in ((K1Spec(varlen=True), False), (MergeSpec(v_block=8), True), (segmented_k2_spec(), True)):
         name, record = manifest.record(spec)
         assert record["dependent_launch"] is waits, name
-    name, record = manifest.record(K1Spec(heads=4, varlen=True))
+    name, record = manifest.record(K1Spec(varlen=True))
     kernel = LoadedKernel(name, record, function=None)
     with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
         kernel.launch_packed(bytes(kernel.packer.size), (1, 1, 1), 0, dependent=True)
@@ -257,7 +256,7 @@ def test_dependent_launch_only_for_kernels_that_wait(manifest_path):
 def test_dependent_launch_config_carries_the_pdl_attribute(manifest_path):
     from cuda.bindings import driver as cu
 
-    name, record = Manifest(manifest_path).record(segmented_k2_spec(4))
+    name, record = Manifest(manifest_path).record(segmented_k2_spec())
     kernel = LoadedKernel(name, record, function=None)
     config = kernel._ex_config((8, 4, 3), 4096, 0, dependent=True)
     assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (8, 4, 3)
@@ -275,7 +274,7 @@ def test_cluster_kernel_launches_with_its_cluster_shape(manifest_path):
 
     from cula_aot.specs import serial_k2_spec
 
-    name, record = Manifest(manifest_path).record(serial_k2_spec(4, True, 64))
+    name, record = Manifest(manifest_path).record(serial_k2_spec(True, 64))
     assert record["cluster"] == [2, 1, 1]
     kernel = LoadedKernel(name, record, function=None)
     config = kernel._ex_config((2, 4, 3), 4096, 0, dependent=True)

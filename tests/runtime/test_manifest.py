@@ -5,7 +5,7 @@ import importlib.metadata
 
 from cula_aot.compiler.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
-from cula_aot.specs import (ARCH, DEFAULT_HEADS, DecodeChunkSpec, DecodeSpec, FusedSpec, K1Spec, K2Spec, MergeSpec, abi_layout,
+from cula_aot.specs import (ARCH, DecodeChunkSpec, DecodeSpec, FusedSpec, K1Spec, K2Spec, MergeSpec, abi_layout,
                             default_specs)
 
 SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
@@ -23,9 +23,9 @@ def test_schema_and_toolchain(manifest):
 
 
 def test_every_default_specialization_is_built(manifest):
-    assert set(DEFAULT_HEADS) <= set(manifest["heads"])
-    for spec in default_specs():
-        assert spec.name in manifest["kernels"]
+    # No specialization names a head count: each kernel serves every H (the grid's).
+    assert {spec.name for spec in default_specs()} <= set(manifest["kernels"])
+    assert not any("heads" in record["args"] for record in manifest["kernels"].values())
 
 
 def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
@@ -49,10 +49,10 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
 
 def test_manifest_record_lookup(manifest_path):
     m = Manifest(manifest_path)
-    name, record = m.record(K1Spec(heads=8, varlen=True))
-    assert name == "k1_prepare_heads8_varlen1" and record["args"] == {"heads": 8, "varlen": True}
-    name, record = m.record(K2Spec(heads=8, varlen=False, v_block=16))
-    assert record["args"] == {"heads": 8, "varlen": False, "v_block": 16, "segmented": False, "prescan": False,
+    name, record = m.record(K1Spec(varlen=True))
+    assert name == "k1_prepare_varlen1" and record["args"] == {"varlen": True}
+    name, record = m.record(K2Spec(varlen=False, v_block=16))
+    assert record["args"] == {"varlen": False, "v_block": 16, "segmented": False, "prescan": False,
                               "stages": 3, "multicast": False, "wgmma": False}
 
 
