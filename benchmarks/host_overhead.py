@@ -1,7 +1,7 @@
 """Where a serial prefill's host time goes, on a tiny problem: the host time of bursts of calls
 short enough that the launch queue never fills (so the GPU never holds the host back), the same
-with the two driver launches stubbed out (the Python part), the bare driver launch, then a
-cProfile of the loop.
+with the two driver launches stubbed out (the Python part), one driver launch from packed
+parameters, then a cProfile of the loop.
 
     python -m benchmarks.host_overhead [--calls 3000] [--varlen]
 """
@@ -57,27 +57,26 @@ def main():
     label = "varlen pool" if args.varlen else "fixed"
     print(f"{label}: host {burst_us(call):.1f} us/call (bursts of 300 calls, median of 10)")
 
-    from cula_aot.runtime import driver, loader
+    from cula_aot.runtime import loader
 
     real = loader.LoadedKernel.launch_packed
-    loader.LoadedKernel.launch_packed = lambda self, packed, grid, stream, dependent=False: None
+    launches = []
+
+    def record(self, packed, grid, stream, smem_bytes=None, dependent=False):
+        launches.append((self, packed, grid, stream, dependent))
+
+    loader.LoadedKernel.launch_packed = record
     print(f"{label}: host {burst_us(call):.1f} us/call with both driver launches stubbed (the Python part)")
     loader.LoadedKernel.launch_packed = real
 
-    from cula_aot.ops.prefill import _PLANS
-    plan = next(iter(_PLANS.values()))
-    kernel, grid = plan.k2.kernel, plan.k2.grid
-    stream = torch.cuda.current_stream().cuda_stream
-    from cuda.bindings import driver as cu
-    # The parameters of the last real K2 launch (the kernel's per-thread buffer): re-launching
-    # them repeats that K2's work on live tensors.
-    extra_at = kernel._thread.buffers[3]
+    # The last K2 launch's packed parameters, launched again (it repeats that K2's work on live
+    # tensors): the driver launch alone, through the loader's buffer.
+    kernel, packed, grid, stream, dependent = launches[-1]
 
-    def bindings_launch():
-        driver.check(cu.cuLaunchKernel(kernel.function, *grid, *kernel.block, kernel.smem, cu.CUstream(stream), 0,
-                                       extra_at), "launch")
+    def driver_launch():
+        kernel.launch_packed(packed, grid, stream, dependent=dependent)
 
-    print(f"driver launch (cuda-bindings cuLaunchKernel, K2's parameters): {burst_us(bindings_launch, 500):.2f} us")
+    print(f"driver launch (cuLaunchKernel of {kernel.name} from packed parameters): {burst_us(driver_launch, 500):.2f} us")
 
     profile = cProfile.Profile()
     profile.enable()

@@ -73,23 +73,11 @@ def _raw_stream(device) -> int:
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                               lambda index: torch.cuda.current_stream(index).cuda_stream)
 
-# K1's and K2's per-call parameters (everything else is fixed by a _SerialPlan's signature).
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
-_K1_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "cu_seqlens", *_WORKSPACES, "scale", "lower_bound")
 # Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →
 # pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
 # its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
 DEPENDENT_LAUNCH = True
-_K2_DYNAMIC = ("v", "out", "initial_state", "final_state", "cu_seqlens", "state_indices", "status", *_WORKSPACES)
-
-
-_FUSED_DYNAMIC = ("q", "k", "g", "beta", "a_log", "dt_bias", "v", "out", "initial_state", "final_state", "cu_seqlens",
-                  "state_indices", "status", "scale", "lower_bound")
-
-# The segmented K2's per-call parameters (pre_scan and recurrence rows alike) and the merge's.
-_SEGMENTED_DYNAMIC = (*_K2_DYNAMIC, "segments")
-_MERGE_DYNAMIC = ("initial_state", "prescan", "carries", "seq_segments", "state_indices", "status")
-_K1_CU_SEQLENS = _K1_DYNAMIC.index("cu_seqlens")
 
 
 class _Plan:
@@ -111,14 +99,15 @@ class _Plan:
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
         if k1 is not None:
             self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                                   **k1_grid(total_slots, c.heads, sm_count)}, _K1_DYNAMIC)
+                                   **k1_grid(total_slots, c.heads, sm_count)})
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu):
         """One call's checks and allocations, before anything launches: (out, final_state, the
-        int32 device cu_seqlens to keep alive until the launches are issued, K1's dynamic values,
-        the K2 values of ``_K2_DYNAMIC``).  ``host_cu``: the host cu_seqlens when the caller already
-        read (and, if the signature checks them, checked) them."""
+        int32 device cu_seqlens to keep alive until the launches are issued, the call's values by
+        parameter name: what every launch of the plan takes per call, ``LoadedKernel.per_call``).
+        ``host_cu``: the host cu_seqlens when the caller already read (and, if the signature
+        checks them, checked) them."""
         c, device = self.c, self.device
         lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
@@ -146,8 +135,11 @@ class _Plan:
             cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
                 cu_seqlens.to(device=device, dtype=torch.int32)
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
-        return (out, final_state, cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, *workspaces, scale, lower_bound),
-                (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces))
+        call = {"q": qp, "k": kp, "g": gp, "beta": bp, "a_log": ap, "dt_bias": dp, "v": vp, "out": op,
+                "initial_state": ip, "final_state": fp, "cu_seqlens": cu_ptr, "state_indices": xp, "status": sp,
+                "segments": 0, "scale": scale, "lower_bound": lower_bound}
+        call.update(zip(_WORKSPACES, workspaces))
+        return out, final_state, cu32, call
 
 
 def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int,
@@ -174,17 +166,16 @@ class _SerialPlan(_Plan):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
-        self.k2 = k2.template({**self.geometry, "segments": 0, **chain},
-                              _K2_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+        self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
         stream = _raw_stream(self.device)
-        out, final_state, _cu32, k1_values, k2_values = self._begin(
+        out, final_state, _cu32, call = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
-        self.k1.launch(k1_values, stream)
-        self.k2.launch(k2_values, stream)
+        self.k1.launch(call, stream)
+        self.k2.launch(call, stream)
         return out, final_state
 
 
@@ -202,15 +193,15 @@ class _FusedPlan(_Plan):
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({
-            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}, _FUSED_DYNAMIC)
+            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain})
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
         stream = _raw_stream(self.device)
-        out, final_state, _cu32, (qp, kp, gp, bp, ap, dp, cu_ptr, scale, lower_bound), (vp, op, ip, fp, _, xp, sp) = \
-            self._begin(stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                        cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
-        self.kernel.launch((qp, kp, gp, bp, ap, dp, vp, op, ip, fp, cu_ptr, xp, sp, scale, lower_bound), stream)
+        out, final_state, _cu32, call = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        self.kernel.launch(call, stream)
         return out, final_state
 
 
@@ -256,16 +247,16 @@ class _CPPlan(_Plan):
                      "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
         self.prescan = prescan_k2.template({
             **k2_common, "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
-            "final_stride_k": D, "final_stride_v": 1, "flags": 0}, _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            "final_stride_k": D, "final_stride_v": 1, "flags": 0}, dependent=DEPENDENT_LAUNCH)
         self.merge = merge.template({
             "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags | status_flag},
-            _MERGE_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            dependent=DEPENDENT_LAUNCH)
         self.recurrence = recurrence_k2.template({
             **k2_common, "num_seqs": n_segments, "final_slots": c.num_seqs if alloc_final else c.final_slots,
             "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
             "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag},
-            _SEGMENTED_DYNAMIC, dependent=DEPENDENT_LAUNCH)
+            dependent=DEPENDENT_LAUNCH)
 
     def _table_values(self) -> list[int]:
         prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
@@ -279,7 +270,7 @@ class _CPPlan(_Plan):
         c, device = self.c, self.device
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
-        out, final_state, _cu32, k1_values, (vp, op, ip, fp, cu_ptr, xp, sp, *workspaces) = self._begin(
+        out, final_state, _cu32, call = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
             cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
         # The tables before any launch, so nothing on the GPU waits for Python between them.
@@ -290,16 +281,16 @@ class _CPPlan(_Plan):
             fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
                   "call (same lengths) once before capturing, or pass intracard_cp=False")
         rows = table.data_ptr()
-        if self.host_cu is not None:  # K1 places the records by the lengths the table was planned from
-            k1_values = (*k1_values[:_K1_CU_SEQLENS], rows + self.cu_at, *k1_values[_K1_CU_SEQLENS + 1:])
+        # K1 places the records by the lengths the table was planned from.
+        k1_call = call if self.host_cu is None else {**call, "cu_seqlens": rows + self.cu_at}
         # Transition pairs (M_i, B_i) and merged start states.
         prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         pp, cp = prescan.data_ptr(), carries.data_ptr()
-        self.k1.launch(k1_values, stream)
+        self.k1.launch(k1_call, stream)
         # The pre_scan starts from 0 or the identity and writes transition pairs: no pool, no status.
-        self.prescan.launch((vp, op, 0, pp, cu_ptr, xp, 0, *workspaces, rows), stream)
-        self.merge.launch((ip, pp, cp, rows + self.bounds_at, xp, sp), stream)
-        self.recurrence.launch((vp, op, cp, fp, cu_ptr, xp, sp, *workspaces, rows + self.main_rows_at), stream)
+        self.prescan.launch({**call, "initial_state": 0, "final_state": pp, "status": 0, "segments": rows}, stream)
+        self.merge.launch({**call, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
+        self.recurrence.launch({**call, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
         return out, final_state
 

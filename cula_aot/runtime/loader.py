@@ -40,6 +40,11 @@ class LoadedKernel:
         self.packer = ParamPacker(record["params"], name, record["param_bytes"])
         self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
                             for p in record["params"] if p["kind"] == "tma_descriptor"]
+        # What a call supplies, in ABI order: every pointer, the tensor behind every descriptor
+        # and every f32 scalar (scale, lower_bound); the i32 scalars (lengths, strides, slot
+        # counts, flags) are fixed by a launch template's call signature.
+        self.per_call = tuple(p["recipe"]["source"] if p["kind"] == "tma_descriptor" else p["name"]
+                              for p in record["params"] if p["kind"] != "scalar" or p["dtype"] == "f32")
         self.dependent_launch = record.get("dependent_launch", False)
         # Cluster shape set at launch (the PTX of a CuTeDSL kernel does not fix it).
         self.cluster = tuple(record.get("cluster", (1, 1, 1)))
@@ -136,27 +141,26 @@ class LoadedKernel:
             config.numAttrs = len(attributes)
         return config
 
-    def template(self, static: dict, dynamic: tuple, dependent: bool = False) -> "LaunchTemplate":
-        return LaunchTemplate(self, static, dynamic, dependent)
+    def template(self, static: dict, dependent: bool = False) -> "LaunchTemplate":
+        return LaunchTemplate(self, static, dependent)
 
 
 class LaunchTemplate:
-    """A launch of one kernel whose parameters are fixed except the ``dynamic`` ones (per-call
-    pointers and scalars, given positionally to ``launch``): the grid, the packing order, the
-    static values (checked once) and the TMA descriptor shapes are worked out at construction,
-    so a call only fills the dynamic slots, packs and launches (the serving fast path)."""
+    """A launch of one kernel whose parameters are fixed except its ``per_call`` ones (pointers,
+    descriptor sources, f32 scalars: ``launch`` takes them by name from a call's values): the
+    grid, the packing order, the static values (checked once) and the TMA descriptor shapes are
+    worked out at construction, so a call only fills the per-call slots, packs and launches
+    (the serving fast path)."""
 
-    def __init__(self, kernel: LoadedKernel, static: dict, dynamic: tuple, dependent: bool = False):
+    def __init__(self, kernel: LoadedKernel, static: dict, dependent: bool = False):
         if dependent:
             kernel.check_dependent()
         self.kernel = kernel
         self.dependent = dependent
         self.grid = kernel.grid(static)
         names = kernel.packer.names
+        dynamic = self.per_call = kernel.per_call
         dynamic_index = {name: i for i, name in enumerate(dynamic)}
-        unknown = [n for n in dynamic if n not in names and not any(src == n for _, src, _ in kernel.descriptors)]
-        if unknown:
-            raise ValueError(f"{kernel.name}: {unknown} are no parameters or descriptor sources")
         aligns = kernel.packer.pointer_aligns
         # Static values as given; per-call ones as placeholders of their kind (an aligned
         # address, 0, an empty descriptor), so packing once checks every static value.
@@ -181,7 +185,9 @@ class LaunchTemplate:
         self._pointer_checks = [(i, n, aligns[n]) for n, i in dynamic_index.items() if n in aligns]
         self._struct = kernel.packer.struct
 
-    def launch(self, dynamic: tuple, stream: int) -> None:
+    def launch(self, call: dict, stream: int) -> None:
+        """Launch with the per-call values taken by name from ``call`` (it may hold more)."""
+        dynamic = [call[name] for name in self.per_call]
         for i, name, align in self._pointer_checks:
             if dynamic[i] % align:
                 raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "

@@ -250,7 +250,7 @@ def test_dependent_launch_only_for_kernels_that_wait(manifest_path):
     with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
         kernel.launch_packed(bytes(kernel.packer.size), (1, 1, 1), 0, dependent=True)
     with pytest.raises(ValueError, match="cannot be launched as a programmatic dependent"):
-        kernel.template({}, (), dependent=True)
+        kernel.template({}, dependent=True)
 
 
 def test_dependent_launch_config_carries_the_pdl_attribute(manifest_path):
