@@ -44,35 +44,53 @@ def _fake_argument(param: Param):
 
 def declared_names_match(spec: KernelSpec) -> None:
     """The spec's parameter list is the one the kernel module writes out: the device kernel's
-    runtime parameters in order, the launch function's parameters (a TMA descriptor as the
-    pointer it is built from, then the stream and the codegen arguments), and the arguments the
-    launch function passes to the kernel (every kernel parameter, by its own name, in order)."""
+    runtime parameters in order (the list is written there, once); the launch function takes
+    the tensors its descriptors are built from, then every other parameter as ``*params``, then
+    the stream and the codegen arguments by keyword; and it passes the kernel the descriptors,
+    ``*params``, the static arguments and the codegen arguments, in the kernel's order."""
     launch, kernel, _ = _KERNELS[spec.kernel]
     kernel_params = list(inspect.signature(inspect.unwrap(kernel)).parameters)
     runtime = [n for n in kernel_params if n not in spec.args and n not in spec.static_args]
     declared = [p.name for p in spec.params]
     if runtime != declared:
         raise ValueError(f"{spec.name}: kernel parameters {runtime} != declared ABI {declared}")
-    sources = [dict(p.recipe)["source"] if p.kind == "tma_descriptor" else p.name for p in spec.params]
-    launch_params = list(inspect.signature(inspect.unwrap(launch)).parameters)
-    if launch_params != [*sources, "stream", *spec.args]:
-        raise ValueError(f"{spec.name}: launch parameters {launch_params} != {[*sources, 'stream', *spec.args]}")
+    descriptors = [p for p in spec.params if p.kind == "tma_descriptor"]
+    if spec.params[:len(descriptors)] != tuple(descriptors):
+        raise ValueError(f"{spec.name}: the TMA descriptors must lead the parameter list")
+    sources = [dict(p.recipe)["source"] for p in descriptors]
+    signature = inspect.signature(inspect.unwrap(launch)).parameters.values()
+    shape = [(p.name, p.kind) for p in signature]
+    expected = ([(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
+                + [("params", inspect.Parameter.VAR_POSITIONAL)]
+                + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *spec.args)])
+    if shape != expected:
+        raise ValueError(f"{spec.name}: launch parameters {shape} != {expected}")
     passed = _kernel_call_arguments(inspect.unwrap(launch), kernel.__name__)
-    if passed != kernel_params:
-        raise ValueError(f"{spec.name}: the launch passes {passed} to a kernel that takes {kernel_params}")
+    wanted = [p.name for p in descriptors] + ["*params"] + list(spec.static_args) + list(spec.args)
+    if passed != wanted:
+        raise ValueError(f"{spec.name}: the launch passes {passed} to its kernel, expected {wanted}")
 
 
 def _kernel_call_arguments(launch, kernel_name: str) -> list:
-    """The names the launch function passes, positionally, to its kernel (from its source)."""
+    """The names the launch function passes, positionally, to its kernel (from its source);
+    a starred name as ``*name``."""
     import ast
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(launch)))
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Name) and node.func.id == kernel_name]
-    if len(calls) != 1 or calls[0].keywords or not all(isinstance(a, ast.Name) for a in calls[0].args):
-        raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, name, ...)")
-    return [a.id for a in calls[0].args]
+    if len(calls) != 1 or calls[0].keywords:
+        raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, *params, name, ...)")
+    names = []
+    for arg in calls[0].args:
+        if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+            names.append("*" + arg.value.id)
+        elif isinstance(arg, ast.Name):
+            names.append(arg.id)
+        else:
+            raise ValueError(f"{launch.__name__}: the kernel call passes {ast.dump(arg)}, not a name")
+    return names
 
 
 def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
@@ -86,8 +104,8 @@ def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
     cute.compile(
         launch,
         *args,
-        cuda.CUstream(0),
-        *spec.args.values(),
+        stream=cuda.CUstream(0),
+        **spec.args,
         options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
     )
     ptx = glob.glob(os.path.join(dump_dir, "*.ptx"))

@@ -232,23 +232,8 @@ def cp_merge_kernel(
 
 
 @cute.jit
-def cp_merge_launch(
-    initial_state: cute.Pointer,
-    prescan: cute.Pointer,
-    carries: cute.Pointer,
-    seq_segments: cute.Pointer,
-    state_indices: cute.Pointer,
-    num_seqs: cutlass.Int32,
-    init_slot_stride: cutlass.Int32,
-    init_stride_k: cutlass.Int32,
-    init_stride_v: cutlass.Int32,
-    flags: cutlass.Int32,
-    status: cute.Pointer,
-    init_slots: cutlass.Int32,
-    stream,
-    v_block: cutlass.Constexpr[int],
-):
-    cp_merge_kernel(
-        initial_state, prescan, carries, seq_segments, state_indices, num_seqs, init_slot_stride,
-        init_stride_k, init_stride_v, flags, status, init_slots, v_block,
-    ).launch(grid=[D // v_block, TRACE_HEADS, num_seqs], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream)
+def cp_merge_launch(*params, stream, v_block: cutlass.Constexpr[int]):
+    # ``params``: the kernel's runtime parameters (``specs.MERGE_PARAMS``); the grid is a
+    # placeholder (the runtime launches the spec's).
+    cp_merge_kernel(*params, v_block).launch(grid=[D // v_block, TRACE_HEADS, 1], block=[THREADS, 1, 1],
+                                             smem=smem_bytes(v_block), stream=stream)

@@ -476,49 +476,9 @@ def kda_decode_chunk_kernel(
 
 
 @cute.jit
-def kda_decode_chunk_launch(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    v: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    state_indices: cute.Pointer,
-    state_pool: cute.Pointer,
-    intermediate: cute.Pointer,
-    out: cute.Pointer,
-    status: cute.Pointer,
-    num_seqs: cutlass.Int32,
-    num_tokens: cutlass.Int32,
-    num_slots: cutlass.Int32,
-    slot_stride: cutlass.Int32,
-    q_stride_n: cutlass.Int32,
-    q_stride_t: cutlass.Int32,
-    k_stride_n: cutlass.Int32,
-    k_stride_t: cutlass.Int32,
-    v_stride_n: cutlass.Int32,
-    v_stride_t: cutlass.Int32,
-    g_stride_n: cutlass.Int32,
-    g_stride_t: cutlass.Int32,
-    beta_stride_n: cutlass.Int32,
-    beta_stride_t: cutlass.Int32,
-    beta_offset: cutlass.Int32,
-    index_offset: cutlass.Int32,
-    out_stride_n: cutlass.Int32,
-    out_stride_t: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    flags: cutlass.Int32,
-    stream,
-    warps: cutlass.Constexpr[int],
-    items: cutlass.Constexpr[int],
-):
-    kda_decode_chunk_kernel(
-        q, k, v, g, beta, a_log, dt_bias, state_indices, state_pool, intermediate, out, status,
-        num_seqs, num_tokens, num_slots, slot_stride, q_stride_n, q_stride_t, k_stride_n, k_stride_t,
-        v_stride_n, v_stride_t, g_stride_n, g_stride_t, beta_stride_n, beta_stride_t, beta_offset,
-        index_offset, out_stride_n, out_stride_t, scale, lower_bound, flags,
-        warps, items,
-    ).launch(grid=[D // (ROWS * warps * items), TRACE_HEADS, num_seqs], block=[threads(warps), 1, 1],
-             smem=smem_bytes(warps, items), stream=stream)
+def kda_decode_chunk_launch(*params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int]):
+    # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
+    # placeholder (the runtime launches the spec's).
+    kda_decode_chunk_kernel(*params, warps, items).launch(
+        grid=[D // (ROWS * warps * items), TRACE_HEADS, 1], block=[threads(warps), 1, 1],
+        smem=smem_bytes(warps, items), stream=stream)

@@ -46,10 +46,6 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (
-    FLAG_FINAL_STATE,
-    FLAG_INDEXED_FINAL,
-    FLAG_INDEXED_INIT,
-    FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_STATUS,
     FLAG_VARLEN,
@@ -59,28 +55,13 @@ from ..layout import (
     STATUS_SLOT_OUT_OF_RANGE,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, LOG2E, TRACE_HEADS, exp2_fast, make_token_tma, pool_slot, report_status, sigmoid, varlen_sequence
-from .prepare_tile import (
-    LANE_COLS,
-    NORM_PARTIALS,
-    PRODUCT_PARTIALS,
-    WARPS,
-    copy_tiles,
-    gate_cumsum,
-    input_tile,
-    lane_row_values,
-    normalised_and_gates,
-    reduce_l,
-    reduce_mqk,
-    register_inverse,
-    store_inverse,
-    store_product_partials,
-    store_row_norms,
-    vector,
-    lane_columns,
-    lane_rows,
-)
+from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
+from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
+                           copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
+                           reduce_mqk, register_inverse, store_inverse, store_product_partials, store_row_norms,
+                           vector, lane_columns, lane_rows)
 from .tile_chain import (
+    state_slots,
     N_TILES,
     STAGE_ALIGN,
     V_WARP_BYTES,
@@ -96,8 +77,8 @@ from .tile_chain import (
     wgmma_state_products,
     write_state,
 )
-from .warp_mma import (accumulators_as_a, f32_bits, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16,
-                       pack_bf16x2, st_global_v4, stmatrix_x4_trans, tf32_ready)
+from .warp_mma import (accumulators_as_a, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, st_global_v4,
+                       stmatrix_x4_trans)
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 
 WARP = 32
@@ -274,14 +255,7 @@ def fused_prefill_kernel(
                                 seq_start + (producer + b * producers) * CHUNK, head)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
-        gate_scale = -cute.math.exp(cute.make_tensor(a_log + head, cute.make_layout(1))[0]) * cutlass.Float32(LOG2E)
-        bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
-        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        for j in cutlass.range_constexpr(LANE_COLS):
-            gate_bias[j] = bias[j] * gate_scale
-        gamma_scale = lower_bound * cutlass.Float32(LOG2E)
-        has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-                      for b in range(3)]
+        gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane)
         for mine in cutlass.range(my_tiles, unroll=1):
             i = producer + mine * producers
             buffer = mine % 2
@@ -319,27 +293,12 @@ def fused_prefill_kernel(
             cum, _, gtot = gate_cumsum(gamma, has_source, lane)  # kr uses 2^G[15], not G[15]
             if lane < 4:
                 vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
-            kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            for half in cutlass.range_constexpr(2):
-                qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    g_row = cum[half][j]
-                    decay = exp2_fast(g_row)
-                    qd[j] = qhat[half][j] * decay * scale
-                    kd[j] = khat[half][j] * decay
-                    kinv = khat[half][j] * exp2_fast(-g_row)
-                    # k̂·2^(G[15] − G) as k̂·2^−G·2^G[15]: one MUFU fewer per element than K1
-                    # (G ≥ 16·lower_bound·log2 e > −116 keeps both factors normal).
-                    kr[j] = kinv * gtot[j]
-                    qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
-                    kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
-                    kinv_bits[half][j] = f32_bits(tf32_ready(kinv))
+
+            def store_images(half, qd, kd, kr):
                 for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
+
+            kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, (gtot,), store_images)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
             store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
@@ -370,17 +329,8 @@ def fused_prefill_kernel(
         v_col = warp_col0 + g
         init_index = seq
         final_index = seq
-        read_init = flags & FLAG_INITIAL_STATE
-        write_final = flags & FLAG_FINAL_STATE
-        bad_slot = cutlass.Boolean(False)
-        if (flags & FLAG_INDEXED_INIT) != 0:
-            init_index, usable, out_of_range = pool_slot(state_indices, init_index, init_slots)
-            bad_slot = bad_slot | out_of_range
-            read_init = cutlass.select_(usable, read_init, 0)
-        if (flags & FLAG_INDEXED_FINAL) != 0:
-            final_index, usable, out_of_range = pool_slot(state_indices, final_index, final_slots)
-            bad_slot = bad_slot | out_of_range
-            write_final = cutlass.select_(usable, write_final, 0)
+        init_index, read_init, final_index, write_final, bad_slot = state_slots(
+            state_indices, flags, init_index, init_slots, final_index, final_slots)
         if cw == 0:
             if lane == 0:
                 report_status(status, (flags & FLAG_STATUS) != 0,
@@ -462,49 +412,13 @@ def fused_prefill_kernel(
 
 
 @cute.jit
-def fused_prefill_launch(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    v: cute.Pointer,
-    out: cute.Pointer,
-    initial_state: cute.Pointer,
-    final_state: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    state_indices: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    beta_row_stride: cutlass.Int32,
-    v_row_stride: cutlass.Int32,
-    out_row_stride: cutlass.Int32,
-    init_slot_stride: cutlass.Int32,
-    init_stride_k: cutlass.Int32,
-    init_stride_v: cutlass.Int32,
-    final_slot_stride: cutlass.Int32,
-    final_stride_k: cutlass.Int32,
-    final_stride_v: cutlass.Int32,
-    flags: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    status: cute.Pointer,
-    init_slots: cutlass.Int32,
-    final_slots: cutlass.Int32,
-    stream,
-    stages: cutlass.Constexpr[int],
-    producers: cutlass.Constexpr[int],
-):
+def fused_prefill_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
+                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int]):
+    # ``params``: the kernel's runtime parameters after its descriptors (``specs.FUSED_PARAMS``);
+    # descriptors and grid as in ``k1_prepare_launch``.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    fused_prefill_kernel(
-        tma_q, tma_k, tma_g, beta, a_log, dt_bias, v, out, initial_state, final_state, cu_seqlens, state_indices,
-        seq_len, num_seqs, beta_row_stride, v_row_stride, out_row_stride,
-        init_slot_stride, init_stride_k, init_stride_v,
-        final_slot_stride, final_stride_k, final_stride_v, flags,
-        scale, lower_bound, status, init_slots, final_slots, token_coords, stages, producers,
-    ).launch(grid=[1, TRACE_HEADS, num_seqs], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
-             stream=stream,
-             min_blocks_per_mp=1, preferred_smem_carveout=100)
+    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers).launch(
+        grid=[1, TRACE_HEADS, 1], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
+        stream=stream, min_blocks_per_mp=1, preferred_smem_carveout=100)

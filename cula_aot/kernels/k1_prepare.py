@@ -58,10 +58,8 @@ from .common import (
     CHUNK,
     D,
     IMAGE_BYTES,
-    LOG2E,
     THREADS,
     TRACE_HEADS,
-    exp2_fast,
     k_inter_index,
     make_token_tma,
     record_part,
@@ -72,27 +70,11 @@ from .common import (
 )
 from ..layout import WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
-from .warp_mma import f32_bits, pack_bf16x2, tf32_ready
-from .prepare_tile import (
-    LANE_COLS,
-    NORM_PARTIALS,
-    PRODUCT_PARTIALS,
-    WARP_COLS,
-    copy_tiles,
-    gate_cumsum,
-    input_tile,
-    lane_columns,
-    lane_row_values,
-    lane_rows,
-    normalised_and_gates,
-    reduce_l,
-    reduce_mqk,
-    register_inverse,
-    store_inverse,
-    store_product_partials,
-    store_row_norms,
-    vector,
-)
+from .warp_mma import pack_bf16x2
+from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
+                           copy_tiles, gate_cumsum, input_tile, lane_columns, lane_row_values, lane_rows,
+                           normalised_and_gates, reduce_l, reduce_mqk, register_inverse, store_inverse,
+                           store_product_partials, store_row_norms, vector)
 
 assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
 
@@ -218,16 +200,7 @@ def k1_prepare_kernel(
 
     col0 = lane_columns(warp, lane)
     my_rows = lane_rows(lane)
-    # σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e: one FFMA
-    # and two MUFU ops per element; γ is kept in log2 units, so every decay is one ex2.
-    gate_scale = -cute.math.exp(cute.make_tensor(a_log + head, cute.make_layout(1))[0]) * cutlass.Float32(LOG2E)
-    bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
-    gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    for j in cutlass.range_constexpr(LANE_COLS):
-        gate_bias[j] = bias[j] * gate_scale
-    gamma_scale = lower_bound * cutlass.Float32(LOG2E)
-    has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-                  for b in range(3)]
+    gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane)
     for i in range(count):
         slot = first_slot + i
         buffer = i % 2
@@ -268,27 +241,12 @@ def k1_prepare_kernel(
             if lane < 4:
                 vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
-            # The bf16 images go to the workspaces; L and Mqk use the fp32 values as tf32 operands,
-            # so they do not inherit the images' rounding (with cancellation in q̂·k̂ that rounding
-            # can dominate a 16×16 entry).
-            kd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            qd_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            kinv_bits = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)]
-            for half in cutlass.range_constexpr(2):
-                qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    g_row = cum[half][j]
-                    decay = exp2_fast(g_row)
-                    qd[j] = qhat[half][j] * decay * scale
-                    kd[j] = khat[half][j] * decay
-                    kr[j] = khat[half][j] * exp2_fast(total[j] - g_row)
-                    qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
-                    kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
-                    kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * exp2_fast(-g_row)))
+            def store_images(half, qd, kd, kr):
                 for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
                     _store_image_row(record, part, values, my_rows[half], col0)
+
+            # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
+            kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, store_images)
 
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
             store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
@@ -310,36 +268,16 @@ def k1_prepare_kernel(
 
 
 @cute.jit
-def k1_prepare_launch(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    workspace: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    total_slots: cutlass.Int32,
-    beta_row_stride: cutlass.Int32,
-    tiles_per_cta: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    stream,
-    varlen: cutlass.Constexpr[bool],
-):
-    # The descriptors built here only fix the kernel's parameter types: the runtime encodes
-    # the real ones per call from the manifest recipe (specs.token_tma_recipe).
+def k1_prepare_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
+                      varlen: cutlass.Constexpr[bool]):
+    # ``params``: the kernel's runtime parameters after its descriptors (``specs.K1_PARAMS``).
+    # The descriptors built here and the grid only fix the kernel's types: the runtime encodes
+    # the real descriptors per call from the manifest recipe and launches the spec's grid.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    k1_prepare_kernel(
-        tma_q, tma_k, tma_g, beta, a_log, dt_bias, cu_seqlens,
-        workspace,
-        seq_len, num_seqs, total_slots, beta_row_stride, tiles_per_cta, scale, lower_bound, token_coords,
-        varlen,
-    ).launch(grid=[(total_slots + tiles_per_cta - 1) // tiles_per_cta, TRACE_HEADS, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
-             # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
-             # does not ask a GPU for the SM's shared memory (the runtime sets it on load).
-             min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
+    k1_prepare_kernel(tma_q, tma_k, tma_g, *params, token_coords, varlen).launch(
+        grid=[1, TRACE_HEADS, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
+        # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
+        # does not ask a GPU for the SM's shared memory (the runtime sets it on load).
+        min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)

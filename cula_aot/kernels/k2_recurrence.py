@@ -71,11 +71,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..layout import (
-    FLAG_FINAL_STATE,
     FLAG_IDENTITY_INIT,
-    FLAG_INDEXED_FINAL,
-    FLAG_INDEXED_INIT,
-    FLAG_INITIAL_STATE,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
     FLAG_STATUS,
@@ -97,7 +93,7 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, TRACE_HEADS, pool_slot, record_part, report_status, varlen_sequence
+from .common import CHUNK, D, TRACE_HEADS, record_part, report_status, varlen_sequence
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 from .warp_mma import (
     accumulators_as_a,
@@ -109,6 +105,7 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
+    state_slots,
     N_TILES,
     STAGE_ALIGN,
     V_WARP_BYTES,
@@ -288,17 +285,8 @@ def k2_recurrence_kernel(
     # key 8j + 2t + c % 2) -------------------------------------------------------------------
     # State pools: the row's index is a sequence number and the slot is state_indices[n]
     # (outside the pool: a zero start and no write).
-    read_init = flags & FLAG_INITIAL_STATE
-    write_final = flags & FLAG_FINAL_STATE
-    bad_slot = cutlass.Boolean(False)
-    if (flags & FLAG_INDEXED_INIT) != 0:
-        init_index, usable, out_of_range = pool_slot(state_indices, init_index, init_slots)
-        bad_slot = bad_slot | out_of_range
-        read_init = cutlass.select_(usable, read_init, 0)
-    if (flags & FLAG_INDEXED_FINAL) != 0:
-        final_index, usable, out_of_range = pool_slot(state_indices, final_index, final_slots)
-        bad_slot = bad_slot | out_of_range
-        write_final = cutlass.select_(usable, write_final, 0)
+    init_index, read_init, final_index, write_final, bad_slot = state_slots(
+        state_indices, flags, init_index, init_slots, final_index, final_slots)
     if tid == 0:
         report_status(status, (flags & FLAG_STATUS) != 0,
                       cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
@@ -499,47 +487,14 @@ def k2_recurrence_kernel(
 
 @cute.jit
 def k2_recurrence_launch(
-    v: cute.Pointer,
-    out: cute.Pointer,
-    initial_state: cute.Pointer,
-    final_state: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    segments: cute.Pointer,
-    state_indices: cute.Pointer,
-    workspace: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    total_slots: cutlass.Int32,
-    v_row_stride: cutlass.Int32,
-    out_row_stride: cutlass.Int32,
-    init_slot_stride: cutlass.Int32,
-    init_stride_k: cutlass.Int32,
-    init_stride_v: cutlass.Int32,
-    final_slot_stride: cutlass.Int32,
-    final_stride_k: cutlass.Int32,
-    final_stride_v: cutlass.Int32,
-    flags: cutlass.Int32,
-    status: cute.Pointer,
-    init_slots: cutlass.Int32,
-    final_slots: cutlass.Int32,
-    stream,
-    varlen: cutlass.Constexpr[bool],
-    v_block: cutlass.Constexpr[int],
-    segmented: cutlass.Constexpr[bool],
-    prescan: cutlass.Constexpr[bool],
-    stages: cutlass.Constexpr[int],
-    multicast: cutlass.Constexpr[bool],
-    wgmma: cutlass.Constexpr[bool],
+    *params, stream, varlen: cutlass.Constexpr[bool], v_block: cutlass.Constexpr[int],
+    segmented: cutlass.Constexpr[bool], prescan: cutlass.Constexpr[bool], stages: cutlass.Constexpr[int],
+    multicast: cutlass.Constexpr[bool], wgmma: cutlass.Constexpr[bool],
 ):
-    # Segmented launches: num_seqs counts the work items (segment table rows).
+    # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
+    # placeholder: the runtime launches the cubin with the spec's grid.
     k2_recurrence_kernel(
-        v, out, initial_state, final_state, cu_seqlens, segments, state_indices,
-        workspace,
-        seq_len, num_seqs, total_slots, v_row_stride, out_row_stride,
-        init_slot_stride, init_stride_k, init_stride_v,
-        final_slot_stride, final_stride_k, final_stride_v, flags,
-        status, init_slots, final_slots,
-        varlen, v_block, segmented, prescan, stages, multicast, wgmma,
-    ).launch(grid=[D // v_block, TRACE_HEADS, num_seqs], block=[k2_threads(v_block), 1, 1],
+        *params, varlen, v_block, segmented, prescan, stages, multicast, wgmma,
+    ).launch(grid=[D // v_block, TRACE_HEADS, 1], block=[k2_threads(v_block), 1, 1],
              smem=smem_bytes(v_block, stages, prescan), stream=stream,
              **({"cluster": [D // v_block, 1, 1]} if multicast else {}))

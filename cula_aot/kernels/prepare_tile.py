@@ -8,8 +8,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from .common import CHUNK, D, THREADS, exp2_fast, INPUT_BLOCKS, input_tile_layout, input_element_offset
-from .warp_mma import mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2
+from .common import CHUNK, D, LOG2E, THREADS, exp2_fast, INPUT_BLOCKS, input_tile_layout, input_element_offset
+from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
 WARPS = THREADS // 32
 # The fragment layout: a warp's key columns, and the consecutive columns of one lane's row.
@@ -111,6 +111,22 @@ def store_row_norms(vq: list, vk: list, s_norm: cute.Tensor, my_rows: tuple, war
             s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
 
 
+def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane):
+    """Phase B's per-CTA constants for the lane's columns: σ(e^A_log·(g + dt_bias)) =
+    1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e (one FFMA and two MUFU ops per element; γ
+    in log2 units, so every decay is one ex2), as (c, dt_bias·c per column, lower_bound·log2 e,
+    ``row_scan``'s has_source factors)."""
+    gate_scale = -cute.math.exp(cute.make_tensor(a_log + head, cute.make_layout(1))[0]) * cutlass.Float32(LOG2E)
+    bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
+    gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    for j in range(LANE_COLS):
+        gate_bias[j] = bias[j] * gate_scale
+    gamma_scale = lower_bound * cutlass.Float32(LOG2E)
+    has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
+                  for b in range(3)]
+    return gate_scale, gate_bias, gamma_scale, has_source
+
+
 @cute.jit
 def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute.Tensor, my_rows: tuple, gate_scale,
                           gate_bias: cute.Tensor, gamma_scale):
@@ -149,6 +165,37 @@ def gate_cumsum(gamma: list, has_source: list, lane):
         total[j] = upper_total + lower_total
         gtot[j] = exp2_fast(total[j])
     return cum, total, gtot
+
+
+def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_images):
+    """Phase B's decayed operands of the lane's two rows: qd = q̂·2^G·scale, kd = k̂·2^G and
+    kr = k̂·2^(G[15] − G), handed row by row to ``store_images(half, qd, kd, kr)``; returns the
+    tf32 bits of kd, qd and kinv = k̂·2^−G (phase C's A and B operands: rounded from the fp32
+    values, not from the bf16 images, whose rounding can dominate an entry where q̂·k̂ cancels).
+    ``kr_scale``: G[15] per column (kr by its own MUFU op), or, as the tuple ``(gtot,)``,
+    2^G[15] (kr = kinv·2^G[15]: one MUFU op fewer, both factors normal while G ≥ −116)."""
+    bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
+    kd_bits, qd_bits, kinv_bits = bits
+    for half in range(2):
+        qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in range(LANE_COLS):
+            g_row = cum[half][j]
+            decay = exp2_fast(g_row)
+            qd[j] = qhat[half][j] * decay * scale
+            kd[j] = khat[half][j] * decay
+            if isinstance(kr_scale, tuple):
+                kinv = khat[half][j] * exp2_fast(-g_row)
+                kr[j] = kinv * kr_scale[0][j]
+            else:
+                kr[j] = khat[half][j] * exp2_fast(kr_scale[j] - g_row)
+                kinv = None
+            qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
+            kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
+            kinv_bits[half][j] = f32_bits(tf32_ready(kinv if kinv is not None else khat[half][j] * exp2_fast(-g_row)))
+        store_images(half, qd, kd, kr)
+    return kd_bits, qd_bits, kinv_bits
 
 
 @cute.jit

@@ -6,9 +6,10 @@ order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import FLAG_BF16_FINAL, FLAG_BF16_INIT, ORDER_MAX_SEQS
+from ..layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT,
+                      FLAG_INITIAL_STATE, ORDER_MAX_SEQS)
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
-from .common import CHUNK, D, sequence_bounds, state_element
+from .common import CHUNK, D, pool_slot, sequence_bounds, state_element
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
 
@@ -62,6 +63,26 @@ def stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_valid
         nbytes = cutlass.Int32(16)
     at = src_row * cutlass.Int64(v_row_stride) + cutlass.Int64(head * D + warp_col0 + half * 8)
     cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
+
+
+@cute.jit
+def state_slots(state_indices: cute.Pointer, flags, init_index, init_slots, final_index, final_slots):
+    """An item's states in pools: its rows ``init_index`` / ``final_index`` are sequence numbers
+    and the slots state_indices[row] (one outside its pool: a zero start, no write).  Returns
+    (init_index, read_init, final_index, write_final, bad_slot): the indices to use, the flags'
+    read and write bits (0 for padding) and whether a slot was out of range."""
+    read_init = flags & FLAG_INITIAL_STATE
+    write_final = flags & FLAG_FINAL_STATE
+    bad_slot = cutlass.Boolean(False)
+    if (flags & FLAG_INDEXED_INIT) != 0:
+        init_index, usable, out_of_range = pool_slot(state_indices, init_index, init_slots)
+        bad_slot = bad_slot | out_of_range
+        read_init = cutlass.select_(usable, read_init, 0)
+    if (flags & FLAG_INDEXED_FINAL) != 0:
+        final_index, usable, out_of_range = pool_slot(state_indices, final_index, final_slots)
+        bad_slot = bad_slot | out_of_range
+        write_final = cutlass.select_(usable, write_final, 0)
+    return init_index, read_init, final_index, write_final, bad_slot
 
 
 @cute.jit

@@ -141,6 +141,18 @@ class _Plan:
         call.update(zip(_WORKSPACES, workspaces))
         return out, final_state, cu32, call
 
+    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+        """One call of a serial plan: its checks and allocations, then its ``launches`` in order
+        (the CP plan has its own)."""
+        stream = _raw_stream(self.device)
+        out, final_state, _cu32, call = self._begin(
+            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+        for template in self.launches:
+            template.launch(call, stream)
+        return out, final_state
+
 
 def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int,
                          order: int) -> dict:
@@ -167,16 +179,7 @@ class _SerialPlan(_Plan):
                          intracard_cp=intracard_cp, split=split)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
-
-    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
-        stream = _raw_stream(self.device)
-        out, final_state, _cu32, call = self._begin(
-            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
-        self.k1.launch(call, stream)
-        self.k2.launch(call, stream)
-        return out, final_state
+        self.launches = (self.k1, self.k2)
 
 
 class _FusedPlan(_Plan):
@@ -194,15 +197,7 @@ class _FusedPlan(_Plan):
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({
             **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain})
-
-    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
-        stream = _raw_stream(self.device)
-        out, final_state, _cu32, call = self._begin(
-            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
-        self.kernel.launch(call, stream)
-        return out, final_state
+        self.launches = (self.kernel,)
 
 
 class _CPPlan(_Plan):
