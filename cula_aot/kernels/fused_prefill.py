@@ -45,15 +45,8 @@ status word under ``FLAG_STATUS``.
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import (
-    FLAG_LONGEST_FIRST,
-    FLAG_STATUS,
-    FLAG_VARLEN,
-    IMAGE_BYTES,
-    ORDER_MAX_SEQS,
-    STATUS_CU_SEQLENS_MALFORMED,
-    STATUS_SLOT_OUT_OF_RANGE,
-)
+from ..layout import (FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES, ORDER_MAX_SEQS,
+                      STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
 from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,

@@ -54,20 +54,8 @@ a fused projection need no copy), 16-byte aligned base; β bf16 [rows, H] with t
 import cutlass
 import cutlass.cute as cute
 
-from .common import (
-    CHUNK,
-    D,
-    IMAGE_BYTES,
-    THREADS,
-    TRACE_HEADS,
-    k_inter_index,
-    make_token_tma,
-    record_part,
-    sequence_bounds,
-    sigmoid,
-    slot_base,
-    varlen_slot_sequence,
-)
+from .common import (CHUNK, D, IMAGE_BYTES, THREADS, TRACE_HEADS, k_inter_index, make_token_tma, record_part,
+                     sequence_bounds, sigmoid, slot_base, varlen_slot_sequence)
 from ..layout import WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
