@@ -14,6 +14,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 * ``serving``: the serving matrix (CONTRACT §7's serving shapes): H ∈ {4, 8, 16, 32} × varlen batches 1×8192,
   8×1024, 32×256 and 4×2048 + 16×128; K1 alone, serial and ``intracard_cp="auto"``, eager and
   graph (``auto`` must never lose to serial), fla beside when importable.
+* ``gates``: the production shards (H12 1×2048 and 1×8192, H16/H24/H32 1×8192, H16 8×2048) and
+  two serving rows (H8 32×256, H16 4×2048 + 16×128), each with the safe gate and with fla's
+  softplus gate (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
 * ``cp``: CONTRACT §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
 * ``cp_long``: long contexts: H ∈ {1, 4, 8} × [65536], [131072] and
@@ -65,7 +68,7 @@ from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 from cula_aot.testing import cu_seqlens_of, standard_inputs
 
-SECTIONS = ("overhead", "spec", "serving", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
+SECTIONS = ("overhead", "spec", "serving", "gates", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
 # CONTRACT §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
@@ -98,6 +101,12 @@ CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 SERVING_HEADS = (4, 8, 16, 32)
 SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
                    ("4x2048+16x128", [2048] * 4 + [128] * 16)]
+# Gates: production shards (Kimi Linear's 96 heads over 8 GPUs is H12) and two serving rows, each
+# with the safe and the softplus gate, CUDA-graph replay, fla beside.
+GATE_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192", [8192]), (24, "1x8192", [8192]),
+                  (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8), (8, "32x256", [256] * 32),
+                  (16, "4x2048+16x128", [2048] * 4 + [128] * 16)]
+BENCH_GATES = ("safe", "softplus")
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
@@ -133,19 +142,25 @@ def varlen_lengths(n, total, dist):
     return lengths
 
 
-def make_inputs(heads, batch, lengths, seq_len, device, seed=0):
+def make_inputs(heads, batch, lengths, seq_len, device, seed=0, gate="safe"):
     """CONTRACT §8 inputs drawn on the device (seeded; ``cula_aot.testing.standard_inputs``): q, k,
     v, g ~ N(0,1) bf16, β ~ N(0,1) bf16 logits, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1), initial
-    state ``s0`` ~ 0.1·N(0,1) fp32 per sequence; ``cu``/``cu_cpu`` (varlen) on the device and the host."""
+    state ``s0`` ~ 0.1·N(0,1) fp32 per sequence; ``cu``/``cu_cpu`` (varlen) on the device and the host;
+    ``gate``: the decay the calls use ("safe" with lower_bound -5, or "softplus")."""
     total = sum(lengths) if lengths else seq_len
     n = len(lengths) if lengths else batch
-    x = standard_inputs(batch, total, heads, device=device, seed=seed, n_states=n)
+    x = standard_inputs(batch, total, heads, device=device, seed=seed, n_states=n, gate=gate)
     cu = cu_cpu = None
     if lengths:
         cu_cpu = cu_seqlens_of(lengths)
         cu = cu_cpu.to(device)
     return {"q": x["q"], "k": x["k"], "v": x["v"], "g": x["g"], "beta": x["beta"], "cu": cu, "cu_cpu": cu_cpu,
-            "A_log": x["A_log"], "dt_bias": x["dt_bias"], "s0": x["initial_state"]}
+            "A_log": x["A_log"], "dt_bias": x["dt_bias"], "s0": x["initial_state"], "gate": gate}
+
+
+def gate_options(x) -> dict:
+    """The gate arguments of our calls on inputs ``x``."""
+    return {"gate": x["gate"], "lower_bound": LOWER_BOUND if x["gate"] == "safe" else None}
 
 
 def prefill_runner(x, **options):
@@ -158,8 +173,8 @@ def prefill_runner(x, **options):
 
     def run():
         prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                lower_bound=LOWER_BOUND, initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
-                out=out, final_state=final, **options)
+                initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
+                out=out, final_state=final, **gate_options(x), **options)
         return out, final
 
     return run
@@ -169,8 +184,8 @@ def k1_runner(x):
     from cula_aot.ops.prepare import prepare
 
     def run():
-        prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND,
-                cu_seqlens=x["cu"])
+        prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu"],
+                **gate_options(x))
 
     return run
 
@@ -236,7 +251,7 @@ class Bench:
         row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
                    fla_rel_rmse_state=None)
         if self.fla_for(x["q"].shape[2]):
-            fla = peers.fla_runner(x, LOWER_BOUND)
+            fla = peers.fla_runner(x, LOWER_BOUND if x["gate"] == "safe" else None)
             try:
                 t0 = time.perf_counter()
                 o_fla, s_fla = fla()
@@ -321,6 +336,30 @@ class Bench:
                 row.update(self.measure(x))
                 del x
                 self.finish_row(rows, row, f"serving H={heads} {label} (auto split {row['auto_split']})")
+
+    def run_gates(self):
+        """The production shards and two serving rows with the safe and the softplus gate side by
+        side (one row per gate; ``softplus_over_safe`` on the softplus rows): graph replay of the
+        automatic path, fla beside."""
+        rows = self.results.setdefault("gates", [])
+        for heads, label, lengths in GATE_WORKLOADS:
+            safe_ms = None
+            for gate in BENCH_GATES:
+                row = {"H": heads, "workload": label, "lengths": lengths, "gate": gate}
+                if self.skipped_for_budget(rows, row):
+                    continue
+                x = make_inputs(heads, 1, lengths, None, self.device, gate=gate)
+                row["k1_ms"] = self.time(k1_runner(x))
+                row.update(self.measure(x))
+                auto = prefill_runner(x, intracard_cp="auto")
+                row["cp_auto_graph_ms"] = self.time_graph(auto, f"gates H={heads} {label} {gate} auto")
+                row["auto_split"] = planned_split(lengths, heads, self.device)
+                if gate == "safe":
+                    safe_ms = row["ours_graph_ms"]
+                elif safe_ms and row["ours_graph_ms"]:
+                    row["softplus_over_safe"] = row["ours_graph_ms"] / safe_ms
+                del x
+                self.finish_row(rows, row, f"gates H={heads} {label} {gate}")
 
     def run_cp(self):
         rows = self.results.setdefault("cp", [])
@@ -572,6 +611,20 @@ def render_markdown(res):
                          _rmse(r)])
         out += ["## Serving matrix (varlen, initial + final state; auto must never lose to serial)", "",
                 _table(header, rows), ""]
+    if res.get("gates"):
+        header = ["H", "workload", "gate", "K1 ms", "serial graph", "auto split", "auto graph", "fla graph",
+                  "ours best graph / fla graph", "softplus ÷ safe (serial graph)", "RMSE o / state"]
+        rows = []
+        for r in res["gates"]:
+            if r.get("skipped"):
+                rows.append([r["H"], r["workload"], r["gate"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 4))
+                continue
+            best = min([v for v in (r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")) if v is not None], default=None)
+            rows.append([r["H"], r["workload"], r["gate"], _f(r.get("k1_ms")), _f(r.get("ours_graph_ms")),
+                         r.get("auto_split"), _f(r.get("cp_auto_graph_ms")), _f(r.get("fla_graph_ms")),
+                         _ratio(best, r.get("fla_graph_ms")), _f(r.get("softplus_over_safe"), 3), _rmse(r)])
+        out += ["## Gates: production shards and serving rows, safe and softplus (graph replay)", "",
+                _table(header, rows), ""]
     if res.get("cp"):
         header = (["H", "lengths", "serial eager"] + [f"s={s} eager" for s in CP_SPLITS[1:-1]]
                   + ["auto eager"] + [f"s={s} graph" for s in CP_GRAPH_SPLITS]
@@ -641,6 +694,9 @@ def dry_run(sections):
         for heads in SERVING_HEADS:
             for label, lengths in SERVING_BATCHES:
                 print(f"serving: H={heads} {label} ({len(lengths)} seqs, {sum(lengths)} tokens): serial and auto")
+    if "gates" in sections:
+        for heads, label, lengths in GATE_WORKLOADS:
+            print(f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial and auto, graph")
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
             print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")

@@ -3,7 +3,7 @@
 * ``copy_bandwidth``: device-to-device copy rate (bytes read + written per second), the HBM
   ceiling the prefill's unavoidable traffic is compared with.
 * ``fla_runner``: flash-linear-attention's Triton ``chunk_kda`` with this project's semantics
-  (gate ``lower_bound·σ(exp(A_log)·(g + dt_bias))`` with ``safe_gate``, q/k l2norm and β sigmoid
+  (gate ``lower_bound·σ(exp(A_log)·(g + dt_bias))`` with ``safe_gate``, or fla's softplus gate, q/k l2norm and β sigmoid
   in the kernel, V-first ``[N, H, V, K]`` fp32 states), when ``fla`` is importable (fla-core is
   a pure-Python wheel over Triton: carry it to the GPU machine).  It is only called, never copied.
 """
@@ -52,7 +52,7 @@ def fla_version():
 
 def fla_runner(x, lower_bound=-5.0):
     """A no-argument call of fla's chunk_kda on inputs ``x`` returning ``(o, final_state)``, or
-    None when fla is not installed."""
+    None when fla is not installed; ``lower_bound`` None: fla's unbounded softplus gate."""
     try:
         from fla.ops.kda import chunk_kda
     except ImportError:
@@ -66,7 +66,8 @@ def fla_runner(x, lower_bound=-5.0):
         with torch.no_grad():
             return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"],
                              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=lower_bound,
+                             use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
+                             lower_bound=lower_bound,
                              A_log=x["A_log"], dt_bias=dt_bias, state_v_first=True,
                              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
 

@@ -7,15 +7,26 @@ from .ops.prefill import KDAInputError, prefill
 from .runtime.loader import default_loader
 
 
-def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
+def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None,
+                initial_state=None, output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
                 intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
     token-strided views (e.g. slices of one fused projection): the trailing dims packed, rows
-    16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  A_log: fp32 ``[H]``;
-    dt_bias: fp32 ``[H, 128]``; lower_bound in [-5, 0); scale defaults to 128**-0.5.
+    16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  scale defaults to 128**-0.5.
+
+    ``gate`` (the per-token, per-key decay e^γ; every choice runs from the wheel):
+
+    * "safe" (default): γ = lower_bound·σ(e^A_log·(g + dt_bias)); A_log fp32 ``[H]``, dt_bias fp32
+      ``[H, 128]`` and lower_bound in [-5, 0) required.
+    * "softplus" (fla's default, Kimi Linear's): γ = −e^A_log·softplus(g + dt_bias), unbounded;
+      A_log None means e^A_log = 1, dt_bias None means 0; no lower_bound.
+    * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16;
+      A_log, dt_bias and lower_bound must be None.
+
+    Every pair of tokens of a 16-token tile gets its decay to fp32 accuracy however fast the
+    gate decays (a decay below 2^-256 per token counts as 2^-256: fp32 has forgotten either way).
 
     Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host
     on the serial path: with only a device ``cu_seqlens`` its values are trusted
@@ -50,17 +61,17 @@ def kda_prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
                    intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens,
-                   status=status)
+                   status=status, gate=gate)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto",
-        status=None):
+        status=None, gate="safe"):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
     States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
     FlashKDA (``intracard_cp="auto"`` opts in).  Sync-free and capturable in varlen with only a
-    device ``cu_seqlens`` (see ``kda_prefill`` for ``check_seqlens``, ``state_indices``, ``status``).
+    device ``cu_seqlens`` (see ``kda_prefill`` for ``gate``, ``check_seqlens``, ``state_indices``, ``status``).
     Returns None, like FlashKDA.
     """
     if out is None:
@@ -68,7 +79,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
             cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
-            check_seqlens=check_seqlens, status=status)
+            check_seqlens=check_seqlens, status=status, gate=gate)
 
 
 def preload(device=None) -> int:
@@ -78,16 +89,16 @@ def preload(device=None) -> int:
     return default_loader().preload(device)
 
 
-def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-               num_tokens=None, state_layout="vk", intermediate_states=None, status=None):
+def kda_decode(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None, state_pool,
+               state_indices, out=None, num_tokens=None, state_layout="vk", intermediate_states=None, status=None):
     """KDA decode (the recurrent step, docs/CONTRACT.md §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
 
     q, k, v, g: bf16 ``[N, T, H, 128]`` (or token-major ``[N·T, H, 128]`` with ``num_tokens`` = T);
     token-strided views are fine (unit stride along D, a token's heads packed, 16-byte aligned
     rows: e.g. slices of one fused projection), nothing is copied.  beta: bf16 ``[N, T, H]``
-    logits (``[N·T, H]``), unit stride along H.  A_log fp32 ``[H]``, dt_bias fp32 ``[H, 128]``,
-    lower_bound in [-5, 0), scale defaults to 128**-0.5.  ``num_tokens`` defaults to q.shape[1]
+    logits (``[N·T, H]``), unit stride along H.  ``gate``, A_log, dt_bias and lower_bound as in
+    ``kda_prefill``; scale defaults to 128**-0.5.  ``num_tokens`` defaults to q.shape[1]
     (4-D) or 1 (3-D); when given it must match.
 
     state_pool: fp32 or bf16 ``[slots, H, 128, 128]``, per head ``[V, K]`` (``state_layout="vk"``,
@@ -109,4 +120,4 @@ def kda_decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, sta
     """
     return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                   state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states, status=status)
+                  state_layout=state_layout, intermediate_states=intermediate_states, status=status, gate=gate)

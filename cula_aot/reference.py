@@ -6,8 +6,10 @@ dependency beyond torch and runs on whatever device its inputs live on (CPU or C
 Math (per head, D = K = V = 128, CHUNK = 16), all in float64 unless the precision recipe says
 otherwise:
 
-* gate: ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, a natural-log decay:
-  the state is multiplied by ``exp(γ)`` (per key row) at every token.
+* gate: ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim ("safe"; or
+  ``−exp(A_log) · softplus(g + dt_bias)``, "softplus", or ``min(g, 0)``, "precomputed": see
+  :func:`gate`), a natural-log decay: the state is multiplied by ``exp(γ)`` (per key row) at
+  every token.
 * ``q̂ = q · rsqrt(Σq² + 1e-6)``, ``k̂`` likewise, **rounded to bf16** (part of the semantics in
   every mode, see :func:`l2norm_bf16`); ``b = σ(β)``.
 * Each sequence is cut into 16-row tiles from its start; rows past the end of a partial last tile
@@ -67,13 +69,27 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float64)
 
 
-def gate(g, A_log, dt_bias, lower_bound):
-    """Per-token log-decay ``γ = lower_bound · σ(exp(A_log)[h] · (g + dt_bias[h]))``.
+def gate(g, A_log, dt_bias, lower_bound, kind="safe"):
+    """Per-token log-decay γ, float64 like g ``[B, T, H, K]`` (bf16/fp32), by ``kind``:
 
-    g ``[B, T, H, K]`` (bf16/fp32), A_log ``[H]``, dt_bias ``[H, K]``. Returns float64 like g.
+    * "safe": ``lower_bound · σ(exp(A_log)[h] · (g + dt_bias[h]))``, A_log ``[H]``, dt_bias ``[H, K]``;
+    * "softplus": ``−exp(A_log)[h] · softplus(g + dt_bias[h])`` (A_log None: exp(A_log) = 1;
+      dt_bias None: 0; lower_bound unused);
+    * "precomputed": ``min(g, 0)`` (g is the log-decay).
     """
-    a = torch.exp(A_log.to(torch.float64))[:, None]  # [H, 1], broadcast over K
-    return lower_bound * torch.sigmoid(a * (g.to(torch.float64) + dt_bias.to(torch.float64)))
+    x = g.to(torch.float64)
+    if kind == "precomputed":
+        return x.clamp(max=0.0)
+    heads = g.shape[-2]
+    a_log = torch.zeros(heads, dtype=torch.float64, device=g.device) if A_log is None else A_log.to(torch.float64)
+    a = torch.exp(a_log)[:, None]  # [H, 1], broadcast over K
+    if dt_bias is not None:
+        x = x + dt_bias.to(torch.float64)
+    if kind == "softplus":
+        return -a * torch.nn.functional.softplus(x)
+    if kind != "safe":
+        raise ValueError(f"gate kind must be 'safe', 'softplus' or 'precomputed', got {kind!r}")
+    return lower_bound * torch.sigmoid(a * x)
 
 
 def l2norm_bf16(x):
@@ -175,8 +191,21 @@ def _neumann_inverse_fp16(L: torch.Tensor) -> torch.Tensor:
     return f16(P @ f16(eye + L8))
 
 
+def _pairwise_products(a, kn, G):
+    """``a_i · Σ_k kn_jk · exp(G_ik − G_jk)`` for j ≤ i (0 above the diagonal), ``[n, H, 16, 16]``:
+    each pair's decay formed from its own exponent, never as exp(G)·exp(−G), so no decay rate
+    can overflow.  Tiles are taken in groups to bound the [16, 16, K] exponent tensors."""
+    out = torch.zeros(*a.shape[:-1], a.shape[-2], dtype=torch.float64, device=a.device)
+    lower = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=a.device))
+    for s in range(0, a.shape[0], 64):
+        diff = G[s:s + 64, :, :, None, :] - G[s:s + 64, :, None, :, :]  # [n, H, i, j, K]
+        decay = torch.exp(diff.clamp(max=0.0)) * lower[:, :, None]
+        out[s:s + 64] = torch.einsum("nhik,nhjk,nhijk->nhij", a[s:s + 64], kn[s:s + 64], decay)
+    return out
+
+
 def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None,
-                  recipe=False):
+                  recipe=False, gate_kind="safe"):
     """Per-(tile, head) quantities of CONTRACT §2 (what kernel K1 writes), as float64 tensors.
 
     q, k, g bf16 ``[B, T, H, K]``; beta bf16 ``[B, T, H]`` (logits); A_log fp32 ``[H]``; dt_bias fp32
@@ -196,6 +225,9 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
     inverse is :func:`_neumann_inverse_fp16` (every factor and partial product fp16) rounded to
     bf16 at the end. γ, G, b and the exponentials stay float64 (the kernel's fp32 math there is
     well below the bf16 rounding that follows).
+
+    ``gate_kind`` (:func:`gate`): under the unbounded gates L and mqk are formed pair by pair
+    (:func:`_pairwise_products`) and ``kinv`` may overflow (it is returned but not used).
     """
     B, T, H, K = q.shape
     if scale is None:
@@ -205,7 +237,7 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
     def flat(x):
         return x.reshape(B * T, *x.shape[2:])
 
-    gam = _to_tiles(flat(gate(g, A_log, dt_bias, lower_bound)), lay, 0.0)
+    gam = _to_tiles(flat(gate(g, A_log, dt_bias, lower_bound, gate_kind)), lay, 0.0)
     qn = _to_tiles(flat(l2norm_bf16(q)), lay, 0.0)
     kn = _to_tiles(flat(l2norm_bf16(k)), lay, 0.0)
     logit = _to_tiles(flat(beta.to(torch.float64)), lay, -math.inf)  # [n_tiles, H, 16]
@@ -222,8 +254,12 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
         qd, kd, kinv, kr = (_round(x, torch.bfloat16) for x in (qd, kd, kinv, kr))
         gt = _round(gt, torch.float32)
 
-    L = torch.tril(b[..., :, None] * (kd @ kinv.transpose(-1, -2)), diagonal=-1)
-    mqk = torch.tril(qd @ kinv.transpose(-1, -2))
+    if gate_kind == "safe":
+        L = torch.tril(b[..., :, None] * (kd @ kinv.transpose(-1, -2)), diagonal=-1)
+        mqk = torch.tril(qd @ kinv.transpose(-1, -2))
+    else:
+        L = torch.tril(b[..., :, None] * _pairwise_products(kn, kn, G), diagonal=-1)
+        mqk = _pairwise_products(qn * scale, kn, G)
     if recipe:
         mqk = _round(mqk, torch.bfloat16)
         inv = _round(_neumann_inverse_fp16(L), torch.bfloat16)
@@ -248,7 +284,7 @@ def _initial_state(initial_state, N, H, K, V, device):
 
 
 def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                cu_seqlens=None, recipe=False):
+                cu_seqlens=None, recipe=False, gate_kind="safe"):
     """Tile recurrence of CONTRACT §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
 
     initial_state: optional ``[N, H, K, V]`` (fp32), S itself, not transposed; None = zeros.
@@ -263,7 +299,7 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     tiles = prepare_tiles(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe)
+                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe, gate_kind=gate_kind)
     lay = _layout(B, T, cu_seqlens, q.device)
     N = len(lay.lengths)
     vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)  # [n_tiles, H, 16, V]
@@ -292,7 +328,7 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
 
 
 def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                  cu_seqlens=None):
+                  cu_seqlens=None, gate_kind="safe"):
     """Token-by-token float64 recurrence -> ``(o [B, T, H, V], final_state [N, H, K, V])``.
 
     For each token: ``S ← diag(exp(γ))·S``; ``S ← S + b·k̂ (v − Sᵀk̂)ᵀ``; ``o = scale·Sᵀq̂``
@@ -308,7 +344,7 @@ def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, 
     def flat(x):
         return x.reshape(B * T, *x.shape[2:])
 
-    alpha = torch.exp(flat(gate(g, A_log, dt_bias, lower_bound)))
+    alpha = torch.exp(flat(gate(g, A_log, dt_bias, lower_bound, gate_kind)))
     qn, kn = flat(l2norm_bf16(q)), flat(l2norm_bf16(k))
     vv = flat(v.to(torch.float64))
     b = torch.sigmoid(flat(beta.to(torch.float64)))

@@ -11,12 +11,19 @@ needed to import it).
 * ``dt_bias`` ~ 0.1·N(0, 1), ``[H, 128]`` fp32;
 * optionally ``initial_state`` ~ 0.1·N(0, 1), ``[n_states, H, 128, 128]`` fp32.
 
+``gate="softplus"`` draws the same tensors for fla's unbounded gate (no ``lower_bound``; slow
+decay: A_log = -4); ``gate="precomputed"`` passes that gate's log-decay γ itself as g (bf16) with
+no A_log / dt_bias.  ``extreme=True`` (softplus): A_log = log 16, dt_bias = 0 and g a mix per
+element of U(20, 30) (γ ≈ −16·25 per token), −20 (γ ≈ −3e-8: no decay) and N(0, 1), so every
+16-token tile has channels that forget everything next to channels that keep everything.
+
 All draws come from one ``torch.Generator`` seeded with ``seed`` (a fresh random seed when None),
 in the order q, k, v, g, β, A_log (standard decay only), dt_bias, initial state: one seed gives
 the same tensors on the same kind of device.  The returned dict's keys are ``kda_prefill``'s
 argument names, so ``kda_prefill(**standard_inputs(...))`` is a valid call.
 """
 
+import math
 import os
 
 import torch
@@ -32,7 +39,7 @@ def fresh_seed() -> int:
 
 
 def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_decay=False, n_states=None,
-                    generator_device=None) -> dict:
+                    generator_device=None, gate="safe", extreme=False) -> dict:
     """q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1)
     (the module docstring has the details), as a dict of ``kda_prefill`` keyword arguments with
     ``lower_bound``; ``n_states``: also ``initial_state`` ~ 0.1·N(0,1) fp32 for that many sequences.
@@ -57,8 +64,26 @@ def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_deca
     inputs["dt_bias"] = 0.1 * randn(heads, HEAD_DIM)
     if n_states is not None:
         inputs["initial_state"] = 0.1 * randn(n_states, heads, HEAD_DIM, HEAD_DIM)
+    if extreme:
+        if gate == "safe":
+            raise ValueError("extreme decay needs an unbounded gate ('softplus' or 'precomputed')")
+        pick = torch.randint(0, 3, shape, generator=gen, device=draw)
+        fast = 20.0 + 10.0 * torch.rand(*shape, generator=gen, device=draw)
+        g = torch.where(pick == 0, fast, torch.where(pick == 1, torch.full_like(fast, -20.0), randn(*shape)))
+        inputs["g"] = g.to(torch.bfloat16)
+        inputs["A_log"] = torch.full((heads,), math.log(16.0), device=draw)
+        inputs["dt_bias"] = torch.zeros(heads, HEAD_DIM, device=draw)
     inputs = {name: t.to(device) for name, t in inputs.items()}
-    inputs["lower_bound"] = lower_bound
+    if gate == "safe":
+        inputs["lower_bound"] = lower_bound
+        return inputs
+    if gate == "precomputed":
+        x = inputs["g"].double() + inputs.pop("dt_bias").double()
+        rate = torch.exp(inputs.pop("A_log").double())[:, None]
+        inputs["g"] = (-rate * torch.nn.functional.softplus(x)).to(torch.bfloat16)
+    elif gate != "softplus":
+        raise ValueError(f"gate must be 'safe', 'softplus' or 'precomputed', got {gate!r}")
+    inputs["gate"] = gate
     return inputs
 
 

@@ -5,7 +5,7 @@ import torch
 from cula_aot import reference
 
 
-def decode_reference(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state):
+def decode_reference(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state, gate="safe"):
     """Float64 decode of T tokens per sequence -> (o [N, T, H, V], states [N, T, H, K, V]).
 
     ``initial_state``: S itself per head, ``[N, H, K, V]``.  Per token: S ← diag(e^γ)·S;
@@ -13,7 +13,7 @@ def decode_reference(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=Non
     """
     n, tokens, heads, dim = q.shape
     scale = dim ** -0.5 if scale is None else scale
-    alpha = torch.exp(reference.gate(g, A_log, dt_bias, lower_bound))
+    alpha = torch.exp(reference.gate(g, A_log, dt_bias, lower_bound, gate))
     qn, kn = reference.l2norm_bf16(q), reference.l2norm_bf16(k)
     vv = v.to(torch.float64)
     b = torch.sigmoid(beta.to(torch.float64))

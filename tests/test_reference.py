@@ -14,7 +14,8 @@ from cula_aot.reference import (
     prepare_tiles,
     rel_rmse,
 )
-from cula_aot.testing import standard_inputs
+from cula_aot import reference
+from cula_aot.testing import fresh_seed, standard_inputs
 
 D = 128
 VARLEN = [0, 1, 17, 40, 72]  # lengths 1, 16, 23, 32: one token, one exact tile, partial tiles
@@ -213,3 +214,41 @@ def test_rel_rmse():
     assert rel_rmse(torch.tensor([3.0, 3.0]), b) == pytest.approx(0.2)
     assert rel_rmse(torch.tensor([math.nan, 4.0]), b) == math.inf
     assert rel_rmse(torch.tensor([math.inf, 4.0]), b) == math.inf
+
+
+@pytest.mark.parametrize("gate, slow, extreme", [("softplus", False, False), ("softplus", True, False),
+                                                 ("softplus", False, True), ("precomputed", False, False),
+                                                 ("precomputed", False, True)])
+def test_tile_form_matches_the_recurrence_under_unbounded_gates(gate, slow, extreme):
+    """Under the unbounded gates the tile form forms L and mqk pair by pair; it must still be the
+    token recurrence, also where a token's decay is e^-480 next to keys that do not decay."""
+    x = standard_inputs(1, 75, 2, seed=fresh_seed(), gate=gate, slow_decay=slow, extreme=extreme)
+    cu = torch.tensor([0, 40, 75])
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None, cu_seqlens=cu, gate_kind=gate)
+    s0 = 0.1 * torch.randn(2, 2, 128, 128, dtype=torch.float64)
+    o_tile, s_tile = reference.kda_chunked(*args, initial_state=s0, **kw)
+    o_tok, s_tok = reference.kda_recurrent(*args, initial_state=s0, **kw)
+    assert torch.isfinite(o_tile).all() and torch.isfinite(s_tile).all()
+    assert reference.rel_rmse(o_tile, o_tok) < 1e-12 and reference.rel_rmse(s_tile, s_tok) < 1e-12
+
+
+def test_pairwise_products_equal_the_factored_ones_on_the_safe_gate():
+    x = standard_inputs(1, 48, 2, seed=fresh_seed())
+    t = reference.prepare_tiles(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                lower_bound=x["lower_bound"])
+    G = torch.log(t["kd"] / t["kinv"]) / 2  # kd / kinv = e^(2G) wherever k̂ ≠ 0
+    kn = t["kd"] * torch.exp(-G)
+    pairwise = reference._pairwise_products(t["qd"] * torch.exp(-G), kn, G)
+    assert torch.allclose(pairwise, t["mqk"], rtol=1e-9, atol=1e-12)
+
+
+def test_the_gates_of_fla():
+    g = torch.tensor([[[[30.0, -20.0, 0.0]]]])
+    a_log = torch.tensor([0.5])
+    dt = torch.tensor([[0.1, 0.2, -0.3]])
+    want = -torch.exp(torch.tensor(0.5, dtype=torch.float64)) * torch.nn.functional.softplus(
+        g.double() + dt.double())
+    assert torch.allclose(reference.gate(g, a_log, dt, None, "softplus"), want)
+    assert torch.allclose(reference.gate(g, None, None, None, "softplus"), -torch.nn.functional.softplus(g.double()))
+    assert torch.equal(reference.gate(-g, None, None, None, "precomputed"), (-g.double()).clamp(max=0))

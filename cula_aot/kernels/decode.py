@@ -4,7 +4,8 @@ What it computes, for one sequence n, one head h and one block of ``v_block`` va
 its state S (``[V, K]``, fp32 inside), for the tokens t = 0 .. T−1 in order
 (T = ``num_tokens`` ≤ ``MAX_TOKENS``):
 
-    γ = lower_bound·σ(exp(A_log[h])·(g + dt_bias[h]))   α = e^γ          (per key)
+    γ = lower_bound·σ(exp(A_log[h])·(g + dt_bias[h]))   α = e^γ          (per key; the "safe" gate,
+        or −exp(A_log[h])·softplus(g + dt_bias[h]) ("softplus") or min(g, 0) ("precomputed"))
     q̂, k̂ = x·rsqrt(Σx² + 1e-6) rounded to bf16         b = σ(β)
     S ← S·diag(α);   u = b·(v − S k̂);   o = scale·(S q̂ + u·(k̂·q̂));   S ← S + u k̂ᵀ
 
@@ -41,8 +42,8 @@ into registers, so loads stay in flight through the whole CTA.  Outputs are stag
 
 Launch: grid (128 / (items·v_block), H, N), block (2·v_block, 1, 1) (a warp per 16 V rows),
 ``specs.decode_smem_bytes(v_block, items, bf16_state, T)`` dynamic smem (built for T = 8; a launch asks
-for its T: the per-token arrays are packed for the runtime T).  Compile-time: H, kv_layout, bf16_state, v_block,
-items.  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
+for its T: the per-token arrays are packed for the runtime T).  Compile-time: kv_layout, bf16_state, v_block,
+items, gate (the unbounded gates decay the state token by token: ``token_step.direct_decay``).  Runtime: N, T, the pool's slot count and slot stride, every input's sequence and
 token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and head stride
 128; β ``[N, T, H]`` with unit head stride), the element offsets of β and state_indices
 (whose pointers are passed rounded down to 16 bytes), scale, lower_bound, flags.
@@ -64,7 +65,7 @@ from ..specs import (
 )
 from .common import TRACE_HEADS, butterfly_reduce_scatter, grid_heads, kept_start, report_status
 from .warp_mma import cp_async_16
-from .token_step import bf16_row8, defer_decay, smem_run, token_loads, token_prepare
+from .token_step import bf16_row8, defer_decay, direct_decay, smem_run, token_loads, token_prepare
 
 WARP = 32
 ROWS_PER_WARP = 16
@@ -206,17 +207,19 @@ def _load_state(state: cute.Tensor, base: cute.Pointer, tile: Tile, lane_off):
             state[regs[e]] = vec[e]
 
 
-def _store_state(state: cute.Tensor, base: cute.Pointer, tile: Tile, lane_off, s_decay, t, j):
-    """The state ``state``·diag(A_t) (the deferred decay, A_t of token ``t`` from ``s_decay``)
-    rounded once to the pool dtype, stored as 16-byte vectors at ``base``."""
+def _store_state(state: cute.Tensor, base: cute.Pointer, tile: Tile, lane_off, s_decay, t, j, direct: bool = False):
+    """The state ``state``·diag(A_t) (the deferred decay, A_t of token ``t`` from ``s_decay``; the
+    state itself when it is decayed ``direct``ly) rounded once to the pool dtype, stored as
+    16-byte vectors at ``base``."""
     decay = {}
-    for ki0, count in tile.key_chunks():
-        for c, value in enumerate(smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)):
-            decay[ki0 + c] = value
+    if not direct:
+        for ki0, count in tile.key_chunks():
+            for c, value in enumerate(smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)):
+                decay[ki0 + c] = value
     frag = cute.make_rmem_tensor(cute.make_layout(tile.ce), cutlass.Float32)
     for static_off, regs in tile.vectors():
         for e in range(tile.ce):
-            frag[e] = state[regs[e]] * decay[regs[e] % tile.kt]
+            frag[e] = state[regs[e]] if direct else state[regs[e]] * decay[regs[e] % tile.kt]
         at = cute.assume(lane_off + static_off, divby=tile.ce)
         cute.make_tensor(base + at, cute.make_layout(tile.ce)).store(frag.load().to(tile.dtype))
 
@@ -233,14 +236,21 @@ def _reduce_rows(tile: Tile, dk, dq, j):
 
 
 def _token_step(tile: Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
-                scale, v_stride: int):
+                scale, v_stride: int, s_decay=None):
     """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
     see ``defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
     reduce-scattered over the group (``_reduce_rows``), u and o of the lane's row (o staged in
     ``s_o``), u of every row gathered back by shuffles, and the rank-1 update S' += u (k̂/A_t)ᵀ:
     three FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs
     where they are used, so only the state and the dot products stay live.  ``v_row``: this
-    thread's first V row within the CTA's staged v / o rows."""
+    thread's first V row within the CTA's staged v / o rows.  With ``s_decay`` (``direct_decay``)
+    the state is first decayed by α_t, and the key vectors are k̂, q̂ and k̂ themselves."""
+    if s_decay is not None:
+        for ki0, count in tile.key_chunks():
+            alphas = smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)
+            for c in range(count):
+                for vi in range(tile.vt):
+                    state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] * alphas[c]
     dk = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     dq = [cutlass.Float32(0.0) for _ in range(tile.vt)]
     for ki0, count in tile.key_chunks():
@@ -264,6 +274,12 @@ def _token_step(tile: Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s
         for c in range(count):
             for vi in range(tile.vt):
                 state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * kinvs[c]
+
+
+def _step_decay(gate: str, s_decay):
+    """``_token_step``'s per-token decay array: the unbounded gates decay the state token by
+    token (``token_step.direct_decay``), the safe gate defers it (None)."""
+    return None if gate == "safe" else s_decay
 
 
 def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
@@ -323,6 +339,7 @@ def kda_decode_kernel(
     bf16_state: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
+    gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -404,7 +421,8 @@ def kda_decode_kernel(
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
-    token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+    token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound,
+                  gate)
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
         _store8(s_v, io_tc * rows + io_col,
@@ -419,9 +437,13 @@ def kda_decode_kernel(
                               n64 * k_stride_n + t64 * k_stride_t + head * D,
                               n64 * g_stride_n + t64 * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
-        token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound)
+        token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound,
+                      gate)
     cute.arch.sync_threads()
-    defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    if cutlass.const_expr(gate == "safe"):
+        defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    else:
+        direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
 
     if seq < num_seqs and slot >= 0 and slot < num_slots:
@@ -446,15 +468,17 @@ def kda_decode_kernel(
             if write_inter:
                 for t in cutlass.range(num_tokens, unroll=1):
                     _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                                t, group, j, item * v_block + row_local, scale, rows)
+                                t, group, j, item * v_block + row_local, scale, rows, _step_decay(gate, s_decay))
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
-                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j)
+                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j,
+                                 gate != "safe")
             else:
                 for t in cutlass.range(num_tokens, unroll=1):
                     _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                                t, group, j, item * v_block + row_local, scale, rows)
-            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j)
+                                t, group, j, item * v_block + row_local, scale, rows, _step_decay(gate, s_decay))
+            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j,
+                         gate != "safe")
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(rounds):
             io_t = _io_token(tid, chunks, n_threads, r)
@@ -480,9 +504,9 @@ def kda_decode_kernel(
 
 @cute.jit
 def kda_decode_launch(*params, stream, kv_layout: cutlass.Constexpr[bool], bf16_state: cutlass.Constexpr[bool],
-                      v_block: cutlass.Constexpr[int], items: cutlass.Constexpr[int]):
+                      v_block: cutlass.Constexpr[int], items: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]):
     # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
     # placeholder (the runtime launches the spec's).
-    kda_decode_kernel(*params, kv_layout, bf16_state, v_block, items).launch(
+    kda_decode_kernel(*params, kv_layout, bf16_state, v_block, items, gate).launch(
         grid=[D // (items * v_block), TRACE_HEADS, 1], block=[threads(v_block), 1, 1],
         smem=smem_bytes(v_block, items, bf16_state), stream=stream)

@@ -34,8 +34,8 @@ remain.  The price is one (sequence, head) per SM with K1's work on two warpgrou
 per tile against K2's ~0.5), so it pays only with enough long items (``specs.auto_fused``).
 
 Launch: grid (1, H, N), block (128·producers + 256, 1, 1), ``smem_bytes(stages, producers)``
-dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, H
-compile-time; lower_bound ≥ −5 keeps 2^±G normal).  One variant serves fixed and varlen input:
+dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, any H;
+the gate a codegen argument as in K1).  One variant per gate serves fixed and varlen input:
 under ``FLAG_VARLEN`` grid row z is a sequence of ``cu_seqlens`` (the z-th longest under
 ``FLAG_LONGEST_FIRST``), else rows z·seq_len …  Device values are bounded as in K2: cu_seqlens
 entries clamped, pool slots outside each pool's slot count are padding, both reported in the
@@ -52,7 +52,7 @@ from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoi
 from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
                            copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
                            reduce_mqk, register_inverse, store_inverse, store_product_partials, store_row_norms,
-                           vector, lane_columns, lane_rows)
+                           unbounded_images, unbounded_partials, vector, lane_columns, lane_rows)
 from .tile_chain import (
     state_slots,
     N_TILES,
@@ -184,6 +184,7 @@ def fused_prefill_kernel(
     token_coords: cute.Tensor,
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
+    gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
     _, head, seq = cute.arch.block_idx()
@@ -248,7 +249,7 @@ def fused_prefill_kernel(
                                 seq_start + (producer + b * producers) * CHUNK, head)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
-        gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane)
+        gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
         for mine in cutlass.range(my_tiles, unroll=1):
             i = producer + mine * producers
             buffer = mine % 2
@@ -282,8 +283,8 @@ def fused_prefill_kernel(
 
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
             qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale)
-            cum, _, gtot = gate_cumsum(gamma, has_source, lane)  # kr uses 2^G[15], not G[15]
+                                                      gamma_scale, gate)
+            cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
             if lane < 4:
                 vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -291,10 +292,13 @@ def fused_prefill_kernel(
                 for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
-            kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, (gtot,), store_images)
-
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
+            if cutlass.const_expr(gate == "safe"):
+                kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, (gtot,), store_images)
+                store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
+            else:
+                unbounded_images(qhat, khat, cum, total, scale, store_images)
+                unbounded_partials(qhat, khat, cum, mid, total, scale, s_part, pw, lane)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)
@@ -406,12 +410,12 @@ def fused_prefill_kernel(
 
 @cute.jit
 def fused_prefill_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
-                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int]):
+                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]):
     # ``params``: the kernel's runtime parameters after its descriptors (``specs.FUSED_PARAMS``);
     # descriptors and grid as in ``k1_prepare_launch``.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers).launch(
+    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers, gate).launch(
         grid=[1, TRACE_HEADS, 1], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
         stream=stream, min_blocks_per_mp=1, preferred_smem_carveout=100)

@@ -2,12 +2,16 @@
 
 What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and one head:
 
-* ``γ = lower_bound · σ(exp(A_log) · (g + dt_bias))`` per key dim, ``G`` its inclusive cumsum
-  over the tile's rows, ``gtot = exp(G[15])``;
+* ``γ`` per key dim by the variant's ``gate``: "safe" ``lower_bound · σ(exp(A_log) · (g + dt_bias))``,
+  "softplus" ``−exp(A_log) · softplus(g + dt_bias)``, "precomputed" ``min(g, 0)`` (the unbounded
+  gates floored at 2^-256 per token); ``G`` its inclusive cumsum over the tile's rows,
+  ``gtot = exp(G[15])``;
 * ``q̂, k̂`` = L2-normalised q, k rounded to bf16, ``b = σ(β)``;
 * ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
-  operands rounded from the fp32 values (more precise than the recipe's bf16 operands), and
+  operands rounded from the fp32 values (more precise than the recipe's bf16 operands; under an
+  unbounded gate each pair's decay factored around a reference that keeps both factors finite,
+  ``prepare_tile.unbounded_partials``), and
   ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
   operands and fp32 accumulation, in one warp's registers (``register_inverse``).
 
@@ -62,7 +66,7 @@ from .warp_mma import pack_bf16x2
 from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
                            copy_tiles, gate_cumsum, input_tile, lane_columns, lane_row_values, lane_rows,
                            normalised_and_gates, reduce_l, reduce_mqk, register_inverse, store_inverse,
-                           store_product_partials, store_row_norms, vector)
+                           store_product_partials, store_row_norms, unbounded_images, unbounded_partials, vector)
 
 assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
 
@@ -142,6 +146,7 @@ def k1_prepare_kernel(
     lower_bound: cutlass.Float32,
     token_coords: cute.Tensor,
     varlen: cutlass.Constexpr[bool],
+    gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
     cta, head, _ = cute.arch.block_idx()
@@ -188,7 +193,7 @@ def k1_prepare_kernel(
 
     col0 = lane_columns(warp, lane)
     my_rows = lane_rows(lane)
-    gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane)
+    gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
     for i in range(count):
         slot = first_slot + i
         buffer = i % 2
@@ -224,8 +229,8 @@ def k1_prepare_kernel(
         if rows > 0:
             # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
             qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale)
-            cum, total, gtot = gate_cumsum(gamma, has_source, lane)
+                                                      gamma_scale, gate)
+            cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -234,10 +239,13 @@ def k1_prepare_kernel(
                     _store_image_row(record, part, values, my_rows[half], col0)
 
             # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
-            kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, store_images)
-
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-            store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
+            if cutlass.const_expr(gate == "safe"):
+                kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, store_images)
+                store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
+            else:
+                unbounded_images(qhat, khat, cum, total, scale, store_images)
+                unbounded_partials(qhat, khat, cum, mid, total, scale, s_part, warp, lane)
             b = cutlass.Float32(0.0)
             if warp == 0:
                 b = sigmoid(logit)
@@ -257,14 +265,14 @@ def k1_prepare_kernel(
 
 @cute.jit
 def k1_prepare_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
-                      varlen: cutlass.Constexpr[bool]):
+                      varlen: cutlass.Constexpr[bool], gate: cutlass.Constexpr[str]):
     # ``params``: the kernel's runtime parameters after its descriptors (``specs.K1_PARAMS``).
     # The descriptors built here and the grid only fix the kernel's types: the runtime encodes
     # the real descriptors per call from the manifest recipe and launches the spec's grid.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    k1_prepare_kernel(tma_q, tma_k, tma_g, *params, token_coords, varlen).launch(
+    k1_prepare_kernel(tma_q, tma_k, tma_g, *params, token_coords, varlen, gate).launch(
         grid=[1, TRACE_HEADS, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
         # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
         # does not ask a GPU for the SM's shared memory (the runtime sets it on load).

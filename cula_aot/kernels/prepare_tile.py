@@ -8,7 +8,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from .common import CHUNK, D, LOG2E, THREADS, exp2_fast, INPUT_BLOCKS, input_tile_layout, input_element_offset
+from .common import (CHUNK, D, LOG2E, THREADS, exp2_fast, INPUT_BLOCKS, input_tile_layout, input_element_offset,
+                     unbounded_gamma)
 from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
 WARPS = THREADS // 32
@@ -111,17 +112,29 @@ def store_row_norms(vq: list, vk: list, s_norm: cute.Tensor, my_rows: tuple, war
             s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
 
 
-def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane):
-    """Phase B's per-CTA constants for the lane's columns: σ(e^A_log·(g + dt_bias)) =
-    1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e (one FFMA and two MUFU ops per element; γ
-    in log2 units, so every decay is one ex2), as (c, dt_bias·c per column, lower_bound·log2 e,
-    ``row_scan``'s has_source factors)."""
-    gate_scale = -cute.math.exp(cute.make_tensor(a_log + head, cute.make_layout(1))[0]) * cutlass.Float32(LOG2E)
-    bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
-    gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    for j in range(LANE_COLS):
-        gate_bias[j] = bias[j] * gate_scale
-    gamma_scale = lower_bound * cutlass.Float32(LOG2E)
+def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane, gate: str = "safe"):
+    """Phase B's per-CTA constants for the lane's columns, as (gate_scale, gate_bias per column,
+    gamma_scale, ``row_scan``'s has_source factors); γ in log2 units, so every decay is one ex2.
+    "safe": σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e (one
+    FFMA and two MUFU ops per element), gamma_scale = lower_bound·log2 e.  "softplus": the
+    argument in log2 units (c = log2 e, dt_bias·log2 e) and gamma_scale = e^A_log.
+    "precomputed": no constants (γ = min(g, 0)·log2 e)."""
+    if gate == "precomputed":
+        gate_scale = cutlass.Float32(LOG2E)
+        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        gate_bias.fill(0.0)
+        gamma_scale = cutlass.Float32(1.0)
+    else:
+        a_value = cute.make_tensor(a_log + head, cute.make_layout(1))[0]
+        if gate == "softplus":
+            gate_scale = cutlass.Float32(LOG2E)
+        else:
+            gate_scale = -cute.math.exp(a_value) * cutlass.Float32(LOG2E)
+        bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
+        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in range(LANE_COLS):
+            gate_bias[j] = bias[j] * gate_scale
+        gamma_scale = cute.math.exp(a_value) if gate == "softplus" else lower_bound * cutlass.Float32(LOG2E)
     has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
                   for b in range(3)]
     return gate_scale, gate_bias, gamma_scale, has_source
@@ -129,9 +142,9 @@ def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower
 
 @cute.jit
 def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute.Tensor, my_rows: tuple, gate_scale,
-                          gate_bias: cute.Tensor, gamma_scale):
+                          gate_bias: cute.Tensor, gamma_scale, gate: cutlass.Constexpr[str] = "safe"):
     """Phase B: q̂ and k̂ (L2-normalised, rounded to bf16) and γ in log2 units (zero on rows past
-    the end) of the lane's elements, lists over its two rows."""
+    the end) of the lane's elements, lists over its two rows (``gate_constants`` for the gate)."""
     qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
@@ -141,19 +154,24 @@ def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute
         for j in cutlass.range_constexpr(LANE_COLS):
             qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
             khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-            logistic = cute.arch.rcp_approx(
-                cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
-            gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], gamma_scale * logistic, cutlass.Float32(0.0)))
+            if cutlass.const_expr(gate == "safe"):
+                logistic = cute.arch.rcp_approx(
+                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
+                decay = gamma_scale * logistic
+            else:
+                decay = unbounded_gamma(vg[half][j], gate, gate_scale, gate_bias[j], gamma_scale)
+            gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], decay, cutlass.Float32(0.0)))
     return qhat, khat, gamma
 
 
 @cute.jit
 def gate_cumsum(gamma: list, has_source: list, lane):
     """G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the first 8
-    rows' total, held by lane 28 + t), and G[15] with 2^G[15] (gt): (cum, total, gtot)."""
+    rows' total, held by lane 28 + t), G[15] with 2^G[15] (gt) and G[7]: (cum, total, gtot, mid)."""
     cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    mid = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     totals_lane = last_row_lane(lane)
     for j in cutlass.range_constexpr(LANE_COLS):
         upper = row_scan(gamma[0][j], has_source)
@@ -164,7 +182,8 @@ def gate_cumsum(gamma: list, has_source: list, lane):
         cum[1][j] = upper_total + lower
         total[j] = upper_total + lower_total
         gtot[j] = exp2_fast(total[j])
-    return cum, total, gtot
+        mid[j] = upper_total
+    return cum, total, gtot, mid
 
 
 def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_images):
@@ -218,6 +237,127 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
                     acc[c] = d[c]
     for f in cutlass.range_constexpr(4):
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+
+
+# Unbounded gates (softplus, precomputed): 2^(G_i − G_j) of a pair j < i of a tile is formed as
+# 2^(G_i − P)·2^(P − G_j) around a reference P.  Where every column of a warp spans at most
+# MIDPOINT_RANGE (log2 units) over the tile, P = G[7] for all pairs and both factors stay normal
+# (the safe gate's single product); otherwise each pair takes the reference of its level of a
+# binary split of the tile (the highest bit in which i and j differ), P = G[r − 1] at the split row r with j < r ≤ i, so
+# both factors are ≤ 1 and neither can overflow or drop a pair whose product is representable.
+MIDPOINT_RANGE = 120.0
+SPLIT_LEVELS = 4  # splits at row 8; 4, 12; 2, 6, 10, 14; odd rows
+
+
+def split_reference_row(level: int, row):
+    """Level ``level`` (≥ 1) of the binary split: the row (within its half) whose G is the
+    reference of ``row``'s block pair, and whether ``row`` is on the block pair's upper side
+    (the i of a pair) rather than its lower one (the j)."""
+    size = 16 >> level
+    return (row // size) * size + size // 2 - 1, (row % size) >= size // 2
+
+
+@cute.jit
+def unbounded_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, s_part: cute.Tensor,
+                       warp, lane):
+    """Phase C of an unbounded gate: this warp's partials of kd·kinvᵀ and qd·kinvᵀ (as
+    ``store_product_partials``) with every pair's decay factored around a reference that keeps
+    both factors finite.  A warp whose columns span ≤ MIDPOINT_RANGE takes P = G[7] (16 MMAs);
+    otherwise every level of the binary split is its own masked product (56 MMAs) and Mqk's
+    diagonal (decay 1) a dot product."""
+    t = lane % 4
+    g = lane // 4
+    # Row 0 spans the most of every column.
+    wide = cum[0][0] - total[0] > MIDPOINT_RANGE
+    for j in cutlass.range_constexpr(1, LANE_COLS):
+        wide = wide | (cum[0][j] - total[j] > MIDPOINT_RANGE)
+    bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
+    kd_bits, qd_bits, kinv_bits = bits
+    if cute.arch.vote_any_sync(wide):
+        partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+        for f in cutlass.range_constexpr(4):
+            partial[f].fill(0.0)
+        zero = cutlass.Float32(0.0)
+        for level in cutlass.range_constexpr(SPLIT_LEVELS):
+            for half in cutlass.range_constexpr(2):
+                for j in cutlass.range_constexpr(LANE_COLS):
+                    g_row = cum[half][j]
+                    if cutlass.const_expr(level == 0):
+                        # Split at row 8 (P = G[7]): the upper half holds the i of every pair.
+                        if cutlass.const_expr(half == 1):
+                            factor = exp2_fast(g_row - mid[j])
+                            kd_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * factor))
+                            qd_bits[half][j] = f32_bits(tf32_ready(qhat[half][j] * factor * scale))
+                            kinv_bits[half][j] = f32_bits(zero)
+                        else:
+                            factor = exp2_fast(mid[j] - g_row)
+                            kd_bits[half][j] = f32_bits(zero)
+                            qd_bits[half][j] = f32_bits(zero)
+                            kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * factor))
+                    else:
+                        ref_row, is_i = split_reference_row(level, g)
+                        ref = cute.arch.shuffle_sync(g_row, offset=4 * ref_row + t)
+                        factor = exp2_fast(cutlass.Float32(cutlass.select_(is_i, g_row - ref, ref - g_row)))
+                        kd_bits[half][j] = f32_bits(tf32_ready(
+                            cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero))))
+                        qd_bits[half][j] = f32_bits(tf32_ready(
+                            cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero))))
+                        kinv_bits[half][j] = f32_bits(tf32_ready(
+                            cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor))))
+            for n in cutlass.range_constexpr(2 if level > 0 else 1):
+                for p in cutlass.range_constexpr(2):
+                    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
+                    acc.fill(0.0)
+                    for s in cutlass.range_constexpr(K_STEPS):
+                        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+                        x = qd_bits if p == 1 else kd_bits
+                        d = mma_tf32_m16n8k8([x[0][lo], x[1][lo], x[0][hi], x[1][hi]],
+                                             [kinv_bits[n][lo], kinv_bits[n][hi]], [acc[c] for c in range(4)])
+                        for c in cutlass.range_constexpr(4):
+                            acc[c] = d[c]
+                    for c in cutlass.range_constexpr(4):
+                        i, col = fragment_entry(lane, n, c)
+                        keep = (col < i) & (((i ^ col) >> (3 - level)) == 1)
+                        partial[2 * p + n][c] = partial[2 * p + n][c] + cutlass.Float32(
+                            cutlass.select_(keep, acc[c], cutlass.Float32(0.0)))
+        # Mqk's diagonal: q̂_i·k̂_i·scale over the warp's 32 columns (the row's four lanes).
+        for half in cutlass.range_constexpr(2):
+            dot = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                dot = dot + qhat[half][j] * khat[half][j]
+            dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1)
+            dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=2)
+            for c in cutlass.range_constexpr(2 * half, 2 * half + 2):
+                on_diagonal = g == 2 * t + c % 2
+                partial[2 + half][c] = partial[2 + half][c] + cutlass.Float32(
+                    cutlass.select_(on_diagonal, dot * scale, cutlass.Float32(0.0)))
+        for f in cutlass.range_constexpr(4):
+            vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+    else:
+        for half in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(LANE_COLS):
+                rise = exp2_fast(cum[half][j] - mid[j])
+                fall = exp2_fast(mid[j] - cum[half][j])
+                kd_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * rise))
+                qd_bits[half][j] = f32_bits(tf32_ready(qhat[half][j] * rise * scale))
+                kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * fall))
+        store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
+
+
+def unbounded_images(qhat: list, khat: list, cum: list, total: cute.Tensor, scale, store_images):
+    """Phase B's decayed images under an unbounded gate, row by row to ``store_images(half, qd,
+    kd, kr)``: qd = q̂·2^G·scale, kd = k̂·2^G and kr = k̂·2^(G[15] − G), each by its own ex2 (all
+    exponents ≤ 0: a product underflows only where the true value is below fp32's range)."""
+    for half in range(2):
+        qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in range(LANE_COLS):
+            decay = exp2_fast(cum[half][j])
+            qd[j] = qhat[half][j] * decay * scale
+            kd[j] = khat[half][j] * decay
+            kr[j] = khat[half][j] * exp2_fast(total[j] - cum[half][j])
+        store_images(half, qd, kd, kr)
 
 
 @cute.jit

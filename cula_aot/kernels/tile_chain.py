@@ -91,22 +91,8 @@ def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stri
     """This thread's Sᵀ accumulator values (``state_entry``) from state ``index`` of
     ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
     layout puts them side by side (``paired``)."""
-    dtype_is_bf16 = (flags & FLAG_BF16_INIT) != 0
-    if paired(stride_k, slot_stride):
-        if dtype_is_bf16:
-            read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
-        else:
-            read_pairs(state, initial_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
-    else:
-        if dtype_is_bf16:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                         cutlass.BFloat16)[0].to(cutlass.Float32)
-        else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = state_entry(t, v_col, i)
-                state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v)[0]
+    state_io(read_pairs, read_elements, state, initial_state, index, slot_stride, head, t, v_col, stride_k, stride_v,
+             (flags & FLAG_BF16_INIT) != 0)
 
 
 @cute.jit
@@ -114,24 +100,27 @@ def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_strid
                 flags):
     """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
     ``FLAG_BF16_FINAL``; paired as ``read_state``."""
-    dtype_is_bf16 = (flags & FLAG_BF16_FINAL) != 0
+    state_io(write_pairs, write_elements, state, final_state, index, slot_stride, head, t, v_col, stride_k, stride_v,
+             (flags & FLAG_BF16_FINAL) != 0)
+
+
+@cute.jit
+def state_io(pairs_io, elements_io, state: cute.Tensor, base: cute.Pointer, index, slot_stride, head, t, v_col,
+             stride_k, stride_v, dtype_is_bf16):
+    """The case split ``read_state`` and ``write_state`` share: layout and dtype are runtime
+    values, but an access's width and element type are fixed when it is traced, so each of the
+    four cases is its own branch: ``pairs_io`` (``read_pairs`` / ``write_pairs``) on a ``paired``
+    layout, else ``elements_io`` (``read_elements`` / ``write_elements``), each bf16 or fp32."""
     if paired(stride_k, slot_stride):
         if dtype_is_bf16:
-            write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+            pairs_io(state, base, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
         else:
-            write_pairs(state, final_state, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
+            pairs_io(state, base, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
     else:
         if dtype_is_bf16:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = state_entry(t, v_col, i)
-                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v,
-                                        cutlass.BFloat16)
-                element[0] = state[i].to(cutlass.BFloat16)
+            elements_io(state, base, index, slot_stride, head, t, v_col, stride_k, stride_v, cutlass.BFloat16)
         else:
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                k, c = state_entry(t, v_col, i)
-                element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v)
-                element[0] = state[i]
+            elements_io(state, base, index, slot_stride, head, t, v_col, stride_k, stride_v, cutlass.Float32)
 
 
 def paired(stride_k, slot_stride):
@@ -161,6 +150,26 @@ def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_strid
         pair[1] = state[i + 1]
         element = state_element(final_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2)
         element.store(pair.load().to(dtype))
+
+
+@cute.jit
+def read_elements(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k,
+                  stride_v, dtype):
+    """``read_state`` on any layout: one value per access."""
+    for i in cutlass.range_constexpr(4 * N_TILES):
+        k, c = state_entry(t, v_col, i)
+        state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v, dtype)[0].to(
+            cutlass.Float32)
+
+
+@cute.jit
+def write_elements(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k,
+                   stride_v, dtype):
+    """``write_state`` on any layout: one value per access."""
+    for i in cutlass.range_constexpr(4 * N_TILES):
+        k, c = state_entry(t, v_col, i)
+        element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v, dtype)
+        element[0] = state[i].to(dtype)
 
 
 @cute.jit

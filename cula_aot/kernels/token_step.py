@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import D
-from .common import LOG2E, exp2_fast, sigmoid
+from .common import LOG2E, exp2_fast, sigmoid, unbounded_gamma
 
 
 def bf16_row8(base: cute.Pointer, offset):
@@ -39,9 +39,9 @@ def token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Po
 
 
 def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
-                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound):
-    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ, k̂·q̂ and b = σ(β) of token
-    ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
+                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound, gate: str = "safe"):
+    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ (γ by ``gate``, as in K1),
+    k̂·q̂ and b = σ(β) of token ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
     butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
     vq, vk, vg, bias, logit, a_log_value = inputs
     col = hl * 8
@@ -64,8 +64,12 @@ def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qha
         fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
         fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
         kq = kq + fq[e] * fk[e]
-        gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
-        fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
+        if gate == "safe":
+            gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
+            fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
+        else:
+            fa[e] = exp2_fast(unbounded_gamma(vg[e], gate, cutlass.Float32(LOG2E), bias[e] * cutlass.Float32(LOG2E),
+                                              decay_rate))
     for b in range(4):
         kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
     for run in range(2):  # keys col + 4·run .. + 3
@@ -105,3 +109,18 @@ def defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, 
             s_qhat[at] = s_qhat[at] * decay
             s_alpha[at] = khat / decay
             s_decay[at] = decay
+
+
+@cute.jit
+def direct_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid,
+                 n_threads: cutlass.Constexpr[int]):
+    """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may fall
+    below fp32's range, where k̂/A_t is not finite, so the state is decayed token by token
+    (``s_decay`` = α_t, applied before each token's dot products) and updated with k̂ itself
+    (``s_alpha`` ← k̂; ``s_khat`` and ``s_qhat`` stay k̂ and q̂)."""
+    for i in cutlass.range_constexpr(D // n_threads):
+        position = tid + i * n_threads
+        for t in cutlass.range(num_tokens, unroll=1):
+            at = t * D + position
+            s_decay[at] = s_alpha[at]
+            s_alpha[at] = s_khat[at]

@@ -183,13 +183,7 @@ def stmatrix_x4_trans(smem_address, registers: list) -> None:
     """Store four 8×8 bf16 matrices, each lane's b32 fragment register per matrix (the mma C
     layout: row lane // 4, columns 2·(lane % 4) + {0, 1}), transposed: lanes 8m..8m+7 give the
     32-bit shared addresses of matrix m's stored rows (its columns), 16 bytes each."""
-    llvm.inline_asm(
-        None,
-        [cutlass.Int32(smem_address).ir_value(), *(cutlass.Int32(r).ir_value() for r in registers)],
-        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1,$2,$3,$4};",
-        "r,r,r,r,r",
-        has_side_effects=True,
-    )
+    _store_b32("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16", cutlass.Int32(smem_address), registers)
 
 
 def ld_shared_v4(smem_address) -> list:
@@ -206,10 +200,17 @@ def ld_shared_v4(smem_address) -> list:
 
 def st_global_v4(global_address, words: list) -> None:
     """Store four b32 words (16 bytes) at a 16-byte-aligned global address."""
+    _store_b32("st.global.v4.b32", cutlass.Int64(global_address), words)
+
+
+def _store_b32(instruction: str, address, words: list) -> None:
+    """``instruction [address], {words};`` as inline PTX, ``address`` a 32-bit shared (``Int32``)
+    or 64-bit global (``Int64``) address: the stores differ only in that and the opcode.  No
+    results, so ``has_side_effects`` keeps each store, in program order."""
     llvm.inline_asm(
         None,
-        [cutlass.Int64(global_address).ir_value(), *(cutlass.Int32(w).ir_value() for w in words)],
-        "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
-        "l,r,r,r,r",
+        [address.ir_value(), *(cutlass.Int32(w).ir_value() for w in words)],
+        f"{instruction} [$0], {register_list(1, len(words))};",
+        ",".join(["l" if isinstance(address, cutlass.Int64) else "r"] + ["r"] * len(words)),
         has_side_effects=True,
     )

@@ -53,3 +53,45 @@ def check_status(status, device) -> None:
     if status.data_ptr() % 16:
         fail("status must start on a 16-byte boundary; allocate it with torch.zeros(1, dtype=torch.int32, ...) "
              "or pass status[i, :1] of an [n, 4] int32 tensor")
+
+
+# A placeholder lower bound for the unbounded gates: their kernels never read it, and it lets one
+# scalar check serve every gate.
+UNUSED_LOWER_BOUND = -1.0
+_GATE_DEFAULTS: dict = {}  # (device, H) → (A_log zeros [H], dt_bias zeros [H, 128])
+
+
+def _gate_defaults(heads: int, device):
+    """fla's defaults for a missing A_log (unit scale: e^0) and dt_bias (0), one pair per device
+    and head count (not cached while a CUDA graph is being captured: its memset runs at replay)."""
+    key = (device, heads)
+    if key in _GATE_DEFAULTS:
+        return _GATE_DEFAULTS[key]
+    pair = (torch.zeros(heads, dtype=torch.float32, device=device),
+            torch.zeros(heads, D, dtype=torch.float32, device=device))
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _GATE_DEFAULTS[key] = pair
+    return pair
+
+
+def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
+    """``(A_log, dt_bias, lower_bound)`` the kernels of ``gate`` take (``specs.GATES``):
+    "safe" passes them through (checked with the other inputs); "softplus" takes A_log and dt_bias
+    or fla's defaults for None and refuses a lower_bound; "precomputed" (g is the log-decay)
+    refuses all three."""
+    from ..specs import GATES
+
+    if gate not in GATES:
+        fail(f"gate must be one of {', '.join(map(repr, GATES))}, got {gate!r}")
+    if gate == "safe":
+        if lower_bound is None:
+            fail("gate='safe' needs lower_bound (in [-5, 0)); for fla's unbounded gate pass gate='softplus'")
+        return A_log, dt_bias, lower_bound
+    if lower_bound is not None:
+        fail(f"lower_bound applies to gate='safe' only; gate={gate!r} is unbounded: pass lower_bound=None")
+    if gate == "precomputed" and (A_log is not None or dt_bias is not None):
+        fail("gate='precomputed' takes g as the log-decay itself: pass A_log=None and dt_bias=None")
+    if not isinstance(q, torch.Tensor) or q.dim() < 2:
+        return A_log, dt_bias, UNUSED_LOWER_BOUND  # validation names the bad q
+    zeros_a, zeros_dt = _gate_defaults(q.shape[-2], q.device)
+    return (zeros_a if A_log is None else A_log, zeros_dt if dt_bias is None else dt_bias, UNUSED_LOWER_BOUND)

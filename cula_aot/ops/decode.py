@@ -19,7 +19,7 @@ from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, 
     pick_variant,
     variant_spec,
 )
-from .checks import check_dtype_shape, check_scalars, check_status, fail
+from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs
 from .prefill import STATE_LAYOUTS
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -198,10 +198,12 @@ def _aligned_down(t) -> tuple[int, int]:
 
 
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None):
+           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None, gate="safe"):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
+    ``gate``: the decay (``checks.gate_inputs``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
+    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
@@ -211,12 +213,12 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     bf16_state = state_pool.dtype == torch.bfloat16
     intermediates = intermediate_states is not None
     if variant is None:
-        variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates)
-    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates):
-        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' "
-             f"pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
-             f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None")
-    spec = variant_spec(variant, bf16_state, state_layout)
+        variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates, gate)
+    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates, gate):
+        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens of the safe gate on "
+             f"a bf16 'vk' pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
+             f"intermediate_states {'given' if intermediates else 'None'}, gate {gate!r}: pass variant=None")
+    spec = variant_spec(variant, bf16_state, state_layout, gate)
     kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)

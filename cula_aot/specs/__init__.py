@@ -11,7 +11,7 @@ dispatches to it.  ``abi`` holds the parameter kinds and the base class.  The bu
 from .abi import (  # noqa: F401
     ARCH, CUTEDSL_VERSION, POINTER_ALIGN, SCALAR_TYPES, TMA_DESCRIPTOR_BYTES, TMA_DESCRIPTOR_ALIGN,
     Param, pointer, scalar, token_tma, abi_layout, KernelSpec, WORKSPACE_POINTERS, SEQUENCE_SCALARS, K1_INPUTS,
-    state_params, STATUS_POINTER, bound_params,
+    state_params, STATUS_POINTER, bound_params, GATES,
 )
 from .k1_prepare import (  # noqa: F401
     K1_PARAMS, K1Spec, K1_CTAS_PER_SM, K1_MAX_TILES_PER_CTA, K1_WAVES, k1_grid,
@@ -44,11 +44,11 @@ def default_specs() -> list[KernelSpec]:
     launch grid's second dimension, and the kernels read it from there."""
     specs: list[KernelSpec] = []
     for varlen in (False, True):
-        specs.append(K1Spec(varlen=varlen))
+        specs.extend(K1Spec(varlen=varlen, gate=gate) for gate in GATES)
         specs.extend(K2Spec(varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         specs.extend(K2Spec(varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
         specs.extend(K2Spec(varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True) for m in (False, True))
-    specs.append(fused_spec())
+    specs.extend(fused_spec(gate) for gate in GATES)
     # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves fixed
     # and varlen input.
     specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

@@ -55,6 +55,7 @@ class FusedSpec(KernelSpec):
 
     stages: int = FUSED_STAGES
     producers: int = FUSED_PRODUCERS
+    gate: str = "safe"
 
     @property
     def block(self) -> tuple:
@@ -78,9 +79,10 @@ FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
 
-def fused_spec() -> FusedSpec:
-    """The fused prefill the runtime launches (fixed and varlen input alike: ``FLAG_VARLEN``)."""
-    return FusedSpec()
+def fused_spec(gate: str = "safe") -> FusedSpec:
+    """The fused prefill the runtime launches for ``gate`` (fixed and varlen input alike:
+    ``FLAG_VARLEN``)."""
+    return FusedSpec(gate=gate)
 
 
 def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, uniform: bool = False) -> bool:

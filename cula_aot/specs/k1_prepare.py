@@ -27,6 +27,7 @@ class K1Spec(KernelSpec):
     grid: ClassVar[tuple] = ("k1_ctas", "heads", 1)
 
     varlen: bool
+    gate: str = "safe"
 
 
 # K1 CTAs resident per SM (registers), and the most tile slots one CTA walks: each CTA loads its

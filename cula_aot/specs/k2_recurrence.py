@@ -96,6 +96,7 @@ class K2Spec(KernelSpec):
     wgmma: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.wgmma and self.v_block != K2_WGMMA_V_BLOCK:
             raise ValueError(f"K2Spec: wgmma=True needs v_block {K2_WGMMA_V_BLOCK} (one warpgroup), got {self.v_block}")
         if self.prescan and not self.segmented:

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from cula_aot.specs import (K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
+from cula_aot.specs import (GATES, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
                             K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs,
                             segmented_v_block)
 
@@ -36,13 +36,18 @@ def test_names_cover_every_codegen_argument():
         # changing any one argument changes the name
         for field in fields:
             value = getattr(spec, field)
+            if isinstance(value, str):  # the gate: the next one
+                changed = GATES[(GATES.index(value) + 1) % len(GATES)]
+            else:
+                changed = (not value) if isinstance(value, bool) else value + 1
             try:
-                other = dataclasses.replace(spec, **{field: (not value) if isinstance(value, bool) else value + 1})
+                other = dataclasses.replace(spec, **{field: changed})
             except ValueError:  # not a valid specialization (a pre_scan that is not segmented)
                 assert field in ("prescan", "segmented", "multicast", "v_block", "wgmma")
                 continue
             assert other.name != spec.name
-    assert K1Spec(varlen=True).name == "k1_prepare_varlen1"
+    assert K1Spec(varlen=True).name == "k1_prepare_varlen1_gatesafe"
+    assert K1Spec(varlen=False, gate="softplus").name == "k1_prepare_varlen0_gatesoftplus"
     assert K2Spec(varlen=False, v_block=32).name == \
         "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0"
     assert K2Spec(varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
@@ -164,4 +169,4 @@ def test_auto_fused_takes_many_long_items_only():
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
     spec = fused_spec()
     assert spec == FusedSpec() and spec.block == (128 * spec.producers + 256, 1, 1)
-    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_stages4_producers2"
+    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_stages4_producers2_gatesafe"

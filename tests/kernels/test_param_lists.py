@@ -25,7 +25,7 @@ def test_a_reordered_kernel_call_is_caught(monkeypatch):
     from cula_aot.kernels import _kernel_call_arguments, k1_prepare
 
     passed = _kernel_call_arguments(k1_prepare.k1_prepare_launch, "k1_prepare_kernel")
-    assert passed == ["tma_q", "tma_k", "tma_g", "*params", "token_coords", "varlen"]
+    assert passed == ["tma_q", "tma_k", "tma_g", "*params", "token_coords", "varlen", "gate"]
     swapped = [passed[1], passed[0], *passed[2:]]
     monkeypatch.setattr("cula_aot.kernels._kernel_call_arguments", lambda launch, name: swapped)
     with pytest.raises(ValueError, match="the launch passes"):

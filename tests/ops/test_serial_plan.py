@@ -82,7 +82,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert len(prefill_module._PLANS) == 1 and len(recorder.launches) == 4
     k1, v1, grid1 = recorder.values(2)
     k2, v2, grid2 = recorder.values(3)
-    assert k1.name == "k1_prepare_varlen1" and k2.name.startswith("k2_recurrence_varlen1")
+    assert k1.name == "k1_prepare_varlen1_gatesafe" and k2.name.startswith("k2_recurrence_varlen1")
     total_slots = (40 + 15 * 2) // 16
     assert grid1 == (total_slots, heads, 1) and grid2[1:] == (heads, 2)
     assert v1["beta"] == y["beta"].data_ptr() and v1["scale"] == 0.5 and v1["cu_seqlens"] == cu.data_ptr()

@@ -48,6 +48,10 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         (lambda x: {"lower_bound": 0.0}, r"lower_bound must be in \[-5, 0\), got 0.0"),
         (lambda x: {"lower_bound": -5.5}, r"lower_bound must be in \[-5, 0\)"),
         (lambda x: {"scale": float("nan")}, "scale must be a finite number"),
+        (lambda x: {"gate": "sigmoid"}, "gate must be one of 'safe', 'softplus', 'precomputed', got 'sigmoid'"),
+        (lambda x: {"lower_bound": None}, "gate='safe' needs lower_bound .*gate='softplus'"),
+        (lambda x: {"gate": "softplus"}, "lower_bound applies to gate='safe' only.*lower_bound=None"),
+        (lambda x: {"gate": "precomputed", "lower_bound": None}, "gate='precomputed' takes g as the log-decay itself"),
         (lambda x: {"state_layout": "kvk"}, "state_layout must be one of"),
         (lambda x: {"initial_state": torch.zeros(1, 2, 128, 128)[..., :64]}, "initial_state must have shape"),
         (lambda x: {"initial_state": torch.zeros(1, 2, 128, 128, dtype=torch.float16)},
@@ -105,3 +109,12 @@ def test_fwd_needs_out(inputs):
     with pytest.raises(KDAInputError, match="out must be a bf16 tensor"):
         cula_aot.fwd(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], None, None,
                      inputs["A_log"], inputs["dt_bias"], inputs["lower_bound"])
+
+
+@pytest.mark.parametrize("gate", ["softplus", "precomputed"])
+def test_unbounded_gates_take_fla_defaults_and_reach_the_device_check(inputs, gate):
+    """A_log / dt_bias None are fla's defaults (unit scale, zero bias); the call then fails only for
+    its CPU tensors."""
+    extra = {"A_log": None, "dt_bias": None} if gate == "precomputed" else {"A_log": None}
+    with pytest.raises(KDAInputError, match="inputs are on cpu"):
+        _call(inputs, gate=gate, lower_bound=None, **extra)

@@ -50,7 +50,7 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
 def test_manifest_record_lookup(manifest_path):
     m = Manifest(manifest_path)
     name, record = m.record(K1Spec(varlen=True))
-    assert name == "k1_prepare_varlen1" and record["args"] == {"varlen": True}
+    assert name == "k1_prepare_varlen1_gatesafe" and record["args"] == {"varlen": True, "gate": "safe"}
     name, record = m.record(K2Spec(varlen=False, v_block=16))
     assert record["args"] == {"varlen": False, "v_block": 16, "segmented": False, "prescan": False,
                               "stages": 3, "multicast": False, "wgmma": False}
