@@ -74,11 +74,11 @@ def variant_name(variant) -> str:
     return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
 
 
-def row_variants(dtype_name, tokens, layout) -> tuple:
-    """Every built kernel that can run a row without intermediate states."""
+def row_variants(dtype_name, tokens, layout, gate="safe") -> tuple:
+    """Every built kernel that can run a row of ``gate`` without intermediate states."""
     from cula_aot.ops.decode import chunk_applies
 
-    return VARIANTS + (CHUNK_VARIANTS if chunk_applies(tokens, dtype_name == "bf16", layout, False) else ())
+    return VARIANTS + (CHUNK_VARIANTS if chunk_applies(tokens, dtype_name == "bf16", layout, False, gate) else ())
 
 
 class Bench:
@@ -131,7 +131,8 @@ class Bench:
 
         def run():
             decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                   lower_bound=LOWER_BOUND, state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
+                   lower_bound=LOWER_BOUND if self.args.gate == "safe" else None, gate=self.args.gate,
+                   state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
                    state_layout=self.args.layout, intermediate_states=inter, variant=variant)
         return run
 
@@ -144,7 +145,7 @@ class Bench:
         common = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
                       scale=D ** -0.5, initial_state=pool, state_v_first=self.args.layout == "vk",
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      lower_bound=LOWER_BOUND, out=out)
+                      lower_bound=LOWER_BOUND if self.args.gate == "safe" else None, out=out)
 
         def run():
             with torch.no_grad():
@@ -163,11 +164,11 @@ class Bench:
                "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
         from cula_aot.ops.decode import pick_variant
 
-        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16, self.args.layout)
+        chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16, self.args.layout, gate=self.args.gate)
         row["v_block"] = variant_name(chosen)
         if tokens > 1:
             row["inter_variant"] = variant_name(pick_variant(n, heads, tokens, dtype == torch.bfloat16,
-                                                             self.args.layout, intermediates=True))
+                                                             self.args.layout, intermediates=True, gate=self.args.gate))
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
         if self.fla is not None and self.args.mode != "ours":
@@ -194,7 +195,7 @@ class Bench:
             if n * heads >= self.args.variants_min_nh:
                 row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
                                                      self.time_replay(capture_graph(self.ours_call(x, variant=v))))
-                                   for v in row_variants(dtype_name, tokens, self.args.layout)}
+                                   for v in row_variants(dtype_name, tokens, self.args.layout, self.args.gate)}
         self.rows.append(row)
         del x
         self.progress(row)
@@ -208,7 +209,7 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for v in row_variants(dtype_name, tokens, self.args.layout):
+                        for v in row_variants(dtype_name, tokens, self.args.layout, self.args.gate):
                             entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
@@ -245,7 +246,7 @@ class Bench:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "fla": peers.fla_version() if self.fla is not None else None,
-            "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout,
+            "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout, "gate": self.args.gate,
             "copy_bandwidth": peers.copy_bandwidth("cuda"), "mode": self.args.mode,
             "launch_floor_ms": self.launch_floor(),
         }
@@ -386,6 +387,8 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--layout", default="vk", choices=["vk", "kv"])
+    parser.add_argument("--gate", default="safe", choices=["safe", "softplus"],
+                        help="the decay of every call (softplus: fla's unbounded gate, no lower bound)")
     parser.add_argument("--sweep", action="store_true", help="also time every built V block on a subset")
     parser.add_argument("--variants-min-nh", type=int, default=256, help="time every variant from this N·H")
     parser.add_argument("--sweep-max", type=int, default=1000, help="at most this many sweep entries")

@@ -15,8 +15,8 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
   8×1024, 32×256 and 4×2048 + 16×128; K1 alone, serial and ``intracard_cp="auto"``, eager and
   graph (``auto`` must never lose to serial), fla beside when importable.
 * ``gates``: the production shards (H12 1×2048 and 1×8192, H16/H24/H32 1×8192, H16 8×2048) and
-  two serving rows (H8 32×256, H16 4×2048 + 16×128), each with the safe gate and with fla's
-  softplus gate (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
+  the serving matrix, each with the safe gate and with fla's softplus gate
+  (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
 * ``cp``: CONTRACT §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
 * ``cp_long``: long contexts: H ∈ {1, 4, 8} × [65536], [131072] and
@@ -101,11 +101,11 @@ CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 SERVING_HEADS = (4, 8, 16, 32)
 SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
                    ("4x2048+16x128", [2048] * 4 + [128] * 16)]
-# Gates: production shards (Kimi Linear's 96 heads over 8 GPUs is H12) and two serving rows, each
+# Gates: production shards (Kimi Linear's 96 heads over 8 GPUs is H12) and the serving matrix, each
 # with the safe and the softplus gate, CUDA-graph replay, fla beside.
 GATE_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192", [8192]), (24, "1x8192", [8192]),
-                  (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8), (8, "32x256", [256] * 32),
-                  (16, "4x2048+16x128", [2048] * 4 + [128] * 16)]
+                  (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8)] + [
+    (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
 BENCH_GATES = ("safe", "softplus")
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
@@ -338,7 +338,7 @@ class Bench:
                 self.finish_row(rows, row, f"serving H={heads} {label} (auto split {row['auto_split']})")
 
     def run_gates(self):
-        """The production shards and two serving rows with the safe and the softplus gate side by
+        """The production shards and the serving matrix with the safe and the softplus gate side by
         side (one row per gate; ``softplus_over_safe`` on the softplus rows): graph replay of the
         automatic path, fla beside."""
         rows = self.results.setdefault("gates", [])

@@ -52,7 +52,7 @@ from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoi
 from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
                            copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
                            reduce_mqk, register_inverse, store_inverse, store_product_partials, store_row_norms,
-                           unbounded_images, unbounded_partials, vector, lane_columns, lane_rows)
+                           unbounded_operands, vector, lane_columns, lane_rows)
 from .tile_chain import (
     state_slots,
     N_TILES,
@@ -297,8 +297,7 @@ def fused_prefill_kernel(
                 kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, (gtot,), store_images)
                 store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
             else:
-                unbounded_images(qhat, khat, cum, total, scale, store_images)
-                unbounded_partials(qhat, khat, cum, mid, total, scale, s_part, pw, lane)
+                unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, pw, lane)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)

@@ -11,7 +11,7 @@ What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and o
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
   operands rounded from the fp32 values (more precise than the recipe's bf16 operands; under an
   unbounded gate each pair's decay factored around a reference that keeps both factors finite,
-  ``prepare_tile.unbounded_partials``), and
+  ``prepare_tile.unbounded_operands``), and
   ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
   operands and fp32 accumulation, in one warp's registers (``register_inverse``).
 
@@ -66,7 +66,7 @@ from .warp_mma import pack_bf16x2
 from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
                            copy_tiles, gate_cumsum, input_tile, lane_columns, lane_row_values, lane_rows,
                            normalised_and_gates, reduce_l, reduce_mqk, register_inverse, store_inverse,
-                           store_product_partials, store_row_norms, unbounded_images, unbounded_partials, vector)
+                           store_product_partials, store_row_norms, unbounded_operands, vector)
 
 assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
 
@@ -244,8 +244,7 @@ def k1_prepare_kernel(
                 kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, store_images)
                 store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
             else:
-                unbounded_images(qhat, khat, cum, total, scale, store_images)
-                unbounded_partials(qhat, khat, cum, mid, total, scale, s_part, warp, lane)
+                unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
             b = cutlass.Float32(0.0)
             if warp == 0:
                 b = sigmoid(logit)

@@ -239,14 +239,16 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
 
 
-# Unbounded gates (softplus, precomputed): 2^(G_i − G_j) of a pair j < i of a tile is formed as
-# 2^(G_i − P)·2^(P − G_j) around a reference P.  Where every column of a warp spans at most
-# MIDPOINT_RANGE (log2 units) over the tile, P = G[7] for all pairs and both factors stay normal
-# (the safe gate's single product); otherwise each pair takes the reference of its level of a
-# binary split of the tile (the highest bit in which i and j differ), P = G[r − 1] at the split row r with j < r ≤ i, so
-# both factors are ≤ 1 and neither can overflow or drop a pair whose product is representable.
-MIDPOINT_RANGE = 120.0
-SPLIT_LEVELS = 4  # splits at row 8; 4, 12; 2, 6, 10, 14; odd rows
+# Unbounded gates (softplus, precomputed): 2^(G_i − G_j) of a pair j ≤ i of a tile is formed as
+# 2^(G_i − P)·2^(P − G_j) around a reference P.  A block of rows whose G spans at most BLOCK_RANGE
+# (log2 units) in every column of a warp takes P = the midpoint of that span (the whole tile: the
+# span from 0 to G[15]), so both factors stay ≤ 2^(BLOCK_RANGE / 2).  A warp whose tile does not
+# fit splits it until its blocks do: the pairs
+# across a split at row r (j < r ≤ i: the highest bit in which i and j differ) take P = G[r − 1],
+# both factors ≤ 1 (the split levels: row 8; 4, 12; 2, 6, 10, 14; odd rows).  Neither form can
+# overflow or drop a pair whose product is representable.
+BLOCK_RANGE = 248.0
+SPLIT_LEVELS = 4
 
 
 def split_reference_row(level: int, row):
@@ -257,91 +259,177 @@ def split_reference_row(level: int, row):
     return (row // size) * size + size // 2 - 1, (row % size) >= size // 2
 
 
+def block_end_rows(size, g):
+    """First and last row (within a half) of the ``size``-row block (size ≤ 8) holding row g."""
+    first = (g // size) * size
+    return first, first + size - 1
+
+
 @cute.jit
-def unbounded_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, s_part: cute.Tensor,
-                       warp, lane):
-    """Phase C of an unbounded gate: this warp's partials of kd·kinvᵀ and qd·kinvᵀ (as
-    ``store_product_partials``) with every pair's decay factored around a reference that keeps
-    both factors finite.  A warp whose columns span ≤ MIDPOINT_RANGE takes P = G[7] (16 MMAs);
-    otherwise every level of the binary split is its own masked product (56 MMAs) and Mqk's
-    diagonal (decay 1) a dot product."""
+def blocks_fit(cum: list, level: int, g, t):
+    """Whether every block of 16 >> ``level`` rows (``level`` ≥ 1: blocks within a half) spans at
+    most BLOCK_RANGE in each of the warp's columns (a warp vote)."""
+    fits = cutlass.Boolean(True)
+    first, last = block_end_rows(16 >> level, g)
+    for half in cutlass.range_constexpr(2):
+        for j in cutlass.range_constexpr(LANE_COLS):
+            top = cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t)
+            bottom = cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t)
+            fits = fits & (top - bottom <= BLOCK_RANGE)
+    return cute.arch.vote_all_sync(fits)
+
+
+def split_level_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, level: int, g, t, half: int, j: int):
+    """The tf32 operand bits (kd, qd, kinv) of the lane's element (half, j) at split level
+    ``level``: P = G[r − 1] of its block pair, the factor on the i side (A: kd, qd) or the j side
+    (B: kinv) and 0 on the other, so both factors are ≤ 1."""
+    zero = cutlass.Float32(0.0)
+    g_row = cum[half][j]
+    if level == 0:
+        # Split at row 8 (P = G[7]): the upper half holds the i of every pair.
+        if half == 1:
+            factor = exp2_fast(g_row - mid[j])
+            return (f32_bits(tf32_ready(khat[half][j] * factor)), f32_bits(tf32_ready(qhat[half][j] * factor * scale)),
+                    f32_bits(zero))
+        factor = exp2_fast(mid[j] - g_row)
+        return f32_bits(zero), f32_bits(zero), f32_bits(tf32_ready(khat[half][j] * factor))
+    ref_row, is_i = split_reference_row(level, g)
+    ref = cute.arch.shuffle_sync(g_row, offset=4 * ref_row + t)
+    factor = exp2_fast(cutlass.Float32(cutlass.select_(is_i, g_row - ref, ref - g_row)))
+    return (f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero)))),
+            f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero)))),
+            f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor)))))
+
+
+def block_operands(qhat: list, khat: list, cum: list, ref: list, scale, half: int, j: int):
+    """The tf32 operand bits (kd, qd, kinv) of the lane's element (half, j) around its block's
+    midpoint reference: factors ≤ 2^(BLOCK_RANGE / 2)."""
+    rise = exp2_fast(cum[half][j] - ref[half][j])
+    fall = exp2_fast(ref[half][j] - cum[half][j])
+    return (f32_bits(tf32_ready(khat[half][j] * rise)), f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
+            f32_bits(tf32_ready(khat[half][j] * fall)))
+
+
+@cute.jit
+def add_masked_products(operands, n_tiles: int, keep, partial: list, lane):
+    """Adds to the warp's partials the products kd·kinvᵀ and qd·kinvᵀ over its 32 keys of the
+    operands ``operands(half, j)`` gives (their bits formed k-step by k-step, so that only one
+    step's values are live), masked to the entries (i, j) where ``keep(i, j)``."""
+    acc = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+    for f in cutlass.range_constexpr(4):
+        acc[f].fill(0.0)
+    for s in cutlass.range_constexpr(K_STEPS):
+        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
+        step = [[operands(half, col) for col in (lo, hi)] for half in range(2)]  # [half][lo/hi] → (kd, qd, kinv)
+        for p in cutlass.range_constexpr(2):
+            a = [step[0][0][p], step[1][0][p], step[0][1][p], step[1][1][p]]
+            for n in cutlass.range_constexpr(n_tiles):
+                d = mma_tf32_m16n8k8(a, [step[n][0][2], step[n][1][2]], [acc[2 * p + n][c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    acc[2 * p + n][c] = d[c]
+    for p in cutlass.range_constexpr(2):
+        for n in cutlass.range_constexpr(n_tiles):
+            for c in cutlass.range_constexpr(4):
+                i, col = fragment_entry(lane, n, c)
+                partial[2 * p + n][c] = partial[2 * p + n][c] + cutlass.Float32(
+                    cutlass.select_(keep(i, col), acc[2 * p + n][c], cutlass.Float32(0.0)))
+
+
+@cute.jit
+def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, s_part: cute.Tensor,
+                   warp, lane):
+    """Phase C of an unbounded gate for a warp whose tile spans more than BLOCK_RANGE: its
+    partials of kd·kinvᵀ and qd·kinvᵀ (as ``store_product_partials``; only the pairs j ≤ i are
+    meaningful).  The warp finds the first ``depth`` ≥ 1 at which its blocks of 16 >> depth rows
+    fit BLOCK_RANGE, takes the blocks' midpoint products (16 MMAs, masked to pairs within a block;
+    blocks of one row at depth 4: the diagonal, decay 1) and adds the split levels above them
+    (8 MMAs for level 0, 16 for each other)."""
     t = lane % 4
     g = lane // 4
-    # Row 0 spans the most of every column.
-    wide = cum[0][0] - total[0] > MIDPOINT_RANGE
+    # Depth 1, the common split, from the lane's own values: each half spans from its start
+    # boundary (0, G[7]) to its end (G[7], G[15]), P the midpoint of that.
+    halves_fit = (-mid[0] <= BLOCK_RANGE) & (mid[0] - total[0] <= BLOCK_RANGE)
     for j in cutlass.range_constexpr(1, LANE_COLS):
-        wide = wide | (cum[0][j] - total[j] > MIDPOINT_RANGE)
-    bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
-    kd_bits, qd_bits, kinv_bits = bits
-    if cute.arch.vote_any_sync(wide):
-        partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-        for f in cutlass.range_constexpr(4):
-            partial[f].fill(0.0)
-        zero = cutlass.Float32(0.0)
-        for level in cutlass.range_constexpr(SPLIT_LEVELS):
-            for half in cutlass.range_constexpr(2):
-                for j in cutlass.range_constexpr(LANE_COLS):
-                    g_row = cum[half][j]
-                    if cutlass.const_expr(level == 0):
-                        # Split at row 8 (P = G[7]): the upper half holds the i of every pair.
-                        if cutlass.const_expr(half == 1):
-                            factor = exp2_fast(g_row - mid[j])
-                            kd_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * factor))
-                            qd_bits[half][j] = f32_bits(tf32_ready(qhat[half][j] * factor * scale))
-                            kinv_bits[half][j] = f32_bits(zero)
-                        else:
-                            factor = exp2_fast(mid[j] - g_row)
-                            kd_bits[half][j] = f32_bits(zero)
-                            qd_bits[half][j] = f32_bits(zero)
-                            kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * factor))
-                    else:
-                        ref_row, is_i = split_reference_row(level, g)
-                        ref = cute.arch.shuffle_sync(g_row, offset=4 * ref_row + t)
-                        factor = exp2_fast(cutlass.Float32(cutlass.select_(is_i, g_row - ref, ref - g_row)))
-                        kd_bits[half][j] = f32_bits(tf32_ready(
-                            cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero))))
-                        qd_bits[half][j] = f32_bits(tf32_ready(
-                            cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero))))
-                        kinv_bits[half][j] = f32_bits(tf32_ready(
-                            cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor))))
-            for n in cutlass.range_constexpr(2 if level > 0 else 1):
-                for p in cutlass.range_constexpr(2):
-                    acc = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-                    acc.fill(0.0)
-                    for s in cutlass.range_constexpr(K_STEPS):
-                        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-                        x = qd_bits if p == 1 else kd_bits
-                        d = mma_tf32_m16n8k8([x[0][lo], x[1][lo], x[0][hi], x[1][hi]],
-                                             [kinv_bits[n][lo], kinv_bits[n][hi]], [acc[c] for c in range(4)])
-                        for c in cutlass.range_constexpr(4):
-                            acc[c] = d[c]
-                    for c in cutlass.range_constexpr(4):
-                        i, col = fragment_entry(lane, n, c)
-                        keep = (col < i) & (((i ^ col) >> (3 - level)) == 1)
-                        partial[2 * p + n][c] = partial[2 * p + n][c] + cutlass.Float32(
-                            cutlass.select_(keep, acc[c], cutlass.Float32(0.0)))
-        # Mqk's diagonal: q̂_i·k̂_i·scale over the warp's 32 columns (the row's four lanes).
-        for half in cutlass.range_constexpr(2):
-            dot = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(LANE_COLS):
-                dot = dot + qhat[half][j] * khat[half][j]
-            dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1)
-            dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=2)
-            for c in cutlass.range_constexpr(2 * half, 2 * half + 2):
-                on_diagonal = g == 2 * t + c % 2
-                partial[2 + half][c] = partial[2 + half][c] + cutlass.Float32(
-                    cutlass.select_(on_diagonal, dot * scale, cutlass.Float32(0.0)))
-        for f in cutlass.range_constexpr(4):
-            vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+        halves_fit = halves_fit & (-mid[j] <= BLOCK_RANGE) & (mid[j] - total[j] <= BLOCK_RANGE)
+    fits = cute.arch.vote_all_sync(halves_fit)
+    depth = cutlass.Int32(1)
+    for level in cutlass.range_constexpr(2, SPLIT_LEVELS):
+        if not fits:
+            depth = cutlass.Int32(level)
+            fits = blocks_fit(cum, level, g, t)
+    if not fits:
+        depth = cutlass.Int32(SPLIT_LEVELS)
+
+    # The blocks first (their references die before the split levels' products): P = the
+    # midpoint of each block's span, per column (deeper blocks: from their first row to their last).
+    ref = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
+    if depth == 1:
+        for j in cutlass.range_constexpr(LANE_COLS):
+            ref[0][j] = mid[j] * 0.5
+            ref[1][j] = (mid[j] + total[j]) * 0.5
     else:
+        first, last = block_end_rows(16 >> depth, g)
         for half in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(LANE_COLS):
-                rise = exp2_fast(cum[half][j] - mid[j])
-                fall = exp2_fast(mid[j] - cum[half][j])
-                kd_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * rise))
-                qd_bits[half][j] = f32_bits(tf32_ready(qhat[half][j] * rise * scale))
-                kinv_bits[half][j] = f32_bits(tf32_ready(khat[half][j] * fall))
+                top = cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t)
+                bottom = cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t)
+                ref[half][j] = (top + bottom) * 0.5
+    partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
+    for f in cutlass.range_constexpr(4):
+        partial[f].fill(0.0)
+    shift = 4 - depth
+    add_masked_products(lambda half, j: block_operands(qhat, khat, cum, ref, scale, half, j), 2,
+                        lambda i, col: (i >> shift) == (col >> shift), partial, lane)
+    for level in cutlass.range_constexpr(SPLIT_LEVELS):
+        if level < depth:
+            add_masked_products(
+                lambda half, j, level=level: split_level_operands(qhat, khat, cum, mid, scale, level, g, t, half, j),
+                2 if level > 0 else 1, lambda i, col, level=level: (col < i) & (((i ^ col) >> (3 - level)) == 1),
+                partial, lane)
+    for f in cutlass.range_constexpr(4):
+        vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+
+
+@cute.jit
+def unbounded_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, store_images,
+                       s_part: cute.Tensor, warp, lane):
+    """Phases B and C of an unbounded gate: the decayed images, handed row by row to
+    ``store_images(half, qd, kd, kr)`` (qd = q̂·2^G·scale, kd = k̂·2^G, kr = k̂·2^(G[15] − G)), and
+    this warp's partials of kd·kinvᵀ and qd·kinvᵀ.  Where the tile decays by at most 2^-BLOCK_RANGE
+    in every column of the warp (−G[15] ≤ BLOCK_RANGE: the common case), P = G[15]/2 serves every
+    pair and, with c = 2^(G[15]/2) ≥ 2^(−BLOCK_RANGE/2), one pair of exponentials per element
+    serves images and products alike: 2^G = 2^(G − P)·c, 2^(G[15] − G) = 2^(P − G)·c.  Otherwise
+    the images take their own exponentials and phase C splits the tile (``split_partials``)."""
+    fits = -total[0] <= BLOCK_RANGE
+    for j in cutlass.range_constexpr(1, LANE_COLS):
+        fits = fits & (-total[j] <= BLOCK_RANGE)
+    if cute.arch.vote_all_sync(fits):
+        c = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in cutlass.range_constexpr(LANE_COLS):
+            c[j] = exp2_fast(total[j] * 0.5)
+        bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
+        kd_bits, qd_bits, kinv_bits = bits
+        for half in cutlass.range_constexpr(2):
+            qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                rise = exp2_fast(cum[half][j] - total[j] * 0.5)
+                fall = exp2_fast(total[j] * 0.5 - cum[half][j])
+                q_rise = qhat[half][j] * rise * scale
+                k_rise = khat[half][j] * rise
+                k_fall = khat[half][j] * fall
+                qd[j] = q_rise * c[j]
+                kd[j] = k_rise * c[j]
+                kr[j] = k_fall * c[j]
+                kd_bits[half][j] = f32_bits(tf32_ready(k_rise))
+                qd_bits[half][j] = f32_bits(tf32_ready(q_rise))
+                kinv_bits[half][j] = f32_bits(tf32_ready(k_fall))
+            store_images(half, qd, kd, kr)
         store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
+    else:
+        unbounded_images(qhat, khat, cum, total, scale, store_images)
+        split_partials(qhat, khat, cum, mid, total, scale, s_part, warp, lane)
 
 
 def unbounded_images(qhat: list, khat: list, cum: list, total: cute.Tensor, scale, store_images):

@@ -8,7 +8,7 @@ import torch
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
-from .checks import DEFAULT_SCALE
+from .checks import DEFAULT_SCALE, gate_inputs
 from .workspace import ARENA
 
 
@@ -86,14 +86,16 @@ def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, co
     }, stream)
 
 
-def prepare(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None) -> Workspaces:
+def prepare(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, cu_seqlens=None,
+            gate="safe") -> Workspaces:
     """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
 
     For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
     """
+    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
     batch, seq_len, heads, _ = q.shape
     device = q.device
-    kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None))
+    kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=gate))
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,

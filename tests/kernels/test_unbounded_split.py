@@ -1,9 +1,9 @@
-"""Phase C under an unbounded gate (``prepare_tile.unbounded_partials``) emulated per lane on the
-CPU: both of its forms — the midpoint form (P = G[7]) and the binary-split levels with their
-masks and Mqk's diagonal — give each warp's partials of kd·kinvᵀ and qd·kinvᵀ such that the
-four warps' sums are exactly the pairwise products Σ_k a_ik·k̂_jk·2^(G_ik − G_jk) (j < i for L,
-j ≤ i for Mqk), and every factor the levels form is ≤ 1 however fast the gate decays.  Needs
-CuTeDSL (the kernel module imports it)."""
+"""Phase C under an unbounded gate (``prepare_tile.unbounded_operands``) emulated per lane on the
+CPU: at every depth a warp can reach — one midpoint product for the whole tile, the binary
+split levels above smaller blocks, down to single rows — the four warps' partials sum to
+exactly the pairwise products Σ_k a_ik·k̂_jk·2^(G_ik − G_jk) (j < i for L, j ≤ i for Mqk); the
+split levels' factors are ≤ 1 and the blocks' ≤ 2^(BLOCK_RANGE / 2) however fast the gate
+decays.  Needs CuTeDSL (the kernel module imports it)."""
 
 import numpy as np
 import pytest
@@ -22,37 +22,35 @@ def _pairwise(a, kn, G, strict):
     return np.tril(product, -1 if strict else 0)
 
 
-def _warp_partials_levels(qs, kn, G, warp):
-    """The level form of one warp, as the kernel computes it: [f][lane][c]."""
+def _warp_depth(G, warp):
+    """The depth the kernel's warp reaches (``prepare_tile.unbounded_operands``, ``blocks_fit``):
+    0 when the tile spans ≤ BLOCK_RANGE from 0 (its start) in all its 32 columns, 1 when each
+    half does from its start (0, G[7]), else the first split into blocks of 16 >> depth rows that
+    each span ≤ BLOCK_RANGE from their first row to their last."""
+    cols = slice(32 * warp, 32 * warp + 32)
+    if (-G[15, cols]).max() <= k1.BLOCK_RANGE:  # the span from the tile's start, 0, to G[15]
+        return 0
+    if max((-G[7, cols]).max(), (G[7, cols] - G[15, cols]).max()) <= k1.BLOCK_RANGE:  # halves from their start
+        return 1
+    for depth in range(2, k1.SPLIT_LEVELS):
+        size = 16 >> depth
+        spans = [G[b, cols] - G[b + size - 1, cols] for b in range(0, CHUNK, size)]
+        if max(span.max() for span in spans) <= k1.BLOCK_RANGE:
+            return depth
+    return k1.SPLIT_LEVELS
+
+
+def _warp_partials(qs, kn, G, warp):
+    """One warp's partials as the kernel forms them: [f][lane][c], and the depth it took."""
     partial = np.zeros((4, LANES, 4))
     cum = [_lane_values(G, warp, lane) for lane in range(LANES)]
     q_regs = [_lane_values(qs, warp, lane) for lane in range(LANES)]
     k_regs = [_lane_values(kn, warp, lane) for lane in range(LANES)]
     mid = [[G[7, k1.lane_columns(warp, lane) + j] for j in range(k1.LANE_COLS)] for lane in range(LANES)]
-    for level in range(k1.SPLIT_LEVELS):
-        kd_bits = np.zeros((LANES, 2, 8))
-        qd_bits = np.zeros((LANES, 2, 8))
-        kinv_bits = np.zeros((LANES, 2, 8))
-        for lane in range(LANES):
-            g, t = divmod(lane, 4)
-            for half in range(2):
-                for j in range(8):
-                    g_row = cum[lane][half][j]
-                    if level == 0:
-                        is_i = half == 1
-                        ref = mid[lane][j]
-                    else:
-                        ref_row, is_i = k1.split_reference_row(level, g)
-                        ref = cum[4 * ref_row + t][half][j]  # the shuffle's source lane
-                    exponent = g_row - ref if is_i else ref - g_row
-                    assert exponent <= 0.0  # every factor ≤ 1: no overflow at any rate
-                    factor = np.exp2(exponent)
-                    if is_i:
-                        kd_bits[lane, half, j] = k_regs[lane][half][j] * factor
-                        qd_bits[lane, half, j] = q_regs[lane][half][j] * factor
-                    else:
-                        kinv_bits[lane, half, j] = k_regs[lane][half][j] * factor
-        for n in range(2 if level > 0 else 1):
+    depth = _warp_depth(G, warp)
+
+    def add(kd_bits, qd_bits, kinv_bits, n_tiles, keep):
+        for n in range(n_tiles):
             for p, x in enumerate((kd_bits, qd_bits)):
                 acc = np.zeros((LANES, 4))
                 for s in range(k1.K_STEPS):
@@ -63,32 +61,52 @@ def _warp_partials_levels(qs, kn, G, warp):
                 for lane in range(LANES):
                     for c in range(4):
                         i, col = k1.fragment_entry(lane, n, c)
-                        if col < i and ((i ^ col) >> (3 - level)) == 1:
+                        if keep(i, col):
                             partial[2 * p + n, lane, c] += acc[lane, c]
+
+    for level in range(depth):
+        kd_bits, qd_bits, kinv_bits = (np.zeros((LANES, 2, 8)) for _ in range(3))
+        for lane in range(LANES):
+            g, t = divmod(lane, 4)
+            for half in range(2):
+                for j in range(8):
+                    g_row = cum[lane][half][j]
+                    if level == 0:
+                        is_i, ref = half == 1, mid[lane][j]
+                    else:
+                        ref_row, is_i = k1.split_reference_row(level, g)
+                        ref = cum[4 * ref_row + t][half][j]  # the shuffle's source lane
+                    exponent = g_row - ref if is_i else ref - g_row
+                    assert exponent <= 0.0  # split factors ≤ 1 at any rate
+                    factor = np.exp2(exponent)
+                    if is_i:
+                        kd_bits[lane, half, j] = k_regs[lane][half][j] * factor
+                        qd_bits[lane, half, j] = q_regs[lane][half][j] * factor
+                    else:
+                        kinv_bits[lane, half, j] = k_regs[lane][half][j] * factor
+        add(kd_bits, qd_bits, kinv_bits, 2 if level > 0 else 1,
+            lambda i, col, level=level: col < i and ((i ^ col) >> (3 - level)) == 1)
+
+    kd_bits, qd_bits, kinv_bits = (np.zeros((LANES, 2, 8)) for _ in range(3))
     for lane in range(LANES):
         g, t = divmod(lane, 4)
         for half in range(2):
-            # The row's dot product over the warp's 32 columns (the two butterflies).
-            dot = sum(q_regs[4 * g + u][half][j] * k_regs[4 * g + u][half][j] for u in range(4) for j in range(8))
-            for c in (2 * half, 2 * half + 1):
-                if g == 2 * t + c % 2:
-                    partial[2 + half, lane, c] += dot
-    return partial
-
-
-def _warp_partials_midpoint(qs, kn, G, warp):
-    regs = []
-    for m, exponent in ((kn, G - G[7]), (qs, G - G[7]), (kn, G[7] - G)):
-        regs.append([_lane_values(m * np.exp2(exponent), warp, lane) for lane in range(LANES)])
-    partial = np.zeros((4, LANES, 4))
-    for s in range(k1.K_STEPS):
-        lo, hi = k1.fragment_value(s, 0), k1.fragment_value(s, 1)
-        for p, x in enumerate(regs[:2]):
-            a_regs = [[x[lane][0][lo], x[lane][1][lo], x[lane][0][hi], x[lane][1][hi]] for lane in range(LANES)]
-            for n in range(2):
-                b_regs = [[regs[2][lane][n][lo], regs[2][lane][n][hi]] for lane in range(LANES)]
-                partial[2 * p + n] += np.array(_mma_m16n8k8(a_regs, b_regs))
-    return partial
+            for j in range(8):
+                if depth == 0:
+                    ref = cum[28 + t][1][j] / 2  # G[15] / 2: the midpoint of [G[15], 0]
+                elif depth == 1:  # the midpoints of [G[7], 0] and [G[15], G[7]]
+                    ref = (mid[lane][j] + (0.0 if half == 0 else cum[28 + t][1][j])) / 2
+                else:
+                    first, last = k1.block_end_rows(16 >> depth, g)
+                    ref = (cum[4 * first + t][half][j] + cum[4 * last + t][half][j]) / 2
+                rise, fall = np.exp2(cum[lane][half][j] - ref), np.exp2(ref - cum[lane][half][j])
+                assert max(rise, fall) <= 2.0 ** (k1.BLOCK_RANGE / 2)  # finite in fp32
+                kd_bits[lane, half, j] = k_regs[lane][half][j] * rise
+                qd_bits[lane, half, j] = q_regs[lane][half][j] * rise
+                kinv_bits[lane, half, j] = k_regs[lane][half][j] * fall
+    shift = 4 - depth
+    add(kd_bits, qd_bits, kinv_bits, 2, lambda i, col: (i >> shift) == (col >> shift))
+    return partial, depth
 
 
 def _assembled(partials, p):
@@ -102,21 +120,29 @@ def _assembled(partials, p):
     return product
 
 
-@pytest.mark.parametrize("rate", [0.5, 40.0, 700.0])
-def test_both_forms_give_the_pairwise_products(rate):
+@pytest.mark.parametrize("rate", [0.5, 12.0, 25.0, 60.0, 150.0, 700.0])
+def test_phase_c_gives_the_pairwise_products_at_every_depth(rate):
     rng = np.random.default_rng(int(rate * 10))
     qs, kn = rng.standard_normal((CHUNK, D)) * 0.1, rng.standard_normal((CHUNK, D)) * 0.1
-    # Per-token log2 decays: fast on a random third of the (token, key) entries, none elsewhere.
-    gamma = -rate * rng.random((CHUNK, D)) * (rng.random((CHUNK, D)) < 1 / 3) - 1e-3 * rng.random((CHUNK, D))
+    # Per-token log2 decays: up to ``rate`` on a random half of the (token, key) entries.
+    gamma = -rate * rng.random((CHUNK, D)) * (rng.random((CHUNK, D)) < 0.5) - 1e-3 * rng.random((CHUNK, D))
     G = np.cumsum(np.maximum(gamma, UNBOUNDED_GAMMA_FLOOR), axis=0)
     want_l, want_m = _pairwise(kn, kn, G, strict=True), _pairwise(qs, kn, G, strict=False)
-    levels = [_warp_partials_levels(qs, kn, G, w) for w in range(k1.WARPS)]
-    np.testing.assert_allclose(np.tril(_assembled(levels, 0), -1), want_l, rtol=1e-10, atol=1e-13)
-    np.testing.assert_allclose(np.tril(_assembled(levels, 1)), want_m, rtol=1e-10, atol=1e-13)
-    if (G[0] - G[-1]).max() <= k1.MIDPOINT_RANGE:  # where the kernel takes the midpoint form
-        mids = [_warp_partials_midpoint(qs, kn, G, w) for w in range(k1.WARPS)]
-        np.testing.assert_allclose(np.tril(_assembled(mids, 0), -1), want_l, rtol=1e-10, atol=1e-13)
-        np.testing.assert_allclose(np.tril(_assembled(mids, 1)), want_m, rtol=1e-10, atol=1e-13)
+    results = [_warp_partials(qs, kn, G, w) for w in range(k1.WARPS)]
+    partials = [r[0] for r in results]
+    print(f"rate {rate}: warp depths {[r[1] for r in results]}")
+    np.testing.assert_allclose(np.tril(_assembled(partials, 0), -1), want_l, rtol=1e-9, atol=1e-13)
+    np.testing.assert_allclose(np.tril(_assembled(partials, 1)), want_m, rtol=1e-9, atol=1e-13)
+
+
+def test_every_depth_is_reached():
+    depths = set()
+    for rate in (0.5, 12.0, 25.0, 60.0, 150.0, 700.0):
+        rng = np.random.default_rng(int(rate * 10))
+        gamma = -rate * rng.random((CHUNK, D)) * (rng.random((CHUNK, D)) < 0.5)
+        G = np.cumsum(np.maximum(gamma, UNBOUNDED_GAMMA_FLOOR), axis=0)
+        depths.update(_warp_depth(G, w) for w in range(k1.WARPS))
+    assert depths == set(range(k1.SPLIT_LEVELS + 1))
 
 
 def test_split_levels_cover_every_pair_once():
