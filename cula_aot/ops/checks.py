@@ -58,19 +58,19 @@ def check_status(status, device) -> None:
 # A placeholder lower bound for the unbounded gates: their kernels never read it, and it lets one
 # scalar check serve every gate.
 UNUSED_LOWER_BOUND = -1.0
-_GATE_DEFAULTS: dict = {}  # (device, H) → (A_log zeros [H], dt_bias zeros [H, 128])
+_DEFAULTS_CACHE: dict = {}  # (device, H) → (A_log zeros [H], dt_bias zeros [H, 128])
 
 
-def _gate_defaults(heads: int, device):
+def gate_defaults(heads: int, device):
     """fla's defaults for a missing A_log (unit scale: e^0) and dt_bias (0), one pair per device
     and head count (not cached while a CUDA graph is being captured: its memset runs at replay)."""
     key = (device, heads)
-    if key in _GATE_DEFAULTS:
-        return _GATE_DEFAULTS[key]
+    if key in _DEFAULTS_CACHE:
+        return _DEFAULTS_CACHE[key]
     pair = (torch.zeros(heads, dtype=torch.float32, device=device),
             torch.zeros(heads, D, dtype=torch.float32, device=device))
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _GATE_DEFAULTS[key] = pair
+        _DEFAULTS_CACHE[key] = pair
     return pair
 
 
@@ -93,5 +93,5 @@ def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
         fail("gate='precomputed' takes g as the log-decay itself: pass A_log=None and dt_bias=None")
     if not isinstance(q, torch.Tensor) or q.dim() < 2:
         return A_log, dt_bias, UNUSED_LOWER_BOUND  # validation names the bad q
-    zeros_a, zeros_dt = _gate_defaults(q.shape[-2], q.device)
+    zeros_a, zeros_dt = gate_defaults(q.shape[-2], q.device)
     return (zeros_a if A_log is None else A_log, zeros_dt if dt_bias is None else dt_bias, UNUSED_LOWER_BOUND)

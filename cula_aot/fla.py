@@ -1,0 +1,203 @@
+"""flash-linear-attention's KDA calling convention on cula_aot's kernels (inference forward).
+
+* ``chunk_kda`` and ``fused_recurrent_kda`` take fla 0.6.0's forward arguments under their names
+  and return what fla returns, ``(o, final_state)`` (None unless ``output_final_state``).
+  ``fused_recurrent_kda`` serves any T (it runs the chunked prefill: the same recurrence).
+* ``unsupported(...)``: why a call is outside what the kernels run (None when they run it):
+  they fuse q/k L2 normalisation and β's sigmoid (fla's ``use_qk_l2norm_in_kernel`` and
+  ``use_beta_sigmoid_in_kernel`` must be True), take bf16 inputs with K = V = 128 and as many
+  value heads as key heads (no GVA), and no ``allow_neg_eigval``.  The gate:
+  ``use_gate_in_kernel`` with ``safe_gate`` (or, for the recurrent entry, a ``lower_bound``) is
+  cula_aot's ``gate="safe"``, without it ``gate="softplus"``; ``use_gate_in_kernel=False`` is
+  ``gate="precomputed"`` (g the bf16 log-decay).
+* ``register_backend()``: adds cula_aot to fla's backend registry (``fla.backends``) for
+  ``fla.ops.kda.chunk_kda`` and for the ``kda`` operation's ``fused_recurrent_kda_fwd``, so that
+  fla's entry points and its ``KimiDeltaAttention`` layer run here under ``torch.inference_mode()``
+  (or ``no_grad``) and fall back to fla, which logs the reason, for anything ``unsupported`` or
+  with gradients on.  ``FLA_CULA_AOT=0`` switches it off; priority 2 (fla tries lower first:
+  FlashKDA's is 3).
+
+fla is imported only by ``register_backend``; the rest needs torch alone.
+"""
+
+import torch
+
+from .api import kda_prefill
+from .ops.checks import KDAInputError, gate_defaults
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "unsupported", "register_backend"]
+
+BACKEND_ENV_VAR = "FLA_CULA_AOT"
+BACKEND_PRIORITY = 2
+_IDENTITY_SLOTS: dict = {}  # (device, N) → int32 arange: in-place states as a pool
+
+
+def unsupported(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                allow_neg_eigval=False, use_gate_in_kernel=False, return_intermediate_states=False, cp_context=None,
+                num_accepted_tokens=None, ssm_state_indices=None, **_):
+    """The reason cula_aot's kernels cannot run this fla call, or None."""
+    tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+        if t.dtype != torch.bfloat16:
+            return f"{name} is {t.dtype}; cula_aot runs bf16 inputs"
+    if q.dim() != 4 or q.shape[-1] != 128 or v.shape[-1] != 128:
+        return f"cula_aot runs K = V = 128 on [B, T, H, D] inputs, got q {list(q.shape)}, v {list(v.shape)}"
+    if v.shape[2] != q.shape[2]:
+        return f"cula_aot has no GVA (value heads {v.shape[2]} != key heads {q.shape[2]})"
+    if beta.dim() != 3:
+        return "cula_aot takes one β per (token, head), not a head-wise vector"
+    if not use_qk_l2norm_in_kernel:
+        return "cula_aot normalises q and k in the kernel: pass use_qk_l2norm_in_kernel=True with raw q, k"
+    if not use_beta_sigmoid_in_kernel:
+        return "cula_aot applies β's sigmoid in the kernel: pass use_beta_sigmoid_in_kernel=True with logits"
+    if allow_neg_eigval:
+        return "cula_aot has no allow_neg_eigval (β in (0, 2))"
+    if return_intermediate_states:
+        return "cula_aot returns no intermediate chunk states"
+    if cp_context is not None:
+        return "fla's cross-GPU context parallelism is not cula_aot's"
+    if num_accepted_tokens is not None or (ssm_state_indices is not None and ssm_state_indices.dim() != 1):
+        return "cula_aot's recurrent entry has no per-token state indices (speculative decoding): use kda_decode"
+    return None
+
+
+def _gate(use_gate_in_kernel, safe, lower_bound, A_log, dt_bias, heads, device):
+    """kda_prefill's gate arguments for fla's flags (fla's defaults for a missing A_log, dt_bias)."""
+    if not use_gate_in_kernel:
+        return {"gate": "precomputed"}
+    zeros_a, zeros_dt = gate_defaults(heads, device)
+    a_log = zeros_a if A_log is None else A_log.float()
+    bias = zeros_dt if dt_bias is None else dt_bias.float().reshape(heads, -1)
+    if safe:
+        if lower_bound is None:
+            raise KDAInputError("safe_gate=True needs a lower_bound (in [-5, 0))")
+        return {"gate": "safe", "A_log": a_log, "dt_bias": bias, "lower_bound": lower_bound}
+    return {"gate": "softplus", "A_log": a_log, "dt_bias": bias}
+
+
+def _check(reason):
+    if reason is not None:
+        raise KDAInputError(reason)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+    """fla's ``chunk_kda`` forward on cula_aot's kernels: ``(o, final_state)``.  States are
+    ``[N, H, K, V]`` (fla's default) or ``[N, H, V, K]`` with ``state_v_first``, fp32 or bf16;
+    ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` (fla's own execution options) are
+    accepted and have nothing to change here.  Raises ``KDAInputError`` for what is ``unsupported``."""
+    _check(unsupported(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                       return_intermediate_states=return_intermediate_states, cp_context=cp_context))
+    gate = _gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
+    return kda_prefill(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                       state_layout="vk" if state_v_first else "kv", **gate)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, **kwargs):
+    """fla's ``fused_recurrent_kda`` forward (a ``lower_bound`` selects the safe gate, as there) on
+    cula_aot's kernels, for any T: ``(o, final_state)``."""
+    return _recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+                      output_final_state=output_final_state, inplace_final_state=False, state_v_first=state_v_first,
+                      cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, **kwargs)
+
+
+def _recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None, output_final_state=False,
+               inplace_final_state=True, state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+               num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+    """fla's ``fused_recurrent_kda_fwd`` (argument order and defaults as there): in place into
+    ``initial_state`` (slot ``ssm_state_indices[n]`` for sequence n, when given) or into a new
+    fp32 final state; ``out`` written when given."""
+    _check(unsupported(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                       num_accepted_tokens=num_accepted_tokens, ssm_state_indices=ssm_state_indices))
+    gate = _gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
+    options = dict(scale=scale, cu_seqlens=cu_seqlens, state_layout="vk" if state_v_first else "kv", out=out,
+                   intracard_cp=False, **gate)
+    if inplace_final_state:
+        if initial_state is None:
+            raise KDAInputError("inplace_final_state=True needs an initial_state to update")
+        slots = ssm_state_indices
+        if slots is None:
+            slots = _identity_slots(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, q.device)
+        o, _ = kda_prefill(q, k, v, g, beta, initial_state=initial_state, final_state=initial_state,
+                           state_indices=slots.to(torch.int32), **options)
+        return o, initial_state
+    return kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                       **options)
+
+
+def _identity_slots(n: int, device):
+    key = (device, n)
+    if key not in _IDENTITY_SLOTS:
+        _IDENTITY_SLOTS[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return _IDENTITY_SLOTS[key]
+
+
+def _verdict(kwargs, grad_free=True) -> tuple:
+    if grad_free and torch.is_grad_enabled():
+        return False, "cula_aot runs the forward only: call under torch.inference_mode() or torch.no_grad()"
+    q = kwargs["q"]
+    if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return False, "cula_aot runs on sm_90 (Hopper) GPUs"
+    reason = unsupported(**kwargs)
+    return reason is None, reason
+
+
+def _bind(function, args, kwargs) -> dict:
+    import inspect
+
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = dict(bound.arguments)
+    values.update(values.pop("kwargs", {}))
+    return values
+
+
+def register_backend() -> None:
+    """Register cula_aot with fla's backend registry (needs flash-linear-attention ≥ 0.6.0)."""
+    from fla.backends import BaseBackend, register
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    class CulaAotBackend(BaseBackend):
+        backend_type = "cula_aot"
+        package_name = "cula_aot"
+        env_var = BACKEND_ENV_VAR
+        default_enable = True
+        priority = BACKEND_PRIORITY
+
+    class CulaAotChunkBackend(CulaAotBackend):
+        """cula_aot's AOT Hopper kernels for fla's chunk_kda (inference only)."""
+
+        def chunk_kda_verifier(self, *args, **kwargs):
+            values = _bind(chunk_kda, args, kwargs)
+            if values["safe_gate"] and values["lower_bound"] is None:
+                return False, "safe_gate=True without a lower_bound"
+            return _verdict(values)
+
+        def chunk_kda(self, *args, **kwargs):
+            return chunk_kda(*args, **kwargs)
+
+    class CulaAotRecurrentBackend(CulaAotBackend):
+        """cula_aot's kernels for fla's fused_recurrent_kda_fwd (any T; inference only)."""
+
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs):
+            return _verdict(_bind(_recurrent, args, kwargs))
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            return _recurrent(*args, **kwargs)
+
+    register(fla_chunk_kda)(CulaAotChunkBackend)
+    register("kda")(CulaAotRecurrentBackend)

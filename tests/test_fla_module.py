@@ -1,0 +1,100 @@
+"""``cula_aot.fla``: fla's calling convention mapped onto ``kda_prefill`` (CPU: the call a given
+set of fla arguments becomes, and the reasons for what the kernels do not run)."""
+
+import pytest
+import torch
+
+import cula_aot.fla as fla_route
+from cula_aot import KDAInputError
+from tests.helpers import standard_inputs
+
+
+@pytest.fixture
+def x():
+    return standard_inputs(1, 40, 2, seed=0)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    seen = []
+    monkeypatch.setattr(fla_route, "kda_prefill", lambda *args, **kwargs: seen.append((args, kwargs)) or ("o", None))
+    return seen
+
+
+def _qkvgb(x):
+    return x["q"], x["k"], x["v"], x["g"], x["beta"]
+
+
+def _flags(**changes):
+    """The flags fla's KimiDeltaAttention layer passes, with ``changes``."""
+    return {**dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True), **changes}
+
+
+def test_chunk_kda_softplus_maps_fla_defaults_and_layouts(x, calls):
+    dt = x["dt_bias"].reshape(-1)  # fla's flat [H·K] dt_bias
+    fla_route.chunk_kda(*_qkvgb(x), A_log=x["A_log"], dt_bias=dt, initial_state=None, output_final_state=True,
+                        state_v_first=True, **_flags())
+    (_, kwargs), = calls
+    assert kwargs["gate"] == "softplus" and "lower_bound" not in kwargs and kwargs["state_layout"] == "vk"
+    assert kwargs["dt_bias"].shape == (2, 128) and torch.equal(kwargs["dt_bias"].reshape(-1), dt)
+    assert kwargs["output_final_state"] is True
+    calls.clear()
+    fla_route.chunk_kda(*_qkvgb(x), A_log=None, dt_bias=None, **_flags())
+    (_, kwargs), = calls
+    assert kwargs["state_layout"] == "kv"  # fla's default [N, H, K, V]
+    assert torch.equal(kwargs["A_log"], torch.zeros(2)) and torch.equal(kwargs["dt_bias"], torch.zeros(2, 128))
+
+
+def test_chunk_kda_safe_and_precomputed_gates(x, calls):
+    fla_route.chunk_kda(*_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0,
+                        **_flags())
+    fla_route.chunk_kda(*_qkvgb(x), **_flags(use_gate_in_kernel=False))
+    (_, safe), (_, pre) = calls
+    assert safe["gate"] == "safe" and safe["lower_bound"] == -5.0
+    assert pre == {**pre, "gate": "precomputed"} and "A_log" not in pre
+    with pytest.raises(KDAInputError, match="safe_gate=True needs a lower_bound"):
+        fla_route.chunk_kda(*_qkvgb(x), safe_gate=True, **_flags())
+
+
+def test_recurrent_entry_updates_states_in_place_as_a_pool(x, calls):
+    state = torch.zeros(1, 2, 128, 128)
+    o, final = fla_route._recurrent(*_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=state,
+                                    **_flags())
+    (_, kwargs), = calls
+    assert final is state and kwargs["final_state"] is state and kwargs["initial_state"] is state
+    assert kwargs["state_indices"].tolist() == [0] and kwargs["state_indices"].dtype == torch.int32
+    calls.clear()
+    fla_route.fused_recurrent_kda(*_qkvgb(x), x["A_log"], x["dt_bias"], initial_state=state, output_final_state=True,
+                                  lower_bound=-3.0, **_flags())
+    (_, kwargs), = calls
+    assert kwargs["gate"] == "safe" and kwargs["lower_bound"] == -3.0 and "state_indices" not in kwargs
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
+    (dict(use_beta_sigmoid_in_kernel=False), "use_beta_sigmoid_in_kernel=True"),
+    (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+    (dict(return_intermediate_states=True), "intermediate"),
+    (dict(cp_context=object()), "context parallelism"),
+])
+def test_unsupported_flags_are_named(x, change, reason):
+    assert reason in fla_route.unsupported(*_qkvgb(x), **_flags(**change))
+    with pytest.raises(KDAInputError, match=reason.split("=")[0]):
+        fla_route.chunk_kda(*_qkvgb(x), **_flags(**change))
+
+
+def test_unsupported_shapes_and_dtypes(x):
+    q, k, v, g, beta = _qkvgb(x)
+    assert "GVA" in fla_route.unsupported(q, k, torch.cat([v, v], 2), g, beta, **_flags())
+    assert "bf16" in fla_route.unsupported(q.float(), k, v, g, beta, **_flags())
+    assert "head-wise" in fla_route.unsupported(q, k, v, g, beta[..., None].expand(-1, -1, -1, 128), **_flags())
+    assert fla_route.unsupported(q, k, v, g, beta, **_flags()) is None
+
+
+def test_backend_refuses_gradients_and_cpu(x):
+    with torch.enable_grad():
+        ok, reason = fla_route._verdict({"q": x["q"]})
+    assert not ok and "inference_mode" in reason
+    with torch.no_grad():
+        ok, reason = fla_route._verdict({"q": x["q"]})
+    assert not ok and "sm_90" in reason
