@@ -4,7 +4,8 @@ Functional (allocates its outputs), with a fake implementation so it traces unde
 ``torch.compile`` and ``torch.export``, and CUDA-graph capturable (the serial path reads nothing
 back to the host, also with only a device ``cu_seqlens``).  The final state is always
 returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intracard_cp``:
--1 = "auto", 0 = off, n ≥ 1 = s_split.
+-1 = "auto", 0 = off, n ≥ 1 = s_split.  All three ops take ``gate`` ("safe", "softplus",
+"precomputed") as ``cula_aot.kda_prefill`` does (A_log, dt_bias and lower_bound may then be None).
 
 ``torch.ops.cula_aot.kda_prefill_pool``: the serving form over a state pool, updated in place
 (declared mutated, so torch.compile orders it): sequence n continues from
@@ -34,9 +35,9 @@ def kda_prefill_op(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
@@ -44,18 +45,19 @@ def kda_prefill_op(
     cu_seqlens_cpu: torch.Tensor | None = None,
     state_layout: str = "vk",
     intracard_cp: int = 0,
+    gate: str = "safe",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     o, final_state = prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout,
-        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp))
+        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp), gate=gate)
     return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @kda_prefill_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
-      cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0):
+      cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0, gate="safe"):
     heads = q.shape[2]
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_shape = (num_seqs, heads, D, D) if output_final_state else (0,)
@@ -69,25 +71,26 @@ def kda_prefill_pool_op(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_layout: str = "vk",
+    gate: str = "safe",
 ) -> torch.Tensor:
     o, _ = prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=state_pool, final_state=state_pool, state_indices=state_indices, cu_seqlens=cu_seqlens,
-        state_layout=state_layout, intracard_cp=False)
+        state_layout=state_layout, intracard_cp=False, gate=gate)
     return o
 
 
 @kda_prefill_pool_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
-      state_layout="vk"):
+      state_layout="vk", gate="safe"):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
@@ -99,22 +102,23 @@ def kda_decode_op(
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
     state_pool: torch.Tensor,
     state_indices: torch.Tensor,
     intermediate_states: torch.Tensor | None,
     scale: float | None = None,
     num_tokens: int | None = None,
     state_layout: str = "vk",
+    gate: str = "safe",
 ) -> torch.Tensor:
     return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                   state_pool=state_pool, state_indices=state_indices, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states)
+                  state_layout=state_layout, intermediate_states=intermediate_states, gate=gate)
 
 
 @kda_decode_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
-      num_tokens=None, state_layout="vk"):
+      num_tokens=None, state_layout="vk", gate="safe"):
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)

@@ -49,10 +49,10 @@ from ..layout import (FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES,
                       STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
-from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
+from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
                            copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
-                           reduce_mqk, register_inverse, store_inverse, store_product_partials, store_row_norms,
-                           unbounded_operands, vector, lane_columns, lane_rows)
+                           reduce_mqk, register_inverse, store_inverse, store_row_norms, vector, lane_columns,
+                           lane_rows)
 from .tile_chain import (
     state_slots,
     N_TILES,
@@ -293,11 +293,7 @@ def fused_prefill_kernel(
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            if cutlass.const_expr(gate == "safe"):
-                kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, (gtot,), store_images)
-                store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, pw, lane)
-            else:
-                unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, pw, lane)
+            decayed_partials(qhat, khat, cum, total, mid, scale, (gtot,), store_images, s_part, pw, lane, gate)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)

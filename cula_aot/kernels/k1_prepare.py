@@ -63,10 +63,10 @@ from .common import (CHUNK, D, IMAGE_BYTES, THREADS, TRACE_HEADS, k_inter_index,
 from ..layout import WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
-from .prepare_tile import (gate_constants, decayed_operands, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
+from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
                            copy_tiles, gate_cumsum, input_tile, lane_columns, lane_row_values, lane_rows,
                            normalised_and_gates, reduce_l, reduce_mqk, register_inverse, store_inverse,
-                           store_product_partials, store_row_norms, unbounded_operands, vector)
+                           store_row_norms, vector)
 
 assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
 
@@ -240,11 +240,7 @@ def k1_prepare_kernel(
 
             # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-            if cutlass.const_expr(gate == "safe"):
-                kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, store_images)
-                store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
-            else:
-                unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
+            decayed_partials(qhat, khat, cum, total, mid, scale, total, store_images, s_part, warp, lane, gate)
             b = cutlass.Float32(0.0)
             if warp == 0:
                 b = sigmoid(logit)

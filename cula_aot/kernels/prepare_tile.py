@@ -217,6 +217,18 @@ def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_i
     return kd_bits, qd_bits, kinv_bits
 
 
+def decayed_partials(qhat: list, khat: list, cum: list, total: cute.Tensor, mid: cute.Tensor, scale, kr_scale,
+                     store_images, s_part: cute.Tensor, warp, lane, gate: str):
+    """Phases B and C after the cumsum, by ``gate``: the decayed images to ``store_images`` and
+    the warp's partial products into the exchange (the safe gate: ``decayed_operands`` with
+    ``kr_scale``, then ``store_product_partials``; the unbounded ones: ``unbounded_operands``)."""
+    if gate == "safe":
+        kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, kr_scale, store_images)
+        store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
+    else:
+        unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
+
+
 @cute.jit
 def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part: cute.Tensor, warp, lane):
     """Phase C: this warp's partials (over its 32 keys) of product f = 2·p + n (p: 0 = kd·kinvᵀ,

@@ -153,3 +153,12 @@ def test_prefill_then_decode_continues_the_softplus_state():
     print(f"prefill + decode vs one prefill: o rel-RMSE {err:.2e}")
     assert err <= BOUND
     assert reference.rel_rmse(from_pool_layout(pool, "vk"), s_all) <= BOUND
+
+
+def test_torch_op_takes_the_gate():
+    x = _inputs(1, 64, 2, "softplus", "standard")
+    args = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    o_op, s_op = torch.ops.cula_aot.kda_prefill(*args, None, None, None, output_final_state=True, gate="softplus")
+    o, s = cula_aot.kda_prefill(*args, gate="softplus", output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o_op, o) and torch.equal(s_op, s)  # A_log, dt_bias None: fla's unit scale, zero bias
