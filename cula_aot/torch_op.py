@@ -15,8 +15,10 @@ write).  Sync-free with a device ``cu_seqlens``; returns the output.
 ``torch.ops.cula_aot.kda_decode``: the decode step (``cula_aot.kda_decode``) over a state pool,
 updated in place (``state_pool`` and, when given, ``intermediate_states`` are declared mutated);
 returns a new output shaped like ``v``.  ``intermediate_states`` is positional and required
-(pass None): torch 2.11's custom-op wrapper indexes every mutated argument among the positional
-ones and fails on an omitted optional one.  Sync-free and capturable like the eager entry.
+(pass None).  Sync-free and capturable like the eager entry.
+
+The three schemas share their leading inputs (``INPUTS``, written once); the CUDA kernels and
+the fake (meta) implementations are registered on them by name.
 """
 
 import torch
@@ -26,27 +28,25 @@ from .ops.decode import decode
 from .ops.prefill import prefill
 
 _CP_MODES = {-1: "auto", 0: False}
+# The leading inputs of every op, as ``cula_aot.kda_prefill`` takes them.
+INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, float? lower_bound"
+SCHEMAS = {
+    "kda_prefill": f"({INPUTS}, float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
+                   f"Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, str state_layout=\"vk\", "
+                   f"int intracard_cp=0, str gate=\"safe\") -> (Tensor, Tensor)",
+    "kda_prefill_pool": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, float? scale=None, "
+                        f"Tensor? cu_seqlens=None, str state_layout=\"vk\", str gate=\"safe\") -> Tensor",
+    "kda_decode": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, Tensor(b!)? intermediate_states, "
+                  f"float? scale=None, int? num_tokens=None, str state_layout=\"vk\", str gate=\"safe\") -> Tensor",
+}
+for _name, _schema in SCHEMAS.items():
+    torch.library.define(f"cula_aot::{_name}", _schema)
 
 
-@torch.library.custom_op("cula_aot::kda_prefill", mutates_args=(), device_types="cuda")
-def kda_prefill_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    lower_bound: float | None,
-    scale: float | None = None,
-    initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: torch.Tensor | None = None,
-    cu_seqlens_cpu: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    intracard_cp: int = 0,
-    gate: str = "safe",
-) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.impl("cula_aot::kda_prefill", "cuda")
+def kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
+                   output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0,
+                   gate="safe"):
     o, final_state = prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -55,7 +55,7 @@ def kda_prefill_op(
     return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
 
 
-@kda_prefill_op.register_fake
+@torch.library.register_fake("cula_aot::kda_prefill")
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
       cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0, gate="safe"):
     heads = q.shape[2]
@@ -64,23 +64,9 @@ def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=N
     return torch.empty_like(v), q.new_empty(final_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("cula_aot::kda_prefill_pool", mutates_args=("state_pool",), device_types="cuda")
-def kda_prefill_pool_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    lower_bound: float | None,
-    state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    scale: float | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    state_layout: str = "vk",
-    gate: str = "safe",
-) -> torch.Tensor:
+@torch.library.impl("cula_aot::kda_prefill_pool", "cuda")
+def kda_prefill_pool_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None,
+                        cu_seqlens=None, state_layout="vk", gate="safe"):
     o, _ = prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=state_pool, final_state=state_pool, state_indices=state_indices, cu_seqlens=cu_seqlens,
@@ -88,37 +74,21 @@ def kda_prefill_pool_op(
     return o
 
 
-@kda_prefill_pool_op.register_fake
+@torch.library.register_fake("cula_aot::kda_prefill_pool")
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
       state_layout="vk", gate="safe"):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
-@torch.library.custom_op("cula_aot::kda_decode", mutates_args=("state_pool", "intermediate_states"),
-                         device_types="cuda")
-def kda_decode_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    A_log: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    lower_bound: float | None,
-    state_pool: torch.Tensor,
-    state_indices: torch.Tensor,
-    intermediate_states: torch.Tensor | None,
-    scale: float | None = None,
-    num_tokens: int | None = None,
-    state_layout: str = "vk",
-    gate: str = "safe",
-) -> torch.Tensor:
+@torch.library.impl("cula_aot::kda_decode", "cuda")
+def kda_decode_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states,
+                  scale=None, num_tokens=None, state_layout="vk", gate="safe"):
     return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                   state_pool=state_pool, state_indices=state_indices, num_tokens=num_tokens,
                   state_layout=state_layout, intermediate_states=intermediate_states, gate=gate)
 
 
-@kda_decode_op.register_fake
+@torch.library.register_fake("cula_aot::kda_decode")
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
       num_tokens=None, state_layout="vk", gate="safe"):
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
