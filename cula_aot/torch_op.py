@@ -56,7 +56,7 @@ def kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, in
 
 
 @torch.library.register_fake("cula_aot::kda_prefill")
-def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
+def fake_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
       cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0, gate="safe"):
     heads = q.shape[2]
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -75,7 +75,7 @@ def kda_prefill_pool_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_poo
 
 
 @torch.library.register_fake("cula_aot::kda_prefill_pool")
-def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
+def fake_prefill_pool(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
       state_layout="vk", gate="safe"):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
@@ -89,6 +89,10 @@ def kda_decode_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, sta
 
 
 @torch.library.register_fake("cula_aot::kda_decode")
-def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
+def fake_decode(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
       num_tokens=None, state_layout="vk", gate="safe"):
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+
+
+# Each op's shape-only implementation, by name (a CPU test checks the schemas with them).
+FAKES = {"kda_prefill": fake_prefill, "kda_prefill_pool": fake_prefill_pool, "kda_decode": fake_decode}
