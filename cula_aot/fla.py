@@ -20,6 +20,8 @@
 fla is imported only by ``register_backend``; the rest needs torch alone.
 """
 
+import inspect
+
 import torch
 
 from .api import kda_prefill
@@ -146,8 +148,9 @@ def _identity_slots(n: int, device):
     return _IDENTITY_SLOTS[key]
 
 
-def _verdict(kwargs, grad_free=True) -> tuple:
-    if grad_free and torch.is_grad_enabled():
+def _verdict(kwargs) -> tuple:
+    """A backend verifier's (accepted, reason) for a call's bound arguments."""
+    if torch.is_grad_enabled():
         return False, "cula_aot runs the forward only: call under torch.inference_mode() or torch.no_grad()"
     q = kwargs["q"]
     if not (isinstance(q, torch.Tensor) and q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
@@ -157,8 +160,7 @@ def _verdict(kwargs, grad_free=True) -> tuple:
 
 
 def _bind(function, args, kwargs) -> dict:
-    import inspect
-
+    """A call's arguments by name, defaults filled in, as ``function`` would receive them."""
     bound = inspect.signature(function).bind(*args, **kwargs)
     bound.apply_defaults()
     values = dict(bound.arguments)

@@ -1,11 +1,12 @@
 """The unbounded gates ("softplus", fla's and Kimi Linear's, and "precomputed") on the GPU, in
 every path — K1 then K2, the fused kernel, intracard CP, decode — against the float64 reference.
 
-Inputs (``testing.standard_inputs``): standard (A_log = log U(1, 16): tiles span up to ~150 log2
-units, so warps take both forms of ``prepare_tile.unbounded_partials``), slow decay (the state
-lives for thousands of tokens: carries show) and extreme (softplus arguments up to +30 with
-e^A_log = 16 beside channels that do not decay at all in the same tile: only the split levels
-keep every pair).  Outputs and states are poisoned with NaN first; the bound is 5e-3.
+Inputs (``testing.standard_inputs``): standard (A_log = log U(1, 16): tiles span ~20–400 log2
+units, so warps take both the whole-tile form and the split form of
+``prepare_tile.unbounded_operands``), slow decay (the state lives for thousands of tokens:
+carries show) and extreme (softplus arguments up to +30 with e^A_log = 16 beside channels that do
+not decay at all in the same tile: only the deepest splits keep every pair).  Outputs and states
+are poisoned with NaN first; the bound is 5e-3.
 """
 
 import pytest
