@@ -3,6 +3,7 @@
 import torch
 
 from ..layout import D
+from ..specs import GATES
 
 DEFAULT_SCALE = D**-0.5
 
@@ -79,8 +80,6 @@ def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
     "safe" passes them through (checked with the other inputs); "softplus" takes A_log and dt_bias
     or fla's defaults for None and refuses a lower_bound; "precomputed" (g is the log-decay)
     refuses all three."""
-    from ..specs import GATES
-
     if gate not in GATES:
         fail(f"gate must be one of {', '.join(map(repr, GATES))}, got {gate!r}")
     if gate == "safe":
