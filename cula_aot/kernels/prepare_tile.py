@@ -204,15 +204,14 @@ def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_i
             decay = exp2_fast(g_row)
             qd[j] = qhat[half][j] * decay * scale
             kd[j] = khat[half][j] * decay
+            kinv = khat[half][j] * exp2_fast(-g_row)
             if isinstance(kr_scale, tuple):
-                kinv = khat[half][j] * exp2_fast(-g_row)
                 kr[j] = kinv * kr_scale[0][j]
             else:
                 kr[j] = khat[half][j] * exp2_fast(kr_scale[j] - g_row)
-                kinv = None
             qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
             kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
-            kinv_bits[half][j] = f32_bits(tf32_ready(kinv if kinv is not None else khat[half][j] * exp2_fast(-g_row)))
+            kinv_bits[half][j] = f32_bits(tf32_ready(kinv))
         store_images(half, qd, kd, kr)
     return kd_bits, qd_bits, kinv_bits
 
@@ -277,16 +276,22 @@ def block_end_rows(size, g):
     return first, first + size - 1
 
 
+def block_span(cum: list, size, g, t, half: int, j: int):
+    """G at the first and the last row of the ``size``-row block holding the lane's row (half,
+    column j), from the lanes that hold them."""
+    first, last = block_end_rows(size, g)
+    return (cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t),
+            cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t))
+
+
 @cute.jit
 def blocks_fit(cum: list, level: int, g, t):
     """Whether every block of 16 >> ``level`` rows (``level`` ≥ 1: blocks within a half) spans at
     most BLOCK_RANGE in each of the warp's columns (a warp vote)."""
     fits = cutlass.Boolean(True)
-    first, last = block_end_rows(16 >> level, g)
     for half in cutlass.range_constexpr(2):
         for j in cutlass.range_constexpr(LANE_COLS):
-            top = cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t)
-            bottom = cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t)
+            top, bottom = block_span(cum, 16 >> level, g, t, half, j)
             fits = fits & (top - bottom <= BLOCK_RANGE)
     return cute.arch.vote_all_sync(fits)
 
@@ -380,11 +385,9 @@ def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: c
             ref[0][j] = mid[j] * 0.5
             ref[1][j] = (mid[j] + total[j]) * 0.5
     else:
-        first, last = block_end_rows(16 >> depth, g)
         for half in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(LANE_COLS):
-                top = cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t)
-                bottom = cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t)
+                top, bottom = block_span(cum, 16 >> depth, g, t, half, j)
                 ref[half][j] = (top + bottom) * 0.5
     partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
     for f in cutlass.range_constexpr(4):
