@@ -90,6 +90,8 @@ class Bench:
         self.meta = {}
         self.flush_buf = None
         self.fla = None if args.mode == "ours" else _fla_function()
+        # The safe gate's bound; the softplus gate has none (ours and fla's alike).
+        self.lower_bound = LOWER_BOUND if args.gate == "safe" else None
 
     # ---- timing ----------------------------------------------------------------------------
     def time_replay(self, graph) -> float:
@@ -131,7 +133,7 @@ class Bench:
 
         def run():
             decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                   lower_bound=LOWER_BOUND if self.args.gate == "safe" else None, gate=self.args.gate,
+                   lower_bound=self.lower_bound, gate=self.args.gate,
                    state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
                    state_layout=self.args.layout, intermediate_states=inter, variant=variant)
         return run
@@ -145,7 +147,7 @@ class Bench:
         common = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
                       scale=D ** -0.5, initial_state=pool, state_v_first=self.args.layout == "vk",
                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      lower_bound=LOWER_BOUND if self.args.gate == "safe" else None, out=out)
+                      lower_bound=self.lower_bound, out=out)
 
         def run():
             with torch.no_grad():

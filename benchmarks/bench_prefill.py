@@ -251,7 +251,7 @@ class Bench:
         row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
                    fla_rel_rmse_state=None)
         if self.fla_for(x["q"].shape[2]):
-            fla = peers.fla_runner(x, LOWER_BOUND if x["gate"] == "safe" else None)
+            fla = peers.fla_runner(x, gate_options(x)["lower_bound"])
             try:
                 t0 = time.perf_counter()
                 o_fla, s_fla = fla()

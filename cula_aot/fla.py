@@ -25,13 +25,12 @@ import inspect
 import torch
 
 from .api import kda_prefill
-from .ops.checks import KDAInputError, gate_defaults
+from .ops.checks import KDAInputError, device_constant, gate_defaults
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "unsupported", "register_backend"]
 
 BACKEND_ENV_VAR = "FLA_CULA_AOT"
 BACKEND_PRIORITY = 2
-_IDENTITY_SLOTS: dict = {}  # (device, N) → int32 arange: in-place states as a pool
 
 
 def unsupported(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -142,10 +141,8 @@ def _recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, s
 
 
 def _identity_slots(n: int, device):
-    key = (device, n)
-    if key not in _IDENTITY_SLOTS:
-        _IDENTITY_SLOTS[key] = torch.arange(n, dtype=torch.int32, device=device)
-    return _IDENTITY_SLOTS[key]
+    """Slot n for sequence n: fla's in-place states as a pool."""
+    return device_constant(("identity_slots", n), device, lambda: torch.arange(n, dtype=torch.int32, device=device))
 
 
 def _verdict(kwargs) -> tuple:

@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from . import reference
+
 __all__ = ["HEAD_DIM", "cu_seqlens_of", "fresh_seed", "standard_inputs"]
 
 HEAD_DIM = 128
@@ -78,9 +80,8 @@ def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_deca
         inputs["lower_bound"] = lower_bound
         return inputs
     if gate == "precomputed":
-        x = inputs["g"].double() + inputs.pop("dt_bias").double()
-        rate = torch.exp(inputs.pop("A_log").double())[:, None]
-        inputs["g"] = (-rate * torch.nn.functional.softplus(x)).to(torch.bfloat16)
+        log_decay = reference.gate(inputs["g"], inputs.pop("A_log"), inputs.pop("dt_bias"), None, "softplus")
+        inputs["g"] = log_decay.to(torch.bfloat16)
     elif gate != "softplus":
         raise ValueError(f"gate must be 'safe', 'softplus' or 'precomputed', got {gate!r}")
     inputs["gate"] = gate

@@ -59,20 +59,26 @@ def check_status(status, device) -> None:
 # A placeholder lower bound for the unbounded gates: their kernels never read it, and it lets one
 # scalar check serve every gate.
 UNUSED_LOWER_BOUND = -1.0
-_DEFAULTS_CACHE: dict = {}  # (device, H) → (A_log zeros [H], dt_bias zeros [H, 128])
+_DEVICE_CONSTANTS: dict = {}
+
+
+def device_constant(key: tuple, device, make):
+    """``make()``'s tensors, made once per ``(key, device)`` and reused; not kept while a CUDA
+    graph is being captured (the fill would run only at replay, and the memory is the graph's)."""
+    full_key = (*key, device)
+    if full_key in _DEVICE_CONSTANTS:
+        return _DEVICE_CONSTANTS[full_key]
+    value = make()
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _DEVICE_CONSTANTS[full_key] = value
+    return value
 
 
 def gate_defaults(heads: int, device):
     """fla's defaults for a missing A_log (unit scale: e^0) and dt_bias (0), one pair per device
-    and head count (not cached while a CUDA graph is being captured: its memset runs at replay)."""
-    key = (device, heads)
-    if key in _DEFAULTS_CACHE:
-        return _DEFAULTS_CACHE[key]
-    pair = (torch.zeros(heads, dtype=torch.float32, device=device),
-            torch.zeros(heads, D, dtype=torch.float32, device=device))
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _DEFAULTS_CACHE[key] = pair
-    return pair
+    and head count."""
+    return device_constant(("gate_defaults", heads), device, lambda: (
+        torch.zeros(heads, dtype=torch.float32, device=device), torch.zeros(heads, D, dtype=torch.float32, device=device)))
 
 
 def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
