@@ -9,12 +9,18 @@ from .runtime.loader import default_loader
 
 def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None,
                 initial_state=None, output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None):
+                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None,
+                beta_sigmoid=True, qk_l2norm=True):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
     token-strided views (e.g. slices of one fused projection): the trailing dims packed, rows
     16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  scale defaults to 128**-0.5.
+
+    Input conventions (fla's ``use_beta_sigmoid_in_kernel`` / ``use_qk_l2norm_in_kernel``; runtime
+    bits, no build): ``beta_sigmoid=True`` takes beta as logits (b = σ(beta)), False as the
+    probabilities b themselves (in [0, 1]); ``qk_l2norm=True`` L2-normalises q and k in the kernel,
+    False uses them as given (normalised by the caller: the delta rule needs ‖k‖ ≤ 1).
 
     ``gate`` (the per-token, per-key decay e^γ; every choice runs from the wheel):
 
@@ -61,17 +67,18 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
                    intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens,
-                   status=status, gate=gate)
+                   status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto",
-        status=None, gate="safe"):
+        status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
     States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
     FlashKDA (``intracard_cp="auto"`` opts in).  Sync-free and capturable in varlen with only a
-    device ``cu_seqlens`` (see ``kda_prefill`` for ``gate``, ``check_seqlens``, ``state_indices``, ``status``).
+    device ``cu_seqlens`` (see ``kda_prefill`` for ``gate``, ``check_seqlens``, ``state_indices``, ``status``,
+    ``beta_sigmoid`` and ``qk_l2norm``).
     Returns None, like FlashKDA.
     """
     if out is None:
@@ -79,7 +86,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
             cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
-            check_seqlens=check_seqlens, status=status, gate=gate)
+            check_seqlens=check_seqlens, status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
 
 
 def preload(device=None) -> int:
@@ -90,15 +97,16 @@ def preload(device=None) -> int:
 
 
 def kda_decode(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None, state_pool,
-               state_indices, out=None, num_tokens=None, state_layout="vk", intermediate_states=None, status=None):
+               state_indices, out=None, num_tokens=None, state_layout="vk", intermediate_states=None, status=None,
+               beta_sigmoid=True, qk_l2norm=True):
     """KDA decode (the recurrent step, docs/CONTRACT.md §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
 
     q, k, v, g: bf16 ``[N, T, H, 128]`` (or token-major ``[N·T, H, 128]`` with ``num_tokens`` = T);
     token-strided views are fine (unit stride along D, a token's heads packed, 16-byte aligned
     rows: e.g. slices of one fused projection), nothing is copied.  beta: bf16 ``[N, T, H]``
-    logits (``[N·T, H]``), unit stride along H.  ``gate``, A_log, dt_bias and lower_bound as in
-    ``kda_prefill``; scale defaults to 128**-0.5.  ``num_tokens`` defaults to q.shape[1]
+    logits (``[N·T, H]``), unit stride along H.  ``gate``, A_log, dt_bias, lower_bound,
+    ``beta_sigmoid`` and ``qk_l2norm`` as in ``kda_prefill``; scale defaults to 128**-0.5.  ``num_tokens`` defaults to q.shape[1]
     (4-D) or 1 (3-D); when given it must match.
 
     state_pool: fp32 or bf16 ``[slots, H, 128, 128]``, per head ``[V, K]`` (``state_layout="vk"``,
@@ -120,4 +128,5 @@ def kda_decode(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, 
     """
     return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                   state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states, status=status, gate=gate)
+                  state_layout=state_layout, intermediate_states=intermediate_states, status=status, gate=gate,
+                  beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)

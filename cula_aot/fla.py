@@ -4,12 +4,13 @@
   and return what fla returns, ``(o, final_state)`` (None unless ``output_final_state``).
   ``fused_recurrent_kda`` serves any T (it runs the chunked prefill: the same recurrence).
 * ``unsupported(...)``: why a call is outside what the kernels run (None when they run it):
-  they fuse q/k L2 normalisation and β's sigmoid (fla's ``use_qk_l2norm_in_kernel`` and
-  ``use_beta_sigmoid_in_kernel`` must be True), take bf16 inputs with K = V = 128 and as many
-  value heads as key heads (no GVA), and no ``allow_neg_eigval``.  The gate:
-  ``use_gate_in_kernel`` with ``safe_gate`` (or, for the recurrent entry, a ``lower_bound``) is
-  cula_aot's ``gate="safe"``, without it ``gate="softplus"``; ``use_gate_in_kernel=False`` is
-  ``gate="precomputed"`` (g the bf16 log-decay).
+  they take bf16 q, k, v with K = V = 128 and as many value heads as key heads (no GVA), and no
+  ``allow_neg_eigval``.  ``use_qk_l2norm_in_kernel`` and ``use_beta_sigmoid_in_kernel`` are the
+  kernels' ``qk_l2norm`` and ``beta_sigmoid``.  The gate: ``use_gate_in_kernel`` with
+  ``safe_gate`` (or, for the recurrent entry, a ``lower_bound``) is cula_aot's ``gate="safe"``,
+  without it ``gate="softplus"``; ``use_gate_in_kernel=False`` is ``gate="precomputed"`` (g the
+  log-decay).  g and β may be fp32 (as fla's callers pass a precomputed gate): they are rounded
+  to bf16 first, one elementwise pass each.
 * ``register_backend()``: adds cula_aot to fla's backend registry (``fla.backends``) for
   ``fla.ops.kda.chunk_kda`` and for the ``kda`` operation's ``fused_recurrent_kda_fwd``, so that
   fla's entry points and its ``KimiDeltaAttention`` layer run here under ``torch.inference_mode()``
@@ -41,18 +42,14 @@ def unsupported(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_beta_sig
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             return f"{name} is not a tensor"
-        if t.dtype != torch.bfloat16:
-            return f"{name} is {t.dtype}; cula_aot runs bf16 inputs"
+        if t.dtype not in ((torch.bfloat16, torch.float32) if name in ("g", "beta") else (torch.bfloat16,)):
+            return f"{name} is {t.dtype}; cula_aot runs bf16 q, k, v and bf16 or fp32 g, beta"
     if q.dim() != 4 or q.shape[-1] != 128 or v.shape[-1] != 128:
         return f"cula_aot runs K = V = 128 on [B, T, H, D] inputs, got q {list(q.shape)}, v {list(v.shape)}"
     if v.shape[2] != q.shape[2]:
         return f"cula_aot has no GVA (value heads {v.shape[2]} != key heads {q.shape[2]})"
     if beta.dim() != 3:
         return "cula_aot takes one β per (token, head), not a head-wise vector"
-    if not use_qk_l2norm_in_kernel:
-        return "cula_aot normalises q and k in the kernel: pass use_qk_l2norm_in_kernel=True with raw q, k"
-    if not use_beta_sigmoid_in_kernel:
-        return "cula_aot applies β's sigmoid in the kernel: pass use_beta_sigmoid_in_kernel=True with logits"
     if allow_neg_eigval:
         return "cula_aot has no allow_neg_eigval (β in (0, 2))"
     if return_intermediate_states:
@@ -83,6 +80,12 @@ def _check(reason):
         raise KDAInputError(reason)
 
 
+def _conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
+    """g and β as the kernels take them (bf16) and the input conventions for fla's flags."""
+    return {"g": g.to(torch.bfloat16), "beta": beta.to(torch.bfloat16),
+            "qk_l2norm": bool(use_qk_l2norm_in_kernel), "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
@@ -96,9 +99,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                        return_intermediate_states=return_intermediate_states, cp_context=cp_context))
     gate = _gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
-    return kda_prefill(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+    return kda_prefill(q, k, v, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                       state_layout="vk" if state_v_first else "kv", **gate)
+                       state_layout="vk" if state_v_first else "kv", **gate,
+                       **_conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -126,18 +130,18 @@ def _recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, s
                        num_accepted_tokens=num_accepted_tokens, ssm_state_indices=ssm_state_indices))
     gate = _gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
     options = dict(scale=scale, cu_seqlens=cu_seqlens, state_layout="vk" if state_v_first else "kv", out=out,
-                   intracard_cp=False, **gate)
+                   intracard_cp=False, **gate,
+                   **_conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
     if inplace_final_state:
         if initial_state is None:
             raise KDAInputError("inplace_final_state=True needs an initial_state to update")
         slots = ssm_state_indices
         if slots is None:
             slots = _identity_slots(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, q.device)
-        o, _ = kda_prefill(q, k, v, g, beta, initial_state=initial_state, final_state=initial_state,
+        o, _ = kda_prefill(q, k, v, initial_state=initial_state, final_state=initial_state,
                            state_indices=slots.to(torch.int32), **options)
         return o, initial_state
-    return kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                       **options)
+    return kda_prefill(q, k, v, initial_state=initial_state, output_final_state=output_final_state, **options)
 
 
 def _identity_slots(n: int, device):

@@ -54,6 +54,7 @@ from .layout import CHUNK
 __all__ = [
     "CHUNK",
     "gate",
+    "conventions",
     "l2norm_bf16",
     "prepare_tiles",
     "kda_chunked",
@@ -101,6 +102,14 @@ def l2norm_bf16(x):
     x = x.to(torch.float64)
     y = x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _NORM_EPS)
     return _round(y, torch.bfloat16)
+
+
+def conventions(q, k, beta, beta_sigmoid=True, qk_l2norm=True):
+    """q̂, k̂ and b as float64 under the kernels' input conventions: q, k L2-normalised and rounded
+    to bf16 (:func:`l2norm_bf16`) or as given; b = σ(β) of logits or β itself."""
+    qn, kn = ((l2norm_bf16(x) if qk_l2norm else x.to(torch.float64)) for x in (q, k))
+    beta = beta.to(torch.float64)
+    return qn, kn, (torch.sigmoid(beta) if beta_sigmoid else beta)
 
 
 class _Layout(NamedTuple):
@@ -205,7 +214,7 @@ def _pairwise_products(a, kn, G):
 
 
 def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None,
-                  recipe=False, gate_kind="safe"):
+                  recipe=False, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
     """Per-(tile, head) quantities of CONTRACT §2 (what kernel K1 writes), as float64 tensors.
 
     q, k, g bf16 ``[B, T, H, K]``; beta bf16 ``[B, T, H]`` (logits); A_log fp32 ``[H]``; dt_bias fp32
@@ -228,6 +237,7 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
 
     ``gate_kind`` (:func:`gate`): under the unbounded gates L and mqk are formed pair by pair
     (:func:`_pairwise_products`) and ``kinv`` may overflow (it is returned but not used).
+    ``beta_sigmoid``, ``qk_l2norm``: the input conventions (:func:`conventions`).
     """
     B, T, H, K = q.shape
     if scale is None:
@@ -238,10 +248,10 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
         return x.reshape(B * T, *x.shape[2:])
 
     gam = _to_tiles(flat(gate(g, A_log, dt_bias, lower_bound, gate_kind)), lay, 0.0)
-    qn = _to_tiles(flat(l2norm_bf16(q)), lay, 0.0)
-    kn = _to_tiles(flat(l2norm_bf16(k)), lay, 0.0)
+    qn, kn, b = conventions(q, k, beta, beta_sigmoid, qk_l2norm)
+    qn, kn = _to_tiles(flat(qn), lay, 0.0), _to_tiles(flat(kn), lay, 0.0)
     logit = _to_tiles(flat(beta.to(torch.float64)), lay, -math.inf)  # [n_tiles, H, 16]
-    b = torch.sigmoid(logit)
+    b = _to_tiles(flat(b), lay, 0.0)
 
     G = torch.cumsum(gam, dim=2)
     G_end = G[:, :, -1:, :]
@@ -284,7 +294,7 @@ def _initial_state(initial_state, N, H, K, V, device):
 
 
 def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                cu_seqlens=None, recipe=False, gate_kind="safe"):
+                cu_seqlens=None, recipe=False, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
     """Tile recurrence of CONTRACT §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
 
     initial_state: optional ``[N, H, K, V]`` (fp32), S itself, not transposed; None = zeros.
@@ -299,7 +309,8 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     tiles = prepare_tiles(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe, gate_kind=gate_kind)
+                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe, gate_kind=gate_kind,
+                          beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
     lay = _layout(B, T, cu_seqlens, q.device)
     N = len(lay.lengths)
     vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)  # [n_tiles, H, 16, V]
@@ -328,7 +339,7 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
 
 
 def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                  cu_seqlens=None, gate_kind="safe"):
+                  cu_seqlens=None, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
     """Token-by-token float64 recurrence -> ``(o [B, T, H, V], final_state [N, H, K, V])``.
 
     For each token: ``S ← diag(exp(γ))·S``; ``S ← S + b·k̂ (v − Sᵀk̂)ᵀ``; ``o = scale·Sᵀq̂``
@@ -345,9 +356,8 @@ def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, 
         return x.reshape(B * T, *x.shape[2:])
 
     alpha = torch.exp(flat(gate(g, A_log, dt_bias, lower_bound, gate_kind)))
-    qn, kn = flat(l2norm_bf16(q)), flat(l2norm_bf16(k))
+    qn, kn, b = (flat(x) for x in conventions(q, k, beta, beta_sigmoid, qk_l2norm))
     vv = flat(v.to(torch.float64))
-    b = torch.sigmoid(flat(beta.to(torch.float64)))
 
     S = _initial_state(initial_state, N, H, K, Vd, q.device)
     o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)

@@ -5,18 +5,19 @@ import torch
 from cula_aot import reference
 
 
-def decode_reference(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state, gate="safe"):
+def decode_reference(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state, gate="safe",
+                     beta_sigmoid=True, qk_l2norm=True):
     """Float64 decode of T tokens per sequence -> (o [N, T, H, V], states [N, T, H, K, V]).
 
     ``initial_state``: S itself per head, ``[N, H, K, V]``.  Per token: S ← diag(e^γ)·S;
-    S ← S + b·k̂(v − Sᵀk̂)ᵀ; o = scale·Sᵀq̂ (q̂, k̂ rounded to bf16 as in every mode).
+    S ← S + b·k̂(v − Sᵀk̂)ᵀ; o = scale·Sᵀq̂ (q̂, k̂ and b by the input conventions,
+    ``reference.conventions``).
     """
     n, tokens, heads, dim = q.shape
     scale = dim ** -0.5 if scale is None else scale
     alpha = torch.exp(reference.gate(g, A_log, dt_bias, lower_bound, gate))
-    qn, kn = reference.l2norm_bf16(q), reference.l2norm_bf16(k)
+    qn, kn, b = reference.conventions(q, k, beta, beta_sigmoid, qk_l2norm)
     vv = v.to(torch.float64)
-    b = torch.sigmoid(beta.to(torch.float64))
     s = initial_state.to(torch.float64).clone()
     outs, states = [], []
     for t in range(tokens):

@@ -70,9 +70,28 @@ def test_recurrent_entry_updates_states_in_place_as_a_pool(x, calls):
     assert kwargs["gate"] == "safe" and kwargs["lower_bound"] == -3.0 and "state_indices" not in kwargs
 
 
+@pytest.mark.parametrize("l2norm, sigmoid", [(True, True), (False, True), (True, False), (False, False)])
+def test_fla_input_conventions_become_the_kernels(x, calls, l2norm, sigmoid):
+    fla_route.chunk_kda(*_qkvgb(x), **_flags(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=sigmoid))
+    state = torch.zeros(1, 2, 128, 128)
+    fla_route._recurrent(*_qkvgb(x), initial_state=state,
+                         **_flags(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=sigmoid))
+    for _, kwargs in calls:
+        assert kwargs["qk_l2norm"] is l2norm and kwargs["beta_sigmoid"] is sigmoid
+
+
+def test_fp32_precomputed_gate_and_beta_reach_the_kernels_as_bf16(x, calls):
+    g = -torch.rand(x["g"].shape)  # fp32 log-decay, as fla's callers pass a precomputed gate
+    beta = torch.rand(x["beta"].shape)  # fp32 probabilities
+    assert fla_route.unsupported(x["q"], x["k"], x["v"], g, beta, **_flags()) is None
+    fla_route.chunk_kda(x["q"], x["k"], x["v"], g, beta,
+                        **_flags(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False))
+    (_, kwargs), = calls
+    assert kwargs["gate"] == "precomputed" and kwargs["beta_sigmoid"] is False
+    assert torch.equal(kwargs["g"], g.to(torch.bfloat16)) and torch.equal(kwargs["beta"], beta.to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("change, reason", [
-    (dict(use_qk_l2norm_in_kernel=False), "use_qk_l2norm_in_kernel=True"),
-    (dict(use_beta_sigmoid_in_kernel=False), "use_beta_sigmoid_in_kernel=True"),
     (dict(allow_neg_eigval=True), "allow_neg_eigval"),
     (dict(return_intermediate_states=True), "intermediate"),
     (dict(cp_context=object()), "context parallelism"),
@@ -87,6 +106,7 @@ def test_unsupported_shapes_and_dtypes(x):
     q, k, v, g, beta = _qkvgb(x)
     assert "GVA" in fla_route.unsupported(q, k, torch.cat([v, v], 2), g, beta, **_flags())
     assert "bf16" in fla_route.unsupported(q.float(), k, v, g, beta, **_flags())
+    assert "bf16" in fla_route.unsupported(q, k, v, g.half(), beta, **_flags())
     assert "head-wise" in fla_route.unsupported(q, k, v, g, beta[..., None].expand(-1, -1, -1, 128), **_flags())
     assert fla_route.unsupported(q, k, v, g, beta, **_flags()) is None
 

@@ -4,11 +4,13 @@ through ``cula_aot.fla.register_backend()``, for fla's default softplus gate and
 ``safe_gate=True, lower_bound=-5``.
 
 A left-padded batch of three prompts (150, 80 and 23 tokens: the layer unpads them into one
-varlen call of ``chunk_kda``), then 32 greedy steps (``fused_recurrent_kda`` with the layer's
+varlen call of ``chunk_kda``), then 64 greedy steps (``fused_recurrent_kda`` with the layer's
 state cache).  fla decodes greedily; our run is fed fla's tokens (teacher forcing), so every
 step compares the two models on the same history: the prefill logits agree to bf16 noise and
 our argmax is fla's token on ≥ 99% of the steps, and where not, fla's top-2 logit gap is within
-the two runs' logit difference at that step."""
+the two runs' logit difference at that step.  192 step decisions, so that the 99% bar admits a
+near-tie (96 would admit none).  fla's own kernel-to-kernel spread, its prefill through
+``fused_recurrent_kda`` against its ``chunk_kda``, is printed beside ours as the noise floor."""
 
 import os
 
@@ -22,7 +24,7 @@ fla_models = pytest.importorskip("fla.models")
 cula_fla = pytest.importorskip("cula_aot.fla")
 
 PROMPTS = [150, 80, 23]
-STEPS = 32
+STEPS = 64
 PREFILL_BOUND = 2e-2  # bf16 weights and activations through two layers; set before the first run
 
 
@@ -42,6 +44,19 @@ def _batch(seed):
     for b, n in enumerate(PROMPTS):
         mask[b, width - n:] = 1  # left padding: every prompt ends at the last column
     return ids.cuda(), mask.cuda()
+
+
+def _recurrent_prefill_logits(model, ids, mask):
+    """fla's prefill logits with every KDA layer in its fused_recurrent mode (fla's kernels)."""
+    layers = [block.attn for block in model.model.layers]
+    modes = [layer.mode for layer in layers]
+    for layer in layers:
+        layer.mode = "fused_recurrent"
+    try:
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    finally:
+        for layer, mode in zip(layers, modes):
+            layer.mode = mode
 
 
 def _run(model, ids, mask, forced=None):
@@ -71,10 +86,12 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
     with torch.inference_mode():
         monkeypatch.setenv(cula_fla.BACKEND_ENV_VAR, "0")
         fla_prefill, fla_tokens, fla_logits = _run(model, ids, mask)
+        fla_recurrent = _recurrent_prefill_logits(model, ids, mask)
         monkeypatch.setenv(cula_fla.BACKEND_ENV_VAR, "1")
         ours_prefill, _, ours_logits = _run(model, ids, mask, forced=fla_tokens)
     valid = mask.bool()
     err = reference.rel_rmse(ours_prefill[valid], fla_prefill[valid])
+    floor = reference.rel_rmse(fla_recurrent[valid], fla_prefill[valid])
     # fla's token s came from its prefill (s = 0) or its step s − 1; ours from the same history.
     ours_steps = torch.cat([ours_prefill[None, :, -1], ours_logits[:-1]])
     fla_steps = torch.cat([fla_prefill[None, :, -1], fla_logits[:-1]])
@@ -84,9 +101,12 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
     gap = top2[..., 0] - top2[..., 1]
     noise = (ours_steps - fla_steps).abs().amax(-1)
     differing = ours_next != fla_tokens
-    print(f"KDAForCausalLM {gate} (seed {seed}): prefill logits rel-RMSE {err:.2e}, greedy agreement "
-          f"{agree:.4f} over {ours_next.numel()} steps, decode logits rel-RMSE "
-          f"{reference.rel_rmse(ours_logits, fla_logits):.2e}")
+    print(f"KDAForCausalLM {gate} (seed {seed}): prefill logits rel-RMSE {err:.2e} (fla's fused_recurrent "
+          f"against its chunk: {floor:.2e}), greedy agreement {agree:.4f} over {ours_next.numel()} steps, "
+          f"decode logits rel-RMSE {reference.rel_rmse(ours_logits, fla_logits):.2e}")
+    for step, b in differing.nonzero().tolist():
+        print(f"  step {step} prompt {b}: fla's top-2 gap {gap[step, b].item():.4f}, "
+              f"logit difference {noise[step, b].item():.4f}")
     assert torch.isfinite(ours_prefill).all() and torch.isfinite(ours_logits).all()
     assert err <= PREFILL_BOUND
     assert agree >= 0.99

@@ -252,3 +252,25 @@ def test_the_gates_of_fla():
     assert torch.allclose(reference.gate(g, a_log, dt, None, "softplus"), want)
     assert torch.allclose(reference.gate(g, None, None, None, "softplus"), -torch.nn.functional.softplus(g.double()))
     assert torch.equal(reference.gate(-g, None, None, None, "precomputed"), (-g.double()).clamp(max=0))
+
+
+@pytest.mark.parametrize("beta_sigmoid, qk_l2norm", [(False, True), (True, False), (False, False)])
+def test_input_conventions(beta_sigmoid, qk_l2norm):
+    """β as probabilities and q, k as given: the tile form is still the recurrence, and taking
+    σ(β) and normalised q, k that way is the default convention exactly."""
+    x = standard_inputs(1, 40, 2, seed=fresh_seed())
+    q, k, beta = x["q"], x["k"], x["beta"]
+    given = dict(q=reference.l2norm_bf16(q).to(torch.bfloat16) if not qk_l2norm else q,
+                 k=reference.l2norm_bf16(k).to(torch.bfloat16) if not qk_l2norm else k,
+                 beta=torch.sigmoid(beta.double()) if not beta_sigmoid else beta)
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], cu_seqlens=torch.tensor([0, 17, 40]))
+    o_tile, s_tile = kda_chunked(given["q"], given["k"], x["v"], x["g"], given["beta"], **kw,
+                                 beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    o_tok, s_tok = kda_recurrent(given["q"], given["k"], x["v"], x["g"], given["beta"], **kw,
+                                 beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    o_default, s_default = kda_recurrent(q, k, x["v"], x["g"], beta, **kw)
+    assert rel_rmse(o_tile, o_tok) < 1e-12 and rel_rmse(s_tile, s_tok) < 1e-12
+    assert rel_rmse(o_tok, o_default) < 1e-12 and rel_rmse(s_tok, s_default) < 1e-12
+    tiles = prepare_tiles(given["q"], given["k"], x["g"], given["beta"], **kw, beta_sigmoid=beta_sigmoid,
+                          qk_l2norm=qk_l2norm)
+    assert (tiles["b"][1, :, 7:] == 0).all()  # the second sequence's padded rows: b = 0 in either convention

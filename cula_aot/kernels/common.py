@@ -82,6 +82,12 @@ def sigmoid(x):
     return cute.arch.rcp_approx(cutlass.Float32(1.0) + exp2_fast(x * cutlass.Float32(-LOG2E)))
 
 
+def beta_weight(value, probability):
+    """A row's b from its loaded β: the value itself when ``probability`` (``FLAG_BETA_PROBABILITY``),
+    else σ(value)."""
+    return cutlass.Float32(cutlass.select_(probability, value, sigmoid(value)))
+
+
 def butterfly_reduce_scatter(values: list, lane_bits, offsets) -> list:
     """Sums the tuples ``values`` (per-lane partials, a power-of-two count) over the lanes that
     xor-ing ``offsets`` reaches.  Level b halves the tuples a lane keeps: it keeps the upper half

@@ -7,6 +7,7 @@ its state S (``[V, K]``, fp32 inside), for the tokens t = 0 .. T−1 in order
     γ = lower_bound·σ(exp(A_log[h])·(g + dt_bias[h]))   α = e^γ          (per key; the "safe" gate,
         or −exp(A_log[h])·softplus(g + dt_bias[h]) ("softplus") or min(g, 0) ("precomputed"))
     q̂, k̂ = x·rsqrt(Σx² + 1e-6) rounded to bf16         b = σ(β)
+    (q, k as given under ``FLAG_QK_AS_GIVEN``, b = β under ``FLAG_BETA_PROBABILITY``: ``flags`` bits)
     S ← S·diag(α);   u = b·(v − S k̂);   o = scale·(S q̂ + u·(k̂·q̂));   S ← S + u k̂ᵀ
 
 (``o = scale·S_new q̂`` written with the decayed state before the rank-1 update, so both dot
@@ -422,7 +423,7 @@ def kda_decode_kernel(
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
     token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound,
-                  gate)
+                  flags, gate)
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
         _store8(s_v, io_tc * rows + io_col,
@@ -438,7 +439,7 @@ def kda_decode_kernel(
                               n64 * g_stride_n + t64 * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
         token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound,
-                      gate)
+                      flags, gate)
     cute.arch.sync_threads()
     if cutlass.const_expr(gate == "safe"):
         defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)

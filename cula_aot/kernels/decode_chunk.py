@@ -37,8 +37,8 @@ or ≥ the pool) writes zeros to ``out`` and nothing else.
 
 Launch: grid (128 / (16·warps·items), H, N), block (32·warps, 1, 1), ``smem_bytes(warps, items)``
 dynamic shared memory.  Compile-time: H, warps, items.  Runtime: ``decode.py``'s parameter list
-(``intermediate`` is not read, of ``flags`` only the status bit; ``num_tokens`` must be 2..4: the
-host dispatches only those).
+(``intermediate`` is not read, of ``flags`` the status bit and the input conventions;
+``num_tokens`` must be 2..4: the host dispatches only those).
 """
 
 import cutlass
@@ -411,7 +411,7 @@ def kda_decode_chunk_kernel(
                               n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
                               + head, head)
-        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound)
+        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags)
     cute.arch.sync_threads()
     defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()

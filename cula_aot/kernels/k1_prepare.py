@@ -6,7 +6,8 @@ What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and o
   "softplus" ``−exp(A_log) · softplus(g + dt_bias)``, "precomputed" ``min(g, 0)`` (the unbounded
   gates floored at 2^-256 per token); ``G`` its inclusive cumsum over the tile's rows,
   ``gtot = exp(G[15])``;
-* ``q̂, k̂`` = L2-normalised q, k rounded to bf16, ``b = σ(β)``;
+* ``q̂, k̂`` = L2-normalised q, k rounded to bf16 (q, k as given under ``FLAG_QK_AS_GIVEN``),
+  ``b = σ(β)`` (β itself under ``FLAG_BETA_PROBABILITY``);
 * ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
   operands rounded from the fp32 values (more precise than the recipe's bf16 operands; under an
@@ -15,7 +16,7 @@ What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and o
   ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
   operands and fp32 accumulation, in one warp's registers (``register_inverse``).
 
-Rows past a sequence's end behave as q = k = 0, γ = 0, β = -inf.
+Rows past a sequence's end behave as q = k = 0, γ = 0, b = 0.
 
 Data layout: after the TMA loads every value lives in registers in the tf32 MMA fragment
 layout.  Warp w owns key columns ``[32w, 32w + 32)``; lane (g, t) = (lane // 4, lane % 4) holds
@@ -52,15 +53,16 @@ tile i's inputs are in registers, so they fly while tiles i and i + 1 are comput
 Constraints: D = 128, CHUNK = 16, any H (the grid's); q/k/g bf16 [rows, H, 128] with heads and D
 packed and any 16-byte multiple token stride (the TMA descriptors carry it, so views cut from
 a fused projection need no copy), 16-byte aligned base; β bf16 [rows, H] with token stride
-``beta_row_stride`` (elements); scale and lower_bound are runtime scalars.
+``beta_row_stride`` (elements); scale, lower_bound and ``flags`` (the input conventions) are
+runtime scalars.
 """
 
 import cutlass
 import cutlass.cute as cute
 
-from .common import (CHUNK, D, IMAGE_BYTES, THREADS, TRACE_HEADS, k_inter_index, make_token_tma, record_part,
-                     sequence_bounds, sigmoid, slot_base, varlen_slot_sequence)
-from ..layout import WORKSPACE_RECORD_BYTES
+from .common import (CHUNK, D, IMAGE_BYTES, THREADS, TRACE_HEADS, beta_weight, k_inter_index, make_token_tma,
+                     record_part, sequence_bounds, slot_base, varlen_slot_sequence)
+from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
 from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
@@ -144,6 +146,7 @@ def k1_prepare_kernel(
     tiles_per_cta: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
+    flags: cutlass.Int32,
     token_coords: cute.Tensor,
     varlen: cutlass.Constexpr[bool],
     gate: cutlass.Constexpr[str],
@@ -194,6 +197,8 @@ def k1_prepare_kernel(
     col0 = lane_columns(warp, lane)
     my_rows = lane_rows(lane)
     gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
+    beta_probability = (flags & FLAG_BETA_PROBABILITY) != 0
+    qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
     for i in range(count):
         slot = first_slot + i
         buffer = i % 2
@@ -209,14 +214,14 @@ def k1_prepare_kernel(
         vq, vk, vg = ([lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
                        for r, ok in zip(my_rows, valid)] for which in range(3))
         store_row_norms(vq, vk, s_norm, my_rows, warp)
-        # β logits of rows tid < 16: loaded here, used only at the end of phase C, so their
-        # global latency overlaps phases A-C instead of holding the next barrier.
-        logit = cutlass.Float32(-float("inf"))
+        # β of rows tid < 16: loaded here, used only at the end of phase C, so their global
+        # latency overlaps phases A-C instead of holding the next barrier.
+        beta_row = cutlass.Float32(0.0)
         if tid < rows:
             if tid < CHUNK:
                 # A one-element view at the element itself: a size-1 layout has stride 0.
                 beta_at = beta + (cutlass.Int64(token0) + tid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
-                logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+                beta_row = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
         cute.arch.sync_threads()
         # Every thread has read this buffer and its s_info: refill both with tile i + 2.
         if cute.arch.warp_idx() == 0:
@@ -229,7 +234,7 @@ def k1_prepare_kernel(
         if rows > 0:
             # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
             qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale, gate)
+                                                      gamma_scale, qk_as_given, gate)
             cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
@@ -243,7 +248,8 @@ def k1_prepare_kernel(
             decayed_partials(qhat, khat, cum, total, mid, scale, total, store_images, s_part, warp, lane, gate)
             b = cutlass.Float32(0.0)
             if warp == 0:
-                b = sigmoid(logit)
+                b = cutlass.Float32(cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability),
+                                                    cutlass.Float32(0.0)))
                 if lane < CHUNK:
                     cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             cute.arch.sync_threads()

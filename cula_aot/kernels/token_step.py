@@ -5,8 +5,8 @@ b into shared memory by half-warps, and the deferred decay (A_t, k̂/A_t, A_t⊙
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import D
-from .common import LOG2E, exp2_fast, sigmoid, unbounded_gamma
+from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
+from .common import LOG2E, beta_weight, exp2_fast, sigmoid, unbounded_gamma
 
 
 def bf16_row8(base: cute.Pointer, offset):
@@ -39,11 +39,12 @@ def token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Po
 
 
 def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
-                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound, gate: str = "safe"):
-    """q̂, k̂ (l2norm over the half-warp, rounded to bf16), α = e^γ (γ by ``gate``, as in K1),
-    k̂·q̂ and b = σ(β) of token ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
+                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound, flags, gate: str = "safe"):
+    """q̂, k̂ (l2norm over the half-warp, or as given under ``FLAG_QK_AS_GIVEN``; rounded to bf16),
+    α = e^γ (γ by ``gate``, as in K1), k̂·q̂ and b = σ(β) (β under ``FLAG_BETA_PROBABILITY``; bits of
+    the kernel's ``flags``) of token ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
     butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
-    vq, vk, vg, bias, logit, a_log_value = inputs
+    vq, vk, vg, bias, beta_value, a_log_value = inputs
     col = hl * 8
     ssq = cutlass.Float32(0.0)
     ssk = cutlass.Float32(0.0)
@@ -53,8 +54,9 @@ def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qha
     for b in range(4):
         ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
         ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
-    rq = cute.math.rsqrt(ssq + 1e-6)
-    rk = cute.math.rsqrt(ssk + 1e-6)
+    qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
+    rq = cutlass.Float32(cutlass.select_(qk_as_given, cutlass.Float32(1.0), cute.math.rsqrt(ssq + 1e-6)))
+    rk = cutlass.Float32(cutlass.select_(qk_as_given, cutlass.Float32(1.0), cute.math.rsqrt(ssk + 1e-6)))
     decay_rate = exp2_fast(a_log_value * cutlass.Float32(LOG2E))
     fq = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     fk = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
@@ -85,7 +87,7 @@ def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qha
                 cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(
                     run_values.load())
     s_kq[t] = kq
-    s_b[t] = sigmoid(logit)
+    s_b[t] = beta_weight(beta_value, (flags & FLAG_BETA_PROBABILITY) != 0)
 
 
 @cute.jit

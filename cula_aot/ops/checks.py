@@ -2,7 +2,7 @@
 
 import torch
 
-from ..layout import D
+from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
 from ..specs import GATES
 
 DEFAULT_SCALE = D**-0.5
@@ -79,6 +79,16 @@ def gate_defaults(heads: int, device):
     and head count."""
     return device_constant(("gate_defaults", heads), device, lambda: (
         torch.zeros(heads, dtype=torch.float32, device=device), torch.zeros(heads, D, dtype=torch.float32, device=device)))
+
+
+def input_flags(beta_sigmoid, qk_l2norm) -> int:
+    """The kernels' input-convention bits (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``):
+    ``beta_sigmoid`` True takes β as logits (b = σ(β)), False as the probabilities b themselves;
+    ``qk_l2norm`` True L2-normalises q and k in the kernel, False uses them as given."""
+    for name, value in (("beta_sigmoid", beta_sigmoid), ("qk_l2norm", qk_l2norm)):
+        if type(value) is not bool:
+            fail(f"{name} must be True or False, got {value!r}")
+    return (0 if beta_sigmoid else FLAG_BETA_PROBABILITY) | (0 if qk_l2norm else FLAG_QK_AS_GIVEN)
 
 
 def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:

@@ -19,7 +19,7 @@ from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, 
     pick_variant,
     variant_spec,
 )
-from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs
+from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs, input_flags
 from .prefill import STATE_LAYOUTS
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -198,12 +198,15 @@ def _aligned_down(t) -> tuple[int, int]:
 
 
 def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None, gate="safe"):
+           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None, gate="safe",
+           beta_sigmoid=True, qk_l2norm=True):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
-    ``gate``: the decay (``checks.gate_inputs``).
+    ``gate``: the decay (``checks.gate_inputs``); ``beta_sigmoid``, ``qk_l2norm``: the input
+    conventions (``checks.input_flags``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
+    conventions = input_flags(beta_sigmoid, qk_l2norm)
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
@@ -239,7 +242,7 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
         "out_stride_n": _stride(out, 0), "out_stride_t": _stride(out, 1),
         "scale": scale, "lower_bound": float(lower_bound),
         "flags": (DECODE_FLAG_INTERMEDIATE if intermediate_states is not None else 0)
-                 | (DECODE_FLAG_STATUS if status is not None else 0),
+                 | (DECODE_FLAG_STATUS if status is not None else 0) | conventions,
         "heads": heads,
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

@@ -17,7 +17,7 @@ from ..layout import FLAG_LONGEST_FIRST, D
 from ..runtime.loader import default_loader
 from ..specs import K2_SEGMENTED_V_BLOCK, K1Spec, auto_fused, auto_v_block, fused_spec, serial_k2_spec
 from . import cp_plan
-from .checks import KDAInputError, fail, gate_inputs  # noqa: F401 (KDAInputError: re-exported)
+from .checks import KDAInputError, fail, gate_inputs, input_flags  # noqa: F401 (KDAInputError: re-exported)
 from .prefill_checks import STATE_LAYOUTS  # noqa: F401 (re-exported)
 from .prefill_checks import _host_cu_seqlens, _read_host_cu, validate
 from .prefill_plans import _CPPlan, _FusedPlan, _SerialPlan, _state_options
@@ -152,7 +152,7 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=None, fused=None, status=None, gate="safe"):
+            v_block=None, fused=None, status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -175,15 +175,17 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     A call signature seen before skips the structural checks (they depend on nothing else) and
     launches from cached templates: the serial path (``_SerialPlan``, ``_FusedPlan``), or the CP
     chain for lengths and a split seen before (``_CPPlan``); a new one takes the path
-    ``choose_path`` names.  ``gate`` picks the kernels' decay (``checks.gate_inputs``)."""
+    ``choose_path`` names.  ``gate`` picks the kernels' decay (``checks.gate_inputs``);
+    ``beta_sigmoid`` and ``qk_l2norm`` the input conventions (``checks.input_flags``)."""
     A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
+    conventions = input_flags(beta_sigmoid, qk_l2norm)
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
     try:
         key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
                           cu_seqlens_cpu, state_indices, status),
                state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block, fused,
-               gate)
+               gate, conventions)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
@@ -205,7 +207,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     # Resolve every kernel first: a missing cubin fails before anything launches.
     k1 = loader.get(device, K1Spec(varlen=varlen, gate=gate))
     options = dict(cu_seqlens=cu_seqlens, state_layout=state_layout, device=device, intracard_cp=intracard_cp,
-                   split=path.split,
+                   split=path.split, input_flags=conventions,
                    **_state_options(initial_state, final_state, output_final_state, state_indices, status))
     if path.kind == "cp":
         # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its

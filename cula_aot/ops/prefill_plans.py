@@ -87,7 +87,7 @@ class _Plan:
     the per-call checks and allocations the signature does not fix (addresses, scalars, host
     cu_seqlens values)."""
 
-    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split):
+    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split, input_flags):
         self.c, self.device, self.alloc_final = c, device, alloc_final
         # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
         # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
@@ -99,7 +99,7 @@ class _Plan:
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
         if k1 is not None:
             self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                                   **k1_grid(total_slots, c.heads, sm_count)})
+                                   **k1_grid(total_slots, c.heads, sm_count), "flags": input_flags})
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu):
@@ -174,9 +174,9 @@ class _SerialPlan(_Plan):
     serial = True
 
     def __init__(self, c: Checked, k1, k2, *, sm_count, order, cu_seqlens, alloc_final, state_layout, init_flags,
-                 final_flags, status_flag, device, intracard_cp, split):
+                 final_flags, status_flag, device, intracard_cp, split, input_flags):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
         self.launches = (self.k1, self.k2)
@@ -189,10 +189,11 @@ class _FusedPlan(_Plan):
     serial = True
 
     def __init__(self, c: Checked, fused, *, order, cu_seqlens, alloc_final, state_layout, init_flags, final_flags,
-                 status_flag, device, intracard_cp, split):
+                 status_flag, device, intracard_cp, split, input_flags):
         super().__init__(c, None, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
+        chain["flags"] |= input_flags  # K1's share of the fused kernel's bits
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({
@@ -208,9 +209,9 @@ class _CPPlan(_Plan):
     serial = False
 
     def __init__(self, c: Checked, loader, k1, segments, s_split, *, sm_count, cu_seqlens, alloc_final, state_layout,
-                 init_flags, final_flags, status_flag, device, intracard_cp, split):
+                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
         heads = c.heads
         n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)

@@ -8,7 +8,7 @@ import torch
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
-from .checks import DEFAULT_SCALE, gate_inputs
+from .checks import DEFAULT_SCALE, gate_inputs, input_flags
 from .workspace import ARENA
 
 
@@ -74,20 +74,22 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides) -> None:
-    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common`` and
-    the inputs' token ``strides`` (elements, see ``contiguous_strides``)."""
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides,
+                   flags=0) -> None:
+    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``, the
+    inputs' token ``strides`` (elements, see ``contiguous_strides``) and the input-convention
+    ``flags`` (``checks.input_flags``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
         **common, **input_geometry(batch, seq_len, heads, strides), **k1_grid(common["total_slots"], heads, sm_count(q.device)),
         "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
         "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
-        "scale": float(scale), "lower_bound": float(lower_bound),
+        "scale": float(scale), "lower_bound": float(lower_bound), "flags": flags,
     }, stream)
 
 
 def prepare(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, cu_seqlens=None,
-            gate="safe") -> Workspaces:
+            gate="safe", beta_sigmoid=True, qk_l2norm=True) -> Workspaces:
     """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
 
     For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
@@ -99,7 +101,8 @@ def prepare(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads))
+                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads),
+                   input_flags(beta_sigmoid, qk_l2norm))
     return workspaces
 
 

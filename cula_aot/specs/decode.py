@@ -10,6 +10,7 @@ from .abi import GATES, STATUS_POINTER, KernelSpec, pointer, scalar
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
 DECODE_FLAG_STATUS = 2  # ``flags`` bit: a status word is given (``layout.STATUS_SLOT_OUT_OF_RANGE``)
+# and the input conventions' bits, shared with K1 (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
 # (V rows per item, items per CTA) of the built decode kernels: one warp per 16 rows; with
 # several items a CTA walks V blocks of one head, the next one's state streaming into shared
 # memory while the current one computes.  Only what ``pick_variant`` (below) launches is

@@ -14,6 +14,7 @@ K1_PARAMS = (
     scalar("tiles_per_cta", "i32"),
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
+    scalar("flags", "i32"),  # the input conventions (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
 )
 
 

@@ -54,7 +54,7 @@ def _replaced(params, new):
     [
         lambda ps: ps[:-1],  # a parameter missing
         lambda ps: [*ps, scalar("extra", "i32")],  # one too many
-        lambda ps: [*ps[:-1], scalar("lower_bound", "i32")],  # f32 declared as i32
+        lambda ps: _replaced(ps, scalar("lower_bound", "i32")),  # f32 declared as i32
         lambda ps: _replaced(ps, scalar("seq_len", "f32")),  # i32 declared as f32
         lambda ps: _replaced(ps, scalar("workspace", "i32")),  # pointer declared as scalar
         lambda ps: _replaced(ps, pointer("seq_len", "i32")),  # scalar declared as pointer

@@ -88,6 +88,8 @@ RULES = [
     (lambda x: {"out": torch.zeros(N, T, H, D + 8, dtype=torch.bfloat16)[..., :D]}, "out must have unit stride along D and head stride 128"),
     (lambda x: {"status": torch.zeros(1, 1, dtype=torch.float32)}, "status must be a one-element torch.int32 tensor"),
     (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
+    (lambda x: {"beta_sigmoid": "no"}, "beta_sigmoid must be True or False, got 'no'"),
+    (lambda x: {"qk_l2norm": 0}, "qk_l2norm must be True or False, got 0"),
 ]
 
 

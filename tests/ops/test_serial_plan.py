@@ -10,8 +10,9 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT,
-                             FLAG_INITIAL_STATE, FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN)
+from cula_aot.layout import (FLAG_BETA_PROBABILITY, FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL,
+                             FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_LONGEST_FIRST, FLAG_QK_AS_GIVEN, FLAG_STATUS,
+                             FLAG_VARLEN)
 from cula_aot.ops import cp_plan, prefill_checks, prefill_plans
 from cula_aot.ops import prefill as prefill_module
 from cula_aot.runtime.loader import LoadedKernel
@@ -401,3 +402,27 @@ def test_a_status_word_is_passed_and_flagged_on_every_launch(recorder, fused):
     _, values, _ = recorder.values(len(recorder.launches) - 1)
     assert values["status"] == 0 and not values["flags"] & FLAG_STATUS
     assert values["final_slots"] == 2  # the allocated final state: one slot per sequence
+
+
+@pytest.mark.parametrize("path", ["serial", "fused", "cp"])
+def test_input_conventions_reach_k1_and_the_fused_kernel_and_key_the_plan(recorder, tables, slow_path, path):
+    heads = 4
+    x = standard_inputs(1, 2048, heads, seed=5)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], output_final_state=True,
+              intracard_cp=4 if path == "cp" else False, fused=path == "fused")
+    seen = []
+    for beta_sigmoid, qk_l2norm in [(True, True), (False, True), (True, False), (False, False), (True, True)]:
+        first = len(recorder.launches)
+        prefill_module.prefill(*args, **kw, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+        kernel, values, _ = recorder.values(first)  # K1, or the fused kernel
+        want = (0 if beta_sigmoid else FLAG_BETA_PROBABILITY) | (0 if qk_l2norm else FLAG_QK_AS_GIVEN)
+        assert values["flags"] & (FLAG_BETA_PROBABILITY | FLAG_QK_AS_GIVEN) == want
+        if path != "fused":
+            assert kernel.name.startswith("k1_prepare") and values["flags"] == want
+        seen.append(len(prefill_module._PLANS))
+    assert seen[3] > seen[0] and seen[4] == seen[3]  # one plan per convention; the first one reused
+    with pytest.raises(KDAInputError, match="beta_sigmoid must be True or False"):
+        prefill_module.prefill(*args, **kw, beta_sigmoid=1)
+    with pytest.raises(KDAInputError, match="qk_l2norm must be True or False"):
+        prefill_module.prefill(*args, **kw, qk_l2norm=None)
