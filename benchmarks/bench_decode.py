@@ -74,11 +74,11 @@ def variant_name(variant) -> str:
     return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
 
 
-def row_variants(dtype_name, tokens, layout, gate="safe") -> tuple:
-    """Every built kernel that can run a row of ``gate`` without intermediate states."""
+def row_variants(dtype_name, tokens, layout) -> tuple:
+    """Every built kernel that can run a row without intermediate states (every gate has each)."""
     from cula_aot.ops.decode import chunk_applies
 
-    return VARIANTS + (CHUNK_VARIANTS if chunk_applies(tokens, dtype_name == "bf16", layout, False, gate) else ())
+    return VARIANTS + (CHUNK_VARIANTS if chunk_applies(tokens, dtype_name == "bf16", layout, False) else ())
 
 
 class Bench:
@@ -197,7 +197,7 @@ class Bench:
             if n * heads >= self.args.variants_min_nh:
                 row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
                                                      self.time_replay(capture_graph(self.ours_call(x, variant=v))))
-                                   for v in row_variants(dtype_name, tokens, self.args.layout, self.args.gate)}
+                                   for v in row_variants(dtype_name, tokens, self.args.layout)}
         self.rows.append(row)
         del x
         self.progress(row)
@@ -211,7 +211,7 @@ class Bench:
                             return
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
-                        for v in row_variants(dtype_name, tokens, self.args.layout, self.args.gate):
+                        for v in row_variants(dtype_name, tokens, self.args.layout):
                             entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)

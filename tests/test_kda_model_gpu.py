@@ -6,11 +6,16 @@ through ``cula_aot.fla.register_backend()``, for fla's default softplus gate and
 A left-padded batch of three prompts (150, 80 and 23 tokens: the layer unpads them into one
 varlen call of ``chunk_kda``), then 64 greedy steps (``fused_recurrent_kda`` with the layer's
 state cache).  fla decodes greedily; our run is fed fla's tokens (teacher forcing), so every
-step compares the two models on the same history: the prefill logits agree to bf16 noise and
-our argmax is fla's token on ≥ 99% of the steps, and where not, fla's top-2 logit gap is within
-the two runs' logit difference at that step.  192 step decisions, so that the 99% bar admits a
-near-tie (96 would admit none).  fla's own kernel-to-kernel spread, its prefill through
-``fused_recurrent_kda`` against its ``chunk_kda``, is printed beside ours as the noise floor."""
+step compares the two models on the same history.
+
+bf16 noise, measured: fla's own kernel-to-kernel spread, its prefill through
+``fused_recurrent_kda`` against its ``chunk_kda`` (the noise floor).  Our prefill logits must
+be within PREFILL_BOUND of fla's and within FLOOR_FACTOR of that floor; our argmax must be fla's
+token at every step where fla's top-2 logit gap exceeds the two runs' logit difference there,
+and the agreement over all 192 step decisions is printed.  Where the gap is within that
+difference the step is a near-tie that fla's own kernels split alike: on this random-weight
+model (logits quantised to bf16 steps of 0.008–0.016) 2–4% of the steps are such ties, so a
+fixed agreement rate would measure the seed, not the kernels (docs/INTEGRATION.md)."""
 
 import os
 
@@ -26,6 +31,7 @@ cula_fla = pytest.importorskip("cula_aot.fla")
 PROMPTS = [150, 80, 23]
 STEPS = 64
 PREFILL_BOUND = 2e-2  # bf16 weights and activations through two layers; set before the first run
+FLOOR_FACTOR = 1.5  # ours against fla, relative to fla against itself (measured: 0.98-1.00)
 
 
 def _model(gate, seed):
@@ -108,6 +114,5 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
         print(f"  step {step} prompt {b}: fla's top-2 gap {gap[step, b].item():.4f}, "
               f"logit difference {noise[step, b].item():.4f}")
     assert torch.isfinite(ours_prefill).all() and torch.isfinite(ours_logits).all()
-    assert err <= PREFILL_BOUND
-    assert agree >= 0.99
-    assert bool((gap[differing] <= noise[differing]).all())
+    assert err <= PREFILL_BOUND and err <= FLOOR_FACTOR * floor
+    assert bool((gap[differing] <= noise[differing]).all()), "a decisive step disagrees"

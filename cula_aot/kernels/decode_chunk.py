@@ -11,6 +11,11 @@ every dot product of every token is one of the *initial* state S_0 plus a T×T t
     o_t = scale·(P_qd,t + Σ_{s<t} (ki_s·qd_t)·u_s + (k̂_t·q̂_t)·u_t)  so   o = scale·(P_qd + (v − P_kd)·Z)
     S_T = S_0·diag(A_{T−1}) + Σ_t u_t·(ki_t⊙A_{T−1})ᵀ                (a rank-T update, tensor cores)
 
+Under an unbounded gate ("softplus", "precomputed": the ``gate`` codegen argument) A_t may fall
+below fp32's range, where ki_t is not finite, so nothing is deferred: the same products are
+formed from their factors, each a decay over a range of tokens (≤ 1): kd_t = k̂_t⊙A_t,
+ki_s·kd_t = Σ k̂_s⊙k̂_t⊙Π_{s<r≤t} α_r, ki_t⊙A_{T−1} = k̂_t⊙Π_{t<r<T} α_r.
+
 W and Z are per-head T×T matrices (forward substitution, once per CTA), so [u | o] of a row is
 one product [P_kd | P_qd | v]·G with a per-head G.  Per warp of 16 V rows that is 16 bf16 MMAs
 for P (the fp32 key vectors as bf16 hi + lo halves: S_0 is exact in bf16, so P is good to
@@ -160,18 +165,23 @@ def _store_words(dst: cute.Pointer, offset, words: list):
     cute.make_tensor(dst + cute.assume(offset, divby=4), cute.make_layout(len(words))).store(frag.load())
 
 
-def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, workers: int):
-    """P's B operands: column n's fp32 key vector (zero for tokens ≥ T) as bf16 hi and lo halves,
-    hi at ``pb_chunk``, lo a whole half (P_COLUMNS·128 bf16) later; ``workers`` threads."""
+def _build_p_operands(s_kdqd: cute.Tensor, s_decay: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, workers: int,
+                      deferred: bool):
+    """P's B operands: column n's fp32 key vector (zero for tokens ≥ T; ``deferred``: kd or qd
+    as the prologue left them, else k̂ or q̂ times A_t here) as bf16 hi and lo halves, hi at
+    ``pb_chunk``, lo a whole half (P_COLUMNS·128 bf16) later; ``workers`` threads."""
     for i in range(4 * P_COLUMNS * 4 // workers):
         m, n, c = pb_work(tid + i * workers)
         chunk = pb_chunk(m, n, c)
         kind, t = p_column(n)
         src = smem_run(s_kdqd, (kind * TOKENS + t) * D + 32 * m + 8 * c, 8)
+        if not deferred:
+            decay = smem_run(s_decay, t * D + 32 * m + 8 * c, 8)
         hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         lo = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for e in range(8):
-            x = cutlass.Float32(cutlass.select_(t < num_tokens, src[e], cutlass.Float32(0.0)))
+            x = cutlass.Float32(cutlass.select_(t < num_tokens, src[e] if deferred else src[e] * decay[e],
+                                                cutlass.Float32(0.0)))
             high = x.to(cutlass.BFloat16).to(cutlass.Float32)
             hi[e] = high
             lo[e] = x - high
@@ -181,13 +191,44 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, w
                 values.load().to(cutlass.BFloat16))
 
 
-def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor, num_tokens, item):
-    """K̃_t = ki_t⊙A_{T−1} (zero for tokens ≥ T), rounded for tf32, for ``kt_work`` item ``item``
-    (one per thread): 8 keys read as vectors, written at ``kt_index``."""
+def _later_decay(s_alpha: cute.Tensor, first, at, num_tokens) -> list:
+    """Π α_r over the tokens first < r < T at 8 keys from ``at``: each factor ≤ 1, so the product
+    underflows only where it is below fp32's range."""
+    product = [cutlass.Float32(1.0)] * 8
+    for r in range(1, TOKENS):
+        alpha = smem_run(s_alpha, r * D + at, 8)
+        take = (first < r) & (r < num_tokens)
+        product = [cutlass.Float32(cutlass.select_(take, product[e] * alpha[e], product[e])) for e in range(8)]
+    return product
+
+
+@cute.jit
+def _prefix_decay(s_alpha: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n_threads: cutlass.Constexpr[int]):
+    """The unbounded gates' prologue: A_t = α_0·…·α_t per key into ``s_decay``, α, k̂ and q̂ kept
+    (their products are formed where they are used: a product of per-token decays may fall
+    below fp32's range, where the deferred k̂/A_t of ``token_step.defer_decay`` is not finite)."""
+    for i in cutlass.range_constexpr(D // n_threads):
+        position = tid + i * n_threads
+        decay = cutlass.Float32(1.0)
+        for t in cutlass.range(num_tokens, unroll=1):
+            decay = decay * s_alpha[t * D + position]
+            s_decay[t * D + position] = decay
+
+
+def _build_update_operands(s_kinv: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor,
+                           num_tokens, item, deferred: bool):
+    """K̃_t = k̂_t⊙A_{T−1}/A_t (zero for tokens ≥ T), rounded for tf32, for ``kt_work`` item
+    ``item`` (one per thread): 8 keys read as vectors, written at ``kt_index``.  ``deferred``:
+    ki_t⊙A_{T−1} (``s_kinv`` holds ki); else k̂_t times the decay of the tokens after t
+    (``s_kinv`` holds α)."""
     t, m, c_key = kt_work(item)
     at = 32 * m + 8 * c_key
-    kinv = smem_run(s_kinv, t * D + at, 8)
-    final = smem_run(s_decay, (num_tokens - 1) * D + at, 8)
+    if deferred:
+        kinv = smem_run(s_kinv, t * D + at, 8)
+        final = smem_run(s_decay, (num_tokens - 1) * D + at, 8)
+    else:
+        kinv = smem_run(s_khat, t * D + at, 8)
+        final = _later_decay(s_kinv, t, at, num_tokens)
     for e in range(2):
         vals = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         for jj in range(4):
@@ -197,17 +238,24 @@ def _build_update_operands(s_kinv: cute.Tensor, s_decay: cute.Tensor, s_kt: cute
         cute.make_tensor(s_kt.iterator + cute.assume(dst, divby=4), cute.make_layout(4)).store(vals.load())
 
 
-def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane):
+def _reduce_dots(s_kinv: cute.Tensor, s_kdqd: cute.Tensor, lane, deferred: bool):
     """Warp 0's share of G: the per-head dot products ``DOTS`` (lane l sums keys 4l .. 4l + 3,
     then a reduce-scatter over the warp); returns the total lane l holds, that of
-    ``DOTS[kept_start(l, DOT_SLOTS, 5)]`` (slots past ``len(DOTS)`` are zero)."""
-    ki = [smem_run(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
+    ``DOTS[kept_start(l, DOT_SLOTS, 5)]`` (slots past ``len(DOTS)`` are zero).  ``deferred``:
+    ki_s·kd_t and ki_s·qd_t; else the same products formed as k̂_s·(k̂_t or q̂_t)·Π_{s<r≤t} α_r
+    (``s_kinv`` holds α, ``s_kdqd`` k̂ and q̂)."""
+    ki = [smem_run(s_kinv if deferred else s_kdqd, t * D + 4 * lane, 4) for t in range(TOKENS)]
+    alpha = None if deferred else [smem_run(s_kinv, t * D + 4 * lane, 4) for t in range(TOKENS)]
     partial = []
     for kind, t, s in DOTS:
         other = smem_run(s_kdqd, (kind * TOKENS + t) * D + 4 * lane, 4)
         acc = cutlass.Float32(0.0)
         for e in range(4):
-            acc = acc + ki[s][e] * other[e]
+            pair = ki[s][e] * other[e]
+            if not deferred:
+                for r in range(s + 1, t + 1):  # tokens r ≥ T are selected away with the dot itself
+                    pair = pair * alpha[r][e]
+            acc = acc + pair
         partial.append((acc,))
     partial += [(cutlass.Float32(0.0),)] * (DOT_SLOTS - len(DOTS))
     return butterfly_reduce_scatter(partial, lane, [1, 2, 4, 8, 16])[0][0]
@@ -346,6 +394,7 @@ def kda_decode_chunk_kernel(
     flags: cutlass.Int32,
     warps: cutlass.Constexpr[int],
     items: cutlass.Constexpr[int],
+    gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -411,16 +460,20 @@ def kda_decode_chunk_kernel(
                               n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
                               cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
                               + head, head)
-        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags)
+        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate)
     cute.arch.sync_threads()
-    defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    deferred = gate == "safe"  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
+    if cutlass.const_expr(deferred):
+        defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+    else:
+        _prefix_decay(s_kinv, s_decay, num_tokens, tid, n_threads)
     cute.arch.sync_threads()
-    _build_p_operands(s_kdqd, s_pb, num_tokens, tid, n_threads)
+    _build_p_operands(s_kdqd, s_decay, s_pb, num_tokens, tid, n_threads, deferred)
     for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):
         if tid + i * n_threads < KT_WORK:
-            _build_update_operands(s_kinv, s_decay, s_kt, num_tokens, tid + i * n_threads)
+            _build_update_operands(s_kinv, s_khat, s_decay, s_kt, num_tokens, tid + i * n_threads, deferred)
     if warp == 0:
-        total = _reduce_dots(s_kinv, s_kdqd, lane)
+        total = _reduce_dots(s_kinv, s_kdqd, lane, deferred)
         if lane < DOT_SLOTS:
             s_dots[kept_start(lane, DOT_SLOTS, 5)] = total
         cute.arch.sync_warp()
@@ -476,9 +529,10 @@ def kda_decode_chunk_kernel(
 
 
 @cute.jit
-def kda_decode_chunk_launch(*params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int]):
+def kda_decode_chunk_launch(*params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int],
+                            gate: cutlass.Constexpr[str]):
     # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
     # placeholder (the runtime launches the spec's).
-    kda_decode_chunk_kernel(*params, warps, items).launch(
+    kda_decode_chunk_kernel(*params, warps, items, gate).launch(
         grid=[D // (ROWS * warps * items), TRACE_HEADS, 1], block=[threads(warps), 1, 1],
         smem=smem_bytes(warps, items), stream=stream)

@@ -217,10 +217,10 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     intermediates = intermediate_states is not None
     if variant is None:
         variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates, gate)
-    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates, gate):
-        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens of the safe gate on "
-             f"a bf16 'vk' pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
-             f"intermediate_states {'given' if intermediates else 'None'}, gate {gate!r}: pass variant=None")
+    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates):
+        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' pool "
+             f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
+             f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None")
     spec = variant_spec(variant, bf16_state, state_layout, gate)
     kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
     if out is None:

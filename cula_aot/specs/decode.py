@@ -138,6 +138,7 @@ class DecodeChunkSpec(KernelSpec):
 
     warps: int
     items: int = 1
+    gate: str = "safe"
 
     @property
     def params(self) -> tuple:
@@ -157,10 +158,10 @@ class DecodeChunkSpec(KernelSpec):
 
 def decode_specs() -> list[KernelSpec]:
     """Every decode specialization (both layouts, both pool dtypes, every ``DECODE_VARIANTS``, every
-    gate; the chunk form, safe gate only, for every ``DECODE_CHUNK_VARIANTS``)."""
+    gate; the chunk form for every ``DECODE_CHUNK_VARIANTS`` and gate)."""
     return [DecodeSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
             for gate in GATES for kv in (False, True) for bf16 in (False, True) for vb, items in DECODE_VARIANTS] + [
-        DecodeChunkSpec(warps=w, items=i) for w, i in DECODE_CHUNK_VARIANTS]
+        DecodeChunkSpec(warps=w, items=i, gate=gate) for gate in GATES for w, i in DECODE_CHUNK_VARIANTS]
 
 
 # N·H thresholds of pick_variant.
@@ -173,11 +174,10 @@ DECODE_CHUNK_STREAMING_MIN_HEADS = 512
 DECODE_CHUNK_PAIRED_MIN_HEADS = 8192
 
 
-def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediates: bool, gate: str = "safe") -> bool:
-    """The tensor-core chunk kernel serves 2–4 tokens of the safe gate on a bf16 "vk" pool without
-    intermediate states (``kernels/decode_chunk.py``: its deferred decay k̂/A_t needs A_t ≥ 2^-126)."""
-    return (gate == "safe" and bf16_state and state_layout == "vk" and not intermediates
-            and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS)
+def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediates: bool) -> bool:
+    """The tensor-core chunk kernel serves 2–4 tokens (any gate) on a bf16 "vk" pool without
+    intermediate states (``kernels/decode_chunk.py``)."""
+    return bf16_state and state_layout == "vk" and not intermediates and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS
 
 
 def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
@@ -199,7 +199,7 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
 
     16-row items and 64-row single items or pairs lost everywhere: none is built."""
     nh = num_seqs * heads
-    if chunk_applies(tokens, bf16_state, state_layout, intermediates, gate):
+    if chunk_applies(tokens, bf16_state, state_layout, intermediates):
         if nh < DECODE_CHUNK_STREAMING_MIN_HEADS:
             return ("chunk", 4, 1)
         return ("chunk", 4, 2) if nh >= DECODE_CHUNK_PAIRED_MIN_HEADS else ("chunk", 2, 4)
@@ -213,7 +213,7 @@ def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state
 def variant_spec(variant: tuple, bf16_state: bool, state_layout: str, gate: str = "safe"):
     """The spec of a ``pick_variant`` result for ``gate``."""
     if variant[0] == "chunk":
-        return DecodeChunkSpec(warps=variant[1], items=variant[2])
+        return DecodeChunkSpec(warps=variant[1], items=variant[2], gate=gate)
     v_block, items = variant
     return DecodeSpec(kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
                       items=items, gate=gate)

@@ -88,8 +88,15 @@ def _padded(x, name, tokens):
     return np.concatenate([a, np.full((TOKENS - tokens,) + a.shape[1:], np.nan)]) if tokens < TOKENS else a
 
 
-def _emulate(x, tokens):
-    """One warp of the chunk kernel, map by map; returns (o [T, 16], new state [16, 128])."""
+def _range_decay(x, first, last):
+    """Π α_r over tokens first < r ≤ last, per key (the unbounded form's factors)."""
+    return np.prod(x["alpha"][first + 1:last + 1], axis=0) if last > first else np.ones(D)
+
+
+def _emulate(x, tokens, deferred=True):
+    """One warp of the chunk kernel, map by map; returns (o [T, 16], new state [16, 128]).
+    ``deferred``: the safe gate's products through ki = k̂/A_t; else the unbounded gates', each
+    from its factors (``decode_chunk._reduce_dots``, ``_build_update_operands``)."""
     kd = _padded(x, "khat", tokens) * _padded(x, "decay", tokens)
     qd = _padded(x, "qhat", tokens) * _padded(x, "decay", tokens)
     ki = _padded(x, "khat", tokens) / _padded(x, "decay", tokens)
@@ -122,7 +129,12 @@ def _emulate(x, tokens):
             d = _mma("k16", a, b)
             acc = d if acc is None else _add(acc, d)
     # G from the per-head dots, by forward substitution (the kernel's _solve_g).
-    dots = {(kind, t, s): ki[s] @ (kd if kind == 0 else qd)[t] for kind, t, s in dc.DOTS}
+    if deferred:
+        dots = {(kind, t, s): ki[s] @ (kd if kind == 0 else qd)[t] for kind, t, s in dc.DOTS}
+    else:
+        raw = {0: _padded(x, "khat", tokens), 1: _padded(x, "qhat", tokens)}
+        dots = {(kind, t, s): (raw[0][s] * raw[kind][t] * _range_decay(x, s, t)) @ np.ones(D) if t < tokens else np.nan
+                for kind, t, s in dc.DOTS}
     g_arr = np.full(64 + 8 * TOKENS, np.nan)
     for i in range(TOKENS):
         w = []
@@ -157,7 +169,9 @@ def _emulate(x, tokens):
             for jj in range(4):
                 key = 32 * m + 8 * c_key + 2 * jj + e
                 assert key == dc.key_of(c_key, 4 * m + jj, e)
-                kt[dc.kt_index(t, e, c_key, 4 * m) + jj] = ki[t, key] * x["decay"][last, key] if live[t] else 0.0
+                later = ki[t, key] * x["decay"][last, key] if deferred else (
+                    x["khat"][t, key] * _range_decay(x, t, last)[key] if live[t] else np.nan)
+                kt[dc.kt_index(t, e, c_key, 4 * m) + jj] = later if live[t] else 0.0
     new = np.full((16, D), np.nan)
     for j in range(dc.PAIRS):
         m, jj = divmod(j, 4)
@@ -189,6 +203,26 @@ def test_emulated_warp_equals_the_token_recurrence(tokens):
         assert np.isfinite(got_s).all() and np.isfinite(got_o).all()
         np.testing.assert_allclose(got_o, want_o, rtol=0, atol=1e-12)
         np.testing.assert_allclose(got_s, want_s, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 4])
+def test_unbounded_form_survives_decays_below_the_range(tokens):
+    """Under the unbounded gates a key may decay by 2^-256 per token (A_t down to 2^-1024,
+    where k̂/A_t is not finite even in float64): the factored form still equals the recurrence."""
+    for seed in range(3):
+        x = _problem(tokens, seed)
+        rng = np.random.default_rng(100 + seed)
+        fast = rng.random((tokens, D)) < 0.4
+        x["alpha"] = np.where(fast, 2.0 ** -256, x["alpha"])
+        x["decay"] = np.cumprod(x["alpha"], axis=0)
+        want_o, want_s = _recurrence(x, tokens)
+        got_o, got_s = _emulate(x, tokens, deferred=False)
+        assert np.isfinite(got_s).all() and np.isfinite(got_o).all()
+        np.testing.assert_allclose(got_o, want_o, rtol=0, atol=1e-12)
+        np.testing.assert_allclose(got_s, want_s, rtol=0, atol=1e-12)
+        x_mild = _problem(tokens, seed)  # and on ordinary decays it is the deferred form's result
+        np.testing.assert_allclose(_emulate(x_mild, tokens, deferred=False)[1], _emulate(x_mild, tokens)[1],
+                                   rtol=0, atol=1e-12)
 
 
 def test_key_map_covers_every_key_once_per_row():

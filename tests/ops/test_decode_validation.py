@@ -126,7 +126,7 @@ def test_rejection_writes_nothing(args):
 
 def test_every_pick_is_a_built_kernel():
     from cula_aot.ops.decode import pick_variant, variant_spec
-    from cula_aot.specs import DecodeChunkSpec, DecodeSpec, default_specs
+    from cula_aot.specs import GATES, DecodeChunkSpec, DecodeSpec, default_specs
 
     built = {s.name for s in default_specs() if isinstance(s, (DecodeSpec, DecodeChunkSpec))}
     for n in (1, 3, 16, 64, 100, 256, 1024, 4096):
@@ -135,8 +135,9 @@ def test_every_pick_is_a_built_kernel():
                 for bf16 in (False, True):
                     for layout in ("vk", "kv"):
                         for inter in (False, True):
-                            variant = pick_variant(n, heads, tokens, bf16, layout, inter)
-                            assert variant_spec(variant, bf16, layout).name in built
+                            for gate in GATES:
+                                variant = pick_variant(n, heads, tokens, bf16, layout, inter, gate)
+                                assert variant_spec(variant, bf16, layout, gate).name in built
     # latency-bound sizes get the most CTAs; large bf16 T > 1 calls stream four items per CTA
     assert pick_variant(1, 4, 1, False) == (32, 1) and pick_variant(1024, 64, 4, True, "kv") == (32, 4)
     assert pick_variant(1024, 64, 1, True) == (32, 2) and pick_variant(8, 64, 4, True, "kv") == (32, 2)
@@ -147,3 +148,5 @@ def test_every_pick_is_a_built_kernel():
         assert pick_variant(16, 64, tokens, True) == ("chunk", 2, 4)
     assert pick_variant(4, 64, 4, True) == ("chunk", 4, 1) and pick_variant(256, 64, 4, True) == ("chunk", 4, 2)
     assert pick_variant(16, 64, 5, True)[0] != "chunk" and pick_variant(16, 64, 4, False)[0] != "chunk"
+    # every gate has the chunk kernel (the unbounded ones without the deferred decay)
+    assert all(pick_variant(16, 64, 3, True, gate=gate) == ("chunk", 2, 4) for gate in GATES)
