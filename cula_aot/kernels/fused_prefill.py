@@ -35,8 +35,7 @@ per tile against K2's ~0.5), so it pays only with enough long items (``specs.aut
 
 Launch: grid (1, H, N), block (128·producers + 256, 1, 1), ``smem_bytes(stages, producers)``
 dynamic shared memory, one CTA per SM.  Constraints as K1 and K2 (D = 128, CHUNK = 16, any H;
-the gate a codegen argument as in K1, the input conventions ``FLAG_BETA_PROBABILITY`` and
-``FLAG_QK_AS_GIVEN`` runtime bits as there).  One variant per gate serves fixed and varlen input:
+the gate a codegen argument as in K1).  One variant per gate serves fixed and varlen input:
 under ``FLAG_VARLEN`` grid row z is a sequence of ``cu_seqlens`` (the z-th longest under
 ``FLAG_LONGEST_FIRST``), else rows z·seq_len …  Device values are bounded as in K2: cu_seqlens
 entries clamped, pool slots outside each pool's slot count are padding, both reported in the
@@ -46,10 +45,10 @@ status word under ``FLAG_STATUS``.
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import (FLAG_BETA_PROBABILITY, FLAG_LONGEST_FIRST, FLAG_QK_AS_GIVEN, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES,
-                      ORDER_MAX_SEQS, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
+from ..layout import (FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES, ORDER_MAX_SEQS,
+                      STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, TRACE_HEADS, beta_weight, make_token_tma, report_status, varlen_sequence
+from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
 from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
                            copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
                            reduce_mqk, register_inverse, store_inverse, store_row_norms, vector, lane_columns,
@@ -251,8 +250,6 @@ def fused_prefill_kernel(
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
         gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
-        beta_probability = (flags & FLAG_BETA_PROBABILITY) != 0
-        qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
         for mine in cutlass.range(my_tiles, unroll=1):
             i = producer + mine * producers
             buffer = mine % 2
@@ -266,11 +263,11 @@ def fused_prefill_kernel(
             vq, vk, vg = ([lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
                            for r, ok in zip(my_rows, valid)] for which in range(3))
             store_row_norms(vq, vk, s_norm, my_rows, pw)
-            beta_row = cutlass.Float32(0.0)
+            logit = cutlass.Float32(-float("inf"))
             if pw == inverse_warp:
                 if lane < rows:
                     beta_at = beta + (token0 + lane) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
-                    beta_row = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+                    logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             _producer_sync(producer)
             # Every thread of this producer has read the buffer: refill it with its tile after next.
             if pw == 0:
@@ -286,7 +283,7 @@ def fused_prefill_kernel(
 
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
             qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale, qk_as_given, gate)
+                                                      gamma_scale, gate)
             cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
             if lane < 4:
                 vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
@@ -299,8 +296,7 @@ def fused_prefill_kernel(
             decayed_partials(qhat, khat, cum, total, mid, scale, (gtot,), store_images, s_part, pw, lane, gate)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
-                b = cutlass.Float32(cutlass.select_(lane < rows, beta_weight(beta_row, beta_probability),
-                                                    cutlass.Float32(0.0)))
+                b = sigmoid(logit)
                 if lane < CHUNK:
                     cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             _producer_sync(producer)

@@ -234,7 +234,7 @@ def k1_prepare_kernel(
         if rows > 0:
             # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
             qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale, qk_as_given, gate)
+                                                      gamma_scale, gate, qk_as_given)
             cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())

@@ -142,18 +142,18 @@ def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower
 
 @cute.jit
 def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute.Tensor, my_rows: tuple, gate_scale,
-                          gate_bias: cute.Tensor, gamma_scale, qk_as_given, gate: cutlass.Constexpr[str] = "safe"):
-    """Phase B: q̂ and k̂ (L2-normalised, or as given under ``qk_as_given``; rounded to bf16) and γ
-    in log2 units (zero on rows past the end) of the lane's elements, lists over its two rows
-    (``gate_constants`` for the gate)."""
+                          gate_bias: cute.Tensor, gamma_scale, gate: cutlass.Constexpr[str] = "safe", qk_as_given=None):
+    """Phase B: q̂ and k̂ (L2-normalised, or as given where the runtime flag ``qk_as_given`` is set;
+    None: always normalised, no select; rounded to bf16) and γ in log2 units (zero on rows past
+    the end) of the lane's elements, lists over its two rows (``gate_constants`` for the gate)."""
     qhat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     khat = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     gamma = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     for half in cutlass.range_constexpr(2):
         sums = [vector(s_norm.iterator, (which * CHUNK + my_rows[half]) * WARPS, WARPS).load() for which in range(2)]
-        rq, rk = (cutlass.Float32(cutlass.select_(qk_as_given, cutlass.Float32(1.0),
-                                                  cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6)))
-                  for s in sums)
+        rq, rk = (cute.math.rsqrt((s[0] + s[1]) + (s[2] + s[3]) + 1e-6) for s in sums)
+        if cutlass.const_expr(qk_as_given is not None):
+            rq, rk = (cutlass.Float32(cutlass.select_(qk_as_given, cutlass.Float32(1.0), r)) for r in (rq, rk))
         for j in cutlass.range_constexpr(LANE_COLS):
             qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
             khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)

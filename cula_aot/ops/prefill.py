@@ -71,7 +71,7 @@ class Path:
     segments: list | None = None
 
 
-def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device) -> Path:
+def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device, conventions=0) -> Path:
     """The path of a validated call (``c``), by these rules in this order:
 
     1. The split s (``_resolve_split``): 1 when ``intracard_cp`` is False.  A varlen call
@@ -84,7 +84,10 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
        more than one; else a serial path (nothing long enough to split).
     3. Serial paths (``fused`` and ``v_block`` apply to these only): "fused" when ``fused`` is
        True, or it is None, ``v_block`` is None and ``specs.auto_fused`` picks it (from shapes);
-       else "serial" (K1 then K2) with ``v_block``, or ``specs.auto_v_block``'s when None.
+       else "serial" (K1 then K2) with ``v_block``, or ``specs.auto_v_block``'s when None.  The
+       fused kernel runs the default input conventions only (``conventions`` = 0: the two
+       runtime bits cost its register-bound producers 8% on the default ones): other calls take
+       "serial", and ``fused=True`` with them is refused.
     4. ``split``, what the signature's cached plan does with a later call's lengths: serial paths
        1 (stay serial) when ``intracard_cp`` is False, the call is fixed-length or has no host
        lengths, else None (re-planned by rule 1 from each call's host lengths); "cp": s when
@@ -102,9 +105,12 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
         # Nothing long enough to split: the serial path is the same work, faster.
     # The serial decision is the signature's alone unless CP was planned from host lengths.
     split = 1 if intracard_cp is False or c.host_cu is None or not varlen else None
+    if conventions and fused:
+        fail("the fused kernel runs beta as logits and q, k normalised in the kernel only "
+             "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False")
     if fused is None:
-        fused = v_block is None and auto_fused(c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device),
-                                               uniform=not varlen)
+        fused = not conventions and v_block is None and auto_fused(
+            c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device), uniform=not varlen)
     if fused:
         return Path("fused", split)
     if v_block is None:
@@ -201,7 +207,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp,
         state_indices=state_indices, check_seqlens=check_seqlens, status=status)
     device = q.device
-    path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device)
+    path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device, conventions)
     heads, varlen = c.heads, cu_seqlens is not None
     loader = default_loader()
     # Resolve every kernel first: a missing cubin fails before anything launches.

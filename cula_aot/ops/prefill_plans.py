@@ -193,7 +193,6 @@ class _FusedPlan(_Plan):
         super().__init__(c, None, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split, input_flags=input_flags)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
-        chain["flags"] |= input_flags  # K1's share of the fused kernel's bits
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template({

@@ -1,7 +1,8 @@
 """fla's input conventions on the GPU: β as probabilities (``beta_sigmoid=False``) and q, k used
-as given (``qk_l2norm=False``), in every path — K1 then K2, the fused kernel, fixed length,
-intracard CP and both decode kernels — against the float64 reference under the same
-conventions, outputs poisoned with NaN, on standard and slow-decay inputs.
+as given (``qk_l2norm=False``), in every path that runs them — K1 then K2 (where the fused
+kernel would run the default conventions), fixed length, intracard CP and both decode kernels —
+against the float64 reference under the same conventions, outputs poisoned with NaN, on
+standard and slow-decay inputs.
 
 The inputs tell the conventions apart: given q and k are unit vectors scaled by U(0.3, 1) per
 row (a kernel that normalised them anyway would be off by that factor), and probabilities in
@@ -44,7 +45,7 @@ def _states(n, heads):
     return (0.1 * torch.randn(n, heads, 128, 128, generator=gen)).cuda()
 
 
-@pytest.mark.parametrize("path", ["serial", "fused", "cp", "fixed"])
+@pytest.mark.parametrize("path", ["serial", "auto", "cp", "fixed"])
 @pytest.mark.parametrize("slow", [False, True])
 @pytest.mark.parametrize("beta_sigmoid, qk_l2norm", CONVENTIONS)
 def test_prefill_paths(beta_sigmoid, qk_l2norm, slow, path):
@@ -63,7 +64,7 @@ def test_prefill_paths(beta_sigmoid, qk_l2norm, slow, path):
         final = torch.full((len(lengths), heads, 128, 128), float("nan"), device="cuda")
         o, s = prefill(*args, **options, initial_state=to_pool_layout(s0, "vk").contiguous(), cu_seqlens=cu,
                        cu_seqlens_cpu=None if cu is None else cu.cpu(), out=out, final_state=final,
-                       intracard_cp=4 if path == "cp" else False, fused=True if path == "fused" else None)
+                       intracard_cp=4 if path == "cp" else False, fused=None if path == "auto" else False)
         torch.cuda.synchronize()
         return o, from_pool_layout(s, "vk")
 

@@ -404,21 +404,25 @@ def test_a_status_word_is_passed_and_flagged_on_every_launch(recorder, fused):
     assert values["final_slots"] == 2  # the allocated final state: one slot per sequence
 
 
-@pytest.mark.parametrize("path", ["serial", "fused", "cp"])
-def test_input_conventions_reach_k1_and_the_fused_kernel_and_key_the_plan(recorder, tables, slow_path, path):
-    heads = 4
-    x = standard_inputs(1, 2048, heads, seed=5)
+@pytest.mark.parametrize("path", ["serial", "cp", "auto"])
+def test_input_conventions_reach_k1_and_key_the_plan(recorder, tables, slow_path, path):
+    """The convention bits go to K1 (K2 and the CP kernels read only its records); "auto" on a
+    shape the fused kernel would take runs it for the default conventions only."""
+    batch, seq_len, heads = (8, 1024, 16) if path == "auto" else (1, 2048, 4)  # auto: a fused row of the benchmark
+    x = standard_inputs(batch, seq_len, heads, seed=5)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], output_final_state=True,
-              intracard_cp=4 if path == "cp" else False, fused=path == "fused")
+              intracard_cp=4 if path == "cp" else False, fused=None if path == "auto" else False)
     seen = []
     for beta_sigmoid, qk_l2norm in [(True, True), (False, True), (True, False), (False, False), (True, True)]:
         first = len(recorder.launches)
         prefill_module.prefill(*args, **kw, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
-        kernel, values, _ = recorder.values(first)  # K1, or the fused kernel
+        kernel, values, _ = recorder.values(first)
         want = (0 if beta_sigmoid else FLAG_BETA_PROBABILITY) | (0 if qk_l2norm else FLAG_QK_AS_GIVEN)
-        assert values["flags"] & (FLAG_BETA_PROBABILITY | FLAG_QK_AS_GIVEN) == want
-        if path != "fused":
+        if path == "auto" and not want:
+            assert kernel.name.startswith("fused_prefill")
+            assert values["flags"] & (FLAG_BETA_PROBABILITY | FLAG_QK_AS_GIVEN) == 0
+        else:
             assert kernel.name.startswith("k1_prepare") and values["flags"] == want
         seen.append(len(prefill_module._PLANS))
     assert seen[3] > seen[0] and seen[4] == seen[3]  # one plan per convention; the first one reused
@@ -426,3 +430,7 @@ def test_input_conventions_reach_k1_and_the_fused_kernel_and_key_the_plan(record
         prefill_module.prefill(*args, **kw, beta_sigmoid=1)
     with pytest.raises(KDAInputError, match="qk_l2norm must be True or False"):
         prefill_module.prefill(*args, **kw, qk_l2norm=None)
+    launches = len(recorder.launches)
+    with pytest.raises(KDAInputError, match="the fused kernel runs beta as logits"):
+        prefill_module.prefill(*args, **{**kw, "intracard_cp": False, "fused": True}, beta_sigmoid=False)
+    assert len(recorder.launches) == launches
