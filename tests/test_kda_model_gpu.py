@@ -31,7 +31,7 @@ cula_fla = pytest.importorskip("cula_aot.fla")
 PROMPTS = [150, 80, 23]
 STEPS = 64
 PREFILL_BOUND = 2e-2  # bf16 weights and activations through two layers; set before the first run
-FLOOR_FACTOR = 1.5  # ours against fla, relative to fla against itself (measured: 0.98-1.00)
+FLOOR_FACTOR = 1.5  # ours against fla, relative to fla against itself (measured: 0.98-1.01)
 
 
 def _model(gate, seed):
