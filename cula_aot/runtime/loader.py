@@ -7,6 +7,7 @@ once per call).
 """
 
 import ctypes
+import operator
 import threading
 
 import torch
@@ -184,10 +185,13 @@ class LaunchTemplate:
         self._runs = [(at, i, i + n, at + n) for at, i, n in self._runs]
         self._pointer_checks = [(i, n, aligns[n]) for n, i in dynamic_index.items() if n in aligns]
         self._struct = kernel.packer.struct
+        # A call's per-call values in ``per_call`` order, in one C call (a tuple even for one name).
+        take = operator.itemgetter(*dynamic)
+        self._take = take if len(dynamic) > 1 else (lambda call: (take(call),))
 
     def launch(self, call: dict, stream: int) -> None:
         """Launch with the per-call values taken by name from ``call`` (it may hold more)."""
-        dynamic = [call[name] for name in self.per_call]
+        dynamic = self._take(call)
         for i, name, align in self._pointer_checks:
             if dynamic[i] % align:
                 raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
