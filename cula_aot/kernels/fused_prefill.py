@@ -293,7 +293,8 @@ def fused_prefill_kernel(
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            decayed_partials(qhat, khat, cum, total, mid, scale, (gtot,), store_images, s_part, pw, lane, gate)
+            decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate,
+                             kr_from_kinv=True)
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)

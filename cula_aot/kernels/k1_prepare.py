@@ -245,7 +245,7 @@ def k1_prepare_kernel(
 
             # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
             # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-            decayed_partials(qhat, khat, cum, total, mid, scale, total, store_images, s_part, warp, lane, gate)
+            decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
             b = cutlass.Float32(0.0)
             if warp == 0:
                 b = cutlass.Float32(cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability),

@@ -189,13 +189,14 @@ def gate_cumsum(gamma: list, has_source: list, lane):
     return cum, total, gtot, mid
 
 
-def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_images):
+def decayed_operands(qhat: list, khat: list, cum: list, scale, total: cute.Tensor, gtot: cute.Tensor, store_images,
+                     kr_from_kinv: bool = False):
     """Phase B's decayed operands of the lane's two rows: qd = q̂·2^G·scale, kd = k̂·2^G and
     kr = k̂·2^(G[15] − G), handed row by row to ``store_images(half, qd, kd, kr)``; returns the
     tf32 bits of kd, qd and kinv = k̂·2^−G (phase C's A and B operands: rounded from the fp32
     values, not from the bf16 images, whose rounding can dominate an entry where q̂·k̂ cancels).
-    ``kr_scale``: G[15] per column (kr by its own MUFU op), or, as the tuple ``(gtot,)``,
-    2^G[15] (kr = kinv·2^G[15]: one MUFU op fewer, both factors normal while G ≥ −116)."""
+    kr by its own MUFU op from G[15] (``total``), or with ``kr_from_kinv`` as kinv·2^G[15]
+    (``gtot``: one MUFU op fewer, both factors normal while G ≥ −116)."""
     bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
     kd_bits, qd_bits, kinv_bits = bits
     for half in range(2):
@@ -208,10 +209,10 @@ def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_i
             qd[j] = qhat[half][j] * decay * scale
             kd[j] = khat[half][j] * decay
             kinv = khat[half][j] * exp2_fast(-g_row)
-            if isinstance(kr_scale, tuple):
-                kr[j] = kinv * kr_scale[0][j]
+            if kr_from_kinv:
+                kr[j] = kinv * gtot[j]
             else:
-                kr[j] = khat[half][j] * exp2_fast(kr_scale[j] - g_row)
+                kr[j] = khat[half][j] * exp2_fast(total[j] - g_row)
             qd_bits[half][j] = f32_bits(tf32_ready(qd[j]))
             kd_bits[half][j] = f32_bits(tf32_ready(kd[j]))
             kinv_bits[half][j] = f32_bits(tf32_ready(kinv))
@@ -219,13 +220,14 @@ def decayed_operands(qhat: list, khat: list, cum: list, scale, kr_scale, store_i
     return kd_bits, qd_bits, kinv_bits
 
 
-def decayed_partials(qhat: list, khat: list, cum: list, total: cute.Tensor, mid: cute.Tensor, scale, kr_scale,
-                     store_images, s_part: cute.Tensor, warp, lane, gate: str):
+def decayed_partials(qhat: list, khat: list, cum: list, total: cute.Tensor, gtot: cute.Tensor, mid: cute.Tensor, scale,
+                     store_images, s_part: cute.Tensor, warp, lane, gate: str, kr_from_kinv: bool = False):
     """Phases B and C after the cumsum, by ``gate``: the decayed images to ``store_images`` and
-    the warp's partial products into the exchange (the safe gate: ``decayed_operands`` with
-    ``kr_scale``, then ``store_product_partials``; the unbounded ones: ``unbounded_operands``)."""
+    the warp's partial products into the exchange (the safe gate: ``decayed_operands``, kr as
+    ``kr_from_kinv`` says, then ``store_product_partials``; the unbounded ones:
+    ``unbounded_operands``)."""
     if gate == "safe":
-        kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, kr_scale, store_images)
+        kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, gtot, store_images, kr_from_kinv)
         store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
     else:
         unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
