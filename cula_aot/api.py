@@ -15,7 +15,9 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
     token-strided views (e.g. slices of one fused projection): the trailing dims packed, rows
-    16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  scale defaults to 128**-0.5.
+    16-byte aligned (beta: 16-byte aligned base), batches T rows apart.  g and beta may also be
+    fp32 (a precomputed gate as vLLM passes it): they are rounded to bf16 first, one elementwise
+    pass each (~6 bytes per element of g).  scale defaults to 128**-0.5.
 
     Input conventions (fla's ``use_beta_sigmoid_in_kernel`` / ``use_qk_l2norm_in_kernel``; runtime
     bits, no build): ``beta_sigmoid=True`` takes beta as logits (b = σ(beta)), False as the
@@ -28,8 +30,8 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
       ``[H, 128]`` and lower_bound in [-5, 0) required.
     * "softplus" (fla's default, Kimi Linear's): γ = −e^A_log·softplus(g + dt_bias), unbounded;
       A_log None means e^A_log = 1, dt_bias None means 0; no lower_bound.
-    * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16;
-      A_log, dt_bias and lower_bound must be None.
+    * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16
+      or fp32; A_log, dt_bias and lower_bound must be None.
 
     Every pair of tokens of a 16-token tile gets its decay to fp32 accuracy however fast the
     gate decays (a decay below 2^-256 per token counts as 2^-256: fp32 has forgotten either way).

@@ -9,8 +9,8 @@
   kernels' ``qk_l2norm`` and ``beta_sigmoid``.  The gate: ``use_gate_in_kernel`` with
   ``safe_gate`` (or, for the recurrent entry, a ``lower_bound``) is cula_aot's ``gate="safe"``,
   without it ``gate="softplus"``; ``use_gate_in_kernel=False`` is ``gate="precomputed"`` (g the
-  log-decay).  g and β may be fp32 (as fla's callers pass a precomputed gate): they are rounded
-  to bf16 first, one elementwise pass each.
+  log-decay).  g and β may be fp32 (as fla's callers pass a precomputed gate): ``kda_prefill``
+  rounds them to bf16 first, one elementwise pass each.
 * ``register_backend()``: adds cula_aot to fla's backend registry (``fla.backends``) for
   ``fla.ops.kda.chunk_kda`` and for the ``kda`` operation's ``fused_recurrent_kda_fwd``, so that
   fla's entry points and its ``KimiDeltaAttention`` layer run here under ``torch.inference_mode()``
@@ -81,9 +81,9 @@ def _check(reason):
 
 
 def _conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
-    """g and β as the kernels take them (bf16) and the input conventions for fla's flags."""
-    return {"g": g.to(torch.bfloat16), "beta": beta.to(torch.bfloat16),
-            "qk_l2norm": bool(use_qk_l2norm_in_kernel), "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
+    """g, β and the input conventions for fla's flags."""
+    return {"g": g, "beta": beta, "qk_l2norm": bool(use_qk_l2norm_in_kernel),
+            "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -80,7 +80,7 @@ def test_fla_input_conventions_become_the_kernels(x, calls, l2norm, sigmoid):
         assert kwargs["qk_l2norm"] is l2norm and kwargs["beta_sigmoid"] is sigmoid
 
 
-def test_fp32_precomputed_gate_and_beta_reach_the_kernels_as_bf16(x, calls):
+def test_fp32_precomputed_gate_and_beta_are_accepted(x, calls):
     g = -torch.rand(x["g"].shape)  # fp32 log-decay, as fla's callers pass a precomputed gate
     beta = torch.rand(x["beta"].shape)  # fp32 probabilities
     assert fla_route.unsupported(x["q"], x["k"], x["v"], g, beta, **_flags()) is None
@@ -88,7 +88,7 @@ def test_fp32_precomputed_gate_and_beta_reach_the_kernels_as_bf16(x, calls):
                         **_flags(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False))
     (_, kwargs), = calls
     assert kwargs["gate"] == "precomputed" and kwargs["beta_sigmoid"] is False
-    assert torch.equal(kwargs["g"], g.to(torch.bfloat16)) and torch.equal(kwargs["beta"], beta.to(torch.bfloat16))
+    assert kwargs["g"] is g and kwargs["beta"] is beta  # kda_prefill rounds them (tests/ops/test_serial_plan.py)
 
 
 @pytest.mark.parametrize("change, reason", [

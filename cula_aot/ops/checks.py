@@ -91,6 +91,14 @@ def input_flags(beta_sigmoid, qk_l2norm) -> int:
     return (0 if beta_sigmoid else FLAG_BETA_PROBABILITY) | (0 if qk_l2norm else FLAG_QK_AS_GIVEN)
 
 
+def kernel_dtypes(g, beta) -> tuple:
+    """g and β as the kernels read them: fp32 ones (as fla's callers pass a precomputed gate and
+    β probabilities) rounded to bf16 first, one elementwise pass each; anything else as given
+    (validation names a wrong dtype)."""
+    return tuple(t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
+                 for t in (g, beta))
+
+
 def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
     """``(A_log, dt_bias, lower_bound)`` the kernels of ``gate`` take (``specs.GATES``):
     "safe" passes them through (checked with the other inputs); "softplus" takes A_log and dt_bias

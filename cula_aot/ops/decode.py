@@ -19,7 +19,7 @@ from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, 
     pick_variant,
     variant_spec,
 )
-from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs, input_flags
+from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs, input_flags, kernel_dtypes
 from .prefill import STATE_LAYOUTS
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -206,6 +206,7 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     conventions (``checks.input_flags``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
     A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
+    g, beta = kernel_dtypes(g, beta)
     conventions = input_flags(beta_sigmoid, qk_l2norm)
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(

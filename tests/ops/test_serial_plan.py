@@ -434,3 +434,24 @@ def test_input_conventions_reach_k1_and_key_the_plan(recorder, tables, slow_path
     with pytest.raises(KDAInputError, match="the fused kernel runs beta as logits"):
         prefill_module.prefill(*args, **{**kw, "intracard_cp": False, "fused": True}, beta_sigmoid=False)
     assert len(recorder.launches) == launches
+
+
+def test_fp32_gate_and_beta_reach_the_kernels_as_bf16(recorder):
+    """vLLM-style: a precomputed fp32 log-decay and fp32 β probabilities; the kernels read bf16
+    copies (one rounding each), and a bf16 call with those values launches identically."""
+    heads = 2
+    x = standard_inputs(1, 40, heads, seed=9)
+    g = -torch.rand(1, 40, heads, 128) * 3
+    beta = torch.rand(1, 40, heads)
+    common = dict(A_log=None, dt_bias=None, lower_bound=None, gate="precomputed", beta_sigmoid=False,
+                  intracard_cp=False, fused=False)
+    prefill_module.prefill(x["q"], x["k"], x["v"], g, beta, **common)
+    _, values, _ = recorder.values(0)
+    prefill_module.prefill(x["q"], x["k"], x["v"], g.to(torch.bfloat16), beta.to(torch.bfloat16), **common)
+    _, values_bf16, _ = recorder.values(2)
+    # the descriptors and pointers differ by address only; everything else packs the same
+    same = {n for n in values if n not in ("g", "beta", "tma_g", "out") and values[n] == values_bf16[n]}
+    assert same == {n for n in values if n not in ("g", "beta", "tma_g", "out")}
+    assert values["beta_row_stride"] == heads  # the bf16 copy of beta is packed
+    with pytest.raises(KDAInputError, match="g must be torch.bfloat16"):  # only fp32 is rounded for the caller
+        prefill_module.prefill(x["q"], x["k"], x["v"], g.half(), beta, **common)
