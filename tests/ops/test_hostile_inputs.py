@@ -36,7 +36,7 @@ CORRUPTIONS = {
           lambda x: torch.zeros(1, T, H * 128 + 4, dtype=torch.bfloat16)[..., :H * 128].unflatten(-1, (H, 128)),
           lambda x: torch.zeros(T * H * 128, dtype=torch.bfloat16).as_strided((1, T, H, 128), (T * 128, 128, 128, 1))],
     "k": [lambda x: x["k"].half(), lambda x: x["k"][:, :, :1].contiguous(), lambda x: x["k"].expand(2, -1, -1, -1)],
-    "g": [lambda x: x["g"].float(), lambda x: x["g"][..., :127].contiguous()],
+    "g": [lambda x: x["g"].half(), lambda x: x["g"].double(), lambda x: x["g"][..., :127].contiguous()],
     "A_log": [lambda x: x["A_log"].double(), lambda x: x["A_log"][:1].contiguous(), lambda x: x["A_log"].bfloat16()],
     "dt_bias": [lambda x: x["dt_bias"].t().contiguous(), lambda x: x["dt_bias"].half()],
     "lower_bound": [lambda x: 0.0, lambda x: 0.5, lambda x: -5.01, lambda x: float("nan")],
@@ -52,7 +52,7 @@ CORRUPTIONS = {
     "state_indices": [lambda x: torch.zeros(2, dtype=torch.int32), lambda x: torch.zeros(3, dtype=torch.int64),
                       lambda x: torch.zeros(3, 1, dtype=torch.int32), lambda x: [0, 1, 2]],
     "check_seqlens": [lambda x: "never", lambda x: True],
-    "beta": [lambda x: x["beta"].float(), lambda x: x["beta"][..., None], lambda x: x["beta"][:, 1:].contiguous(),
+    "beta": [lambda x: x["beta"].half(), lambda x: x["beta"][..., None], lambda x: x["beta"][:, 1:].contiguous(),
              lambda x: torch.zeros(1, T, H + 1, dtype=torch.bfloat16)[..., 1:]],
 }
 CASES = [(arg, i) for arg, builders in CORRUPTIONS.items() for i in range(len(builders))]
