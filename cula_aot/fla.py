@@ -80,10 +80,9 @@ def _check(reason):
         raise KDAInputError(reason)
 
 
-def _conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
-    """g, β and the input conventions for fla's flags."""
-    return {"g": g, "beta": beta, "qk_l2norm": bool(use_qk_l2norm_in_kernel),
-            "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
+def _conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
+    """kda_prefill's input conventions for fla's flags."""
+    return {"qk_l2norm": bool(use_qk_l2norm_in_kernel), "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -99,10 +98,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                        return_intermediate_states=return_intermediate_states, cp_context=cp_context))
     gate = _gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
-    return kda_prefill(q, k, v, scale=scale, initial_state=initial_state,
+    return kda_prefill(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                        state_layout="vk" if state_v_first else "kv", **gate,
-                       **_conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
+                       **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -130,18 +129,17 @@ def _recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, s
                        num_accepted_tokens=num_accepted_tokens, ssm_state_indices=ssm_state_indices))
     gate = _gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
     options = dict(scale=scale, cu_seqlens=cu_seqlens, state_layout="vk" if state_v_first else "kv", out=out,
-                   intracard_cp=False, **gate,
-                   **_conventions(g, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
+                   intracard_cp=False, **gate, **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
     if inplace_final_state:
         if initial_state is None:
             raise KDAInputError("inplace_final_state=True needs an initial_state to update")
         slots = ssm_state_indices
         if slots is None:
             slots = _identity_slots(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, q.device)
-        o, _ = kda_prefill(q, k, v, initial_state=initial_state, final_state=initial_state,
+        o, _ = kda_prefill(q, k, v, g, beta, initial_state=initial_state, final_state=initial_state,
                            state_indices=slots.to(torch.int32), **options)
         return o, initial_state
-    return kda_prefill(q, k, v, initial_state=initial_state, output_final_state=output_final_state, **options)
+    return kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, **options)
 
 
 def _identity_slots(n: int, device):

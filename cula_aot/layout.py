@@ -36,9 +36,10 @@ ORDER_MAX_SEQS = 128
 FLAG_VARLEN = 1024
 # The caller passed a status word (``status``): kernels OR ``STATUS_*`` bits into it.
 FLAG_STATUS = 2048
-# Input conventions, runtime bits of K1, the fused kernel and both decode kernels (fla's
-# ``use_beta_sigmoid_in_kernel=False`` and ``use_qk_l2norm_in_kernel=False``): β is already the
-# probability b (else a logit, b = σ(β)); q and k are used as given (else L2-normalised).
+# Input conventions, runtime bits of K1 and both decode kernels (fla's
+# ``use_beta_sigmoid_in_kernel=False`` and ``use_qk_l2norm_in_kernel=False``; the fused kernel runs
+# the default ones only): β is already the probability b (else a logit, b = σ(β)); q and k are
+# used as given (else L2-normalised).
 FLAG_BETA_PROBABILITY = 4096
 FLAG_QK_AS_GIVEN = 8192
 

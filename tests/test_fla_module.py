@@ -86,9 +86,9 @@ def test_fp32_precomputed_gate_and_beta_are_accepted(x, calls):
     assert fla_route.unsupported(x["q"], x["k"], x["v"], g, beta, **_flags()) is None
     fla_route.chunk_kda(x["q"], x["k"], x["v"], g, beta,
                         **_flags(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False))
-    (_, kwargs), = calls
+    (args, kwargs), = calls
     assert kwargs["gate"] == "precomputed" and kwargs["beta_sigmoid"] is False
-    assert kwargs["g"] is g and kwargs["beta"] is beta  # kda_prefill rounds them (tests/ops/test_serial_plan.py)
+    assert args[3] is g and args[4] is beta  # kda_prefill rounds them (tests/ops/test_serial_plan.py)
 
 
 @pytest.mark.parametrize("change, reason", [

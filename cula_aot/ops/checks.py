@@ -118,3 +118,12 @@ def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
         return A_log, dt_bias, UNUSED_LOWER_BOUND  # validation names the bad q
     zeros_a, zeros_dt = gate_defaults(q.shape[-2], q.device)
     return (zeros_a if A_log is None else A_log, zeros_dt if dt_bias is None else dt_bias, UNUSED_LOWER_BOUND)
+
+
+def call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm) -> tuple:
+    """What every entry point resolves before validation: ``(A_log, dt_bias, lower_bound)`` of
+    ``gate`` (``gate_inputs``), g and β in the kernels' dtype (``kernel_dtypes``) and the
+    input-convention bits (``input_flags``), as ``(A_log, dt_bias, lower_bound, g, beta, flags)``."""
+    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
+    g, beta = kernel_dtypes(g, beta)
+    return A_log, dt_bias, lower_bound, g, beta, input_flags(beta_sigmoid, qk_l2norm)

@@ -19,7 +19,7 @@ from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, 
     pick_variant,
     variant_spec,
 )
-from .checks import check_dtype_shape, check_scalars, check_status, fail, gate_inputs, input_flags, kernel_dtypes
+from .checks import call_inputs, check_dtype_shape, check_scalars, check_status, fail
 from .prefill import STATE_LAYOUTS
 
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -202,12 +202,10 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
            beta_sigmoid=True, qk_l2norm=True):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
-    ``gate``: the decay (``checks.gate_inputs``); ``beta_sigmoid``, ``qk_l2norm``: the input
-    conventions (``checks.input_flags``).
+    ``gate``: the decay; ``beta_sigmoid``, ``qk_l2norm``: the input conventions (``checks.call_inputs``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
-    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
-    g, beta = kernel_dtypes(g, beta)
-    conventions = input_flags(beta_sigmoid, qk_l2norm)
+    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
+                                                                    beta_sigmoid, qk_l2norm)
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,

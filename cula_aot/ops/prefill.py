@@ -17,7 +17,7 @@ from ..layout import FLAG_LONGEST_FIRST, D
 from ..runtime.loader import default_loader
 from ..specs import K2_SEGMENTED_V_BLOCK, K1Spec, auto_fused, auto_v_block, fused_spec, serial_k2_spec
 from . import cp_plan
-from .checks import KDAInputError, fail, gate_inputs, input_flags, kernel_dtypes  # noqa: F401 (KDAInputError: re-exported)
+from .checks import KDAInputError, call_inputs, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prefill_checks import STATE_LAYOUTS  # noqa: F401 (re-exported)
 from .prefill_checks import _host_cu_seqlens, _read_host_cu, validate
 from .prefill_plans import _CPPlan, _FusedPlan, _SerialPlan, _state_options
@@ -181,11 +181,10 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     A call signature seen before skips the structural checks (they depend on nothing else) and
     launches from cached templates: the serial path (``_SerialPlan``, ``_FusedPlan``), or the CP
     chain for lengths and a split seen before (``_CPPlan``); a new one takes the path
-    ``choose_path`` names.  ``gate`` picks the kernels' decay (``checks.gate_inputs``);
-    ``beta_sigmoid`` and ``qk_l2norm`` the input conventions (``checks.input_flags``)."""
-    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
-    g, beta = kernel_dtypes(g, beta)
-    conventions = input_flags(beta_sigmoid, qk_l2norm)
+    ``choose_path`` names.  ``gate`` picks the kernels' decay, ``beta_sigmoid`` and ``qk_l2norm``
+    the input conventions (``checks.call_inputs``)."""
+    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
+                                                                    beta_sigmoid, qk_l2norm)
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
     try:

@@ -8,7 +8,7 @@ import torch
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
-from .checks import DEFAULT_SCALE, gate_inputs, input_flags
+from .checks import DEFAULT_SCALE, call_inputs
 from .workspace import ARENA
 
 
@@ -78,7 +78,7 @@ def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, co
                    flags=0) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``, the
     inputs' token ``strides`` (elements, see ``contiguous_strides``) and the input-convention
-    ``flags`` (``checks.input_flags``)."""
+    ``flags`` (``checks.call_inputs``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch({
         **common, **input_geometry(batch, seq_len, heads, strides), **k1_grid(common["total_slots"], heads, sm_count(q.device)),
@@ -94,15 +94,15 @@ def prepare(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=
 
     For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
     """
-    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
+    A_log, dt_bias, lower_bound, g, beta, flags = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
+                                                              beta_sigmoid, qk_l2norm)
     batch, seq_len, heads, _ = q.shape
     device = q.device
     kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=gate))
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads),
-                   input_flags(beta_sigmoid, qk_l2norm))
+                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads), flags)
     return workspaces
 
 
