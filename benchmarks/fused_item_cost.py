@@ -10,9 +10,9 @@ the fill/drain and state I/O per item (intercepts; PERFORMANCE.md, Fused prefill
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_prefill import LOWER_BOUND, make_inputs
+from benchmarks.timing import kernel_medians_us
 from cula_aot.ops.prefill import prefill
 
 LENGTHS = (256, 512, 1024, 2048, 4096)
@@ -28,15 +28,8 @@ def fused_kernel_us(x, with_states: bool, calls: int = 20) -> float:
                 lower_bound=LOWER_BOUND, initial_state=x["s0"] if with_states else None, out=out,
                 final_state=final, output_final_state=with_states, intracard_cp=False, fused=True)
 
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    durations = sorted(e.device_time for e in prof.events() if e.device_type.name == "CUDA" and "fused" in e.name)
-    return durations[len(durations) // 2]
+    (us,) = [us for name, us in kernel_medians_us(run, calls).items() if "fused" in name]
+    return us
 
 
 def main():

@@ -14,9 +14,9 @@ softplus log-decay.  Initial and final state, serial path.
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_prefill import LOWER_BOUND, make_inputs
+from benchmarks.timing import kernel_medians_us
 from cula_aot import reference
 from cula_aot.ops.prefill import prefill
 
@@ -26,8 +26,8 @@ CASES = {"safe": (("safe", "std"),),
 CASES["all"] = CASES["safe"] + CASES["unbounded"]
 
 
-def kernel_us(x, gate, a_log, dt_bias, fused, calls=20) -> dict:
-    """Median CUPTI µs per kernel name of ``calls`` prefills of ``x``."""
+def kernel_us(x, gate, a_log, dt_bias, fused) -> dict:
+    """Median CUPTI µs per kernel (a short name) of 20 prefills of ``x``."""
     out, final = torch.empty_like(x["v"]), torch.empty_like(x["s0"])
 
     def run():
@@ -35,18 +35,7 @@ def kernel_us(x, gate, a_log, dt_bias, fused, calls=20) -> dict:
                 lower_bound=LOWER_BOUND if gate == "safe" else None, initial_state=x["s0"], out=out,
                 final_state=final, output_final_state=True, intracard_cp=False, fused=fused, gate=gate)
 
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        torch.cuda.synchronize()
-    by_name = {}
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            by_name.setdefault(e.name.split("(")[0][7:30], []).append(e.device_time)
-    return {name: sorted(t)[len(t) // 2] for name, t in by_name.items()}
+    return {name.split("(")[0][7:30]: us for name, us in kernel_medians_us(run).items()}
 
 
 def main():

@@ -1,8 +1,10 @@
-"""CUDA-event timing shared by the benchmarks: warm-up, then the interquartile mean of runs."""
+"""CUDA-event timing shared by the benchmarks: warm-up, then the interquartile mean of runs;
+and CUPTI kernel durations (torch.profiler)."""
 
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 
 def iqm(samples):
@@ -25,6 +27,22 @@ def time_cuda(fn, warmup=25, iters=100):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return iqm(times)
+
+
+def kernel_medians_us(fn, calls=20, warmup=5) -> dict:
+    """Median CUPTI duration (µs) per kernel name over ``calls`` calls of ``fn``, after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    by_name = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            by_name.setdefault(event.name, []).append(event.device_time)
+    return {name: sorted(times)[len(times) // 2] for name, times in by_name.items()}
 
 
 _CAPTURE_STREAM = {}

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cula_aot import KDAInputError, distributed, reference
-from cula_aot.testing import fresh_seed, standard_inputs
+from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
 HEADS = 2
 
@@ -43,7 +43,7 @@ def _worker(rank, world, init_file, seed, lengths, rank_tokens, gate, layout):
         init = s0.transpose(-1, -2) if layout == "vk" else s0
         o, final = distributed.kda_prefill_cp(*mine, lengths=lengths, rank_tokens=rank_tokens, initial_state=init,
                                               output_final_state=True, state_layout=layout, **options)
-        cu = torch.tensor([0] + [sum(lengths[:n + 1]) for n in range(len(lengths))])
+        cu = cu_seqlens_of(lengths)
         want_o, want_s = reference.kda_recurrent(*tensors, **{k: v for k, v in options.items() if k != "gate"},
                                                  initial_state=s0.double(), cu_seqlens=cu, gate_kind=gate)
         assert o.shape == (1, rank_tokens[rank], HEADS, 128)

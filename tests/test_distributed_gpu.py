@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import cula_aot
 from cula_aot import distributed, reference
-from cula_aot.testing import fresh_seed, standard_inputs
+from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
 pytestmark = pytest.mark.gpu
 HEADS = 4
@@ -52,7 +52,7 @@ def test_split_over_processes_on_one_gpu(lengths, rank_tokens, gate):
                         n_states=len(lengths), generator_device="cpu")
     options = {name: x[name] for name in ("A_log", "dt_bias", "lower_bound", "gate") if name in x}
     args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    cu = torch.tensor([0] + [sum(lengths[:n + 1]) for n in range(len(lengths))], dtype=torch.int32)
+    cu = cu_seqlens_of(lengths)
     o_one, s_one = cula_aot.kda_prefill(*args, **options, initial_state=x["initial_state"].transpose(-1, -2).contiguous(),
                                         output_final_state=True, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
     ref_o, ref_s = reference.kda_chunked(*args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"),
