@@ -68,10 +68,6 @@ def _check(lengths, rank_tokens, world: int, local_tokens: int, rank: int):
         fail(f"rank {rank} passes {local_tokens} tokens but rank_tokens[{rank}] = {rank_tokens[rank]}")
 
 
-def _cat(parts, dim=1):
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-
-
 def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initial_state=None,
                    output_final_state=False, state_layout="vk", intracard_cp="auto", **options):
     """KDA prefill of a batch split over the ranks of ``group`` (default: the world).
