@@ -1,10 +1,22 @@
 """Helpers shared by the tests: the input generators of ``cula_aot.testing`` (CONTRACT §8
 distributions) under the names the tests import, and the kernels' tile slots."""
 
+import torch
+
 from cula_aot.layout import CHUNK, varlen_slot_base
 from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
-__all__ = ["cu_seqlens_of", "fresh_seed", "standard_inputs", "tile_slots"]
+__all__ = ["bits", "cu_seqlens_of", "fresh_seed", "in_layout", "standard_inputs", "tile_slots"]
+
+
+def in_layout(state_kv, layout):
+    """S ([.., K, V]) as a pool stores it, or back: "vk" keeps Sᵀ per head."""
+    return state_kv.transpose(-1, -2) if layout == "vk" else state_kv
+
+
+def bits(t):
+    """The raw bits of a float32 or 16-bit tensor, for bitwise comparisons."""
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def tile_slots(lengths_or_batch, seq_len=None):
