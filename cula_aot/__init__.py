@@ -2,11 +2,12 @@
 
 from ._version import __version__  # noqa: F401
 from .api import fwd, kda_decode, kda_prefill, preload
-from .layout import STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE
+from .layout import STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE
 from .ops.prefill import KDAInputError
 from .runtime.driver import CudaError
 from .runtime.manifest import ArtifactError
 from . import torch_op  # noqa: F401  (registers torch.ops.cula_aot.kda_prefill)
 
-__all__ = ["ArtifactError", "CudaError", "KDAInputError", "STATUS_CU_SEQLENS_MALFORMED", "STATUS_SLOT_OUT_OF_RANGE", "fwd",
+__all__ = ["ArtifactError", "CudaError", "KDAInputError", "STATUS_CHECKPOINT_MISALIGNED", "STATUS_CU_SEQLENS_MALFORMED",
+           "STATUS_SLOT_OUT_OF_RANGE", "fwd",
            "kda_decode", "kda_prefill", "preload"]

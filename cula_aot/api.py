@@ -10,7 +10,8 @@ from .runtime.loader import default_loader
 def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None,
                 initial_state=None, output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
                 intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None,
-                beta_sigmoid=True, qk_l2norm=True):
+                beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None,
+                checkpoint_offsets=None):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
@@ -64,23 +65,43 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     caller: the kernels OR ``cula_aot.STATUS_CU_SEQLENS_MALFORMED`` (an entry outside [0, T], a
     decrease, a first entry other than 0) and ``cula_aot.STATUS_SLOT_OUT_OF_RANGE`` (a
     ``state_indices`` entry ≥ slots or below -1) into it, with no sync; read it whenever you like.
+
+    Prefix-cache checkpoints (``checkpoint_every`` = N, a multiple of 16; 0: none): the state after
+    every N-th token of each sequence is written into ``checkpoint_pool`` (fp32 or bf16
+    ``[slots, H, 128, 128]`` in ``state_layout``, slots may be padded apart) at the slot
+    ``checkpoint_indices[n, j]`` (int32 ``[N, M]``, device) for the j-th checkpoint of sequence n
+    in this call; -1 (or any slot outside the pool, reported if not -1) skips one, and so does
+    j ≥ M.  Positions count from the start of the request: with ``checkpoint_offsets`` (int32
+    ``[N]``, device: the tokens of sequence n's request before this call, e.g. the tokens already
+    in its cache when a chunked prefill resumes from ``initial_state``) the checkpoints of
+    sequence n fall after its positions ``offset + i`` that are multiples of N, so they stay on
+    the engine's cache-block boundaries across chunks; without it the offsets are 0 and the
+    checkpoints fall after this call's tokens N, 2N, …  An offset must be ≥ 0 and a multiple of
+    16: another writes no checkpoint for its sequence and reports
+    ``cula_aot.STATUS_CHECKPOINT_MISALIGNED``.  A checkpoint at the sequence's last token is written
+    too (it equals its final state).  Sync-free and capturable; nothing else changes (o, the final
+    state and every other slot of the pool are untouched).  ``cula_aot.layout.checkpoint_tiles``
+    lists the (tile, column) pairs a sequence writes.
     """
     return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
                    initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                    cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
                    intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens,
-                   status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+                   status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+                   checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool,
+                   checkpoint_indices=checkpoint_indices, checkpoint_offsets=checkpoint_offsets)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto",
-        status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True):
+        status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None,
+        checkpoint_indices=None, checkpoint_offsets=None):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
     States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
     FlashKDA (``intracard_cp="auto"`` opts in).  Sync-free and capturable in varlen with only a
     device ``cu_seqlens`` (see ``kda_prefill`` for ``gate``, ``check_seqlens``, ``state_indices``, ``status``,
-    ``beta_sigmoid`` and ``qk_l2norm``).
+    ``beta_sigmoid``, ``qk_l2norm`` and the ``checkpoint_*`` arguments).
     Returns None, like FlashKDA.
     """
     if out is None:
@@ -88,7 +109,9 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
             initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
             cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
-            check_seqlens=check_seqlens, status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+            check_seqlens=check_seqlens, status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+            checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices,
+            checkpoint_offsets=checkpoint_offsets)
 
 
 def preload(device=None) -> int:

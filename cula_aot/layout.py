@@ -42,6 +42,11 @@ FLAG_STATUS = 2048
 # used as given (else L2-normalised).
 FLAG_BETA_PROBABILITY = 4096
 FLAG_QK_AS_GIVEN = 8192
+# Prefix-cache checkpoints (K2 and the fused prefill, ``checkpoint_every`` > 0): the checkpoint
+# pool is bf16 (else fp32); each sequence's token positions start at ``checkpoint_offsets[n]``
+# (else 0): see ``checkpoint_schedule``.
+FLAG_BF16_CHECKPOINT = 16384
+FLAG_CHECKPOINT_OFFSETS = 32768
 
 # Device values the kernels bound instead of trusting (a serving process must survive a bad
 # scheduler value): every ``cu_seqlens`` entry is clamped into [0, T] and each sequence's end
@@ -49,11 +54,14 @@ FLAG_QK_AS_GIVEN = 8192
 # kernels report what they met, so an engine can check it whenever it wants, with no sync.
 STATUS_CU_SEQLENS_MALFORMED = 1  # an entry outside [0, T], a decrease, or a first entry other than 0
 STATUS_SLOT_OUT_OF_RANGE = 2  # a state index >= the pool's slots, or negative other than -1
+STATUS_CHECKPOINT_MISALIGNED = 4  # a checkpoint offset negative or not a multiple of 16: none written
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.
-SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS = range(7)
-SEGMENT_FIELDS = 8  # padded to 32 bytes
+# SEG_SEQ_OFFSET: the tokens of its sequence before the segment (where its checkpoints fall).
+(SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS,
+ SEG_SEQ_OFFSET) = range(8)
+SEGMENT_FIELDS = 8  # 32 bytes
 
 # The per-slot workspaces: element dtype and bytes per (tile, head) slot.
 WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "b": "f32"}
@@ -103,6 +111,39 @@ def varlen_total_slots(total_tokens: int, num_seqs: int) -> int:
 def varlen_slot_base(cu_seqlens: list[int], seq: int) -> int:
     """First tile slot of sequence ``seq`` (the host twin of the device lookup)."""
     return (cu_seqlens[seq] + (CHUNK - 1) * seq) // CHUNK
+
+
+def checkpoint_schedule(offset: int, tokens_before: int, every: int):
+    """Where a work item's checkpoints fall: (first tile, first column), or None when ``offset``
+    is misaligned (negative or not a multiple of 16: ``STATUS_CHECKPOINT_MISALIGNED``).
+
+    Positions count from the request's start: this call's part of a sequence begins at position
+    ``offset`` (``checkpoint_offsets[n]``, else 0), the item at ``offset + tokens_before`` (a CP
+    segment's ``SEG_SEQ_OFFSET``).  A checkpoint is the state after every position that is a
+    multiple of ``every`` (a multiple of 16), past the call's first token; column j of
+    ``checkpoint_indices`` is the call's j-th.  The item's first lands after its tile
+    ``first tile`` (its tiles start at its first token), then one every ``every / 16`` tiles,
+    the column one further each time; the kernels write those whose tile is whole.  The device
+    twin is ``kernels.tile_chain.checkpoint_schedule``."""
+    if offset < 0 or offset % CHUNK:
+        return None
+    start = offset % every + tokens_before  # the item's first position, from the call's first block start
+    first = every - start % every  # tokens into the item of its first checkpoint
+    return first // CHUNK - 1, (start + first) // every - 1
+
+
+def checkpoint_tiles(length: int, offset: int, tokens_before: int, every: int, columns: int):
+    """(tile, column) of each checkpoint a ``length``-token item writes (``checkpoint_schedule``:
+    whole tiles only, columns below ``columns``)."""
+    schedule = checkpoint_schedule(offset, tokens_before, every)
+    if schedule is None:
+        return []
+    tile, column = schedule
+    out = []
+    while (tile + 1) * CHUNK <= length and column < columns:
+        out.append((tile, column))
+        tile, column = tile + every // CHUNK, column + 1
+    return out
 
 
 def decode_k_inter(images):

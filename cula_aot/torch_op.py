@@ -11,7 +11,9 @@ and lower_bound may then be None).
 ``torch.ops.cula_aot.kda_prefill_pool``: the serving form over a state pool, updated in place
 (declared mutated, so torch.compile orders it): sequence n continues from
 ``state_pool[state_indices[n]]`` and writes its final state back (index < 0: zero start, no
-write).  Sync-free with a device ``cu_seqlens``; returns the output.
+write).  Sync-free with a device ``cu_seqlens``; returns the output.  With ``checkpoint_every``
+it also writes prefix-cache checkpoints into ``checkpoint_pool`` (declared mutated; see
+``cula_aot.kda_prefill``).
 
 ``torch.ops.cula_aot.kda_decode``: the decode step (``cula_aot.kda_decode``) over a state pool,
 updated in place (``state_pool`` and, when given, ``intermediate_states`` are declared mutated);
@@ -38,7 +40,9 @@ SCHEMAS = {
                    f"Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, str state_layout=\"vk\", "
                    f"int intracard_cp=0, {CONVENTIONS}) -> (Tensor, Tensor)",
     "kda_prefill_pool": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, float? scale=None, "
-                        f"Tensor? cu_seqlens=None, str state_layout=\"vk\", {CONVENTIONS}) -> Tensor",
+                        f"Tensor? cu_seqlens=None, str state_layout=\"vk\", {CONVENTIONS}, int checkpoint_every=0, "
+                        f"Tensor(b!)? checkpoint_pool=None, Tensor? checkpoint_indices=None, "
+                        f"Tensor? checkpoint_offsets=None) -> Tensor",
     "kda_decode": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, Tensor(b!)? intermediate_states, "
                   f"float? scale=None, int? num_tokens=None, str state_layout=\"vk\", {CONVENTIONS}) -> Tensor",
 }
@@ -71,17 +75,21 @@ def fake_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, init
 
 @torch.library.impl("cula_aot::kda_prefill_pool", "cuda")
 def kda_prefill_pool_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None,
-                        cu_seqlens=None, state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True):
+                        cu_seqlens=None, state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True,
+                        checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None, checkpoint_offsets=None):
     o, _ = prefill(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=state_pool, final_state=state_pool, state_indices=state_indices, cu_seqlens=cu_seqlens,
-        state_layout=state_layout, intracard_cp=False, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+        state_layout=state_layout, intracard_cp=False, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
+        checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices,
+        checkpoint_offsets=checkpoint_offsets)
     return o
 
 
 @torch.library.register_fake("cula_aot::kda_prefill_pool")
 def fake_prefill_pool(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
-      state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True):
+      state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None,
+      checkpoint_indices=None, checkpoint_offsets=None):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 

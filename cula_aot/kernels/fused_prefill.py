@@ -46,7 +46,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES, ORDER_MAX_SEQS,
-                      STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
+                      STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
 from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
@@ -54,6 +54,7 @@ from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PAR
                            reduce_mqk, register_inverse, store_inverse, store_row_norms, vector, lane_columns,
                            lane_rows)
 from .tile_chain import (
+    checkpoint_schedule,
     state_slots,
     N_TILES,
     STAGE_ALIGN,
@@ -68,6 +69,7 @@ from .tile_chain import (
     tile_u,
     tile_w,
     wgmma_state_products,
+    write_checkpoint,
     write_state,
 )
 from .warp_mma import (accumulators_as_a, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, st_global_v4,
@@ -181,6 +183,15 @@ def fused_prefill_kernel(
     status: cute.Pointer,
     init_slots: cutlass.Int32,
     final_slots: cutlass.Int32,
+    checkpoints: cute.Pointer,
+    checkpoint_indices: cute.Pointer,
+    checkpoint_offsets: cute.Pointer,
+    checkpoint_every: cutlass.Int32,
+    checkpoint_columns: cutlass.Int32,
+    checkpoint_slots: cutlass.Int32,
+    checkpoint_slot_stride: cutlass.Int32,
+    checkpoint_stride_k: cutlass.Int32,
+    checkpoint_stride_v: cutlass.Int32,
     token_coords: cute.Tensor,
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
@@ -324,11 +335,13 @@ def fused_prefill_kernel(
         final_index = seq
         init_index, read_init, final_index, write_final, bad_slot = state_slots(
             state_indices, flags, init_index, init_slots, final_index, final_slots)
-        if cw == 0:
-            if lane == 0:
-                report_status(status, (flags & FLAG_STATUS) != 0,
-                              cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-                              | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0))
+        checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(checkpoint_offsets, flags, seq, checkpoint_every,
+                                                                        cutlass.Int32(0))
+        if (cw == 0) & (lane == 0):
+            report_status(status, (flags & FLAG_STATUS) != 0,
+                          cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+                          | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+                          | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0))
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
@@ -398,6 +411,11 @@ def fused_prefill_kernel(
                 state[i] = updated[i]
             # The update has read the stage's kr: the producer may refill it.
             cute.arch.mbarrier_arrive(empty + stage)
+            if tile == checkpoint_tile:
+                checkpoint_tile = write_checkpoint(
+                    state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq, cutlass.Int32(0),
+                    checkpoint_every, checkpoint_columns, checkpoint_slots, checkpoint_slot_stride, head, t, v_col,
+                    checkpoint_stride_k, checkpoint_stride_v, flags, status, (cw == 0) & (lane == 0))
 
         if write_final != 0:
             write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,

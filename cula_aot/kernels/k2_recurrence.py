@@ -71,6 +71,8 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
 from ..layout import (
+    FLAG_BF16_CHECKPOINT,
+    FLAG_CHECKPOINT_OFFSETS,
     FLAG_IDENTITY_INIT,
     FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
@@ -81,10 +83,13 @@ from ..layout import (
     SEG_FIRST_TOKEN,
     SEG_FLAGS,
     SEG_INIT_INDEX,
+    SEG_SEQ,
+    SEG_SEQ_OFFSET,
     SEG_TOKENS,
     SEGMENT_FIELDS,
     ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
+    STATUS_CHECKPOINT_MISALIGNED,
     STATUS_CU_SEQLENS_MALFORMED,
     STATUS_SLOT_OUT_OF_RANGE,
     WORKSPACE_PART_OFFSETS,
@@ -105,6 +110,7 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
+    checkpoint_schedule,
     state_slots,
     N_TILES,
     STAGE_ALIGN,
@@ -120,6 +126,7 @@ from .tile_chain import (
     tile_w,
     v_chunk,
     wgmma_state_products,
+    write_checkpoint,
     write_state,
 )
 
@@ -223,6 +230,15 @@ def k2_recurrence_kernel(
     status: cute.Pointer,
     init_slots: cutlass.Int32,
     final_slots: cutlass.Int32,
+    checkpoints: cute.Pointer,
+    checkpoint_indices: cute.Pointer,
+    checkpoint_offsets: cute.Pointer,
+    checkpoint_every: cutlass.Int32,
+    checkpoint_columns: cutlass.Int32,
+    checkpoint_slots: cutlass.Int32,
+    checkpoint_slot_stride: cutlass.Int32,
+    checkpoint_stride_k: cutlass.Int32,
+    checkpoint_stride_v: cutlass.Int32,
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
@@ -265,15 +281,20 @@ def k2_recurrence_kernel(
     length = seq_len
     init_index = seq
     final_index = seq
+    checkpoint_row = seq  # the row of checkpoint_indices (a sequence number)
+    tokens_before = cutlass.Int32(0)  # of the item's sequence, before the item (CP segments)
     malformed = cutlass.Boolean(False)
     if cutlass.const_expr(segmented):
         seg_row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
+        checkpoint_row = seg_row[SEG_SEQ]
+        tokens_before = seg_row[SEG_SEQ_OFFSET]
         seq_start = cutlass.Int64(seg_row[SEG_FIRST_TOKEN])
         first_slot = seg_row[SEG_FIRST_SLOT]
         length = seg_row[SEG_TOKENS]
         init_index = seg_row[SEG_INIT_INDEX]
         final_index = seg_row[SEG_FINAL_INDEX]
-        flags = seg_row[SEG_FLAGS] | (flags & FLAG_STATUS)  # the row's flags, the launch's status word
+        # The row's flags; the launch's status word and checkpoint bits.
+        flags = seg_row[SEG_FLAGS] | (flags & (FLAG_STATUS | FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS))
     elif cutlass.const_expr(varlen):
         seq_start, first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     else:
@@ -287,10 +308,17 @@ def k2_recurrence_kernel(
     # (outside the pool: a zero start and no write).
     init_index, read_init, final_index, write_final, bad_slot = state_slots(
         state_indices, flags, init_index, init_slots, final_index, final_slots)
+    # Prefix-cache checkpoints (none in the pre_scan, whose states are not the sequence's).
+    checkpoint_tile = cutlass.Int32(-1)
+    checkpoint_misaligned = cutlass.Boolean(False)
+    if cutlass.const_expr(not prescan):
+        checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
+            checkpoint_offsets, flags, checkpoint_row, checkpoint_every, tokens_before)
     if tid == 0:
         report_status(status, (flags & FLAG_STATUS) != 0,
                       cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-                      | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0))
+                      | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+                      | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0))
     if cutlass.const_expr(segmented):
         # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
         # is the merge's output, so nothing of the predecessor's is read before its grid is done.
@@ -464,6 +492,12 @@ def k2_recurrence_kernel(
             updated = wgmma_wait(0, updated)
             for i in cutlass.range_constexpr(4 * N_TILES):
                 state[i] = updated[i]
+        if cutlass.const_expr(not prescan):
+            if tile == checkpoint_tile:
+                checkpoint_tile = write_checkpoint(
+                    state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
+                    tokens_before, checkpoint_every, checkpoint_columns, checkpoint_slots, checkpoint_slot_stride, head,
+                    t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags, status, tid == 0)
         # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
         # 0 waits at the next tile's refill; the other warps here, before their next arrive.
         if cutlass.const_expr(multicast):

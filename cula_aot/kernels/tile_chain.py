@@ -6,12 +6,13 @@ order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT,
-                      FLAG_INITIAL_STATE, ORDER_MAX_SEQS)
+from ..layout import (FLAG_BF16_CHECKPOINT, FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_CHECKPOINT_OFFSETS, FLAG_FINAL_STATE,
+                      FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_STATUS, ORDER_MAX_SEQS,
+                      STATUS_SLOT_OUT_OF_RANGE)
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
-from .common import CHUNK, D, pool_slot, sequence_bounds, state_element
+from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
-from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16
+from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16, opaque_i32
 
 N_TILES = D // 8  # m16n8 accumulator tiles per warp for its 16 × 128 slice of Sᵀ
 STAGE_ALIGN = 32  # every part offset and stage size is a multiple of this
@@ -105,22 +106,73 @@ def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_strid
 
 
 @cute.jit
+def checkpoint_schedule(checkpoint_offsets: cute.Pointer, flags, row, every, tokens_before):
+    """(first tile, first column, misaligned) of work item ``row``'s checkpoints, the device twin
+    of ``layout.checkpoint_schedule`` (``tokens_before``: a CP segment's ``SEG_SEQ_OFFSET``, else
+    0).  First tile −1: none (``every`` 0, or a misaligned offset, which is then reported)."""
+    offset = cutlass.Int32(0)
+    enabled = every > 0
+    if enabled:
+        if (flags & FLAG_CHECKPOINT_OFFSETS) != 0:
+            offset = cute.make_tensor(checkpoint_offsets + row, cute.make_layout(1))[0]
+    misaligned = enabled & ((offset < 0) | ((offset % CHUNK) != 0))
+    first_tile = cutlass.Int32(-1)
+    column = cutlass.Int32(0)
+    if enabled & (offset >= 0) & ((offset % CHUNK) == 0):
+        start = offset % every + tokens_before
+        first = every - start % every
+        first_tile = first // CHUNK - 1
+        column = (start + first) // every - 1
+    return first_tile, column, misaligned
+
+
+@cute.jit
+def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
+                     checkpoint_offsets: cute.Pointer, row, tokens_before, every, columns, slots, slot_stride, head, t,
+                     v_col, stride_k, stride_v, flags, status: cute.Pointer, reporter):
+    """At a checkpoint tile (``checkpoint_schedule``): this thread's Sᵀ values, the state after
+    ``tile``, into slot ``checkpoint_indices[row, column]`` when the tile is whole (fp32 or bf16
+    by ``FLAG_BF16_CHECKPOINT``; a slot outside the pool is padding, reported by ``reporter``
+    when out of range).  Returns the next checkpoint tile.  The column is recomputed from the
+    schedule here, so the tile loop keeps one register for checkpoints: the next tile."""
+    first_tile, column, _ = checkpoint_schedule(checkpoint_offsets, flags, row, every, tokens_before)
+    every_tiles = every // CHUNK
+    column = column + (tile - first_tile) // every_tiles
+    if ((tile + 1) * CHUNK <= length) & (column < columns):
+        slot, usable, out_of_range = pool_slot(checkpoint_indices, row * columns + column, slots)
+        if usable:
+            state_io(write_pairs, write_elements, state, checkpoints, slot, opaque_i32(slot_stride), opaque_i32(head),
+                     opaque_i32(t), opaque_i32(v_col), opaque_i32(stride_k), opaque_i32(stride_v),
+                     (flags & FLAG_BF16_CHECKPOINT) != 0)
+        if reporter:
+            report_status(status, (flags & FLAG_STATUS) != 0,
+                          cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0))
+    return tile + every_tiles
+
+
+@cute.jit
 def state_io(pairs_io, elements_io, state: cute.Tensor, base: cute.Pointer, index, slot_stride, head, t, v_col,
              stride_k, stride_v, dtype_is_bf16):
     """The case split ``read_state`` and ``write_state`` share: layout and dtype are runtime
-    values, but an access's width and element type are fixed when it is traced, so each of the
-    four cases is its own branch: ``pairs_io`` (``read_pairs`` / ``write_pairs``) on a ``paired``
-    layout, else ``elements_io`` (``read_elements`` / ``write_elements``), each bf16 or fp32."""
+    values ([.., V, K]: ``stride_k`` 1, ``stride_v`` 128; [.., K, V]: 128, 1), but an access's
+    width, element type and offsets are fixed when it is traced, so each case is its own branch:
+    ``pairs_io`` (``read_pairs`` / ``write_pairs``) on a ``paired`` layout, else ``elements_io``
+    (``read_elements`` / ``write_elements``) with the layout's strides, each bf16 or fp32."""
     if paired(stride_k, slot_stride):
         if dtype_is_bf16:
-            pairs_io(state, base, index, slot_stride, head, t, v_col, stride_v, cutlass.BFloat16)
+            pairs_io(state, base, index, slot_stride, head, t, v_col, cutlass.BFloat16)
         else:
-            pairs_io(state, base, index, slot_stride, head, t, v_col, stride_v, cutlass.Float32)
+            pairs_io(state, base, index, slot_stride, head, t, v_col, cutlass.Float32)
+    elif stride_k == 1:
+        if dtype_is_bf16:
+            elements_io(state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.BFloat16)
+        else:
+            elements_io(state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.Float32)
     else:
         if dtype_is_bf16:
-            elements_io(state, base, index, slot_stride, head, t, v_col, stride_k, stride_v, cutlass.BFloat16)
+            elements_io(state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.BFloat16)
         else:
-            elements_io(state, base, index, slot_stride, head, t, v_col, stride_k, stride_v, cutlass.Float32)
+            elements_io(state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.Float32)
 
 
 def paired(stride_k, slot_stride):
@@ -129,46 +181,64 @@ def paired(stride_k, slot_stride):
     return (stride_k == 1) & ((slot_stride % 2) == 0)
 
 
+def _thread_origin(base: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int, stride_v: int, dtype,
+                   align: int = 1):
+    """This thread's first state element (key 2t, V column ``v_col``) of state ``index``, head
+    ``head`` (``common.state_element``'s addressing): every value of its fragments lies a
+    trace-time constant away (``_value_offset``), so the accesses take immediate offsets from
+    one register pair."""
+    ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
+    at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(
+        head * (D * D) + (2 * t) * stride_k + v_col * stride_v)
+    if align > 1:
+        at = cute.assume(at, divby=align)
+    return ptr + at
+
+
+def _value_offset(i: int, stride_k: int, stride_v: int) -> int:
+    """Elements from ``_thread_origin`` to value ``i`` of the fragments (``state_entry``)."""
+    return ((i // 4) * 8 + i % 2) * stride_k + 8 * ((i // 2) % 2) * stride_v
+
+
 @cute.jit
-def read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
-    """``read_state`` on a ``paired`` layout (stride_k 1): values i, i + 1 in one access."""
+def read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, dtype):
+    """``read_state`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
+    origin = _thread_origin(initial_state, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        k, c = state_entry(t, v_col, i)
-        pair = state_element(initial_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2).load().to(
-            cutlass.Float32)
+        pair = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2)).load().to(cutlass.Float32)
         state[i] = pair[0]
         state[i + 1] = pair[1]
 
 
 @cute.jit
-def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_v, dtype):
-    """``write_state`` on a ``paired`` layout (stride_k 1): values i, i + 1 in one access."""
+def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, dtype):
+    """``write_state`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
+    origin = _thread_origin(final_state, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        k, c = state_entry(t, v_col, i)
         pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
         pair[0] = state[i]
         pair[1] = state[i + 1]
-        element = state_element(final_state, index, slot_stride, head, k, c, 1, stride_v, dtype, 2)
+        element = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2))
         element.store(pair.load().to(dtype))
 
 
 @cute.jit
-def read_elements(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k,
-                  stride_v, dtype):
-    """``read_state`` on any layout: one value per access."""
+def read_elements(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int,
+                  stride_v: int, dtype):
+    """``read_state`` on either layout: one value per access."""
+    origin = _thread_origin(initial_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
-        k, c = state_entry(t, v_col, i)
-        state[i] = state_element(initial_state, index, slot_stride, head, k, c, stride_k, stride_v, dtype)[0].to(
-            cutlass.Float32)
+        element = cute.make_tensor(origin + _value_offset(i, stride_k, stride_v), cute.make_layout(1))
+        state[i] = element[0].to(cutlass.Float32)
 
 
 @cute.jit
-def write_elements(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k,
-                   stride_v, dtype):
-    """``write_state`` on any layout: one value per access."""
+def write_elements(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int,
+                   stride_v: int, dtype):
+    """``write_state`` on either layout: one value per access."""
+    origin = _thread_origin(final_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
-        k, c = state_entry(t, v_col, i)
-        element = state_element(final_state, index, slot_stride, head, k, c, stride_k, stride_v, dtype)
+        element = cute.make_tensor(origin + _value_offset(i, stride_k, stride_v), cute.make_layout(1))
         element[0] = state[i].to(dtype)
 
 

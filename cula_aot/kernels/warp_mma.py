@@ -166,6 +166,14 @@ def accumulators_as_a(acc, first: int) -> list:
     ]
 
 
+def opaque_i32(value):
+    """``value`` through a volatile ``mov``: what is computed from it stays where it is used.  A
+    store inside a loop (a checkpoint write in the tile loop) otherwise has its loop-invariant
+    addresses hoisted out of the loop and kept live through it (spills)."""
+    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(value).ir_value()], "mov.b32 $0, $1;", "=r,r",
+                                         has_side_effects=True))
+
+
 def cp_async_16(smem_address, global_address, src_bytes):
     """Copy 16 bytes global→shared asynchronously (L2 only); bytes past ``src_bytes`` (0 or 16)
     are zero-filled.  Complete with ``cute.arch.cp_async_commit_group`` / ``cp_async_wait_group``."""

@@ -158,7 +158,8 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
             output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
             out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=None, fused=None, status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True):
+            v_block=None, fused=None, status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0,
+            checkpoint_pool=None, checkpoint_indices=None, checkpoint_offsets=None):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -182,16 +183,19 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     launches from cached templates: the serial path (``_SerialPlan``, ``_FusedPlan``), or the CP
     chain for lengths and a split seen before (``_CPPlan``); a new one takes the path
     ``choose_path`` names.  ``gate`` picks the kernels' decay, ``beta_sigmoid`` and ``qk_l2norm``
-    the input conventions (``checks.call_inputs``)."""
+    the input conventions (``checks.call_inputs``); ``checkpoint_*`` the prefix-cache
+    checkpoints (``api.kda_prefill``; ``checkpoint_every`` is part of the signature, the
+    tensors' addresses per call)."""
     A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
                                                                     beta_sigmoid, qk_l2norm)
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
+    checkpoints = (checkpoint_pool, checkpoint_indices, checkpoint_offsets)
     try:
         key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
-                          cu_seqlens_cpu, state_indices, status),
+                          cu_seqlens_cpu, state_indices, status, *checkpoints),
                state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block, fused,
-               gate, conventions)
+               gate, conventions, type(checkpoint_every), checkpoint_every)
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
@@ -199,13 +203,14 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         plan, host_cu = _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu)
         if plan is not None:
             return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+                            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
 
     c = validate(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
         initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
         state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp,
-        state_indices=state_indices, check_seqlens=check_seqlens, status=status)
+        state_indices=state_indices, check_seqlens=check_seqlens, status=status, checkpoint_every=checkpoint_every,
+        checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices, checkpoint_offsets=checkpoint_offsets)
     device = q.device
     path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device, conventions)
     heads, varlen = c.heads, cu_seqlens is not None
@@ -234,4 +239,4 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
         if key is not None and (path.split == 1 or intracard_cp == "auto"):
             _remember(key, plan)
     return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                    cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu)
+                    cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu, checkpoints)

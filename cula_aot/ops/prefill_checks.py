@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from ..layout import D
+from ..layout import CHUNK, D, FLAG_BF16_CHECKPOINT, FLAG_CHECKPOINT_OFFSETS
 from .checks import check_dtype_shape, check_scalars, check_status, fail
 
 STATE_LAYOUTS = ("vk", "kv")
@@ -75,23 +75,73 @@ def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -
     return stride
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """A call's prefix-cache checkpoints as the kernels take them (``specs.abi.CHECKPOINT_PARAMS``):
+    the period in tokens (0: none), columns of ``checkpoint_indices``, the pool's slots and slot
+    stride, and its flag bits (bf16 pool, per-sequence offsets)."""
+
+    every: int = 0
+    columns: int = 0
+    slots: int = 0
+    slot_stride: int = 0
+    flags: int = 0
+
+
+NO_CHECKPOINTS = CheckpointPlan()
+CHECKPOINT_EVERY_MAX = 1 << 30
+
+
+def check_checkpoints(every, pool, indices, offsets, num_seqs: int, heads: int, device) -> CheckpointPlan:
+    """``kda_prefill``'s checkpoint arguments (see its docstring): all or none of every, pool and
+    indices; the pool a state pool like ``initial_state``'s, indices int32 ``[N, M]`` and offsets
+    int32 ``[N]``, both contiguous on q's device."""
+    if every is None or (type(every) is int and every == 0):
+        if pool is not None or indices is not None or offsets is not None:
+            fail("checkpoint_pool, checkpoint_indices and checkpoint_offsets need checkpoint_every "
+                 "(the period in tokens, a multiple of 16)")
+        return NO_CHECKPOINTS
+    if type(every) is not int or every < 0 or every % CHUNK or every > CHECKPOINT_EVERY_MAX:
+        fail(f"checkpoint_every must be a positive int multiple of {CHUNK} (at most 2**30), or 0 for none; "
+             f"got {every!r}")
+    if pool is None or indices is None:
+        fail("checkpoint_every needs checkpoint_pool ([slots, H, 128, 128], fp32 or bf16) and checkpoint_indices "
+             "(int32 [N, M]: the pool slot of each sequence's j-th checkpoint, -1 to skip)")
+    slot_stride = _check_state("checkpoint_pool", pool, -1, "pool slots", heads, device)
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != num_seqs \
+            or indices.shape[1] < 1:
+        got = list(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
+        fail(f"checkpoint_indices must be [N, M] = [{num_seqs}, M >= 1] (a slot per sequence and checkpoint), "
+             f"got {got}")
+    _check_tensor("checkpoint_indices", indices, torch.int32, tuple(indices.shape), device)
+    if indices.numel() >= 2**31:
+        fail(f"checkpoint_indices has {indices.numel()} entries; at most 2**31 - 1 fit the kernels' int32 index")
+    flags = FLAG_BF16_CHECKPOINT if pool.dtype == torch.bfloat16 else 0
+    if offsets is not None:
+        _check_tensor("checkpoint_offsets", offsets, torch.int32, (num_seqs,), device)
+        flags |= FLAG_CHECKPOINT_OFFSETS
+    return CheckpointPlan(every, indices.shape[1], pool.shape[0], slot_stride, flags)
+
+
 def _check_device(device) -> None:
     if device.type != "cuda":
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
 def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices,
-                     status=None) -> None:
+                     status=None, checkpoints=(None, None, None)) -> None:
     """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
-    assumption) and outputs that do not alias an input."""
+    assumption) and outputs that do not alias an input.  ``checkpoints``: (pool, indices,
+    offsets)."""
     named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
              "initial_state": initial_state, "final_state": final_state, "out": out, "state_indices": state_indices,
-             "status": status}
+             "status": status, **dict(zip(("checkpoint_pool", "checkpoint_indices", "checkpoint_offsets"),
+                                           checkpoints))}
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
             fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
     inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr())
-    for name, t in (("out", out), ("final_state", final_state)):
+    for name, t in (("out", out), ("final_state", final_state), ("checkpoint_pool", checkpoints[0])):
         if t is not None and t.data_ptr() in inputs:
             fail(f"{name} must not alias an input tensor")
 
@@ -141,6 +191,7 @@ class Checked:
     final_slot_stride: int
     init_slots: int  # leading size of initial_state (pool slots), 0 without one
     final_slots: int
+    checkpoints: CheckpointPlan = NO_CHECKPOINTS
 
 
 def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
@@ -154,7 +205,8 @@ def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
 
 def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
              cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto", state_indices=None,
-             check_seqlens="auto", status=None) -> Checked:
+             check_seqlens="auto", status=None, checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None,
+             checkpoint_offsets=None) -> Checked:
     """Check every argument before anything launches (the device rule last, so every other rule
     is testable on the CPU)."""
     if not isinstance(q, torch.Tensor):
@@ -219,7 +271,10 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     if out is not None:
         out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
     check_status(status, device)
-    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status)
+    checkpoints = check_checkpoints(checkpoint_every, checkpoint_pool, checkpoint_indices, checkpoint_offsets,
+                                    num_seqs, heads, device)
+    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status,
+                     (checkpoint_pool, checkpoint_indices, checkpoint_offsets))
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     _check_device(device)
     strides["beta"] = beta_stride
@@ -227,4 +282,4 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         strides["out"] = out_stride
     init_slots, final_slots = (0 if t is None else t.shape[0] for t in (initial_state, final_state))
     return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, seqlens_checked, strides, init_slot, final_slot,
-                   init_slots, final_slots)
+                   init_slots, final_slots, checkpoints)

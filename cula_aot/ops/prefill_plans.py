@@ -8,20 +8,21 @@ import torch
 
 from ..layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_IDENTITY_INIT, FLAG_INDEXED_FINAL,
                       FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_NO_OUTPUT, FLAG_STATUS, FLAG_VARLEN, FLAG_ZERO_V,
-                      SEG_FINAL_INDEX, SEG_FIRST_SLOT, SEG_FIRST_TOKEN, SEG_FLAGS, SEG_INIT_INDEX, SEG_SEQ, SEG_TOKENS,
-                      SEGMENT_FIELDS, D)
+                      SEG_FINAL_INDEX, SEG_FIRST_SLOT, SEG_FIRST_TOKEN, SEG_FLAGS, SEG_INIT_INDEX, SEG_SEQ, SEG_SEQ_OFFSET,
+                      SEG_TOKENS, SEGMENT_FIELDS, D)
 from ..specs import WORKSPACE_POINTERS, MergeSpec, k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block
 from .checks import check_scalars, fail
-from .prefill_checks import Checked, _check_addresses, _host_cu_seqlens
+from .prefill_checks import NO_CHECKPOINTS, CheckpointPlan, Checked, _check_addresses, _host_cu_seqlens
 from .prepare import input_geometry, plan_slots
 from .workspace import ARENA, SEGMENT_TABLES
 
 
-def _segment_row(seg, init_index, final_index, flags) -> list[int]:
+def _segment_row(seg, seq_first_token, init_index, final_index, flags) -> list[int]:
     row = [0] * SEGMENT_FIELDS
     row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
     row[SEG_TOKENS], row[SEG_INIT_INDEX], row[SEG_FINAL_INDEX], row[SEG_FLAGS] = (
         seg.num_tokens, init_index, final_index, flags)
+    row[SEG_SEQ_OFFSET] = seg.first_token - seq_first_token
     return row
 
 
@@ -33,13 +34,15 @@ def _segment_tables(segments, final_flags: int):
     transition = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
     prescan_rows, main_rows, bounds = [], [], [0]
     for seq_segments in segments:
+        start = seq_segments[0].first_token
         for n, seg in enumerate(seq_segments):
             index = len(main_rows)
             last = n + 1 == len(seq_segments)
             if not last:
-                prescan_rows.append(_segment_row(seg, -1, 2 * index, transition))
-                prescan_rows.append(_segment_row(seg, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
-            main_rows.append(_segment_row(seg, index, seg.seq, FLAG_INITIAL_STATE | (final_flags if last else 0)))
+                prescan_rows.append(_segment_row(seg, start, -1, 2 * index, transition))
+                prescan_rows.append(_segment_row(seg, start, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+            main_rows.append(_segment_row(seg, start, index, seg.seq,
+                                          FLAG_INITIAL_STATE | (final_flags if last else 0)))
         bounds.append(len(main_rows))
     return prescan_rows, main_rows, bounds
 
@@ -65,6 +68,15 @@ def _state_options(initial_state, final_state, output_final_state, state_indices
             "status_flag": 0 if status is None else FLAG_STATUS}
 
 
+def _checkpoint_values(checkpoints: CheckpointPlan, state_layout: str) -> dict:
+    """The checkpoint parameters' static values (``specs.abi.CHECKPOINT_PARAMS``; the pointers are
+    per call): none when ``checkpoints.every`` is 0."""
+    stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
+    return {"checkpoint_every": checkpoints.every, "checkpoint_columns": checkpoints.columns,
+            "checkpoint_slots": checkpoints.slots, "checkpoint_slot_stride": checkpoints.slot_stride,
+            "checkpoint_stride_k": stride_k, "checkpoint_stride_v": stride_v}
+
+
 def _raw_stream(device) -> int:
     """The current stream of ``device`` as a raw ``cudaStream_t`` (without building a Stream)."""
     return _current_raw_stream(device.index)
@@ -74,6 +86,7 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                               lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
+NO_CHECKPOINT_TENSORS = (None, None, None)  # a call's (checkpoint_pool, checkpoint_indices, checkpoint_offsets)
 # Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →
 # pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
 # its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
@@ -102,12 +115,12 @@ class _Plan:
                                    **k1_grid(total_slots, c.heads, sm_count), "flags": input_flags})
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-               cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu):
+               cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints):
         """One call's checks and allocations, before anything launches: (out, final_state, the
         int32 device cu_seqlens to keep alive until the launches are issued, the call's values by
         parameter name: what every launch of the plan takes per call, ``LoadedKernel.per_call``).
         ``host_cu``: the host cu_seqlens when the caller already read (and, if the signature
-        checks them, checked) them."""
+        checks them, checked) them; ``checkpoints``: (pool, indices, offsets), None where absent."""
         c, device = self.c, self.device
         lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
@@ -118,9 +131,11 @@ class _Plan:
         op = 0 if out is None else out.data_ptr()
         xp = 0 if state_indices is None else state_indices.data_ptr()
         sp = 0 if status is None else status.data_ptr()
-        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp) & 15 or op in (qp, kp, vp, gp) \
-                or fp in (qp, kp, vp, gp):
-            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status)
+        cp, ci, co = (0 if t is None else t.data_ptr() for t in checkpoints)
+        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp | cp | ci | co) & 15 or op in (qp, kp, vp, gp) \
+                or fp in (qp, kp, vp, gp) or cp in (qp, kp, vp, gp):
+            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status,
+                             checkpoints)
         if c.seqlens_checked and host_cu is None:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
@@ -137,18 +152,19 @@ class _Plan:
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
         call = {"q": qp, "k": kp, "g": gp, "beta": bp, "a_log": ap, "dt_bias": dp, "v": vp, "out": op,
                 "initial_state": ip, "final_state": fp, "cu_seqlens": cu_ptr, "state_indices": xp, "status": sp,
-                "segments": 0, "scale": scale, "lower_bound": lower_bound}
+                "segments": 0, "scale": scale, "lower_bound": lower_bound, "checkpoints": cp,
+                "checkpoint_indices": ci, "checkpoint_offsets": co}
         call.update(zip(_WORKSPACES, workspaces))
         return out, final_state, cu32, call
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None, checkpoints=NO_CHECKPOINT_TENSORS):
         """One call of a serial plan: its checks and allocations, then its ``launches`` in order
         (the CP plan has its own)."""
         stream = _raw_stream(self.device)
         out, final_state, _cu32, call = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
         for template in self.launches:
             template.launch(call, stream)
         return out, final_state
@@ -164,7 +180,8 @@ def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_f
             "init_slots": c.init_slots, "final_slots": c.final_slots or c.num_seqs,
             "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
             "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | status_flag | order}
+            "flags": init_flags | final_flags | status_flag | order | c.checkpoints.flags,
+            **_checkpoint_values(c.checkpoints, state_layout)}
 
 
 class _SerialPlan(_Plan):
@@ -240,8 +257,9 @@ class _CPPlan(_Plan):
         # state (the recurrence's); the user's pool slot counts bound the indexed ones.
         k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
                      "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
+        # The pre_scan's states are segment maps, not the sequence's: no checkpoints.
         self.prescan = prescan_k2.template({
-            **k2_common, "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
+            **k2_common, **_checkpoint_values(NO_CHECKPOINTS, state_layout), "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
             "final_stride_k": D, "final_stride_v": 1, "flags": 0}, dependent=DEPENDENT_LAUNCH)
         self.merge = merge.template({
             "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
@@ -250,8 +268,8 @@ class _CPPlan(_Plan):
         self.recurrence = recurrence_k2.template({
             **k2_common, "num_seqs": n_segments, "final_slots": c.num_seqs if alloc_final else c.final_slots,
             "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
-            "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag},
-            dependent=DEPENDENT_LAUNCH)
+            "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag | c.checkpoints.flags,
+            **_checkpoint_values(c.checkpoints, state_layout)}, dependent=DEPENDENT_LAUNCH)
 
     def _table_values(self) -> list[int]:
         prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
@@ -261,13 +279,13 @@ class _CPPlan(_Plan):
         return values
 
     def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None):
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None, checkpoints=NO_CHECKPOINT_TENSORS):
         c, device = self.c, self.device
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
         out, final_state, _cu32, call = self._begin(
             stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu)
+            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
         # The tables before any launch, so nothing on the GPU waits for Python between them.
         # Looked up on every call, not held: the lookup records this call's stream and marks a
         # table a capture uses, which is then never evicted.

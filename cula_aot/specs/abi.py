@@ -168,3 +168,17 @@ STATUS_POINTER = pointer("status", "i32")
 
 def bound_params(*states: str) -> tuple:
     return (STATUS_POINTER, *(scalar(f"{which}_slots", "i32") for which in states))
+
+
+# Prefix-cache checkpoints, after the bounds in K2 and the fused prefill: the checkpoint pool (a
+# state tensor as above, ``checkpoint_slots`` slots), its int32 [N, checkpoint_columns] slot
+# map, the optional int32 [N] token offsets, and the period in tokens (0: no checkpoints).
+CHECKPOINT_PARAMS = (
+    pointer("checkpoints", "f32"),
+    pointer("checkpoint_indices", "i32"),
+    pointer("checkpoint_offsets", "i32"),
+    scalar("checkpoint_every", "i32"),
+    scalar("checkpoint_columns", "i32"),
+    scalar("checkpoint_slots", "i32"),
+    *state_params("checkpoint"),
+)

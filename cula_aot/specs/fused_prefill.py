@@ -5,7 +5,7 @@ register split and the rule that picks it over K1 then K2."""
 import dataclasses
 from typing import ClassVar
 
-from .abi import K1_INPUTS, KernelSpec, bound_params, pointer, scalar, state_params
+from .abi import CHECKPOINT_PARAMS, K1_INPUTS, KernelSpec, bound_params, pointer, scalar, state_params
 
 FUSED_PARAMS = (
     *K1_INPUTS,
@@ -26,6 +26,7 @@ FUSED_PARAMS = (
     scalar("scale", "f32"),
     scalar("lower_bound", "f32"),
     *bound_params("init", "final"),
+    *CHECKPOINT_PARAMS,
 )
 # Two producer warpgroups (tiles dealt round robin) and four record stages: one producer per
 # CTA was 3–12% slower on every row (PERFORMANCE.md, Fused prefill).

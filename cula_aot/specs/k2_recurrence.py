@@ -4,7 +4,8 @@ multicast, wgmma), grid, and the V-block dispatch of the serial and CP launches.
 import dataclasses
 from typing import ClassVar
 
-from .abi import SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, bound_params, pointer, scalar, state_params
+from .abi import (CHECKPOINT_PARAMS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, bound_params, pointer, scalar,
+                  state_params)
 
 K2_PARAMS = (
     pointer("v", "bf16"),
@@ -22,6 +23,7 @@ K2_PARAMS = (
     *state_params("final"),
     scalar("flags", "i32"),
     *bound_params("init", "final"),
+    *CHECKPOINT_PARAMS,
 )
 
 # V columns per K2 CTA that the build compiles; the runtime default is chosen by measurement
