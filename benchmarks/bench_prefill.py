@@ -25,6 +25,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
 * ``cp_sweep``: planner data (the CP cost model's fit): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
   sequences and many-sequence batches, CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
   32} and ``auto`` (how far ``auto`` is from the best split, and that it never loses to serial).
+* ``checkpoints``: the cost of prefix-cache checkpoints (``checkpoint_every``) on the spec, serving
+  and CP rows: CUDA-graph replay of the automatic path without checkpoints, with one every 1024
+  tokens and one every 256 (each to its own slot of an fp32 pool), as ratios with ÷ without.
 * ``fixed``: H=64, (B, T) ∈ {1, 2} × {512, 1024, 4096, 8192, 16384}, automatic V block.
 * ``varlen``: H=64, B=1, N ∈ {10, 20} sequences × total T ∈ {4096, 8192, 16384} × length
   distribution, automatic V block.  Lengths (see ``varlen_lengths``), seeded by the string
@@ -68,7 +71,7 @@ from cula_aot.ops.prefill import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 from cula_aot.testing import cu_seqlens_of, standard_inputs
 
-SECTIONS = ("overhead", "spec", "serving", "gates", "cp", "cp_long", "cp_sweep", "fixed", "varlen")
+SECTIONS = ("overhead", "spec", "serving", "gates", "cp", "cp_long", "cp_sweep", "checkpoints", "fixed", "varlen")
 LOWER_BOUND = -5.0
 
 # CONTRACT §7 serial: (label, heads, lengths or None for fixed, T for fixed, published cuLA H200 ms)
@@ -107,6 +110,13 @@ GATE_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192",
                   (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8)] + [
     (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
 BENCH_GATES = ("safe", "softplus")
+# Checkpoints: every spec, serving and CP row, at these periods (tokens).
+CHECKPOINT_WORKLOADS = ([("spec", heads, label, lengths, seq_len) for label, heads, lengths, seq_len, _ in SPEC_WORKLOADS]
+                        + [("serving", heads, label, lengths, None) for heads in SERVING_HEADS
+                           for label, lengths in SERVING_BATCHES]
+                        + [("cp", heads, f"{len(lengths)} seqs {sum(lengths)}", lengths, None)
+                           for heads, lengths, _ in CP_WORKLOADS])
+CHECKPOINT_PERIODS = (1024, 256)
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
 VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
@@ -178,6 +188,23 @@ def prefill_runner(x, **options):
         return out, final
 
     return run
+
+
+def checkpoint_options(x, every):
+    """``checkpoint_*`` arguments writing every checkpoint of inputs ``x`` at period ``every`` to
+    its own slot of an fp32 pool."""
+    lengths = x["cu_cpu"].diff().tolist() if x["cu"] is not None else [x["q"].shape[1]] * x["q"].shape[0]
+    columns = max(1, max(lengths) // every)
+    slots = max(1, sum(n // every for n in lengths))
+    indices = torch.full((len(lengths), columns), -1, dtype=torch.int32)
+    slot = 0
+    for n, length in enumerate(lengths):
+        for j in range(length // every):
+            indices[n, j] = slot
+            slot += 1
+    heads = x["q"].shape[2]
+    pool = torch.empty(slots, heads, 128, 128, device=x["q"].device)
+    return {"checkpoint_every": every, "checkpoint_pool": pool, "checkpoint_indices": indices.to(x["q"].device)}
 
 
 def k1_runner(x):
@@ -397,6 +424,31 @@ class Bench:
             row["auto_split"] = planned_split(lengths, heads, self.device)
             del x
             self.finish_row(rows, row, f"{section} H={heads} {len(lengths)} seqs, {sum(lengths)} tokens")
+
+    def run_checkpoints(self):
+        """Graph replay of the automatic path without and with checkpoints (``CHECKPOINT_PERIODS``):
+        ``checkpoint_<N>_ratio`` = with ÷ without."""
+        rows = self.results.setdefault("checkpoints", [])
+        for source, heads, label, lengths, seq_len in CHECKPOINT_WORKLOADS:
+            row = {"source": source, "H": heads, "workload": label, "lengths": lengths, "T": seq_len or sum(lengths)}
+            if self.skipped_for_budget(rows, row):
+                continue
+            x = make_inputs(heads, 1, lengths, seq_len, self.device)
+            row["auto_split"] = 1 if lengths is None else planned_split(lengths, heads, self.device)
+            plain = row["plain_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp="auto"),
+                                                            f"checkpoints H={heads} {label}")
+            for every in CHECKPOINT_PERIODS:
+                options = checkpoint_options(x, every)
+                row[f"checkpoints_{every}"] = int((options["checkpoint_indices"] >= 0).sum())
+                timed = row[f"checkpoint_{every}_graph_ms"] = self.time_graph(
+                    prefill_runner(x, intracard_cp="auto", **options), f"checkpoints H={heads} {label} every {every}")
+                if plain and timed:
+                    row[f"checkpoint_{every}_ratio"] = timed / plain
+                del options
+            del x
+            self.finish_row(rows, row, f"checkpoints {source} H={heads} {label}: "
+                                       + " ".join(f"every {n} x{_f(row.get(f'checkpoint_{n}_ratio'), 3)}"
+                                                  for n in CHECKPOINT_PERIODS))
 
     def run_fixed(self):
         rows = self.results.setdefault("fixed", [])
@@ -652,6 +704,21 @@ def render_markdown(res):
         if res.get(section):
             out += [f"## {title} (CUDA-graph replay; ratios > 1: CP faster than serial)", "",
                     _split_graph_table(res[section], splits, bw), ""]
+    if res.get("checkpoints"):
+        header = (["rows", "H", "workload", "auto split", "without (graph ms)"]
+                  + [c for n in CHECKPOINT_PERIODS for c in (f"every {n}: checkpoints", f"every {n}: ms",
+                                                              f"every {n}: with ÷ without")])
+        rows = []
+        for r in res["checkpoints"]:
+            if r.get("skipped"):
+                rows.append([r["source"], r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 4))
+                continue
+            rows.append([r["source"], r["H"], r["workload"], r.get("auto_split"), _f(r.get("plain_graph_ms"))]
+                        + [c for n in CHECKPOINT_PERIODS for c in (r.get(f"checkpoints_{n}"),
+                                                                    _f(r.get(f"checkpoint_{n}_graph_ms")),
+                                                                    _f(r.get(f"checkpoint_{n}_ratio"), 3))])
+        out += ["## Prefix-cache checkpoints (automatic path, graph replay; fp32 pool, one slot per checkpoint)", "",
+                _table(header, rows), ""]
     if res.get("fixed"):
         header = ["B", "T"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
         rows = []
@@ -706,6 +773,9 @@ def dry_run(sections):
     if "cp_sweep" in sections:
         for heads, lengths in CP_SWEEP_WORKLOADS:
             print(f"cp_sweep: H={heads} lengths={_lengths_label(lengths)} splits {list(CP_SWEEP_SPLITS)}")
+    if "checkpoints" in sections:
+        for source, heads, label, lengths, seq_len in CHECKPOINT_WORKLOADS:
+            print(f"checkpoints: {source} H={heads} {label}: without, every {list(CHECKPOINT_PERIODS)} tokens")
     if "fixed" in sections:
         for batch, seq_len in FIXED_SWEEP:
             print(f"fixed: H={SWEEP_HEADS} B={batch} T={seq_len}")

@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from cula_aot.layout import CHUNK, FLAG_FINAL_STATE, varlen_slot_base
 from cula_aot.ops import cp_plan
+from cula_aot.layout import SEG_FIRST_TOKEN, SEG_SEQ, SEG_SEQ_OFFSET
 from cula_aot.ops.prefill_plans import _segment_tables
 
 
@@ -78,3 +79,8 @@ def test_segment_tables_link_prescan_merge_and_recurrence():
         assert row[4] == i  # every segment starts from carries[i]
     finals = [row[5] for row in main if row[6] & 2]
     assert finals == [0, 1, 2]  # only each sequence's last segment writes its final state
+    # Each row's tokens of its sequence before it (where its checkpoints fall).
+    starts = {row[SEG_SEQ]: row[SEG_FIRST_TOKEN] for row in reversed(main)}
+    for row in prescan + main:
+        assert row[SEG_SEQ_OFFSET] == row[SEG_FIRST_TOKEN] - starts[row[SEG_SEQ]]
+    assert [row[SEG_SEQ_OFFSET] for row in main] == [0, 256, 512, 768, 0, 0, 160]

@@ -13,6 +13,12 @@ def _call(inputs, **overrides):
     return cula_aot.kda_prefill(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), **args)
 
 
+def _checkpoints(**overrides):
+    """Valid checkpoint tensors for the one-sequence, two-head inputs, with ``overrides``."""
+    return {"checkpoint_pool": torch.zeros(3, 2, 128, 128), "checkpoint_indices": torch.zeros(1, 2, dtype=torch.int32),
+            **overrides}
+
+
 @pytest.fixture
 def inputs():
     return standard_inputs(1, 40, 2, seed=0)
@@ -84,11 +90,43 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         (lambda x: {"status": torch.zeros(2, dtype=torch.int32)}, "status must be a one-element torch.int32 tensor"),
         (lambda x: {"status": 0}, "status must be a torch.Tensor, got int"),
         (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
+        (lambda x: {"checkpoint_every": 24, **_checkpoints()}, "checkpoint_every must be a positive int multiple of 16"),
+        (lambda x: {"checkpoint_every": 16.0, **_checkpoints()}, "checkpoint_every must be a positive int"),
+        (lambda x: {"checkpoint_every": -16, **_checkpoints()}, "checkpoint_every must be a positive int"),
+        (lambda x: _checkpoints(), "need checkpoint_every"),
+        (lambda x: {"checkpoint_every": 16}, "checkpoint_every needs checkpoint_pool"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_indices=None)},
+         "checkpoint_every needs checkpoint_pool"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_pool=torch.zeros(2, 3, 128, 128))},
+         r"checkpoint_pool must have shape \['pool slots', 2, 128, 128\]"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_pool=torch.zeros(2, 2, 128, 128).half())},
+         "checkpoint_pool must be torch.float32 or torch.bfloat16"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_indices=torch.zeros(3, dtype=torch.int32))},
+         r"checkpoint_indices must be \[N, M\] = \[1, M >= 1\]"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_indices=torch.zeros(2, 3, dtype=torch.int32))},
+         r"checkpoint_indices must be \[N, M\] = \[1, M >= 1\]"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_indices=torch.zeros(1, 3))},
+         "checkpoint_indices must be torch.int32"),
+        (lambda x: {"checkpoint_every": 16,
+                    **_checkpoints(checkpoint_indices=torch.zeros(3, 2, dtype=torch.int32).t()[:1])},
+         "checkpoint_indices must be contiguous"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_offsets=torch.zeros(2, dtype=torch.int32))},
+         r"checkpoint_offsets must have shape \[1\]"),
+        (lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_offsets=torch.zeros(1, dtype=torch.int64))},
+         "checkpoint_offsets must be torch.int32"),
     ],
 )
 def test_rule(inputs, overrides, message):
     with pytest.raises(KDAInputError, match=message):
         _call(inputs, **overrides(inputs))
+
+
+def test_valid_checkpoints_are_refused_only_for_the_device(inputs):
+    with pytest.raises(KDAInputError, match="inputs are on cpu"):
+        _call(inputs, checkpoint_every=32, **_checkpoints(checkpoint_pool=torch.zeros(3, 2, 128, 128, dtype=torch.bfloat16),
+                                                          checkpoint_offsets=torch.zeros(1, dtype=torch.int32)))
+    with pytest.raises(KDAInputError, match="inputs are on cpu"):
+        _call(inputs, checkpoint_every=0)
 
 
 def test_varlen_needs_batch_one():
