@@ -33,7 +33,7 @@ def _worker(rank, world, init_file, seed, lengths, rank_tokens, gate, out_dir):
     try:
         x, options = _problem(seed, lengths, gate)
         start = sum(rank_tokens[:rank])
-        mine = [x[name][:, start:start + rank_tokens[rank]] for name in ("q", "k", "v", "g", "beta")]
+        mine = [x[name][:, start:start + rank_tokens[rank]].clone() for name in ("q", "k", "v", "g", "beta")]
         o, final = distributed.kda_prefill_cp(*mine, lengths=lengths, rank_tokens=rank_tokens,
                                               initial_state=x["initial_state"].transpose(-1, -2).contiguous(),
                                               output_final_state=True, **options)
@@ -81,7 +81,7 @@ def _pool_worker(rank, world, init_file, seed, lengths, rank_tokens, gate, slots
     try:
         x, options = _problem(seed, lengths, gate)
         start = sum(rank_tokens[:rank])
-        mine = [x[name][:, start:start + rank_tokens[rank]] for name in ("q", "k", "v", "g", "beta")]
+        mine = [x[name][:, start:start + rank_tokens[rank]].clone() for name in ("q", "k", "v", "g", "beta")]
         # This process's own pool: random slots, the true initial state where it starts a sequence.
         gen = torch.Generator().manual_seed(seed + 1 + rank)
         pool = torch.randn(POOL_SLOTS, HEADS, 128, 128, generator=gen).to(dtype).cuda()
