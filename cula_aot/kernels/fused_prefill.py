@@ -39,7 +39,9 @@ the gate a codegen argument as in K1).  One variant per gate serves fixed and va
 under ``FLAG_VARLEN`` grid row z is a sequence of ``cu_seqlens`` (the z-th longest under
 ``FLAG_LONGEST_FIRST``), else rows z·seq_len …  Device values are bounded as in K2: cu_seqlens
 entries clamped, pool slots outside each pool's slot count are padding, both reported in the
-status word under ``FLAG_STATUS``.
+status word under ``FLAG_STATUS``.  With ``checkpointing`` (a codegen argument: the variant
+without it has no checkpoint code) the consumers also write the state after every
+``checkpoint_every``-th token to the slot ``checkpoint_indices`` names, as K2 does.
 """
 
 import cutlass
@@ -196,6 +198,7 @@ def fused_prefill_kernel(
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
     gate: cutlass.Constexpr[str],
+    checkpointing: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
     _, head, seq = cute.arch.block_idx()
@@ -335,8 +338,11 @@ def fused_prefill_kernel(
         final_index = seq
         init_index, read_init, final_index, write_final, bad_slot = state_slots(
             state_indices, flags, init_index, init_slots, final_index, final_slots)
-        checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(checkpoint_offsets, flags, seq, checkpoint_every,
-                                                                        cutlass.Int32(0))
+        checkpoint_tile = cutlass.Int32(-1)
+        checkpoint_misaligned = cutlass.Boolean(False)
+        if cutlass.const_expr(checkpointing):
+            checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(checkpoint_offsets, flags, seq,
+                                                                            checkpoint_every, cutlass.Int32(0))
         if (cw == 0) & (lane == 0):
             report_status(status, (flags & FLAG_STATUS) != 0,
                           cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
@@ -411,11 +417,13 @@ def fused_prefill_kernel(
                 state[i] = updated[i]
             # The update has read the stage's kr: the producer may refill it.
             cute.arch.mbarrier_arrive(empty + stage)
-            if tile == checkpoint_tile:
-                checkpoint_tile = write_checkpoint(
-                    state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq, cutlass.Int32(0),
-                    checkpoint_every, checkpoint_columns, checkpoint_slots, checkpoint_slot_stride, head, t, v_col,
-                    checkpoint_stride_k, checkpoint_stride_v, flags, status, (cw == 0) & (lane == 0))
+            if cutlass.const_expr(checkpointing):
+                if tile == checkpoint_tile:
+                    checkpoint_tile = write_checkpoint(
+                        state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq,
+                        cutlass.Int32(0), checkpoint_every, checkpoint_columns, checkpoint_slots,
+                        checkpoint_slot_stride, head, t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags,
+                        status, (cw == 0) & (lane == 0))
 
         if write_final != 0:
             write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,
@@ -424,12 +432,13 @@ def fused_prefill_kernel(
 
 @cute.jit
 def fused_prefill_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
-                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]):
+                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int], gate: cutlass.Constexpr[str],
+                         checkpointing: cutlass.Constexpr[bool]):
     # ``params``: the kernel's runtime parameters after its descriptors (``specs.FUSED_PARAMS``);
     # descriptors and grid as in ``k1_prepare_launch``.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers, gate).launch(
+    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers, gate, checkpointing).launch(
         grid=[1, TRACE_HEADS, 1], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
         stream=stream, min_blocks_per_mp=1, preferred_smem_carveout=100)

@@ -48,6 +48,11 @@ variant (``prescan``) writes states only: it stages the record's first
 ``layout.PRESCAN_RECORD_BYTES`` (kd, kr, inv, gt, b) and drops the qd and Mqk products and the
 output stores, a third of the tile's MMAs.
 
+Checkpoints (``checkpointing=True``, serial and segmented recurrence, not the pre_scan): the state
+after every ``checkpoint_every``-th token of the item's sequence is also written, after its tile,
+to the slot ``checkpoint_indices`` names (``layout.checkpoint_schedule``); the variant without
+them has no checkpoint code, so a call without checkpoints runs the plain chain.
+
 Multicast (``multicast=True``): the V blocks of one work item are one thread-block cluster;
 each CTA loads a slice of every record into the same stage of all of them, and a stage is
 refilled once the whole cluster is done with it (a relaxed cluster barrier per tile).
@@ -63,7 +68,7 @@ pool slots), an optional ``state_indices`` pool map with each pool's slot count 
 it is padding), flags (``cula_aot.layout.FLAG_*``: which states exist, pool indexing, fp32 or
 bf16 states) and an optional status word (``FLAG_STATUS``: malformed cu_seqlens entries, which
 are clamped, and slots out of range are reported there).  Compile-time: H, varlen, v_block (16,
-32, 64, ...), segmented, prescan, stages, multicast, wgmma.
+32, 64, ...), segmented, prescan, stages, multicast, wgmma, checkpointing.
 """
 
 import cutlass
@@ -246,6 +251,7 @@ def k2_recurrence_kernel(
     stages: cutlass.Constexpr[int],
     multicast: cutlass.Constexpr[bool],
     wgmma: cutlass.Constexpr[bool],
+    checkpointing: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
     vblk, head, seq = cute.arch.block_idx()
@@ -308,10 +314,10 @@ def k2_recurrence_kernel(
     # (outside the pool: a zero start and no write).
     init_index, read_init, final_index, write_final, bad_slot = state_slots(
         state_indices, flags, init_index, init_slots, final_index, final_slots)
-    # Prefix-cache checkpoints (none in the pre_scan, whose states are not the sequence's).
+    # Prefix-cache checkpoints.
     checkpoint_tile = cutlass.Int32(-1)
     checkpoint_misaligned = cutlass.Boolean(False)
-    if cutlass.const_expr(not prescan):
+    if cutlass.const_expr(checkpointing):
         checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
             checkpoint_offsets, flags, checkpoint_row, checkpoint_every, tokens_before)
     if tid == 0:
@@ -492,7 +498,7 @@ def k2_recurrence_kernel(
             updated = wgmma_wait(0, updated)
             for i in cutlass.range_constexpr(4 * N_TILES):
                 state[i] = updated[i]
-        if cutlass.const_expr(not prescan):
+        if cutlass.const_expr(checkpointing):
             if tile == checkpoint_tile:
                 checkpoint_tile = write_checkpoint(
                     state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
@@ -523,12 +529,12 @@ def k2_recurrence_kernel(
 def k2_recurrence_launch(
     *params, stream, varlen: cutlass.Constexpr[bool], v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool], prescan: cutlass.Constexpr[bool], stages: cutlass.Constexpr[int],
-    multicast: cutlass.Constexpr[bool], wgmma: cutlass.Constexpr[bool],
+    multicast: cutlass.Constexpr[bool], wgmma: cutlass.Constexpr[bool], checkpointing: cutlass.Constexpr[bool],
 ):
     # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
     # placeholder: the runtime launches the cubin with the spec's grid.
     k2_recurrence_kernel(
-        *params, varlen, v_block, segmented, prescan, stages, multicast, wgmma,
+        *params, varlen, v_block, segmented, prescan, stages, multicast, wgmma, checkpointing,
     ).launch(grid=[D // v_block, TRACE_HEADS, 1], block=[k2_threads(v_block), 1, 1],
              smem=smem_bytes(v_block, stages, prescan), stream=stream,
              **({"cluster": [D // v_block, 1, 1]} if multicast else {}))

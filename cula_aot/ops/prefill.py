@@ -230,9 +230,10 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                 _remember(key, plan)
     else:
         if path.kind == "fused":
-            plan = _FusedPlan(c, loader.get(device, fused_spec(gate)), order=SERIAL_K2_ORDER, **options)
+            plan = _FusedPlan(c, loader.get(device, fused_spec(gate, c.checkpoints.every > 0)), order=SERIAL_K2_ORDER,
+                              **options)
         else:
-            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block)),
+            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block, c.checkpoints.every > 0)),
                                sm_count=_sm_count(device), order=SERIAL_K2_ORDER, **options)
         # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
         # kept while serial; True or an s_split with host lengths keeps no serial plan.

@@ -237,7 +237,8 @@ class _CPPlan(_Plan):
         merge = loader.get(device, MergeSpec(v_block=merge_v_block(heads, c.num_seqs, sm_count)))
         prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sm_count),
                                                           prescan=True))
-        recurrence_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count)))
+        recurrence_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count),
+                                                             checkpointing=c.checkpoints.every > 0))
         # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
         # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
         # from (at a multiple of 16 bytes): K1 reads those, so the records always match the

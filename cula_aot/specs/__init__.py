@@ -48,10 +48,13 @@ def default_specs() -> list[KernelSpec]:
         specs.extend(K2Spec(varlen=varlen, v_block=vb) for vb in K2_V_BLOCKS)
         specs.extend(K2Spec(varlen=varlen, v_block=vb, multicast=True) for vb in K2_MULTICAST_V_BLOCKS)
         specs.extend(K2Spec(varlen=varlen, v_block=K2_WGMMA_V_BLOCK, multicast=m, wgmma=True) for m in (False, True))
-    specs.extend(fused_spec(gate) for gate in GATES)
+        # The checkpoint twins of the variants the runtime launches.
+        specs.extend(serial_k2_spec(varlen, vb, checkpointing=True) for vb in K2_V_BLOCKS)
+    specs.extend(fused_spec(gate, checkpointing) for gate in GATES for checkpointing in (False, True))
     # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves fixed
     # and varlen input.
     specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
+    specs.extend(segmented_k2_spec(vb, checkpointing=True) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(MergeSpec(v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.extend(decode_specs())
     return specs

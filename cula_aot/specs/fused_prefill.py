@@ -57,6 +57,7 @@ class FusedSpec(KernelSpec):
     stages: int = FUSED_STAGES
     producers: int = FUSED_PRODUCERS
     gate: str = "safe"
+    checkpointing: bool = False  # prefix-cache checkpoint writes, as ``K2Spec.checkpointing``
 
     @property
     def block(self) -> tuple:
@@ -80,10 +81,10 @@ FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
 
-def fused_spec(gate: str = "safe") -> FusedSpec:
+def fused_spec(gate: str = "safe", checkpointing: bool = False) -> FusedSpec:
     """The fused prefill the runtime launches for ``gate`` (fixed and varlen input alike:
-    ``FLAG_VARLEN``)."""
-    return FusedSpec(gate=gate)
+    ``FLAG_VARLEN``), with or without checkpoint writes."""
+    return FusedSpec(gate=gate, checkpointing=checkpointing)
 
 
 def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, uniform: bool = False) -> bool:

@@ -96,9 +96,15 @@ class K2Spec(KernelSpec):
     # Sᵀ·kdᵀ, Sᵀ·qdᵀ and the state update as warpgroup MMAs (``wgmma``, B read from the stage
     # once per warpgroup instead of once per warp): v_block 64, the one warpgroup of 4 warps.
     wgmma: bool = False
+    # Prefix-cache checkpoint writes (``kda_prefill(checkpoint_every=...)``) in the tile loop: a
+    # twin of the serial and segmented recurrence variants, so calls without checkpoints run a
+    # chain with no checkpoint code (in one, the loop's cold write cost 2–6%: PERFORMANCE.md).
+    checkpointing: bool = False
 
     def __post_init__(self):
         super().__post_init__()
+        if self.checkpointing and self.prescan:
+            raise ValueError("K2Spec: checkpointing=True has no pre_scan variant (its states are not the sequence's)")
         if self.wgmma and self.v_block != K2_WGMMA_V_BLOCK:
             raise ValueError(f"K2Spec: wgmma=True needs v_block {K2_WGMMA_V_BLOCK} (one warpgroup), got {self.v_block}")
         if self.prescan and not self.segmented:
@@ -119,19 +125,20 @@ class K2Spec(KernelSpec):
         return (k2_threads(self.v_block), 1, 1)
 
 
-def serial_k2_spec(varlen: bool, v_block: int) -> K2Spec:
+def serial_k2_spec(varlen: bool, v_block: int, checkpointing: bool = False) -> K2Spec:
     """The serial K2 for ``v_block``: multicast where it is built, and warpgroup
     MMAs for the one-warpgroup V block (3.5–6% faster where ``auto_v_block`` takes it; on the
     few-CTA fixed rows, where 32 columns stay the pick, 64 with wgmma lost 6–9%: PERFORMANCE.md,
     K2 recurrence)."""
     return K2Spec(varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
-                  wgmma=v_block == K2_WGMMA_V_BLOCK)
+                  wgmma=v_block == K2_WGMMA_V_BLOCK, checkpointing=checkpointing)
 
 
-def segmented_k2_spec(v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False) -> K2Spec:
+def segmented_k2_spec(v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False,
+                      checkpointing: bool = False) -> K2Spec:
     """The CP segmented K2: the segment recurrence, or (``prescan``) the pre_scan
     jobs, which write states only."""
-    return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan)
+    return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan, checkpointing=checkpointing)
 
 
 def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:

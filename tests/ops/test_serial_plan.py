@@ -455,3 +455,42 @@ def test_fp32_gate_and_beta_reach_the_kernels_as_bf16(recorder):
     assert values["beta_row_stride"] == heads  # the bf16 copy of beta is packed
     with pytest.raises(KDAInputError, match="g must be torch.bfloat16"):  # only fp32 is rounded for the caller
         prefill_module.prefill(x["q"], x["k"], x["v"], g.half(), beta, **common)
+
+
+@pytest.mark.parametrize("path", ["serial", "fused", "cp"])
+def test_checkpoints_run_the_checkpointing_twin_and_a_call_without_them_the_plain_kernel(recorder, tables, path):
+    from cula_aot.layout import FLAG_BF16_CHECKPOINT, FLAG_CHECKPOINT_OFFSETS
+
+    heads = 4
+    lengths = [16, 4080] if path == "cp" else [7, 33]
+    x = standard_inputs(1, sum(lengths), heads, seed=31)
+    cu = cu_seqlens_of(lengths)
+    pool = torch.zeros(6, heads + 1, 128, 128, dtype=torch.bfloat16)[:, :heads]  # padded slots
+    indices = torch.full((2, 3), -1, dtype=torch.int32)
+    offsets = torch.tensor([16, 0], dtype=torch.int32)
+    kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), state_layout="kv", output_final_state=True,
+              intracard_cp=8 if path == "cp" else False, fused=path == "fused")
+    checkpointed = dict(checkpoint_every=32, checkpoint_pool=pool, checkpoint_indices=indices,
+                        checkpoint_offsets=offsets)
+    for with_checkpoints in (True, False, True):
+        first = len(recorder.launches)
+        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                               lower_bound=x["lower_bound"], **kw, **(checkpointed if with_checkpoints else {}))
+        launched = [recorder.values(i) for i in range(first, len(recorder.launches))]
+        chain = launched[-1]  # K2, the fused kernel or the CP recurrence: the one that writes them
+        assert chain[0].name.endswith(f"checkpointing{int(with_checkpoints)}"), chain[0].name
+        for kernel, values, _ in launched[:-1]:  # K1, the pre_scan, the merge: never
+            assert "checkpointing1" not in kernel.name and values.get("checkpoint_every", 0) == 0
+        values = chain[1]
+        if with_checkpoints:
+            assert values["checkpoints"] == pool.data_ptr() and values["checkpoint_indices"] == indices.data_ptr()
+            assert values["checkpoint_offsets"] == offsets.data_ptr()
+            assert (values["checkpoint_every"], values["checkpoint_columns"], values["checkpoint_slots"]) == (32, 3, 6)
+            assert values["checkpoint_slot_stride"] == pool.stride(0) == (heads + 1) * 128 * 128
+            assert (values["checkpoint_stride_k"], values["checkpoint_stride_v"]) == (128, 1)  # kv
+            assert values["flags"] & (FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS) == \
+                FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS
+        else:
+            assert values["checkpoints"] == values["checkpoint_indices"] == values["checkpoint_offsets"] == 0
+            assert values["checkpoint_every"] == 0
+            assert values["flags"] & (FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS) == 0

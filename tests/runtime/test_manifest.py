@@ -53,7 +53,7 @@ def test_manifest_record_lookup(manifest_path):
     assert name == "k1_prepare_varlen1_gatesafe" and record["args"] == {"varlen": True, "gate": "safe"}
     name, record = m.record(K2Spec(varlen=False, v_block=16))
     assert record["args"] == {"varlen": False, "v_block": 16, "segmented": False, "prescan": False,
-                              "stages": 3, "multicast": False, "wgmma": False}
+                              "stages": 3, "multicast": False, "wgmma": False, "checkpointing": False}
 
 
 def test_decode_launches_ask_for_what_their_token_count_uses(manifest):
