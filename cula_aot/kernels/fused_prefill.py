@@ -44,6 +44,8 @@ without it has no checkpoint code) the consumers also write the state after ever
 ``checkpoint_every``-th token to the slot ``checkpoint_indices`` names, as K2 does.
 """
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 
@@ -56,6 +58,7 @@ from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PAR
                            reduce_mqk, register_inverse, store_inverse, store_row_norms, vector, lane_columns,
                            lane_rows)
 from .tile_chain import (
+    checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
     N_TILES,
@@ -152,6 +155,91 @@ def _slice(whole: cute.Tensor, index, count: int) -> cute.Tensor:
 def _producer_sync(producer):
     """Named barrier 1 + p over producer p's 128 threads (0 is the CTA's)."""
     cute.arch.barrier(barrier_id=1 + producer, number_of_threads=PRODUCER_THREADS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ConsumerContext:
+    """What one tile of the consumers' chain reads: geometry, stages, barriers, fragments and the
+    state (trace-time values)."""
+
+    empty: object
+    full: object
+    head: object
+    lane: object
+    length: object
+    out: object
+    out_stride: object
+    s_stages: object
+    seq_start: object
+    square_lane: object
+    stages: object
+    state: object
+    t: object
+    v: object
+    v_base: object
+    v_row_stride: object
+    v_stage_bytes: object
+    warp_col0: object
+
+
+@cute.jit
+def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
+    """Tile ``tile`` of a consumer warp's chain from stage ``stage`` (barrier phase ``phase``),
+    staging v of the tile stages − 1 ahead into ``ahead_stage``; ``ctx``: the warp's chain
+    context (``_ConsumerContext``)."""
+    stage_base = stage_pointer(ctx.s_stages, stage, STAGE_BYTES)
+    ahead = tile + (ctx.stages - 1)
+    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
+                  ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, True)
+    cute.arch.cp_async_commit_group()
+    rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
+    token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
+    cute.arch.cp_async_wait_group(ctx.stages - 1)
+    cute.arch.sync_warp()
+    v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
+    cute.arch.mbarrier_wait(ctx.full + stage, phase)
+    base = stage_base.toint()
+    b_rows = _stage_part_view(stage_base, "b", cutlass.Float32)
+    gt = _stage_part_view(stage_base, "gt", cutlass.Float32)
+
+    # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ (K2, wgmma) ---------------------------------------------------
+    a_steps = [accumulators_as_a(ctx.state, 8 * kt) for kt in range(D // 16)]
+    kd_b = smem_descriptor(base + STAGE_PART_OFFSETS["kd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
+    wgmma_fence()
+    ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, STAGE_K_STEP_UNITS)
+    qs_acc = [cutlass.Float32(0.0)] * 8
+    qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
+    qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, STAGE_K_STEP_UNITS)
+    ks_acc = wgmma_wait(1, ks_acc)
+
+    # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ ---------------------------------------
+    w = tile_w(v_regs, b_rows, ks_acc, ctx.t)
+    a_u = tile_u(w, base, STAGE_PART_OFFSETS["inv"], ctx.square_lane)
+
+    # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr, in flight under the O work ------------------------
+    updated = issue_state_update(ctx.state, gt, ctx.t, a_u, base, STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
+                                 STAGE_KEY_GROUP_BYTES)
+
+    # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
+    qs_acc = wgmma_wait(1, qs_acc)
+    b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + ctx.square_lane)
+    o_pairs = []
+    for n in cutlass.range_constexpr(2):
+        d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
+        o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
+    o_slot = ctx.v_base + stage * ctx.v_stage_bytes
+    stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
+    cute.arch.sync_warp()
+    words = ld_shared_v4(o_slot + ctx.lane * 16)
+    out_row, out_half = v_chunk(ctx.lane)
+    if out_row < rows_valid:
+        at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+        st_global_v4((ctx.out + at).toint(), words)
+    updated = wgmma_wait(0, updated)
+    for i in cutlass.range_constexpr(4 * N_TILES):
+        ctx.state[i] = updated[i]
+    # The update has read the stage's kr: the producer may refill it.
+    cute.arch.mbarrier_arrive(ctx.empty + stage)
 
 
 @cute.kernel
@@ -361,69 +449,26 @@ def fused_prefill_kernel(
             cute.arch.cp_async_commit_group()
         square_lane = square_lane_offset(lane)
         out_stride = cutlass.Int64(out_row_stride)
-        for tile in cutlass.range(num_tiles, unroll=1):
-            stage = tile % stages
-            stage_base = stage_pointer(s_stages, stage, STAGE_BYTES)
-            ahead = tile + (stages - 1)
-            ahead_stage = ahead % stages
-            stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
-                          length - ahead * CHUNK, head, warp_col0, lane, True)
-            cute.arch.cp_async_commit_group()
-            rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
-            token0 = seq_start + cutlass.Int64(tile * CHUNK)
-            cute.arch.cp_async_wait_group(stages - 1)
-            cute.arch.sync_warp()
-            v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
-            cute.arch.mbarrier_wait(full + stage, (tile // stages) % 2)
-            base = stage_base.toint()
-            b_rows = _stage_part_view(stage_base, "b", cutlass.Float32)
-            gt = _stage_part_view(stage_base, "gt", cutlass.Float32)
-
-            # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ (K2, wgmma) ---------------------------------------------------
-            a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
-            kd_b = smem_descriptor(base + STAGE_PART_OFFSETS["kd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
-            wgmma_fence()
-            ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, STAGE_K_STEP_UNITS)
-            qs_acc = [cutlass.Float32(0.0)] * 8
-            qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
-            qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, STAGE_K_STEP_UNITS)
-            ks_acc = wgmma_wait(1, ks_acc)
-
-            # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ ---------------------------------------
-            w = tile_w(v_regs, b_rows, ks_acc, t)
-            a_u = tile_u(w, base, STAGE_PART_OFFSETS["inv"], square_lane)
-
-            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr, in flight under the O work ------------------------
-            updated = issue_state_update(state, gt, t, a_u, base, STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
-                                         STAGE_KEY_GROUP_BYTES)
-
-            # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
-            qs_acc = wgmma_wait(1, qs_acc)
-            b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + square_lane)
-            o_pairs = []
-            for n in cutlass.range_constexpr(2):
-                d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
-                o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
-            o_slot = v_base + stage * v_stage_bytes
-            stmatrix_x4_trans(o_slot + square_lane, o_pairs)
-            cute.arch.sync_warp()
-            words = ld_shared_v4(o_slot + lane * 16)
-            out_row, out_half = v_chunk(lane)
-            if out_row < rows_valid:
-                at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
-                st_global_v4((out + at).toint(), words)
-            updated = wgmma_wait(0, updated)
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                state[i] = updated[i]
-            # The update has read the stage's kr: the producer may refill it.
-            cute.arch.mbarrier_arrive(empty + stage)
-            if cutlass.const_expr(checkpointing):
-                if tile == checkpoint_tile:
+        ctx = _ConsumerContext(empty=empty, full=full, head=head, lane=lane, length=length, out=out, out_stride=out_stride, s_stages=s_stages, seq_start=seq_start, square_lane=square_lane, stages=stages, state=state, t=t, v=v, v_base=v_base, v_row_stride=v_row_stride, v_stage_bytes=v_stage_bytes, warp_col0=warp_col0)
+        if cutlass.const_expr(checkpointing):
+            # Runs of tiles up to each checkpoint, the write between runs, as in K2.
+            run_start = cutlass.Int32(0)
+            while run_start < num_tiles:
+                run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
+                for tile in cutlass.range(run_start, run_end, unroll=1):
+                    at = cutlass.Uint32(tile)
+                    _consumer_tile(ctx, tile, cutlass.Int32(at % stages), cutlass.Int32((at + (stages - 1)) % stages),
+                                   cutlass.Int32((at // stages) % 2))
+                if run_end - 1 == checkpoint_tile:
                     checkpoint_tile = write_checkpoint(
-                        state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq,
+                        state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq,
                         cutlass.Int32(0), checkpoint_every, checkpoint_columns, checkpoint_slots,
                         checkpoint_slot_stride, head, t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags,
                         status, (cw == 0) & (lane == 0))
+                run_start = run_end
+        else:
+            for tile in cutlass.range(num_tiles, unroll=1):
+                _consumer_tile(ctx, tile, tile % stages, (tile + (stages - 1)) % stages, (tile // stages) % 2)
 
         if write_final != 0:
             write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,

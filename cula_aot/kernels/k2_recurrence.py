@@ -71,6 +71,8 @@ are clamped, and slots out of range are reported there).  Compile-time: H, varle
 32, 64, ...), segmented, prescan, stages, multicast, wgmma, checkpointing.
 """
 
+import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
@@ -115,6 +117,7 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
+    checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
     N_TILES,
@@ -208,6 +211,185 @@ def _image_trans_lane_offset(lane):
     """Byte offset of this lane's ``ldmatrix.trans`` row in a K_INTER image for n-tile pair 0:
     matrix m = lane // 8 is (column block m // 2, token block m % 2)."""
     return (lane // 16) * (CHUNK * 16) + (((lane // 8) % 2) * 8 + lane % 8) * 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChainContext:
+    """What one tile of the K2 chain reads of its CTA: geometry, stages, barriers, fragments and the state
+    (trace-time values; the codegen arguments as plain Python)."""
+
+    cluster_ctas: object
+    full: object
+    head: object
+    image_lane: object
+    image_trans_lane: object
+    lane: object
+    length: object
+    load_v: object
+    multicast: object
+    num_tiles: object
+    out: object
+    out_stride: object
+    prescan: object
+    rank: object
+    s_stages: object
+    seq_start: object
+    slot0: object
+    square_lane: object
+    stage_nbytes: object
+    stages: object
+    state: object
+    t: object
+    tid: object
+    v: object
+    v_base: object
+    v_row_stride: object
+    v_stage_bytes: object
+    warp: object
+    warp_col0: object
+    wgmma: object
+    workspace: object
+    write_out: object
+
+
+@cute.jit
+def _chain_tile(ctx, tile, stage, ahead_stage, phase):
+    """Tile ``tile`` of a K2 chain from stage ``stage`` (barrier phase ``phase``), refilling
+    ``ahead_stage`` with the tile stages − 1 ahead; ``ctx``: the CTA's chain context (``_ChainContext``)."""
+    stage_base = stage_pointer(ctx.s_stages, stage, ctx.stage_nbytes)
+    # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
+    ahead = tile + (ctx.stages - 1)
+    if cutlass.const_expr(ctx.multicast):
+        if ctx.warp == 0:
+            # The cluster barrier of tile t − 1: every CTA is done with the stage refilled now.
+            if tile > 0:
+                cute.arch.cluster_wait()
+    if ctx.tid == 0:
+        if ahead < ctx.num_tiles:
+            _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
+                               ctx.slot0 + cutlass.Int64(ahead), ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
+    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
+                  ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, ctx.load_v)
+    # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
+    cute.arch.cp_async_commit_group()
+    rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
+    token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
+    cute.arch.cp_async_wait_group(ctx.stages - 1)
+    cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
+    v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
+    cute.arch.mbarrier_wait(ctx.full + stage, phase)
+    base = stage_base.toint()
+    b_rows = _stage_view(stage_base, "b", cutlass.Float32)
+    gt = _stage_view(stage_base, "gt", cutlass.Float32)
+
+    # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ: 8 k-steps over the keys, two token n-tiles each -----------
+    # Sᵀ·kdᵀ is on the tile-to-tile critical path (→ W → U → Sᵀ): k-step kt accumulates in
+    # chain kt % KS_CHAINS, the chains are summed at the end (dependent MMA depth
+    # 8 / KS_CHAINS).  Sᵀ·qdᵀ only feeds O and keeps one chain.
+    if cutlass.const_expr(ctx.wgmma):
+        # The warpgroup reads each image once: 8 wgmma k-steps per product, A = this warp's
+        # state rows in bf16, B = the K-major image (keys lead, tokens stride; a k-step is two
+        # key groups on).
+        a_steps = [accumulators_as_a(ctx.state, 8 * kt) for kt in range(D // 16)]
+        kd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], IMAGE_KEY_GROUP_BYTES, IMAGE_TOKEN_GROUP_BYTES)
+        wgmma_fence()
+        ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, IMAGE_K_STEP_UNITS)
+        qs_acc = [cutlass.Float32(0.0)] * 8
+        if cutlass.const_expr(not ctx.prescan):
+            qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES,
+                                   IMAGE_TOKEN_GROUP_BYTES)
+            qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, IMAGE_K_STEP_UNITS)
+            ks_acc = wgmma_wait(1, ks_acc)
+        else:
+            ks_acc = wgmma_wait(0, ks_acc)
+        ks = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        for i in cutlass.range_constexpr(8):
+            ks[i] = ks_acc[i]
+    else:
+        ks_chains = [cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32) for _ in range(KS_CHAINS)]
+        qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        for chain in ks_chains:
+            chain.fill(0.0)
+        qs.fill(0.0)
+        for kt in cutlass.range_constexpr(D // 16):
+            a = accumulators_as_a(ctx.state, 8 * kt)
+            b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + ctx.image_lane)
+            ks_kt = ks_chains[kt % KS_CHAINS]
+            for n in cutlass.range_constexpr(2):
+                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
+                for c in cutlass.range_constexpr(4):
+                    ks_kt[4 * n + c] = d_k[c]
+            if cutlass.const_expr(not ctx.prescan):
+                b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + ctx.image_lane)
+                for n in cutlass.range_constexpr(2):
+                    d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                    for c in cutlass.range_constexpr(4):
+                        qs[4 * n + c] = d_q[c]
+        ks = ks_chains[0]
+        for chain in ks_chains[1:]:
+            for i in cutlass.range_constexpr(8):
+                ks[i] = ks[i] + chain[i]
+
+    # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ --------------------------------------
+    w = tile_w(v_regs, b_rows, ks, ctx.t)
+    a_u = tile_u(w, base, WORKSPACE_PART_OFFSETS["inv"], ctx.square_lane)
+    if cutlass.const_expr(ctx.wgmma):
+        # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work.
+        updated = issue_state_update(ctx.state, gt, ctx.t, a_u, base, WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
+                                     IMAGE_KEY_GROUP_BYTES)
+
+    # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
+    # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
+    o_pairs = []
+    if cutlass.const_expr(not ctx.prescan):
+        if cutlass.const_expr(ctx.wgmma):
+            qs_acc = wgmma_wait(1, qs_acc)
+            for i in cutlass.range_constexpr(8):
+                qs[i] = qs_acc[i]
+        b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + ctx.square_lane)
+        for n in cutlass.range_constexpr(2):
+            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+            o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
+
+    # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
+    if cutlass.const_expr(not ctx.wgmma):
+        for pair in cutlass.range_constexpr(N_TILES // 2):
+            b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + ctx.image_trans_lane, transpose=True)
+            for n in cutlass.range_constexpr(2):
+                j = 2 * pair + n
+                scaled = [ctx.state[4 * j + c] * gt[8 * j + 2 * ctx.t + c % 2] for c in range(4)]
+                d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
+                for c in cutlass.range_constexpr(4):
+                    ctx.state[4 * j + c] = d_s[c]
+    if cutlass.const_expr(not ctx.prescan):
+        # O leaves through this warp's v slot of the tile (read above, refilled only at the
+        # next tile): stmatrix.trans lays it out token-major, then each lane stores 16 bytes of
+        # one token row, whole 32-byte sectors per row (off the state chain, after its MMAs).
+        o_slot = ctx.v_base + stage * ctx.v_stage_bytes
+        stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
+        cute.arch.sync_warp()
+        words = ld_shared_v4(o_slot + ctx.lane * 16)
+        out_row, out_half = v_chunk(ctx.lane)
+        if out_row < rows_valid and ctx.write_out:
+            at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+            st_global_v4((ctx.out + at).toint(), words)
+    if cutlass.const_expr(ctx.wgmma):
+        # The update has read the stage's kr and written the state before the stage is freed.
+        updated = wgmma_wait(0, updated)
+        for i in cutlass.range_constexpr(4 * N_TILES):
+            ctx.state[i] = updated[i]
+    # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
+    # 0 waits at the next tile's refill; the other warps here, before their next arrive.
+    if cutlass.const_expr(ctx.multicast):
+        if ctx.warp != 0:
+            if tile > 0:
+                cute.arch.cluster_wait()
+        # Relaxed: a release would wait for this tile's output stores; every shared read of
+        # the stage has already been consumed by an MMA, so nothing else needs ordering.
+        cute.arch.cluster_arrive_relaxed()
+    else:
+        cute.arch.sync_threads()
 
 
 @cute.kernel
@@ -372,149 +554,27 @@ def k2_recurrence_kernel(
     image_trans_lane = _image_trans_lane_offset(lane)
     square_lane = square_lane_offset(lane)
     out_stride = cutlass.Int64(out_row_stride)
-    for tile in cutlass.range(num_tiles, unroll=1):
-        stage = tile % stages
-        stage_base = stage_pointer(s_stages, stage, stage_nbytes)
-        # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
-        ahead = tile + (stages - 1)
-        ahead_stage = ahead % stages
-        if cutlass.const_expr(multicast):
-            if warp == 0:
-                # The cluster barrier of tile t − 1: every CTA is done with the stage refilled now.
-                if tile > 0:
-                    cute.arch.cluster_wait()
-        if tid == 0:
-            if ahead < num_tiles:
-                _issue_stage_loads(workspace, stage_pointer(s_stages, ahead_stage, stage_nbytes), full + ahead_stage,
-                                   slot0 + cutlass.Int64(ahead), stage_nbytes, cluster_ctas, rank)
-        stage_v_rows(v, v_row_stride, v_base + ahead_stage * v_stage_bytes, seq_start + cutlass.Int64(ahead * CHUNK),
-                      length - ahead * CHUNK, head, warp_col0, lane, load_v)
-        # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
-        cute.arch.cp_async_commit_group()
-        rows_valid = cutlass.min(length - tile * CHUNK, CHUNK)
-        token0 = seq_start + cutlass.Int64(tile * CHUNK)
-        cute.arch.cp_async_wait_group(stages - 1)
-        cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
-        v_regs = ldmatrix_x4(v_base + stage * v_stage_bytes + square_lane, transpose=True)
-        cute.arch.mbarrier_wait(full + stage, (tile // stages) % 2)
-        base = stage_base.toint()
-        b_rows = _stage_view(stage_base, "b", cutlass.Float32)
-        gt = _stage_view(stage_base, "gt", cutlass.Float32)
 
-        # -- Sᵀ·kdᵀ and Sᵀ·qdᵀ: 8 k-steps over the keys, two token n-tiles each -----------
-        # Sᵀ·kdᵀ is on the tile-to-tile critical path (→ W → U → Sᵀ): k-step kt accumulates in
-        # chain kt % KS_CHAINS, the chains are summed at the end (dependent MMA depth
-        # 8 / KS_CHAINS).  Sᵀ·qdᵀ only feeds O and keeps one chain.
-        if cutlass.const_expr(wgmma):
-            # The warpgroup reads each image once: 8 wgmma k-steps per product, A = this warp's
-            # state rows in bf16, B = the K-major image (keys lead, tokens stride; a k-step is two
-            # key groups on).
-            a_steps = [accumulators_as_a(state, 8 * kt) for kt in range(D // 16)]
-            kd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["kd"], IMAGE_KEY_GROUP_BYTES, IMAGE_TOKEN_GROUP_BYTES)
-            wgmma_fence()
-            ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, IMAGE_K_STEP_UNITS)
-            qs_acc = [cutlass.Float32(0.0)] * 8
-            if cutlass.const_expr(not prescan):
-                qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES,
-                                       IMAGE_TOKEN_GROUP_BYTES)
-                qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, IMAGE_K_STEP_UNITS)
-                ks_acc = wgmma_wait(1, ks_acc)
-            else:
-                ks_acc = wgmma_wait(0, ks_acc)
-            ks = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for i in cutlass.range_constexpr(8):
-                ks[i] = ks_acc[i]
-        else:
-            ks_chains = [cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32) for _ in range(KS_CHAINS)]
-            qs = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            for chain in ks_chains:
-                chain.fill(0.0)
-            qs.fill(0.0)
-            for kt in cutlass.range_constexpr(D // 16):
-                a = accumulators_as_a(state, 8 * kt)
-                b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + image_lane)
-                ks_kt = ks_chains[kt % KS_CHAINS]
-                for n in cutlass.range_constexpr(2):
-                    d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
-                    for c in cutlass.range_constexpr(4):
-                        ks_kt[4 * n + c] = d_k[c]
-                if cutlass.const_expr(not prescan):
-                    b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + image_lane)
-                    for n in cutlass.range_constexpr(2):
-                        d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
-                        for c in cutlass.range_constexpr(4):
-                            qs[4 * n + c] = d_q[c]
-            ks = ks_chains[0]
-            for chain in ks_chains[1:]:
-                for i in cutlass.range_constexpr(8):
-                    ks[i] = ks[i] + chain[i]
-
-        # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ --------------------------------------
-        w = tile_w(v_regs, b_rows, ks, t)
-        a_u = tile_u(w, base, WORKSPACE_PART_OFFSETS["inv"], square_lane)
-        if cutlass.const_expr(wgmma):
-            # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work.
-            updated = issue_state_update(state, gt, t, a_u, base, WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
-                                         IMAGE_KEY_GROUP_BYTES)
-
-        # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
-        # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
-        o_pairs = []
-        if cutlass.const_expr(not prescan):
-            if cutlass.const_expr(wgmma):
-                qs_acc = wgmma_wait(1, qs_acc)
-                for i in cutlass.range_constexpr(8):
-                    qs[i] = qs_acc[i]
-            b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + square_lane)
-            for n in cutlass.range_constexpr(2):
-                d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
-                o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
-
-        # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
-        if cutlass.const_expr(not wgmma):
-            for pair in cutlass.range_constexpr(N_TILES // 2):
-                b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + image_trans_lane, transpose=True)
-                for n in cutlass.range_constexpr(2):
-                    j = 2 * pair + n
-                    scaled = [state[4 * j + c] * gt[8 * j + 2 * t + c % 2] for c in range(4)]
-                    d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
-                    for c in cutlass.range_constexpr(4):
-                        state[4 * j + c] = d_s[c]
-        if cutlass.const_expr(not prescan):
-            # O leaves through this warp's v slot of the tile (read above, refilled only at the
-            # next tile): stmatrix.trans lays it out token-major, then each lane stores 16 bytes of
-            # one token row, whole 32-byte sectors per row (off the state chain, after its MMAs).
-            o_slot = v_base + stage * v_stage_bytes
-            stmatrix_x4_trans(o_slot + square_lane, o_pairs)
-            cute.arch.sync_warp()
-            words = ld_shared_v4(o_slot + lane * 16)
-            out_row, out_half = v_chunk(lane)
-            if out_row < rows_valid and write_out:
-                at = (token0 + cutlass.Int64(out_row)) * out_stride + cutlass.Int64(head * D + warp_col0 + out_half * 8)
-                st_global_v4((out + at).toint(), words)
-        if cutlass.const_expr(wgmma):
-            # The update has read the stage's kr and written the state before the stage is freed.
-            updated = wgmma_wait(0, updated)
-            for i in cutlass.range_constexpr(4 * N_TILES):
-                state[i] = updated[i]
-        if cutlass.const_expr(checkpointing):
-            if tile == checkpoint_tile:
+    ctx = _ChainContext(cluster_ctas=cluster_ctas, full=full, head=head, image_lane=image_lane, image_trans_lane=image_trans_lane, lane=lane, length=length, load_v=load_v, multicast=multicast, num_tiles=num_tiles, out=out, out_stride=out_stride, prescan=prescan, rank=rank, s_stages=s_stages, seq_start=seq_start, slot0=slot0, square_lane=square_lane, stage_nbytes=stage_nbytes, stages=stages, state=state, t=t, tid=tid, v=v, v_base=v_base, v_row_stride=v_row_stride, v_stage_bytes=v_stage_bytes, warp=warp, warp_col0=warp_col0, wgmma=wgmma, workspace=workspace, write_out=write_out)
+    if cutlass.const_expr(checkpointing):
+        # The tiles run up to each checkpoint (one run without any), the write between runs: the
+        # hot loop is the plain one.  Tiles count from 0, so stage arithmetic is unsigned.
+        run_start = cutlass.Int32(0)
+        while run_start < num_tiles:
+            run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
+            for tile in cutlass.range(run_start, run_end, unroll=1):
+                at = cutlass.Uint32(tile)
+                _chain_tile(ctx, tile, cutlass.Int32(at % stages), cutlass.Int32((at + (stages - 1)) % stages),
+                          cutlass.Int32((at // stages) % 2))
+            if run_end - 1 == checkpoint_tile:
                 checkpoint_tile = write_checkpoint(
-                    state, tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
+                    state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
                     tokens_before, checkpoint_every, checkpoint_columns, checkpoint_slots, checkpoint_slot_stride, head,
                     t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags, status, tid == 0)
-        # Frees this stage for tile t + stages: in a cluster, for every CTA's slice of it.  Warp
-        # 0 waits at the next tile's refill; the other warps here, before their next arrive.
-        if cutlass.const_expr(multicast):
-            if warp != 0:
-                if tile > 0:
-                    cute.arch.cluster_wait()
-            # Relaxed: a release would wait for this tile's output stores; every shared read of
-            # the stage has already been consumed by an MMA, so nothing else needs ordering.
-            cute.arch.cluster_arrive_relaxed()
-        else:
-            cute.arch.sync_threads()
+            run_start = run_end
+    else:
+        for tile in cutlass.range(num_tiles, unroll=1):
+            _chain_tile(ctx, tile, tile % stages, (tile + (stages - 1)) % stages, (tile // stages) % 2)
     if cutlass.const_expr(multicast):
         # The last tile's barrier: no CTA leaves while a peer may still multicast into it.
         if num_tiles > 0:

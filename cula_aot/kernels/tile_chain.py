@@ -126,6 +126,12 @@ def checkpoint_schedule(checkpoint_offsets: cute.Pointer, flags, row, every, tok
     return first_tile, column, misaligned
 
 
+def checkpoint_run_end(checkpoint_tile, num_tiles):
+    """One past the last tile of the run that ends at the next checkpoint (the item's last tile
+    when none is left): a checkpointing chain runs its tiles in such runs and writes between them."""
+    return cutlass.select_((checkpoint_tile >= 0) & (checkpoint_tile < num_tiles), checkpoint_tile + 1, num_tiles)
+
+
 @cute.jit
 def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
                      checkpoint_offsets: cute.Pointer, row, tokens_before, every, columns, slots, slot_stride, head, t,
