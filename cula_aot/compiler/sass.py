@@ -40,9 +40,11 @@ class Loop:
     def opcodes(self) -> collections.Counter:
         return collections.Counter(instruction.split()[0] for instruction in self.body)
 
+    def counts(self) -> str:
+        return f"{len(self.body)} instructions, " + ", ".join(f"{token} {self.count(token)}" for token in COUNTED)
+
     def summary(self) -> str:
-        counts = ", ".join(f"{token} {self.count(token)}" for token in COUNTED)
-        return f"loop {self.start:#x}-{self.end:#x}: {len(self.body)} instructions, {counts}"
+        return f"loop {self.start:#x}-{self.end:#x}: {self.counts()}"
 
 
 def instructions(sass: str) -> list:
@@ -92,8 +94,8 @@ def main(argv=None) -> int:
     listings = [disassemble(p) for p in paths]
     for path, sass in zip(paths, listings):
         code = instructions(sass)
-        print(f"{os.path.basename(path)}: {len(code)} instructions, "
-              f"STL {sum('STL' in i for _, i in code)}, LDL {sum('LDL' in i for _, i in code)}")
+        whole = Loop(code[0][0], code[-1][0], tuple(i for _, i in code))
+        print(f"{os.path.basename(path)}: {whole.counts()}")
         for loop in loops(sass):
             print("  " + loop.summary())
     if len(listings) == 2:
