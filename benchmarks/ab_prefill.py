@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 # Section → how a row is labelled (the fields that identify a workload).
-_ROW_KEYS = {"spec": ("workload", "H"), "serving": ("workload", "H"), "cp": ("H", "lengths"),
+_ROW_KEYS = {"spec": ("workload", "H"), "serving": ("workload", "H"), "gates": ("workload", "H", "gate"),
+             "checkpoints": ("source", "workload", "H"), "cp": ("H", "lengths"),
              "cp_long": ("H", "lengths"), "cp_sweep": ("H", "lengths"), "fixed": ("B", "T"),
              "varlen": ("N", "T", "dist")}
 

@@ -91,3 +91,14 @@ def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
     assert [r["cp"][0]["cp_auto_graph_ms"] for r in json.loads((out / "b.json").read_text())["rounds"]] == [0.1, 0.1]
     row = next(line for line in (out / "summary.md").read_text().splitlines() if "cp_auto_graph_ms" in line)
     assert "0.2000" in row and "0.1000" in row and "0.500" in row  # b ÷ a; eager cp_4_ms is not listed
+
+
+def test_ab_labels_the_gate_and_checkpoint_rows(ab):
+    result = {"gates": [{"H": 12, "workload": "1x8192", "gate": g, "ours_graph_ms": ms}
+                        for g, ms in (("safe", 0.2), ("softplus", 0.21))],
+              "checkpoints": [{"source": "serving", "H": 16, "workload": "8x1024", "plain_graph_ms": 0.1,
+                               "checkpoint_1024_graph_ms": 0.105, "checkpoint_1024_ratio": 1.05}]}
+    timings = ab.graph_timings(result)
+    assert timings[("gates", "workload=1x8192 H=12 gate=softplus", "ours_graph_ms")] == 0.21
+    assert timings[("checkpoints", "source=serving workload=8x1024 H=16", "checkpoint_1024_graph_ms")] == 0.105
+    assert len(timings) == 4  # graph times only: the ratio is derived

@@ -66,6 +66,9 @@ class Path:
 
     kind: str  # "serial" (K1 then K2), "fused" (one kernel) or "cp" (K1, pre_scan, merge, segmented K2)
     split: int | None  # the s_split a later call of this signature takes; None: planned from its host lengths
+    # Serial paths: None when the fused choice is the signature's alone; else whether these host
+    # lengths have equal tile counts, the one thing about them that ``auto_fused`` reads.
+    lengths_uniform: bool | None = None
     v_block: int | None = None  # "serial": V columns per K2 CTA
     s_split: int = 1  # "cp": the split and its segment plan (``cp_plan.plan``)
     segments: list | None = None
@@ -83,15 +86,18 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
        ``cp_plan.plan`` cuts the sequences into at most s segments: "cp" when some sequence has
        more than one; else a serial path (nothing long enough to split).
     3. Serial paths (``fused`` and ``v_block`` apply to these only): "fused" when ``fused`` is
-       True, or it is None, ``v_block`` is None and ``specs.auto_fused`` picks it (from shapes);
-       else "serial" (K1 then K2) with ``v_block``, or ``specs.auto_v_block``'s when None.  The
+       True, or it is None, ``v_block`` is None and ``specs.auto_fused`` picks it (from shapes,
+       with a fixed-length batch's lower tile threshold for a varlen one whose host lengths all
+       take the same number of tiles: ``equal_tile_counts``); else "serial" (K1 then K2) with ``v_block``, or ``specs.auto_v_block``'s when None.  The
        fused kernel runs the default input conventions only (``conventions`` = 0: the two
        runtime bits cost its register-bound producers 8% on the default ones): other calls take
        "serial", and ``fused=True`` with them is refused.
     4. ``split``, what the signature's cached plan does with a later call's lengths: serial paths
        1 (stay serial) when ``intracard_cp`` is False, the call is fixed-length or has no host
        lengths, else None (re-planned by rule 1 from each call's host lengths); "cp": s when
-       fixed-length (the signature fixes the lengths), else None.
+       fixed-length (the signature fixes the lengths), else None.  ``lengths_uniform`` (serial
+       paths) is set where rule 3's choice turns on the host lengths' tile counts, so that a
+       later call with other lengths takes the plan its own lengths pick.
     """
     varlen = cu_seqlens is not None
     s_split = _resolve_split(intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, c.host_cu, device)
@@ -108,14 +114,34 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
     if conventions and fused:
         fail("the fused kernel runs beta as logits and q, k normalised in the kernel only "
              "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False")
+    lengths_uniform = None
     if fused is None:
-        fused = not conventions and v_block is None and auto_fused(
-            c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device), uniform=not varlen)
+        fused = False
+        if not conventions and v_block is None:
+            def pick(uniform):
+                return auto_fused(c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device), uniform=uniform)
+
+            if not varlen:
+                fused = pick(True)
+            elif c.host_cu is None:
+                fused = pick(False)
+            else:
+                uniform = equal_tile_counts(c.host_cu)
+                fused = pick(uniform)
+                if pick(not uniform) != fused:
+                    lengths_uniform = uniform
     if fused:
-        return Path("fused", split)
+        return Path("fused", split, lengths_uniform=lengths_uniform)
     if v_block is None:
         v_block = auto_v_block(c.heads, c.num_seqs, _sm_count(device))
-    return Path("serial", split, v_block=v_block)
+    return Path("serial", split, v_block=v_block, lengths_uniform=lengths_uniform)
+
+
+def equal_tile_counts(host_cu) -> bool:
+    """Whether the sequences of host ``cu_seqlens`` values all take the same number of 16-token
+    tiles: no fused item then outlasts the others, as in a fixed-length batch (ragged batches
+    lose the fused kernel: PERFORMANCE.md, Serving matrix)."""
+    return len({(b - a + 15) // 16 for a, b in zip(host_cu, host_cu[1:])}) == 1
 
 
 _PLANS: dict = {}  # signature → its serial or first CP plan; (signature, lengths, s_split) → CP plan
@@ -124,6 +150,11 @@ _PLAN_LIMIT = 256  # plans cached; cleared when full (a serving loop reuses a fe
 
 def _signature(*tensors) -> tuple:
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _serial_key(key, lengths_uniform: bool) -> tuple:
+    """The cache key of a serial plan chosen for lengths with (or without) equal tile counts."""
+    return key, "serial", lengths_uniform
 
 
 def _cp_key(key, host_cu, s_split) -> tuple:
@@ -141,18 +172,23 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
     """The cached plan for a call whose signature ``key`` has cached ``plan``, by ``choose_path``'s
     rules on this call's lengths: (that plan, None when there is none yet; the host cu_seqlens
     read to choose it: checked when the signature checks them)."""
-    if plan.split == 1:
+    if plan.split == 1 and plan.lengths_uniform is None:
         return plan, None
     c = plan.c
     host_cu = None
-    if plan.split is None:
+    if plan.split is None or plan.lengths_uniform is not None:
         host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
+    if plan.split is None:
         s_split = _resolve_split(plan.intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, plan.device)
     else:
         s_split = plan.split
-    if s_split == 1:
-        return (plan if plan.serial else None), host_cu
-    return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
+    if s_split > 1:
+        return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
+    if not plan.serial:
+        return None, host_cu
+    if plan.lengths_uniform is not None and equal_tile_counts(host_cu) != plan.lengths_uniform:
+        return _PLANS.get(_serial_key(key, not plan.lengths_uniform)), host_cu
+    return plan, host_cu
 
 
 def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
@@ -223,7 +259,8 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     if path.kind == "cp":
         # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its
         # split from its lengths, a fixed-length one has them in the signature.
-        plan = _CPPlan(c, loader, k1, path.segments, path.s_split, sm_count=_sm_count(device), **options)
+        plan = _CPPlan(c, loader, k1, path.segments, path.s_split, sm_count=_sm_count(device), lengths_uniform=None,
+                       **options)
         if key is not None:
             _remember(_cp_key(key, c.host_cu, path.s_split), plan)
             if key not in _PLANS:  # the signature's first plan: it reads later calls' lengths
@@ -231,13 +268,16 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     else:
         if path.kind == "fused":
             plan = _FusedPlan(c, loader.get(device, fused_spec(gate, c.checkpoints.every > 0)), order=SERIAL_K2_ORDER,
-                              **options)
+                              lengths_uniform=path.lengths_uniform, **options)
         else:
             plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block, c.checkpoints.every > 0)),
-                               sm_count=_sm_count(device), order=SERIAL_K2_ORDER, **options)
+                               sm_count=_sm_count(device), order=SERIAL_K2_ORDER,
+                               lengths_uniform=path.lengths_uniform, **options)
         # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
         # kept while serial; True or an s_split with host lengths keeps no serial plan.
         if key is not None and (path.split == 1 or intracard_cp == "auto"):
             _remember(key, plan)
+            if path.lengths_uniform is not None:  # a later call with the other kind of lengths finds its own
+                _remember(_serial_key(key, path.lengths_uniform), plan)
     return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                     cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu, checkpoints)

@@ -100,12 +100,15 @@ class _Plan:
     the per-call checks and allocations the signature does not fix (addresses, scalars, host
     cu_seqlens values)."""
 
-    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split, input_flags):
+    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split, input_flags,
+                 lengths_uniform):
         self.c, self.device, self.alloc_final = c, device, alloc_final
         # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
         # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
-        # does not fix them).  Read by the plan cache (``prefill._plan_for_lengths``).
-        self.intracard_cp, self.split = intracard_cp, split
+        # does not fix them).  ``lengths_uniform``: None, or (a serial plan whose fused choice
+        # turned on the host lengths' tile counts) whether they were equal.  Both read by the plan
+        # cache (``prefill._plan_for_lengths``).
+        self.intracard_cp, self.split, self.lengths_uniform = intracard_cp, split, lengths_uniform
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
         # The fused path (k1 None) has no workspaces.
         self.slots = 0 if k1 is None else c.heads * total_slots
@@ -191,9 +194,10 @@ class _SerialPlan(_Plan):
     serial = True
 
     def __init__(self, c: Checked, k1, k2, *, sm_count, order, cu_seqlens, alloc_final, state_layout, init_flags,
-                 final_flags, status_flag, device, intracard_cp, split, input_flags):
+                 final_flags, status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
+                         lengths_uniform=lengths_uniform)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
         self.launches = (self.k1, self.k2)
@@ -206,9 +210,10 @@ class _FusedPlan(_Plan):
     serial = True
 
     def __init__(self, c: Checked, fused, *, order, cu_seqlens, alloc_final, state_layout, init_flags, final_flags,
-                 status_flag, device, intracard_cp, split, input_flags):
+                 status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
         super().__init__(c, None, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
+                         lengths_uniform=lengths_uniform)
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
@@ -225,9 +230,10 @@ class _CPPlan(_Plan):
     serial = False
 
     def __init__(self, c: Checked, loader, k1, segments, s_split, *, sm_count, cu_seqlens, alloc_final, state_layout,
-                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags):
+                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
+                         lengths_uniform=lengths_uniform)
         heads = c.heads
         n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)

@@ -154,6 +154,32 @@ def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
     assert values["tiles_per_cta"] == 4 and grid == (expected["k1_ctas"], heads, 1) == (4, heads, 1)
 
 
+@pytest.mark.parametrize("intracard_cp", [False, "auto"])
+def test_a_varlen_batch_of_equal_tile_counts_runs_fused_and_each_call_takes_its_lengths_plan(recorder, monkeypatch,
+                                                                                           intracard_cp):
+    # 8 sequences x 2 heads on 16 SMs: one wave of 16-tile items, fused only when the lengths say
+    # that no item outlasts the rest (a ragged batch of the same shape takes K1 then K2).
+    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 16)
+    x = standard_inputs(1, 8 * 256, 2, seed=11)
+    even, ragged = cu_seqlens_of([256] * 8), cu_seqlens_of([16] * 7 + [8 * 256 - 7 * 16])
+    assert prefill_module.equal_tile_counts(even.tolist()) and not prefill_module.equal_tile_counts(ragged.tolist())
+    assert prefill_module.equal_tile_counts([0, 250, 506])  # 16 tiles each, unequal lengths
+    validations = []
+    real_validate = prefill_module.validate
+    monkeypatch.setattr(prefill_module, "validate", lambda *a, **kw: validations.append(1) or real_validate(*a, **kw))
+    seen = []
+    for cu in (even, ragged, even, ragged):
+        recorder.launches.clear()
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), intracard_cp=intracard_cp)
+        seen.append([kernel.record["kernel"] for kernel, *_ in recorder.launches])
+    assert seen == [["fused_prefill"], ["k1_prepare", "k2_recurrence"]] * 2, seen
+    assert len(validations) == 2  # the last two calls ran from the plans their lengths picked
+    # Without host lengths the batch may be ragged: K1 then K2.
+    recorder.launches.clear()
+    _call(x, cu_seqlens=even, check_seqlens="off", intracard_cp=intracard_cp)
+    assert [kernel.record["kernel"] for kernel, *_ in recorder.launches] == ["k1_prepare", "k2_recurrence"]
+
+
 def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
     heads, T = 2, 33
     x = standard_inputs(1, T, heads, seed=3)
