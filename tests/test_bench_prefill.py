@@ -102,3 +102,13 @@ def test_ab_labels_the_gate_and_checkpoint_rows(ab):
     assert timings[("gates", "workload=1x8192 H=12 gate=softplus", "ours_graph_ms")] == 0.21
     assert timings[("checkpoints", "source=serving workload=8x1024 H=16", "checkpoint_1024_graph_ms")] == 0.105
     assert len(timings) == 4  # graph times only: the ratio is derived
+
+
+def test_checkpoint_kernel_cases_share_one_schedule(bench):
+    ck = _load_script(ROOT / "benchmarks" / "checkpoint_kernels.py")
+    x = bench.make_inputs(2, 2, None, 2048, "cpu")
+    plain, written, skipped = ck.cases(x, 1024).values()
+    assert plain == {} and written["checkpoint_every"] == skipped["checkpoint_every"] == 1024
+    assert written["checkpoint_indices"].tolist() == [[0, 1], [2, 3]]  # two per sequence, own slots
+    assert (skipped["checkpoint_indices"] == -1).all() and skipped["checkpoint_pool"] is written["checkpoint_pool"]
+    assert any(fused for *_, fused in ck.ROWS) and not all(fused for *_, fused in ck.ROWS)

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Where a prefix-cache checkpoint costs: per kernel (CUPTI median of 20 calls) and per graph
+replay, each row run without checkpoints, with one every ``--every`` tokens, and with the same
+schedule but every slot -1 (the checkpointing twin's loop without a single store), so the
+twin's loop, the stores and the graph around them show apart:
+
+    python3 -m benchmarks.checkpoint_kernels [--tag NAME] [--every 1024] [--quick]
+
+Rows: the serial K2 chain (H4 8×1024, H32 and H64 1×8192) and the fused kernel (H16 and H64
+8×1024), the ones whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.
+Serial path, initial + final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of
+25 + 100.  One line per row and case; ratios are to the row's plain case.
+"""
+
+import argparse
+
+import torch
+
+from benchmarks.bench_prefill import checkpoint_options, make_inputs, prefill_runner
+from benchmarks.timing import capture_graph, kernel_medians_us, time_cuda
+
+# (H, batch, length, fused): fixed-length rows, the path forced so the kernel under test runs.
+ROWS = ((4, 8, 1024, False), (32, 1, 8192, False), (64, 1, 8192, False), (16, 8, 1024, True), (64, 8, 1024, True))
+
+
+def cases(x, every):
+    """{case: checkpoint options} for inputs ``x``: none, every ``every`` tokens, and that schedule
+    with no slot named (-1)."""
+    written = checkpoint_options(x, every)
+    skipped = {**written, "checkpoint_indices": torch.full_like(written["checkpoint_indices"], -1)}
+    return {"plain": {}, f"every{every}": written, f"every{every}_skip": skipped}
+
+
+def measure(runner, quick: bool) -> dict:
+    """Graph replay ms and the CUPTI µs of each kernel (a short name) of one call of ``runner``."""
+    graph = capture_graph(runner)
+    warmup, iters = (10, 40) if quick else (25, 100)
+    times = {"graph_ms": time_cuda(graph.replay, warmup=warmup, iters=iters)}
+    for name, us in kernel_medians_us(runner).items():
+        times[name.split("(")[0].removeprefix("kernel_")[:24]] = us
+    return times
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tag", default="here", help="a label for the tree or artifacts measured")
+    parser.add_argument("--every", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    for heads, batch, seq_len, fused in ROWS:
+        x = make_inputs(heads, batch, None, seq_len, torch.device("cuda"))
+        plain = None
+        for case, options in cases(x, args.every).items():
+            times = measure(prefill_runner(x, intracard_cp=False, fused=fused, **options), args.quick)
+            plain = plain or times
+            ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times.items()
+                               if key in plain)
+            print(f"[{args.tag}] H{heads} {batch}x{seq_len} {'fused' if fused else 'K1+K2'} {case:15s} {ratios}",
+                  flush=True)
+        del x
+
+
+if __name__ == "__main__":
+    main()
