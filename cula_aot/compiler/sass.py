@@ -1,9 +1,10 @@
 """The loops of a cubin's SASS, to compare two builds of a kernel without a GPU.
 
 A tile loop's cost shows in its body: instruction count, local-memory spills (``STL``/``LDL``),
-MMAs, ``MUFU`` and global stores.  ``cuobjdump -sass`` (NVIDIA's ``nvidia-cuda-cuobjdump``
-wheel carries it, so a CPU machine can run it) lists the code; a loop is a backward branch, and
-its body is everything from the branch target to the branch.
+MMAs, ``MUFU`` and global stores.  ``cuobjdump -sass`` lists the code (NVIDIA's
+``nvidia-cuda-cuobjdump`` wheel carries it, and it runs ``nvdisasm`` from the
+``nvidia-cuda-nvdisasm`` wheel, which must be on PATH: a CPU machine can run both); a loop is a
+backward branch, and its body is everything from the branch target to the branch.
 
     python -m cula_aot.compiler.sass A.cubin [B.cubin]
 
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     listings = [disassemble(p) for p in paths]
     for path, sass in zip(paths, listings):
         code = instructions(sass)
+        if not code:
+            raise SystemExit(f"{path}: cuobjdump listed no SASS instructions (not a cubin?)")
         whole = Loop(code[0][0], code[-1][0], tuple(i for _, i in code))
         print(f"{os.path.basename(path)}: {whole.counts()}")
         for loop in loops(sass):

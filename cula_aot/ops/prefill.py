@@ -88,8 +88,8 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
     3. Serial paths (``fused`` and ``v_block`` apply to these only): "fused" when ``fused`` is
        True, or it is None, ``v_block`` is None and ``specs.auto_fused`` picks it (from shapes,
        with a fixed-length batch's lower tile threshold for a varlen one whose host lengths all
-       take the same number of tiles: ``equal_tile_counts``); else "serial" (K1 then K2) with ``v_block``, or ``specs.auto_v_block``'s when None.  The
-       fused kernel runs the default input conventions only (``conventions`` = 0: the two
+       take the same number of tiles: ``equal_tile_counts``); else "serial" (K1 then K2) with
+       ``v_block``, or ``specs.auto_v_block``'s when None.  The fused kernel runs the default input conventions only (``conventions`` = 0: the two
        runtime bits cost its register-bound producers 8% on the default ones): other calls take
        "serial", and ``fused=True`` with them is refused.
     4. ``split``, what the signature's cached plan does with a later call's lengths: serial paths
@@ -121,15 +121,11 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
             def pick(uniform):
                 return auto_fused(c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device), uniform=uniform)
 
-            if not varlen:
-                fused = pick(True)
-            elif c.host_cu is None:
-                fused = pick(False)
-            else:
-                uniform = equal_tile_counts(c.host_cu)
-                fused = pick(uniform)
-                if pick(not uniform) != fused:
-                    lengths_uniform = uniform
+            lengths_known = varlen and c.host_cu is not None
+            uniform = not varlen or (lengths_known and equal_tile_counts(c.host_cu))
+            fused = pick(uniform)
+            if lengths_known and pick(not uniform) != fused:
+                lengths_uniform = uniform
     if fused:
         return Path("fused", split, lengths_uniform=lengths_uniform)
     if v_block is None:
@@ -259,8 +255,7 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     if path.kind == "cp":
         # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its
         # split from its lengths, a fixed-length one has them in the signature.
-        plan = _CPPlan(c, loader, k1, path.segments, path.s_split, sm_count=_sm_count(device), lengths_uniform=None,
-                       **options)
+        plan = _CPPlan(c, loader, k1, path.segments, path.s_split, sm_count=_sm_count(device), **options)
         if key is not None:
             _remember(_cp_key(key, c.host_cu, path.s_split), plan)
             if key not in _PLANS:  # the signature's first plan: it reads later calls' lengths

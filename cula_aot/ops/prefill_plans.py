@@ -230,10 +230,9 @@ class _CPPlan(_Plan):
     serial = False
 
     def __init__(self, c: Checked, loader, k1, segments, s_split, *, sm_count, cu_seqlens, alloc_final, state_layout,
-                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
+                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
-                         lengths_uniform=lengths_uniform)
+                         intracard_cp=intracard_cp, split=split, input_flags=input_flags, lengths_uniform=None)
         heads = c.heads
         n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)
