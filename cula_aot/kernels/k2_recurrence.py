@@ -117,6 +117,7 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
+    TileCursor,
     checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
@@ -125,6 +126,8 @@ from .tile_chain import (
     V_WARP_BYTES,
     issue_state_update,
     longest_first,
+    next_tile,
+    run_cursor,
     read_state,
     square_lane_offset,
     stage_pointer,
@@ -180,14 +183,16 @@ def multicast_slice_bytes(nbytes: int, ctas: int) -> int:
 
 
 def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot, nbytes: int,
-                       cluster_ctas: int, rank):
+                       cluster_ctas: int, rank, record_offset=None):
     """One thread: arm ``barrier`` with the stage's byte count, then load slot ``slot``'s
-    workspace record (its first ``nbytes``): alone with one bulk copy, or in a cluster of
-    ``cluster_ctas`` CTAs (the V blocks of one sequence and head) its ``rank``-th slice,
-    multicast into the same stage of every CTA of the cluster, whose barriers each count all
-    slices' bytes."""
+    workspace record (its first ``nbytes``; at byte ``record_offset`` when given): alone with one
+    bulk copy, or in a cluster of ``cluster_ctas`` CTAs (the V blocks of one sequence and head)
+    its ``rank``-th slice, multicast into the same stage of every CTA of the cluster, whose
+    barriers each count all slices' bytes."""
     cute.arch.mbarrier_arrive_and_expect_tx(barrier, nbytes)
-    record = workspace + cute.assume(slot * WORKSPACE_RECORD_BYTES, divby=STAGE_ALIGN)
+    if cutlass.const_expr(record_offset is None):
+        record_offset = slot * WORKSPACE_RECORD_BYTES
+    record = workspace + cute.assume(record_offset, divby=STAGE_ALIGN)
     if cutlass.const_expr(cluster_ctas == 1):
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
         cute.copy(atom, cute.make_tensor(record, cute.make_layout(nbytes)),
@@ -253,9 +258,11 @@ class _ChainContext:
 
 
 @cute.jit
-def _chain_tile(ctx, tile, stage, ahead_stage, phase):
+def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
     """Tile ``tile`` of a K2 chain from stage ``stage`` (barrier phase ``phase``), refilling
-    ``ahead_stage`` with the tile stages − 1 ahead; ``ctx``: the CTA's chain context (``_ChainContext``)."""
+    ``ahead_stage`` with the tile stages − 1 ahead; ``ctx``: the CTA's chain context (``_ChainContext``).
+    ``cursor`` (``tile_chain.TileCursor``): the tile's addresses as values its loop carries; None computes
+    them from ``tile`` (the plain loop from 0, whose induction variables LLVM finds itself)."""
     stage_base = stage_pointer(ctx.s_stages, stage, ctx.stage_nbytes)
     # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
     ahead = tile + (ctx.stages - 1)
@@ -264,16 +271,29 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase):
             # The cluster barrier of tile t − 1: every CTA is done with the stage refilled now.
             if tile > 0:
                 cute.arch.cluster_wait()
-    if ctx.tid == 0:
-        if ahead < ctx.num_tiles:
-            _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
-                               ctx.slot0 + cutlass.Int64(ahead), ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
-    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
-                  ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, ctx.load_v)
-    # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
-    cute.arch.cp_async_commit_group()
-    rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
-    token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
+    if cutlass.const_expr(cursor is None):
+        if ctx.tid == 0:
+            if ahead < ctx.num_tiles:
+                _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
+                                   ctx.slot0 + cutlass.Int64(ahead), ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
+        stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
+                      ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, ctx.load_v)
+        # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
+        cute.arch.cp_async_commit_group()
+        rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
+        token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
+    else:
+        if ctx.tid == 0:
+            if ahead < ctx.num_tiles:
+                _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes),
+                                   ctx.full + ahead_stage, None, ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank,
+                                   record_offset=cursor.ahead_record)
+        stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes,
+                     cursor.token0 + (ctx.stages - 1) * CHUNK, cursor.rows_left - (ctx.stages - 1) * CHUNK, ctx.head,
+                     ctx.warp_col0, ctx.lane, ctx.load_v)
+        cute.arch.cp_async_commit_group()
+        rows_valid = cutlass.min(cursor.rows_left, CHUNK)
+        token0 = cursor.token0
     cute.arch.cp_async_wait_group(ctx.stages - 1)
     cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
     v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
@@ -372,7 +392,10 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase):
         words = ld_shared_v4(o_slot + ctx.lane * 16)
         out_row, out_half = v_chunk(ctx.lane)
         if out_row < rows_valid and ctx.write_out:
-            at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+            if cutlass.const_expr(cursor is None):
+                at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+            else:
+                at = cursor.out_row0 + cutlass.Int64(out_row) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
             st_global_v4((ctx.out + at).toint(), words)
     if cutlass.const_expr(ctx.wgmma):
         # The update has read the stage's kr and written the state before the stage is freed.
@@ -557,15 +580,20 @@ def k2_recurrence_kernel(
 
     ctx = _ChainContext(cluster_ctas=cluster_ctas, full=full, head=head, image_lane=image_lane, image_trans_lane=image_trans_lane, lane=lane, length=length, load_v=load_v, multicast=multicast, num_tiles=num_tiles, out=out, out_stride=out_stride, prescan=prescan, rank=rank, s_stages=s_stages, seq_start=seq_start, slot0=slot0, square_lane=square_lane, stage_nbytes=stage_nbytes, stages=stages, state=state, t=t, tid=tid, v=v, v_base=v_base, v_row_stride=v_row_stride, v_stage_bytes=v_stage_bytes, warp=warp, warp_col0=warp_col0, wgmma=wgmma, workspace=workspace, write_out=write_out)
     if cutlass.const_expr(checkpointing):
-        # The tiles run up to each checkpoint (one run without any), the write between runs: the
-        # hot loop is the plain one.  Tiles count from 0, so stage arithmetic is unsigned.
+        # The tiles run up to each checkpoint (one run without any), the write between runs; a
+        # run carries its tiles' addresses and stages (``TileCursor``).
         run_start = cutlass.Int32(0)
         while run_start < num_tiles:
             run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
+            token0, rows_left, out_row0, stage, ahead_stage, phase = run_cursor(run_start, seq_start, length,
+                                                                                 out_stride, stages)
+            ahead_record = (slot0 + cutlass.Int64(run_start + (stages - 1))) * WORKSPACE_RECORD_BYTES
             for tile in cutlass.range(run_start, run_end, unroll=1):
-                at = cutlass.Uint32(tile)
-                _chain_tile(ctx, tile, cutlass.Int32(at % stages), cutlass.Int32((at + (stages - 1)) % stages),
-                          cutlass.Int32((at // stages) % 2))
+                _chain_tile(ctx, tile, stage, ahead_stage, phase,
+                            cursor=TileCursor(token0, rows_left, out_row0, ahead_record))
+                token0, rows_left, out_row0, stage, ahead_stage, phase = next_tile(
+                    token0, rows_left, out_row0, stage, ahead_stage, phase, out_stride, stages)
+                ahead_record = ahead_record + WORKSPACE_RECORD_BYTES
             if run_end - 1 == checkpoint_tile:
                 checkpoint_tile = write_checkpoint(
                     state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
