@@ -53,10 +53,11 @@ machine (measured 2026-11-29: 118 s for H=64 fixed); all sections with fla need 
 (~14 min).  The gate is not part of fla's autotune keys: on 2026-12-04 the first varlen call
 took 117 s at H=12 and 98 s at H=16 with the safe gate, then 11-13 s with the softplus gate at
 the same H.  fla turns on Triton's ``cache_results``, so a persistent ``TRITON_CACHE_DIR``
-should keep the tuned configurations across processes (not yet timed that way): warm it over
-several bounded calls (its ``*.autotune.json`` files are a few KB), then time every row in one
-run.  ``--fla-heads 64`` limits fla to chosen head counts; ``--budget-s`` keeps a bounded
-device call from being killed mid-workload.
+should keep the tuned configurations across processes (not yet timed that way):
+``benchmarks/with_fla.sh`` carries its ``*.autotune.json`` records (a few KB) from one bounded
+device call to the next, so several calls can warm it before one run times every row.
+``--fla-heads 64`` limits fla to chosen head counts; ``--budget-s`` keeps a bounded device call
+from being killed mid-workload.
 """
 
 import argparse
