@@ -117,7 +117,6 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
-    TileCursor,
     checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
@@ -126,8 +125,6 @@ from .tile_chain import (
     V_WARP_BYTES,
     issue_state_update,
     longest_first,
-    next_tile,
-    run_cursor,
     read_state,
     square_lane_offset,
     stage_pointer,
@@ -182,16 +179,14 @@ def multicast_slice_bytes(nbytes: int, ctas: int) -> int:
     return nbytes // ctas
 
 
-def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, slot, nbytes: int,
-                       cluster_ctas: int, rank, record_offset=None):
-    """One thread: arm ``barrier`` with the stage's byte count, then load slot ``slot``'s
-    workspace record (its first ``nbytes``; at byte ``record_offset`` when given): alone with one
-    bulk copy, or in a cluster of ``cluster_ctas`` CTAs (the V blocks of one sequence and head)
-    its ``rank``-th slice, multicast into the same stage of every CTA of the cluster, whose
-    barriers each count all slices' bytes."""
+def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, record_offset,
+                       nbytes: int, cluster_ctas: int, rank):
+    """One thread: arm ``barrier`` with the stage's byte count, then load the workspace record at
+    byte ``record_offset`` (its first ``nbytes``): alone with one bulk copy, or in a cluster of
+    ``cluster_ctas`` CTAs (the V blocks of one sequence and head) its ``rank``-th slice,
+    multicast into the same stage of every CTA of the cluster, whose barriers each count all
+    slices' bytes."""
     cute.arch.mbarrier_arrive_and_expect_tx(barrier, nbytes)
-    if cutlass.const_expr(record_offset is None):
-        record_offset = slot * WORKSPACE_RECORD_BYTES
     record = workspace + cute.assume(record_offset, divby=STAGE_ALIGN)
     if cutlass.const_expr(cluster_ctas == 1):
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
@@ -257,11 +252,43 @@ class _ChainContext:
     write_out: object
 
 
+@dataclasses.dataclass(frozen=True)
+class TileCursor:
+    """One tile's addresses as the checkpointing twin carries them through a run (``run_cursor``,
+    ``next_tile``): a loop from a run's first tile instead of 0 does not get LLVM's induction
+    variables for them, and recomputing them cost its chain ~15 instructions a tile.  The first
+    token row, the rows left from it, the first output row's element offset and the byte offset
+    of the workspace record ``stages`` − 1 tiles ahead."""
+
+    token0: object
+    rows_left: object
+    out_row0: object
+    ahead_record: object
+
+
+def run_cursor(run_start, seq_start, length, out_stride, slot0, stages: int):
+    """(token row, rows left, output offset, stage, ahead stage, phase, ahead record) of tile
+    ``run_start``: the carried values' start (``TileCursor``; stages count unsigned from tile 0)."""
+    token0 = seq_start + cutlass.Int64(run_start * CHUNK)
+    at = cutlass.Uint32(run_start)
+    return (token0, length - run_start * CHUNK, token0 * out_stride, cutlass.Int32(at % stages),
+            cutlass.Int32((at + (stages - 1)) % stages), cutlass.Int32((at // stages) % 2),
+            (slot0 + cutlass.Int64(run_start + (stages - 1))) * WORKSPACE_RECORD_BYTES)
+
+
+def next_tile(token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages: int):
+    """The carried values (``run_cursor``'s order) one tile on."""
+    wraps = stage == stages - 1
+    return (token0 + CHUNK, rows_left - CHUNK, out_row0 + out_stride * CHUNK, cutlass.select_(wraps, 0, stage + 1),
+            cutlass.select_(ahead_stage == stages - 1, 0, ahead_stage + 1), cutlass.select_(wraps, phase ^ 1, phase),
+            ahead_record + WORKSPACE_RECORD_BYTES)
+
+
 @cute.jit
 def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
     """Tile ``tile`` of a K2 chain from stage ``stage`` (barrier phase ``phase``), refilling
     ``ahead_stage`` with the tile stages − 1 ahead; ``ctx``: the CTA's chain context (``_ChainContext``).
-    ``cursor`` (``tile_chain.TileCursor``): the tile's addresses as values its loop carries; None computes
+    ``cursor`` (``TileCursor``): the tile's addresses as values its loop carries; None computes
     them from ``tile`` (the plain loop from 0, whose induction variables LLVM finds itself)."""
     stage_base = stage_pointer(ctx.s_stages, stage, ctx.stage_nbytes)
     # The stage stages − 1 tiles ahead was last read by tile t − 1 (freed by its barrier).
@@ -272,28 +299,26 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
             if tile > 0:
                 cute.arch.cluster_wait()
     if cutlass.const_expr(cursor is None):
-        if ctx.tid == 0:
-            if ahead < ctx.num_tiles:
-                _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
-                                   ctx.slot0 + cutlass.Int64(ahead), ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
-        stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
-                      ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, ctx.load_v)
-        # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
-        cute.arch.cp_async_commit_group()
-        rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
+        ahead_record = (ctx.slot0 + cutlass.Int64(ahead)) * WORKSPACE_RECORD_BYTES
+        ahead_token0 = ctx.seq_start + cutlass.Int64(ahead * CHUNK)
+        ahead_rows = ctx.length - ahead * CHUNK
+        rows_left = ctx.length - tile * CHUNK
         token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
     else:
-        if ctx.tid == 0:
-            if ahead < ctx.num_tiles:
-                _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes),
-                                   ctx.full + ahead_stage, None, ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank,
-                                   record_offset=cursor.ahead_record)
-        stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes,
-                     cursor.token0 + (ctx.stages - 1) * CHUNK, cursor.rows_left - (ctx.stages - 1) * CHUNK, ctx.head,
-                     ctx.warp_col0, ctx.lane, ctx.load_v)
-        cute.arch.cp_async_commit_group()
-        rows_valid = cutlass.min(cursor.rows_left, CHUNK)
+        ahead_record = cursor.ahead_record
+        ahead_token0 = cursor.token0 + (ctx.stages - 1) * CHUNK
+        ahead_rows = cursor.rows_left - (ctx.stages - 1) * CHUNK
+        rows_left = cursor.rows_left
         token0 = cursor.token0
+    if ctx.tid == 0:
+        if ahead < ctx.num_tiles:
+            _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
+                               ahead_record, ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
+    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ahead_token0, ahead_rows, ctx.head,
+                  ctx.warp_col0, ctx.lane, ctx.load_v)
+    # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
+    cute.arch.cp_async_commit_group()
+    rows_valid = cutlass.min(rows_left, CHUNK)
     cute.arch.cp_async_wait_group(ctx.stages - 1)
     cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
     v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
@@ -567,8 +592,8 @@ def k2_recurrence_kernel(
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                _issue_stage_loads(workspace, stage_pointer(s_stages, s, stage_nbytes), full + s, slot0 + cutlass.Int64(s),
-                                   stage_nbytes, cluster_ctas, rank)
+                _issue_stage_loads(workspace, stage_pointer(s_stages, s, stage_nbytes), full + s,
+                                   (slot0 + cutlass.Int64(s)) * WORKSPACE_RECORD_BYTES, stage_nbytes, cluster_ctas, rank)
         stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
                       length - s * CHUNK, head, warp_col0, lane, load_v)
         cute.arch.cp_async_commit_group()
@@ -585,15 +610,13 @@ def k2_recurrence_kernel(
         run_start = cutlass.Int32(0)
         while run_start < num_tiles:
             run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
-            token0, rows_left, out_row0, stage, ahead_stage, phase = run_cursor(run_start, seq_start, length,
-                                                                                 out_stride, stages)
-            ahead_record = (slot0 + cutlass.Int64(run_start + (stages - 1))) * WORKSPACE_RECORD_BYTES
+            token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = run_cursor(
+                run_start, seq_start, length, out_stride, slot0, stages)
             for tile in cutlass.range(run_start, run_end, unroll=1):
                 _chain_tile(ctx, tile, stage, ahead_stage, phase,
                             cursor=TileCursor(token0, rows_left, out_row0, ahead_record))
-                token0, rows_left, out_row0, stage, ahead_stage, phase = next_tile(
-                    token0, rows_left, out_row0, stage, ahead_stage, phase, out_stride, stages)
-                ahead_record = ahead_record + WORKSPACE_RECORD_BYTES
+                token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = next_tile(
+                    token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages)
             if run_end - 1 == checkpoint_tile:
                 checkpoint_tile = write_checkpoint(
                     state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,

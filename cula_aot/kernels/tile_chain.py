@@ -3,8 +3,6 @@ consumers (``fused_prefill.py``): the state's load and store (key pairs where th
 the v staging, the wgmma state products, W, U and the state update, and the longest-first grid
 order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
 
-import dataclasses
-
 import cutlass
 import cutlass.cute as cute
 
@@ -132,36 +130,6 @@ def checkpoint_run_end(checkpoint_tile, num_tiles):
     """One past the last tile of the run that ends at the next checkpoint (the item's last tile
     when none is left): a checkpointing chain runs its tiles in such runs and writes between them."""
     return cutlass.select_((checkpoint_tile >= 0) & (checkpoint_tile < num_tiles), checkpoint_tile + 1, num_tiles)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileCursor:
-    """One tile's addresses as K2's checkpointing twin carries them through a run (``run_cursor``,
-    ``next_tile``): a loop from a run's first tile instead of 0 does not get LLVM's induction
-    variables for them, and recomputing them cost its chain ~15 instructions a tile.  The first
-    token row, the rows left from it, the first output row's element offset and the byte offset
-    of the workspace record ``stages`` − 1 tiles ahead."""
-
-    token0: object
-    rows_left: object
-    out_row0: object
-    ahead_record: object
-
-
-def run_cursor(run_start, seq_start, length, out_stride, stages: int):
-    """(token row, rows left, output offset, stage, ahead stage, phase) of tile ``run_start``:
-    the carried values' start (``TileCursor``; stages count unsigned from tile 0)."""
-    token0 = seq_start + cutlass.Int64(run_start * CHUNK)
-    at = cutlass.Uint32(run_start)
-    return (token0, length - run_start * CHUNK, token0 * out_stride, cutlass.Int32(at % stages),
-            cutlass.Int32((at + (stages - 1)) % stages), cutlass.Int32((at // stages) % 2))
-
-
-def next_tile(token0, rows_left, out_row0, stage, ahead_stage, phase, out_stride, stages: int):
-    """The carried values (``run_cursor``'s order) one tile on."""
-    wraps = stage == stages - 1
-    return (token0 + CHUNK, rows_left - CHUNK, out_row0 + out_stride * CHUNK, cutlass.select_(wraps, 0, stage + 1),
-            cutlass.select_(ahead_stage == stages - 1, 0, ahead_stage + 1), cutlass.select_(wraps, phase ^ 1, phase))
 
 
 @cute.jit
