@@ -15,8 +15,8 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
   8×1024, 32×256 and 4×2048 + 16×128; K1 alone, serial and ``intracard_cp="auto"``, eager and
   graph (``auto`` must never lose to serial), fla beside when importable.
 * ``gates``: the production shards (H12 1×2048 and 1×8192, H16/H24/H32 1×8192, H16 8×2048) and
-  the serving matrix, each with the safe gate and with fla's softplus gate
-  (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
+  the serving matrix (``--shards-only``: not the matrix), each with the safe gate and with fla's
+  softplus gate (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
 * ``cp``: CONTRACT §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
 * ``cp_long``: long contexts: H ∈ {1, 4, 8} × [65536], [131072] and
@@ -112,8 +112,9 @@ SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] 
                    ("4x2048+16x128", [2048] * 4 + [128] * 16)]
 # Gates: production shards (Kimi Linear's 96 heads over 8 GPUs is H12) and the serving matrix, each
 # with the safe and the softplus gate, CUDA-graph replay, fla beside.
-GATE_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192", [8192]), (24, "1x8192", [8192]),
-                  (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8)] + [
+SHARD_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192", [8192]), (24, "1x8192", [8192]),
+                   (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8)]
+GATE_WORKLOADS = SHARD_WORKLOADS + [
     (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
 BENCH_GATES = ("safe", "softplus")
 # Checkpoints: every spec, serving and CP row, at these periods (tokens).
@@ -375,7 +376,7 @@ class Bench:
         side (one row per gate; ``softplus_over_safe`` on the softplus rows): graph replay of the
         automatic path, fla beside."""
         rows = self.results.setdefault("gates", [])
-        for heads, label, lengths in GATE_WORKLOADS:
+        for heads, label, lengths in gate_workloads(self.args.shards_only):
             safe_ms = None
             for gate in BENCH_GATES:
                 row = {"H": heads, "workload": label, "lengths": lengths, "gate": gate}
@@ -755,7 +756,7 @@ def render_markdown(res):
     return "\n".join(out) + "\n"
 
 
-def dry_run(sections):
+def dry_run(sections, shards_only=False):
     """List the workloads (no GPU needed)."""
     if "overhead" in sections:
         print("overhead: H=8 B=1 T=16 (ours 2000 calls, fla 500 calls)")
@@ -768,7 +769,7 @@ def dry_run(sections):
             for label, lengths in SERVING_BATCHES:
                 print(f"serving: H={heads} {label} ({len(lengths)} seqs, {sum(lengths)} tokens): serial and auto")
     if "gates" in sections:
-        for heads, label, lengths in GATE_WORKLOADS:
+        for heads, label, lengths in gate_workloads(shards_only):
             print(f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial and auto, graph")
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
@@ -792,6 +793,11 @@ def dry_run(sections):
                   f"lengths={lengths}")
 
 
+def gate_workloads(shards_only: bool):
+    """The gates section's rows: the production shards, then (unless ``shards_only``) the serving matrix."""
+    return SHARD_WORKLOADS if shards_only else GATE_WORKLOADS
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write all results here as JSON")
@@ -803,6 +809,8 @@ def parse_args(argv=None):
     parser.add_argument("--fla-heads", help="run fla only for these head counts, e.g. 64 (default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip (and mark) the workloads that would start after this many seconds")
+    parser.add_argument("--shards-only", action="store_true",
+                        help="gates: the production shards only, not the serving matrix (fla tunes per head count)")
     parser.add_argument("--dry-run", action="store_true", help="list the workloads and exit (no GPU)")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -816,7 +824,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.dry_run:
-        dry_run(args.sections)
+        dry_run(args.sections, args.shards_only)
         if args.markdown:
             Path(args.markdown).write_text(render_markdown({"meta": {}, "errors": []}))
         return

@@ -112,3 +112,13 @@ def test_checkpoint_kernel_cases_share_one_schedule(bench):
     assert written["checkpoint_indices"].tolist() == [[0, 1], [2, 3]]  # two per sequence, own slots
     assert (skipped["checkpoint_indices"] == -1).all() and skipped["checkpoint_pool"] is written["checkpoint_pool"]
     assert any(fused for *_, fused in ck.ROWS) and not all(fused for *_, fused in ck.ROWS)
+
+
+def test_shards_only_keeps_the_production_shards_first(bench, capsys):
+    shards = bench.gate_workloads(True)
+    assert [(h, label) for h, label, _ in shards] == [(12, "1x2048"), (12, "1x8192"), (16, "1x8192"),
+                                                      (24, "1x8192"), (32, "1x8192"), (16, "8x2048")]
+    assert bench.gate_workloads(False)[:len(shards)] == shards
+    args = bench.parse_args(["--only", "gates", "--shards-only", "--dry-run"])
+    bench.dry_run(args.sections, args.shards_only)
+    assert capsys.readouterr().out.count("gates: ") == len(shards)
