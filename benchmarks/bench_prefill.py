@@ -16,14 +16,15 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
   graph (``auto`` must never lose to serial), fla beside when importable.
 * ``gates``: the production shards (H12 1×2048 and 1×8192, H16/H24/H32 1×8192, H16 8×2048) and
   the serving matrix (``--shards-only``: not the matrix), each with the safe gate and with fla's
-  softplus gate (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside.
+  softplus gate (``testing.standard_inputs(gate="softplus")``), graph replay, fla beside; the
+  forced splits s ∈ {2, 4, 8} too (short prompts: the planner's data beside fla).
 * ``cp``: CONTRACT §7 intracard-CP workloads (H ∈ {4, 8}): serial, s_split ∈ {2, 4, 8, 16} and the
   planner's ``auto``, eager; s ∈ {4, 8, 16, auto}, serial and fla also under CUDA-graph replay.
 * ``cp_long``: long contexts: H ∈ {1, 4, 8} × [65536], [131072] and
   [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
   with the CP speedup over serial (``auto`` must never lose to serial).
 * ``cp_sweep``: planner data (the CP cost model's fit): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
-  sequences and many-sequence batches, CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
+  sequences and many-sequence batches, and single 1k–4k prompts at the shards' H (4–64), CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
   32} and ``auto`` (how far ``auto`` is from the best split, and that it never loses to serial).
 * ``checkpoints``: the cost of prefix-cache checkpoints (``checkpoint_every``) on the spec, serving
   and CP rows: CUDA-graph replay of the automatic path without checkpoints, with one every 1024
@@ -104,7 +105,10 @@ CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
 # Planner data (the CP cost model's fit): (heads, lengths), graph replay only.
 CP_SWEEP_WORKLOADS = [(1, [8192]), (1, [16384]), (2, [8192]), (2, [16384]), (4, [1024] * 8), (4, [4096]),
                       (8, [1024] * 8), (8, [4096]), (16, [8192]), (16, [16384]), (16, [2048] * 4 + [128] * 16),
-                      (32, [8192]), (32, [16384])]
+                      (32, [8192]), (32, [16384]),
+                      # single short prompts at the production shards' head counts
+                      (4, [2048]), (8, [2048]), (12, [1024]), (12, [2048]), (16, [2048]), (24, [2048]), (32, [2048]),
+                      (64, [2048]), (12, [4096]), (24, [4096])]
 CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 # Serving matrix: tensor-parallel shard head counts × batch shapes, varlen.
 SERVING_HEADS = (4, 8, 16, 32)
@@ -117,6 +121,9 @@ SHARD_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192"
 GATE_WORKLOADS = SHARD_WORKLOADS + [
     (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
 BENCH_GATES = ("safe", "softplus")
+# Forced CP splits also timed on every gates row (graph replay): the planner's data on short
+# prompts, beside fla in the same run.
+GATE_CP_SPLITS = (2, 4, 8)
 # Checkpoints: every spec, serving and CP row, at these periods (tokens).
 CHECKPOINT_WORKLOADS = ([("spec", heads, label, lengths, seq_len) for label, heads, lengths, seq_len, _ in SPEC_WORKLOADS]
                         + [("serving", heads, label, lengths, None) for heads in SERVING_HEADS
@@ -388,6 +395,9 @@ class Bench:
                 auto = prefill_runner(x, intracard_cp="auto")
                 row["cp_auto_graph_ms"] = self.time_graph(auto, f"gates H={heads} {label} {gate} auto")
                 row["auto_split"] = planned_split(lengths, heads, self.device)
+                for split in GATE_CP_SPLITS:
+                    row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split),
+                                                                  f"gates H={heads} {label} {gate} s={split}")
                 if gate == "safe":
                     safe_ms = row["ours_graph_ms"]
                 elif safe_ms and row["ours_graph_ms"]:
@@ -671,16 +681,20 @@ def render_markdown(res):
         out += ["## Serving matrix (varlen, initial + final state; auto must never lose to serial)", "",
                 _table(header, rows), ""]
     if res.get("gates"):
-        header = ["H", "workload", "gate", "K1 ms", "serial graph", "auto split", "auto graph", "fla graph",
-                  "ours best graph / fla graph", "softplus ÷ safe (serial graph)", "RMSE o / state"]
+        header = ["H", "workload", "gate", "K1 ms", "serial graph", "auto split", "auto graph",
+                  "best forced split (graph)", "fla graph", "ours best graph / fla graph",
+                  "softplus ÷ safe (serial graph)", "RMSE o / state"]
         rows = []
         for r in res["gates"]:
             if r.get("skipped"):
                 rows.append([r["H"], r["workload"], r["gate"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 4))
                 continue
             best = min([v for v in (r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")) if v is not None], default=None)
+            forced = {s: r[f"cp_{s}_graph_ms"] for s in GATE_CP_SPLITS if r.get(f"cp_{s}_graph_ms")}
+            split = min(forced, key=forced.get, default=None)
             rows.append([r["H"], r["workload"], r["gate"], _f(r.get("k1_ms")), _f(r.get("ours_graph_ms")),
-                         r.get("auto_split"), _f(r.get("cp_auto_graph_ms")), _f(r.get("fla_graph_ms")),
+                         r.get("auto_split"), _f(r.get("cp_auto_graph_ms")),
+                         "" if split is None else f"{_f(forced[split])} (s={split})", _f(r.get("fla_graph_ms")),
                          _ratio(best, r.get("fla_graph_ms")), _f(r.get("softplus_over_safe"), 3), _rmse(r)])
         out += ["## Gates: production shards and serving rows, safe and softplus (graph replay)", "",
                 _table(header, rows), ""]
@@ -770,7 +784,8 @@ def dry_run(sections, shards_only=False):
                 print(f"serving: H={heads} {label} ({len(lengths)} seqs, {sum(lengths)} tokens): serial and auto")
     if "gates" in sections:
         for heads, label, lengths in gate_workloads(shards_only):
-            print(f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial and auto, graph")
+            print(f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial, auto and "
+                  f"s={'/'.join(map(str, GATE_CP_SPLITS))}, graph")
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
             print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")

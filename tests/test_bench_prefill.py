@@ -122,3 +122,11 @@ def test_shards_only_keeps_the_production_shards_first(bench, capsys):
     args = bench.parse_args(["--only", "gates", "--shards-only", "--dry-run"])
     bench.dry_run(args.sections, args.shards_only)
     assert capsys.readouterr().out.count("gates: ") == len(shards)
+
+
+def test_gates_table_shows_the_best_forced_split(bench):
+    row = {"H": 12, "workload": "1x2048", "gate": "safe", "ours_graph_ms": 0.09, "cp_auto_graph_ms": 0.09,
+           "auto_split": 1, "fla_graph_ms": 0.15, "cp_2_graph_ms": 0.07, "cp_4_graph_ms": 0.06, "cp_8_graph_ms": 0.065}
+    text = bench.render_markdown({"meta": {"copy_bandwidth_Bps": 4e12}, "errors": [], "gates": [row]})
+    line = next(line for line in text.splitlines() if line.startswith("| 12 | 1x2048"))
+    assert "0.0600 (s=4)" in line and "0.60x" in line  # forced splits are data, not the auto pick
