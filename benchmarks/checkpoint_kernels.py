@@ -6,10 +6,14 @@ twin's loop, the stores and the graph around them show apart:
 
     python3 -m benchmarks.checkpoint_kernels [--tag NAME] [--every 1024] [--quick]
 
-Rows: the serial K2 chain (H4 8×1024, H32 and H64 1×8192) and the fused kernel (H16 and H64
+Rows: the serial K2 chain (H4 8×1024, H32 and H64 1×8192) as a fixed-length batch and, where the
+benchmark's rows take it, as varlen (another K2 cubin), and the fused kernel (H16 and H64
 8×1024), the ones whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.
 Serial path, initial + final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of
 25 + 100.  One line per row and case; ratios are to the row's plain case.
+
+``--profile ROW`` (an index into ``ROWS``) makes one call per case and times nothing, for a
+profiler: ``ncu -k regex:k2_recurrence python3 -m benchmarks.checkpoint_kernels --profile 1``.
 """
 
 import argparse
@@ -19,8 +23,18 @@ import torch
 from benchmarks.bench_prefill import checkpoint_options, make_inputs, prefill_runner
 from benchmarks.timing import capture_graph, kernel_medians_us, time_cuda
 
-# (H, batch, length, fused): fixed-length rows, the path forced so the kernel under test runs.
-ROWS = ((4, 8, 1024, False), (32, 1, 8192, False), (64, 1, 8192, False), (16, 8, 1024, True), (64, 8, 1024, True))
+# (H, batch, length, fused, varlen): the path forced so the kernel under test runs; varlen rows are
+# one batch of `batch` sequences with host lengths, as the benchmark's serving rows are.
+ROWS = ((4, 8, 1024, False, False), (4, 8, 1024, False, True), (32, 1, 8192, False, False),
+        (32, 1, 8192, False, True), (64, 1, 8192, False, False), (16, 8, 1024, True, True),
+        (64, 8, 1024, True, True))
+
+
+def row_inputs(heads, batch, length, varlen):
+    """The inputs of a ``ROWS`` row on the GPU."""
+    if varlen:
+        return make_inputs(heads, 1, [length] * batch, None, torch.device("cuda"))
+    return make_inputs(heads, batch, None, length, torch.device("cuda"))
 
 
 def cases(x, every):
@@ -46,16 +60,25 @@ def main():
     parser.add_argument("--tag", default="here", help="a label for the tree or artifacts measured")
     parser.add_argument("--every", type=int, default=1024)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", type=int, default=None, help="one call per case of ROWS[PROFILE], untimed")
     args = parser.parse_args()
-    for heads, batch, seq_len, fused in ROWS:
-        x = make_inputs(heads, batch, None, seq_len, torch.device("cuda"))
+    if args.profile is not None:
+        heads, batch, seq_len, fused, varlen = ROWS[args.profile]
+        x = row_inputs(heads, batch, seq_len, varlen)
+        for options in cases(x, args.every).values():
+            prefill_runner(x, intracard_cp=False, fused=fused, **options)()
+        torch.cuda.synchronize()
+        return
+    for heads, batch, seq_len, fused, varlen in ROWS:
+        x = row_inputs(heads, batch, seq_len, varlen)
         plain = None
         for case, options in cases(x, args.every).items():
             times = measure(prefill_runner(x, intracard_cp=False, fused=fused, **options), args.quick)
             plain = plain or times
             ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times.items()
                                if key in plain)
-            print(f"[{args.tag}] H{heads} {batch}x{seq_len} {'fused' if fused else 'K1+K2'} {case:15s} {ratios}",
+            path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
+            print(f"[{args.tag}] H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
                   flush=True)
         del x
 
