@@ -136,3 +136,20 @@ def test_gates_table_shows_the_best_forced_split(bench):
     text = bench.render_markdown({"meta": {"copy_bandwidth_Bps": 4e12}, "errors": [], "gates": [row]})
     line = next(line for line in text.splitlines() if line.startswith("| 12 | 1x2048"))
     assert "0.0600 (s=4)" in line and "0.60x" in line  # forced splits are data, not the auto pick
+
+
+def test_cp_fit_reads_the_planner_data_and_restores_the_constants():
+    fit = _load_script(ROOT / "benchmarks" / "fit_cp_plan.py")
+    sweep = json.loads((ROOT / "docs" / "bench" / "2026-12-01_cp_sweep.json").read_text())
+    gates = {"gates": [{"H": 12, "lengths": [2048], "ours_graph_ms": 0.09, "cp_2_graph_ms": 0.08, "cp_4_graph_ms": 0.06},
+                       {"H": 12, "lengths": [2048], "ours_graph_ms": 0.09}]}
+    rows = fit.measured_rows([sweep, gates])
+    assert len(rows) == len(sweep["cp_sweep"]) + 1  # a gates row gives its forced splits only
+    assert rows[-1] == (12, [2048], {2: 0.08, 4: 0.06})
+    worst, _, _ = fit.score(rows[:-1])
+    assert worst < 1.01  # the shipped constants pick the fastest split on their own sweep
+    before = fit.cp_plan.OVERHEAD
+    with fit.constants(OVERHEAD=1.0):
+        assert fit.cp_plan.OVERHEAD == 1.0
+        assert fit.picks(rows[-1:])[0][2] > 1  # no fixed cost: the short prompt splits
+    assert fit.cp_plan.OVERHEAD == before

@@ -20,7 +20,8 @@ CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 C
 MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (CONTRACT §7 rows and long
 contexts, the five-CTA segmented K2): every CONTRACT §7 pick stays the measured best, and the worst
 long-context loss against the best split, 23% before, measured 3.7% after (docs/PERFORMANCE.md,
-Intracard CP).
+Intracard CP).  ``python -m benchmarks.fit_cp_plan RUN.json ...`` scores them, and a grid of
+others, against a benchmark run's forced splits.
 """
 
 import dataclasses
