@@ -24,8 +24,9 @@ Sections (default: all, in this order; ``--only spec,cp`` picks some):
   [131072, 5 × 1024], CUDA-graph replay only: serial, s_split ∈ {8, 16, 32, 64} and ``auto``,
   with the CP speedup over serial (``auto`` must never lose to serial).
 * ``cp_sweep``: planner data (the CP cost model's fit): H ∈ {1, 2, 4, 8, 16, 32} × single 4k–16k
-  sequences and many-sequence batches, and single 1k–4k prompts at the shards' H (4–64), CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16,
-  32} and ``auto`` (how far ``auto`` is from the best split, and that it never loses to serial).
+  sequences and many-sequence batches, and single 1k–4k prompts at the shards' H (4–64),
+  CUDA-graph replay only: serial, s_split ∈ {2, 4, 8, 16, 32} and ``auto`` (how far ``auto`` is
+  from the best split, and that it never loses to serial).
 * ``checkpoints``: the cost of prefix-cache checkpoints (``checkpoint_every``) on the spec, serving
   and CP rows: CUDA-graph replay of the automatic path without checkpoints, with one every 1024
   tokens and one every 256 (each to its own slot of an fp32 pool), as ratios with ÷ without.

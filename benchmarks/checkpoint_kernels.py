@@ -71,13 +71,13 @@ def main():
         return
     for heads, batch, seq_len, fused, varlen in ROWS:
         x = row_inputs(heads, batch, seq_len, varlen)
+        path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
         plain = None
         for case, options in cases(x, args.every).items():
             times = measure(prefill_runner(x, intracard_cp=False, fused=fused, **options), args.quick)
             plain = plain or times
             ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times.items()
                                if key in plain)
-            path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
             print(f"[{args.tag}] H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
                   flush=True)
         del x

@@ -18,11 +18,14 @@ import contextlib
 import itertools
 import json
 import math
+from pathlib import Path
 
+from cula_aot.layout import D
 from cula_aot.ops import cp_plan
+from cula_aot.specs import K2_SEGMENTED_V_BLOCK
 
 SM_COUNT = 132  # H100 / H200
-V_BLOCKS = 4  # cp_plan's callers pass D // K2_SEGMENTED_V_BLOCK
+V_BLOCKS = D // K2_SEGMENTED_V_BLOCK  # what ops.prefill passes the planner
 GRID = {"CTAS_PER_SM": (1.5, 2.0, 2.5, 3.0, 4.0), "MERGE_STEP": (1.0, 2.0, 4.0, 6.0, 8.0),
         "OVERHEAD": (10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0)}
 
@@ -98,7 +101,7 @@ def main(argv=None):
     parser.add_argument("json", nargs="+", help="bench_prefill --json outputs")
     parser.add_argument("--top", type=int, default=8, help="candidates to list")
     args = parser.parse_args(argv)
-    rows = measured_rows([json.load(open(path)) for path in args.json])
+    rows = measured_rows([json.loads(Path(path).read_text()) for path in args.json])
     current = {name: getattr(cp_plan, name) for name in GRID}
     worst, loss, rms = score(rows)
     print(f"{len(rows)} rows; current {current}: worst {worst:.3f}, log loss {loss:.4f}, rms {rms:.3f}")
