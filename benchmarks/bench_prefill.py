@@ -109,7 +109,9 @@ CP_SWEEP_WORKLOADS = [(1, [8192]), (1, [16384]), (2, [8192]), (2, [16384]), (4, 
                       (32, [8192]), (32, [16384]),
                       # single short prompts at the production shards' head counts
                       (4, [2048]), (8, [2048]), (12, [1024]), (12, [2048]), (16, [2048]), (24, [2048]), (32, [2048]),
-                      (64, [2048]), (12, [4096]), (24, [4096])]
+                      (64, [2048]), (12, [4096]), (24, [4096]),
+                      # small batches where the planner's short-prompt overhead decides
+                      (4, [2048] * 4 + [128] * 16), (8, [2048] * 2), (12, [4096] * 2)]
 CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 # Serving matrix: tensor-parallel shard head counts × batch shapes, varlen.
 SERVING_HEADS = (4, 8, 16, 32)

@@ -20,8 +20,11 @@ CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 C
 MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (CONTRACT §7 rows and long
 contexts, the five-CTA segmented K2): every CONTRACT §7 pick stays the measured best, and the worst
 long-context loss against the best split, 23% before, measured 3.7% after (docs/PERFORMANCE.md,
-Intracard CP).  ``python -m benchmarks.fit_cp_plan RUN.json ...`` scores them, and a grid of
-others, against a benchmark run's forced splits.
+Intracard CP).  OVERHEAD last refitted (120 → 25) with single 1k–4k prompts at 1–64 heads and the
+production shards' forced splits (H200, 2026-12-05): at 120 the planner kept 2048-token prompts
+serial that CP runs up to 1.7× faster; anywhere in 15–35 every measured pick is the fastest split
+(worst 1.003 over 48 rows).  ``python -m benchmarks.fit_cp_plan RUN.json ...`` scores them, and a
+grid of others, against a benchmark run's forced splits.
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
 CTAS_PER_SM = 2.5
 MERGE_STEP = 4.0
-OVERHEAD = 120.0
+OVERHEAD = 25.0
 MIN_GAIN = 1.05
 
 

@@ -45,6 +45,14 @@ def test_fixed_batches_split_per_row(batch, seq_len, s_split):
         assert sum(s.num_tokens for s in segs) == seq_len
 
 
+def test_auto_takes_the_measured_fastest_split_of_short_prompts():
+    # Forced splits of single prompts, graph replay, H200 2026-12-05 (docs/PERFORMANCE.md, CP
+    # planner sweep): the fastest of serial and s = 2..32 on each row.
+    for heads, length, fastest in ((4, 2048, 8), (8, 2048, 8), (12, 1024, 1), (12, 2048, 4), (16, 2048, 4),
+                                   (24, 2048, 1), (64, 2048, 1), (12, 4096, 8), (24, 8192, 4), (32, 8192, 1)):
+        assert cp_plan.auto_split([length], heads, 132, 4) == fastest, (heads, length)
+
+
 def test_auto_declines_short_and_busy_inputs():
     assert cp_plan.auto_split([100, 300], heads=4, sm_count=132, v_blocks=8) == 1
     assert cp_plan.auto_split([8192] * 8, heads=64, sm_count=132, v_blocks=8) == 1
