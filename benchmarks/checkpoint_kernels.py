@@ -8,9 +8,11 @@ twin's loop, the stores and the graph around them show apart:
 
 Rows: the serial K2 chain (H4 8×1024, H32 and H64 1×8192) as a fixed-length batch and, where the
 benchmark's rows take it, as varlen (another K2 cubin), and the fused kernel (H16 and H64
-8×1024), the ones whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.
-Serial path, initial + final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of
-25 + 100.  One line per row and case; ratios are to the row's plain case.
+8×1024, and 32×256, where no sequence reaches a checkpoint at 1024: the twin alone), the ones
+whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.  Serial path, initial +
+final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of 25 + 100; ``--rows 5,6``
+runs those rows only, ``--gate softplus`` draws and runs that gate.  One line per row and case;
+ratios are to the row's plain case.
 
 ``--profile ROW`` (an index into ``ROWS``) makes one call per case and times nothing, for a
 profiler: ``ncu -k regex:k2_recurrence python3 -m benchmarks.checkpoint_kernels --profile 1``.
@@ -27,14 +29,14 @@ from benchmarks.timing import capture_graph, kernel_medians_us, time_cuda
 # one batch of `batch` sequences with host lengths, as the benchmark's serving rows are.
 ROWS = ((4, 8, 1024, False, False), (4, 8, 1024, False, True), (32, 1, 8192, False, False),
         (32, 1, 8192, False, True), (64, 1, 8192, False, False), (16, 8, 1024, True, True),
-        (64, 8, 1024, True, True))
+        (64, 8, 1024, True, True), (16, 32, 256, True, True))
 
 
-def row_inputs(heads, batch, length, varlen):
-    """The inputs of a ``ROWS`` row on the GPU."""
+def row_inputs(heads, batch, length, varlen, gate="safe"):
+    """The inputs of a ``ROWS`` row on the GPU, drawn for ``gate``."""
     if varlen:
-        return make_inputs(heads, 1, [length] * batch, None, torch.device("cuda"))
-    return make_inputs(heads, batch, None, length, torch.device("cuda"))
+        return make_inputs(heads, 1, [length] * batch, None, torch.device("cuda"), gate=gate)
+    return make_inputs(heads, batch, None, length, torch.device("cuda"), gate=gate)
 
 
 def cases(x, every):
@@ -61,16 +63,19 @@ def main():
     parser.add_argument("--every", type=int, default=1024)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--profile", type=int, default=None, help="one call per case of ROWS[PROFILE], untimed")
+    parser.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
+    parser.add_argument("--gate", default="safe", choices=("safe", "softplus"))
     args = parser.parse_args()
     if args.profile is not None:
         heads, batch, seq_len, fused, varlen = ROWS[args.profile]
-        x = row_inputs(heads, batch, seq_len, varlen)
+        x = row_inputs(heads, batch, seq_len, varlen, args.gate)
         for options in cases(x, args.every).values():
             prefill_runner(x, intracard_cp=False, fused=fused, **options)()
         torch.cuda.synchronize()
         return
-    for heads, batch, seq_len, fused, varlen in ROWS:
-        x = row_inputs(heads, batch, seq_len, varlen)
+    rows = [ROWS[int(i)] for i in args.rows.split(",")] if args.rows else ROWS
+    for heads, batch, seq_len, fused, varlen in rows:
+        x = row_inputs(heads, batch, seq_len, varlen, args.gate)
         path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
         plain = None
         for case, options in cases(x, args.every).items():
@@ -78,7 +83,7 @@ def main():
             plain = plain or times
             ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times.items()
                                if key in plain)
-            print(f"[{args.tag}] H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
+            print(f"[{args.tag}] {args.gate} H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
                   flush=True)
         del x
 
