@@ -161,7 +161,7 @@ def test_a_varlen_batch_of_equal_tile_counts_runs_fused_and_each_call_takes_its_
     # that no item outlasts the rest (a ragged batch of the same shape takes K1 then K2).
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 16)
     x = standard_inputs(1, 8 * 256, 2, seed=11)
-    even, ragged = cu_seqlens_of([256] * 8), cu_seqlens_of([16] * 7 + [8 * 256 - 7 * 16])
+    even, ragged = cu_seqlens_of([256] * 8), cu_seqlens_of([128] * 4 + [384] * 4)  # ragged, but not enough to split
     assert prefill_module.equal_tile_counts(even.tolist()) and not prefill_module.equal_tile_counts(ragged.tolist())
     assert prefill_module.equal_tile_counts([0, 250, 506])  # 16 tiles each, unequal lengths
     validations = []
@@ -227,10 +227,10 @@ def test_host_cu_seqlens_values_are_checked_on_every_call(recorder):
 
 
 def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, monkeypatch):
-    # 2 sequences of 4096 tokens in all at H4: [2048, 2048] stays serial, [16, 4080] splits.
+    # 4096 tokens in all at H4: [1024] * 4 stays serial, [16, 4080] splits.
     x = standard_inputs(1, 4096, 4, seed=6)
-    serial_cu, split_cu = cu_seqlens_of([2048, 2048]), cu_seqlens_of([16, 4080])
-    assert prefill_module.planned_split([2048, 2048], 4, None) == 1
+    serial_cu, split_cu = cu_seqlens_of([1024] * 4), cu_seqlens_of([16, 4080])
+    assert prefill_module.planned_split([1024] * 4, 4, None) == 1
     assert prefill_module.planned_split([16, 4080], 4, None) > 1
     _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
     plan = next(iter(prefill_module._PLANS.values()))
@@ -310,7 +310,7 @@ def _cp_launches(recorder, first):
             for i, (kernel, values, grid) in enumerate(launches)]
 
 
-_SPLIT, _OTHER_SPLIT, _SERIAL = [16, 4080], [32, 4064], [2048, 2048]  # 4096 tokens at H4: s_split 8, 8, 1
+_SPLIT, _OTHER_SPLIT, _SERIAL = [16, 4080], [32, 4064], [1024] * 4  # 4096 tokens at H4: s_split 8, 8, 1
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["varlen", "fixed"])
@@ -400,7 +400,7 @@ def test_planned_split_searches_each_length_set_once(monkeypatch):
     prefill_module._cached_split.cache_clear()
     first = prefill_module.planned_split([16, 4080], 4, None)
     assert prefill_module.planned_split([16, 4080], 4, None) == first and len(searches) == 1
-    assert prefill_module.planned_split([2048, 2048], 4, None) == 1 and len(searches) == 2
+    assert prefill_module.planned_split([1024] * 4, 4, None) == 1 and len(searches) == 2
     # A different GPU (SM count) is a different answer, so a different entry.
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 66)
     prefill_module.planned_split([16, 4080], 4, None)
