@@ -1,6 +1,6 @@
 """Prefix-cache checkpoints on the GPU (``kda_prefill(checkpoint_every=...)``): in every path
 (K1 + K2 at 32 and 64 columns, the fused kernel, intracard CP), fp32 and bf16 pools, both
-layouts, slow decay.
+layouts, the safe and the softplus gate (each with its own fused twin), slow decay.
 
 A checkpoint at token t must be the final state of a prefill of the first t tokens: bitwise
 where that prefill runs the same path (the serial ones), and within the float64 bound where it
@@ -35,7 +35,9 @@ def _args(x):
 
 
 def _gate(x):
-    return {name: x[name] for name in ("A_log", "dt_bias", "lower_bound", "gate") if name in x}
+    """The gate's arguments (no lower bound under the softplus gate)."""
+    return {"A_log": x["A_log"], "dt_bias": x["dt_bias"], "lower_bound": x.get("lower_bound"),
+            "gate": x.get("gate", "safe")}
 
 
 def _poisoned_pool(slots, dtype):
@@ -64,10 +66,11 @@ def _prefix_batch(x, lengths, prefixes, s0):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
-def test_checkpoints_are_prefix_final_states(path, dtype, layout):
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_checkpoints_are_prefix_final_states(path, dtype, layout, gate):
     every = 256 if path == "cp" else 64
     lengths = [3000, 40, 2100, 300] if path == "cp" else [700, 33, 1, 260]
-    x = standard_inputs(1, sum(lengths), HEADS, device="cuda", slow_decay=True, n_states=len(lengths))
+    x = standard_inputs(1, sum(lengths), HEADS, device="cuda", slow_decay=True, n_states=len(lengths), gate=gate)
     cu = cu_seqlens_of(lengths)
     s0 = x["initial_state"]
     schedule = _schedule(lengths, every)
@@ -105,11 +108,11 @@ def test_checkpoints_are_prefix_final_states(path, dtype, layout):
     if path != "cp":
         assert torch.equal(bits(got), bits(final_p.to(dtype))), path
     # And float64 on every path.
-    _, ref = reference.kda_chunked(*inputs, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"],
-                                   initial_state=s0_p, cu_seqlens=cu_p.cuda())
+    _, ref = reference.kda_chunked(*inputs, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x.get("lower_bound"),
+                                   initial_state=s0_p, cu_seqlens=cu_p.cuda(), gate_kind=gate)
     err = reference.rel_rmse(in_layout(got.float(), layout), ref)
     vs_prefix = reference.rel_rmse(got.float(), final_p.to(dtype).float())
-    print(f"checkpoints {path} {dtype} {layout}: {len(named)} written, rel-RMSE vs float64 {err:.2e}, "
+    print(f"checkpoints {gate} {path} {dtype} {layout}: {len(named)} written, rel-RMSE vs float64 {err:.2e}, "
           f"vs the prefix prefill {vs_prefix:.2e}")
     assert err <= BOUND + (2 ** -8 if dtype == torch.bfloat16 else 0)
 
