@@ -13,13 +13,13 @@ states may be fp32 or bf16, plain or pools indexed by ``state_indices``.
 import dataclasses
 import functools
 
-from ..layout import FLAG_LONGEST_FIRST, D
+from ..layout import FLAG_CHECKPOINT_OFFSETS, FLAG_LONGEST_FIRST, D
 from ..runtime.loader import default_loader
 from ..specs import K2_SEGMENTED_V_BLOCK, K1Spec, auto_fused, auto_v_block, fused_spec, serial_k2_spec
 from . import cp_plan
 from .checks import KDAInputError, call_inputs, fail  # noqa: F401 (KDAInputError: re-exported)
 from .prefill_checks import STATE_LAYOUTS  # noqa: F401 (re-exported)
-from .prefill_checks import _host_cu_seqlens, _read_host_cu, validate
+from .prefill_checks import NO_CHECKPOINTS, _host_cu_seqlens, _read_host_cu, validate
 from .prefill_plans import _CPPlan, _FusedPlan, _SerialPlan, _state_options
 from .prepare import sm_count as _sm_count
 
@@ -133,6 +133,24 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
     return Path("serial", split, v_block=v_block, lengths_uniform=lengths_uniform)
 
 
+def checkpoints_reached(c, varlen: bool, host_cu):
+    """Whether a checkpoint can fall inside a validated call's (``c``) sequences, as the host
+    knows it: None where it cannot say or need not (no checkpoints; ``checkpoint_offsets``, device
+    values; a varlen call without host lengths), else whether the longest sequence (``c``'s
+    fixed length, or the host cu_seqlens ``host_cu``'s) reaches ``checkpoint_every``.  A call that
+    reaches none runs the plain kernels: the checkpointing twins' loops cost their kernel up to
+    ~5% where they write nothing (PERFORMANCE.md, Prefix-cache checkpoints)."""
+    every = c.checkpoints.every
+    if not every or c.checkpoints.flags & FLAG_CHECKPOINT_OFFSETS or (varlen and host_cu is None):
+        return None
+    return (longest(host_cu) if varlen else c.seq_len) >= every
+
+
+def longest(host_cu) -> int:
+    """The longest sequence of host cu_seqlens values."""
+    return max((b - a for a, b in zip(host_cu, host_cu[1:])), default=0)
+
+
 def equal_tile_counts(host_cu) -> bool:
     """Whether the sequences of host ``cu_seqlens`` values all take the same number of 16-token
     tiles: no fused item then outlasts the others, as in a fixed-length batch (ragged batches
@@ -148,9 +166,18 @@ def _signature(*tensors) -> tuple:
     return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
-def _serial_key(key, lengths_uniform: bool) -> tuple:
-    """The cache key of a serial plan chosen for lengths with (or without) equal tile counts."""
-    return key, "serial", lengths_uniform
+def _serial_key(key, lengths_uniform, checkpoints_reached) -> tuple:
+    """The cache key of a serial plan chosen for host lengths: with (or without) equal tile counts,
+    reaching a checkpoint (or not); None where the plan's choice does not turn on that."""
+    return key, "serial", lengths_uniform, checkpoints_reached
+
+
+def _length_facts(plan, host_cu) -> tuple:
+    """What a serial plan's choice turned on, for a call's host lengths: (equal tile counts,
+    checkpoint reached), None where the plan's choice does not turn on it."""
+    uniform = None if plan.lengths_uniform is None else equal_tile_counts(host_cu)
+    reached = None if plan.checkpoint_reach is None else longest(host_cu) >= plan.checkpoint_reach[0]
+    return uniform, reached
 
 
 def _cp_key(key, host_cu, s_split) -> tuple:
@@ -168,11 +195,11 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
     """The cached plan for a call whose signature ``key`` has cached ``plan``, by ``choose_path``'s
     rules on this call's lengths: (that plan, None when there is none yet; the host cu_seqlens
     read to choose it: checked when the signature checks them)."""
-    if plan.split == 1 and plan.lengths_uniform is None:
+    if plan.split == 1 and plan.lengths_uniform is None and plan.checkpoint_reach is None:
         return plan, None
     c = plan.c
     host_cu = None
-    if plan.split is None or plan.lengths_uniform is not None:
+    if plan.split is None or plan.lengths_uniform is not None or plan.checkpoint_reach is not None:
         host_cu = _read_host_cu(cu_seqlens, cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
     if plan.split is None:
         s_split = _resolve_split(plan.intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, host_cu, plan.device)
@@ -182,8 +209,9 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
         return _PLANS.get(_cp_key(key, host_cu, s_split)), host_cu
     if not plan.serial:
         return None, host_cu
-    if plan.lengths_uniform is not None and equal_tile_counts(host_cu) != plan.lengths_uniform:
-        return _PLANS.get(_serial_key(key, not plan.lengths_uniform)), host_cu
+    facts = _length_facts(plan, host_cu)
+    if facts != plan.length_facts:
+        return _PLANS.get(_serial_key(key, *facts)), host_cu
     return plan, host_cu
 
 
@@ -246,6 +274,9 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     device = q.device
     path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device, conventions)
     heads, varlen = c.heads, cu_seqlens is not None
+    reached = checkpoints_reached(c, varlen, c.host_cu)
+    if reached is False:  # the plain kernels: nothing to write (the checkpoint tensors were checked)
+        c = dataclasses.replace(c, checkpoints=NO_CHECKPOINTS)
     loader = default_loader()
     # Resolve every kernel first: a missing cubin fails before anything launches.
     k1 = loader.get(device, K1Spec(varlen=varlen, gate=gate))
@@ -268,11 +299,13 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
             plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block, c.checkpoints.every > 0)),
                                sm_count=_sm_count(device), order=SERIAL_K2_ORDER,
                                lengths_uniform=path.lengths_uniform, **options)
+        if varlen and reached is not None:  # later calls' host lengths may reach a checkpoint, or not
+            plan.checkpoint_reach = (checkpoint_every, reached)
         # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
         # kept while serial; True or an s_split with host lengths keeps no serial plan.
         if key is not None and (path.split == 1 or intracard_cp == "auto"):
             _remember(key, plan)
-            if path.lengths_uniform is not None:  # a later call with the other kind of lengths finds its own
-                _remember(_serial_key(key, path.lengths_uniform), plan)
+            if plan.length_facts != (None, None):  # a later call with other kinds of lengths finds its own
+                _remember(_serial_key(key, *plan.length_facts), plan)
     return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                     cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu, checkpoints)

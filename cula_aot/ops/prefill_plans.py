@@ -109,6 +109,10 @@ class _Plan:
         # turned on the host lengths' tile counts) whether they were equal.  Both read by the plan
         # cache (``prefill._plan_for_lengths``).
         self.intracard_cp, self.split, self.lengths_uniform = intracard_cp, split, lengths_uniform
+        # A varlen serial plan whose checkpoint twin was or was not elided for its host lengths
+        # (``prefill.checkpoints_reached``): (checkpoint_every, reached); None where that is the
+        # signature's alone.  Read by the plan cache like ``lengths_uniform``.
+        self.checkpoint_reach = None
         total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
         # The fused path (k1 None) has no workspaces.
         self.slots = 0 if k1 is None else c.heads * total_slots
@@ -116,6 +120,12 @@ class _Plan:
         if k1 is not None:
             self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
                                    **k1_grid(total_slots, c.heads, sm_count), "flags": input_flags})
+
+    @property
+    def length_facts(self) -> tuple:
+        """(``lengths_uniform``, checkpoint reached): what this plan's choice turned on in its host
+        lengths, None where it did not."""
+        return self.lengths_uniform, None if self.checkpoint_reach is None else self.checkpoint_reach[1]
 
     def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
                cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints):

@@ -520,3 +520,58 @@ def test_checkpoints_run_the_checkpointing_twin_and_a_call_without_them_the_plai
             assert values["checkpoints"] == values["checkpoint_indices"] == values["checkpoint_offsets"] == 0
             assert values["checkpoint_every"] == 0
             assert values["flags"] & (FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS) == 0
+
+
+@pytest.mark.parametrize("path", ["serial", "fused", "cp"])
+def test_a_call_whose_sequences_reach_no_checkpoint_runs_the_plain_kernels(recorder, tables, slow_path, path):
+    # Checkpoints every 64 tokens without offsets: a batch whose host lengths all stay below 64
+    # writes none, so it runs the plain chain (the twin's loop costs where it writes nothing);
+    # the same signature with a sequence that reaches 64 runs the twin, each from its own plan.
+    heads = 4
+    short, reaching = ([16, 4080], [16, 4080]) if path == "cp" else ([40, 40], [10, 70])
+    every = 8192 if path == "cp" else 64
+    x = standard_inputs(1, sum(short), heads, seed=32)
+    pool = torch.zeros(3, heads, 128, 128)
+    indices = torch.zeros(2, 1, dtype=torch.int32)
+    kw = dict(output_final_state=True, intracard_cp=8 if path == "cp" else "auto", fused=path == "fused" or None,
+              checkpoint_every=every, checkpoint_pool=pool, checkpoint_indices=indices)
+
+    def chain(lengths, **extra):
+        first = len(recorder.launches)
+        cu = cu_seqlens_of(lengths)
+        host = {} if "check_seqlens" in extra else {"cu_seqlens_cpu": cu.clone()}
+        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                               lower_bound=x["lower_bound"], cu_seqlens=cu, **host, **kw, **extra)
+        kernel, values, _ = recorder.values(len(recorder.launches) - 1)
+        assert first < len(recorder.launches)
+        return kernel.name.endswith("checkpointing1"), values["checkpoint_every"]
+
+    if path == "cp":  # a CP plan is its lengths' own: the period decides
+        assert chain(short) == (False, 0)
+        kw["checkpoint_every"] = 4080
+        assert chain(short) == (True, 4080)
+        return
+    assert prefill_module.checkpoints_reached(SimpleNamespace(checkpoints=SimpleNamespace(every=64, flags=0)), True,
+                                              [0, 40, 80]) is False
+    assert chain(short) == (False, 0)
+    validations = slow_path["validate"]
+    assert chain(reaching) == (True, 64)
+    assert chain(short) == (False, 0) and chain(reaching) == (True, 64)
+    assert slow_path["validate"] == validations + 1  # the last two calls ran from their lengths' plans
+    # Lengths on the device only, or offsets (device values): the host cannot tell, so the twin runs.
+    assert chain(short, check_seqlens="off") == (True, 64)
+    assert chain(short, checkpoint_offsets=torch.zeros(2, dtype=torch.int32)) == (True, 64)
+
+
+def test_a_fixed_length_batch_shorter_than_the_period_runs_the_plain_kernel(recorder):
+    heads = 2
+    x = standard_inputs(2, 48, heads, seed=33)
+    pool = torch.zeros(4, heads, 128, 128)
+    indices = torch.zeros(2, 1, dtype=torch.int32)
+    for every, twin in ((64, False), (48, True), (64, False)):
+        recorder.launches.clear()
+        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                               lower_bound=x["lower_bound"], intracard_cp=False, fused=False, checkpoint_every=every,
+                               checkpoint_pool=pool, checkpoint_indices=indices)
+        kernel, values, _ = recorder.values(1)
+        assert kernel.name.endswith(f"checkpointing{int(twin)}") and values["checkpoint_every"] == (every if twin else 0)
