@@ -351,8 +351,14 @@ def fused_prefill_kernel(
                                 seq_start + (producer + b * producers) * CHUNK, head)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
-        gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
+        # The softplus producers recompute their gate constants every tile (L1 hits): held across
+        # the loop, two of them spilled and the kernel ran 4-5% slower.  The safe producers keep
+        # them hoisted: recomputed, they spill instead.
+        constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
         for mine in cutlass.range(my_tiles, unroll=1):
+            if cutlass.const_expr(gate == "softplus"):
+                constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
+            gate_scale, gate_bias, gamma_scale, has_source = constants
             i = producer + mine * producers
             buffer = mine % 2
             stage = i % stages
