@@ -3,11 +3,13 @@
 What it computes (docs/CONTRACT.md §2, CP), for one sequence, one head and one block of
 ``v_block`` (8 or 16) state columns: with ``carry_0`` = the sequence's initial state (or 0),
 
-    carries[s] = carry_i,   carry_{i+1} = M_i · carry_i + B_i
+    carries[s] = carry_i,   carry_1 = B_0,   carry_{i+1} = M_i · carry_i + B_i (i ≥ 1)
 
 over the sequence's segments i = 0, 1, … in order, where ``M_i`` (the product of the segment's
 tile transitions) and ``B_i`` (its end state from S = 0) were written by the pre_scan (K2 in
-segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``.  All states here are fp32
+segmented mode) to ``prescan[2i]`` and ``prescan[2i + 1]``; for the first segment the pre_scan
+ran the chain from carry_0 itself, so ``B_0`` is carry_1 and ``M_0`` is neither written nor
+read (one step fewer on the carry chain).  All states here are fp32
 [K, V] row-major per head ("kv"); the user's initial state is read with its own strides and
 dtype (fp32 or bf16), from a state pool slot ``state_indices[n]`` when ``flags`` say so (a slot
 outside the pool's ``init_slots`` is a zero start, reported in the status word under ``FLAG_STATUS``).
@@ -83,16 +85,18 @@ def _entry_of_value(warp, lane, i: int, n_tiles: int):
 
 @cute.jit
 def _prefetch_transition(prescan: cute.Pointer, seg, heads, head, col0, m_stage_address,
-                         b_stage_address, tid, v_block: cutlass.Constexpr[int]):
-    """Issue this thread's 16-byte ``cp.async`` chunks of M_seg into a padded smem stage (a warp
-    copies one 512-byte row per round, so the reads coalesce) and of B_seg's [128][v_block] block
-    into a B stage, so the step's bias comes from shared memory too."""
+                         b_stage_address, tid, with_m, v_block: cutlass.Constexpr[int]):
+    """Issue this thread's 16-byte ``cp.async`` chunks of M_seg (where ``with_m``: not for a
+    sequence's first segment) into a padded smem stage (a warp copies one 512-byte row per round,
+    so the reads coalesce) and of B_seg's [128][v_block] block into a B stage, so the step's bias
+    comes from shared memory too."""
     m_base = (cutlass.Int64(2 * seg) * heads + cutlass.Int64(head)) * (D * D)
-    for j in cutlass.range_constexpr(_CHUNKS_PER_THREAD):
-        row = tid // 32 + j * (THREADS // 32)
-        col = (tid % 32) * 4
-        cp_async_16(m_stage_address + (row * _M_ROW + col) * 4,
-                    (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
+    if with_m:
+        for j in cutlass.range_constexpr(_CHUNKS_PER_THREAD):
+            row = tid // 32 + j * (THREADS // 32)
+            col = (tid % 32) * 4
+            cp_async_16(m_stage_address + (row * _M_ROW + col) * 4,
+                        (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
     b_base = m_base + cutlass.Int64(heads) * (D * D)
     row_chunks = v_block // 4
     for j in cutlass.range_constexpr(D * row_chunks // THREADS):
@@ -173,7 +177,7 @@ def cp_merge_kernel(
     for j in cutlass.range_constexpr(n_stages - 1):  # the first steps' transitions, one group each
         if first + j + 1 < last:
             _prefetch_transition(prescan, first + j, heads, head, col0, m_stage_address + j * _M_STAGE_BYTES,
-                                 b_stage_address + j * _b_stage_bytes(v_block), tid, v_block)
+                                 b_stage_address + j * _b_stage_bytes(v_block), tid, j > 0, v_block)
         cute.arch.cp_async_commit_group()
     acc_lh = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     acc_hl = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
@@ -185,13 +189,21 @@ def cp_merge_kernel(
         ahead_stage = (stage + (n_stages - 1)) % n_stages
         if ahead + 1 < last:
             _prefetch_transition(prescan, ahead, heads, head, col0, m_stage_address + ahead_stage * _M_STAGE_BYTES,
-                                 b_stage_address + ahead_stage * _b_stage_bytes(v_block), tid, v_block)
+                                 b_stage_address + ahead_stage * _b_stage_bytes(v_block), tid, True, v_block)
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
             k, c = _entry_of_value(warp, lane, i, n_tiles)
             element = state_element(carries, seg, heads * D * D, head, k, col0 + c, D, 1)
             element[0] = carry[i]
-        if seg + 1 < last:
+        if (seg == first) & (first + 1 < last):
+            # carry_1 = B_0, the first segment's end state from carry_0 (the pre_scan's).
+            cute.arch.cp_async_wait_group(n_stages - 1)
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr(n_values):
+                k, c = _entry_of_value(warp, lane, i, n_tiles)
+                carry[i] = s_b[stage, k, c]
+            cute.arch.sync_threads()  # the stage is refilled n_stages − 1 steps on
+        elif seg + 1 < last:
             for i in cutlass.range_constexpr(n_values):
                 k, c = _entry_of_value(warp, lane, i, n_tiles)
                 hi, lo = tf32_split(carry[i])

@@ -26,11 +26,14 @@ def _segment_row(seg, seq_first_token, init_index, final_index, flags) -> list[i
     return row
 
 
-def _segment_tables(segments, final_flags: int):
+def _segment_tables(segments, init_flags: int, final_flags: int):
     """Rows of the pre_scan jobs and of the segmented recurrence, and each sequence's segment
-    range.  Pre_scan job 2i (2i + 1) writes M_i (B_i) of segment i; segment i of the recurrence
-    starts from carries[i]; a sequence's last segment writes the user's final state with
-    ``final_flags`` (0: no final state)."""
+    range.  Pre_scan job 2i (2i + 1) writes M_i (B_i) of segment i, for every segment but each
+    sequence's last; a sequence's first segment has job 2i + 1 only, run from the user's initial
+    state (``init_flags``; 0: none) rather than from 0, so its B_i is the next segment's start
+    state and the merge takes it as is.  Segment i of the recurrence starts from carries[i]; a
+    sequence's last segment writes the user's final state with ``final_flags`` (0: no final
+    state)."""
     transition = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
     prescan_rows, main_rows, bounds = [], [], [0]
     for seq_segments in segments:
@@ -38,13 +41,22 @@ def _segment_tables(segments, final_flags: int):
         for n, seg in enumerate(seq_segments):
             index = len(main_rows)
             last = n + 1 == len(seq_segments)
-            if not last:
+            if not last and n == 0:
+                prescan_rows.append(_segment_row(seg, start, seg.seq, 2 * index + 1,
+                                                 init_flags | FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+            elif not last:
                 prescan_rows.append(_segment_row(seg, start, -1, 2 * index, transition))
                 prescan_rows.append(_segment_row(seg, start, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
             main_rows.append(_segment_row(seg, start, index, seg.seq,
                                           FLAG_INITIAL_STATE | (final_flags if last else 0)))
         bounds.append(len(main_rows))
     return prescan_rows, main_rows, bounds
+
+
+def prescan_jobs(segments) -> int:
+    """The pre_scan rows of a segment plan (``_segment_tables``): one for a split sequence's first
+    segment, two for each of its middle ones."""
+    return sum(2 * len(seq) - 3 for seq in segments if len(seq) > 1)
 
 
 def _state_flags(state, which: str, indexed: bool) -> int:
@@ -244,7 +256,7 @@ class _CPPlan(_Plan):
         super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
                          intracard_cp=intracard_cp, split=split, input_flags=input_flags, lengths_uniform=None)
         heads = c.heads
-        n_prescan = sum(2 * (len(seq) - 1) for seq in segments)
+        n_prescan = prescan_jobs(segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)
         # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's
         # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
@@ -258,10 +270,10 @@ class _CPPlan(_Plan):
         # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
         # from (at a multiple of 16 bytes): K1 reads those, so the records always match the
         # table, whatever the device cu_seqlens holds.
-        self.segments, self.final_flags = segments, final_flags
+        self.segments, self.init_flags, self.final_flags = segments, init_flags, final_flags
         self.host_cu = c.host_cu
         self.table_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
-                          final_flags)
+                          init_flags, final_flags)
         row_bytes = 4 * SEGMENT_FIELDS
         self.main_rows_at, self.bounds_at = row_bytes * n_prescan, row_bytes * (n_prescan + n_segments)
         self.cu_at = self.bounds_at + 16 * -(-4 * (len(segments) + 1) // 16)
@@ -273,9 +285,12 @@ class _CPPlan(_Plan):
         # state (the recurrence's); the user's pool slot counts bound the indexed ones.
         k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
                      "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
-        # The pre_scan's states are segment maps, not the sequence's: no checkpoints.
+        # The pre_scan's states are segment maps, not the sequence's: no checkpoints.  Its first-
+        # segment rows start from the user's initial state (its pool slot, dtype and layout).
         self.prescan = prescan_k2.template({
-            **k2_common, **_checkpoint_values(NO_CHECKPOINTS, state_layout), "num_seqs": n_prescan, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
+            **k2_common, **_checkpoint_values(NO_CHECKPOINTS, state_layout), "num_seqs": n_prescan,
+            "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride, "init_stride_k": stride_k,
+            "init_stride_v": stride_v, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
             "final_stride_k": D, "final_stride_v": 1, "flags": 0}, dependent=DEPENDENT_LAUNCH)
         self.merge = merge.template({
             "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
@@ -288,7 +303,7 @@ class _CPPlan(_Plan):
             **_checkpoint_values(c.checkpoints, state_layout)}, dependent=DEPENDENT_LAUNCH)
 
     def _table_values(self) -> list[int]:
-        prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.final_flags)
+        prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.init_flags, self.final_flags)
         values = [v for row in prescan_rows + main_rows for v in row] + bounds
         if self.host_cu is not None:
             values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
@@ -317,8 +332,8 @@ class _CPPlan(_Plan):
         carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         pp, cp = prescan.data_ptr(), carries.data_ptr()
         self.k1.launch(k1_call, stream)
-        # The pre_scan starts from 0 or the identity and writes transition pairs: no pool, no status.
-        self.prescan.launch({**call, "initial_state": 0, "final_state": pp, "status": 0, "segments": rows}, stream)
+        # The pre_scan writes transition pairs, not the user's states; the merge reports bad slots.
+        self.prescan.launch({**call, "final_state": pp, "status": 0, "segments": rows}, stream)
         self.merge.launch({**call, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
         self.recurrence.launch({**call, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
         return out, final_state

@@ -3,10 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cula_aot.layout import CHUNK, FLAG_FINAL_STATE, varlen_slot_base
+from cula_aot.layout import (CHUNK, FLAG_FINAL_STATE, FLAG_IDENTITY_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE,
+                             FLAG_NO_OUTPUT, FLAG_ZERO_V, SEG_FIRST_TOKEN, SEG_SEQ, SEG_SEQ_OFFSET, varlen_slot_base)
 from cula_aot.ops import cp_plan
-from cula_aot.layout import SEG_FIRST_TOKEN, SEG_SEQ, SEG_SEQ_OFFSET
-from cula_aot.ops.prefill_plans import _segment_tables
+from cula_aot.ops.prefill_plans import _segment_tables, prescan_jobs
 
 
 def _cu(lengths):
@@ -80,9 +80,18 @@ def test_auto_shortcut_gives_the_full_searchs_answer(lengths, heads, v_blocks, s
 def test_segment_tables_link_prescan_merge_and_recurrence():
     cu = _cu([1024, 1, 300])
     plan = cp_plan.plan(cp_plan.sequences(1, cu[-1], cu), 4)
-    prescan, main, bounds = _segment_tables(plan, FLAG_FINAL_STATE)
+    prescan, main, bounds = _segment_tables(plan, FLAG_INITIAL_STATE | FLAG_INDEXED_INIT, FLAG_FINAL_STATE)
     assert bounds == [0, 4, 5, 7]
-    assert len(prescan) == 2 * (len(main) - 3)  # two jobs per segment but each sequence's last
+    # A split sequence's first segment: one job, B_0 from the user's state (its pool slot by the
+    # sequence number); its middle segments two (M_i from the identity, B_i from 0); last: none.
+    assert len(prescan) == prescan_jobs(plan) == (1 + 2 + 2) + 0 + 1
+    assert [(row[SEG_FIRST_TOKEN], row[4], row[5]) for row in prescan] == [
+        (0, 0, 1), (256, -1, 2), (256, -1, 3), (512, -1, 4), (512, -1, 5), (1025, 2, 11)]
+    first_flags = FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
+    transition, end_state = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE, FLAG_NO_OUTPUT | FLAG_FINAL_STATE
+    assert [row[6] for row in prescan] == [first_flags] + [transition, end_state] * 2 + [first_flags]
+    # Without an initial state the first job starts from 0.
+    assert _segment_tables(plan, 0, FLAG_FINAL_STATE)[0][0][6] == FLAG_NO_OUTPUT | FLAG_FINAL_STATE
     for i, row in enumerate(main):
         assert row[4] == i  # every segment starts from carries[i]
     finals = [row[5] for row in main if row[6] & 2]

@@ -352,7 +352,7 @@ def test_new_lengths_plan_again_with_their_own_tables(recorder, tables, slow_pat
     table_a, table_b = (t.data_ptr() for t in tables.entries.values())
     assert a[1][3]["segments"] == table_a and b[1][3]["segments"] == table_b
     host_cu = [0, *_OTHER_SPLIT[:1], 4096]
-    want = prefill_plans._segment_tables(cp_plan.plan(cp_plan.sequences(1, 4096, host_cu), 8), 0)
+    want = prefill_plans._segment_tables(cp_plan.plan(cp_plan.sequences(1, 4096, host_cu), 8), 0, 0)
     rows = [v for row in want[0] + want[1] for v in row] + want[2]
     # Then the host lengths at the next 16-byte boundary: K1 reads those, not the device cu_seqlens.
     cu_at = 16 * -(-4 * len(rows) // 16)
