@@ -11,7 +11,8 @@ benchmark's rows take it, as varlen (another K2 cubin), and the fused kernel (H1
 8×1024, and 32×256, where no sequence reaches a checkpoint at 1024: the twin alone), the ones
 whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.  Serial path, initial +
 final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of 25 + 100; ``--rows 5,6``
-runs those rows only, ``--gate softplus`` draws and runs that gate.  One line per row and case;
+runs those rows only, ``--gate softplus`` draws and runs that gate, ``--rounds 3`` measures each
+case three times in rotated order (medians), so that no case is always measured first.  One line per row and case;
 ratios are to the row's plain case.
 
 ``--profile ROW`` (an index into ``ROWS``) makes one call per case and times nothing, for a
@@ -19,6 +20,7 @@ profiler: ``ncu -k regex:k2_recurrence python3 -m benchmarks.checkpoint_kernels 
 """
 
 import argparse
+import statistics
 
 import torch
 
@@ -65,6 +67,8 @@ def main():
     parser.add_argument("--profile", type=int, default=None, help="one call per case of ROWS[PROFILE], untimed")
     parser.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
     parser.add_argument("--gate", default="safe", choices=("safe", "softplus"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every case this many times, rotating their order; report medians")
     args = parser.parse_args()
     if args.profile is not None:
         heads, batch, seq_len, fused, varlen = ROWS[args.profile]
@@ -77,15 +81,22 @@ def main():
     for heads, batch, seq_len, fused, varlen in rows:
         x = row_inputs(heads, batch, seq_len, varlen, args.gate)
         path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
-        plain = None
-        for case, options in cases(x, args.every).items():
-            times = measure(prefill_runner(x, intracard_cp=False, fused=fused, **options), args.quick)
-            plain = plain or times
-            ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times.items()
+        runners = {case: prefill_runner(x, intracard_cp=False, fused=fused, **options)
+                   for case, options in cases(x, args.every).items()}
+        names = list(runners)
+        samples = {case: [] for case in names}
+        for r in range(args.rounds):  # each round starts one case later, so no case is always first
+            for case in names[r % len(names):] + names[:r % len(names)]:
+                samples[case].append(measure(runners[case], args.quick))
+        times = {case: {key: statistics.median(t[key] for t in samples[case]) for key in samples[case][0]}
+                 for case in names}
+        plain = times[names[0]]
+        for case in names:
+            ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times[case].items()
                                if key in plain)
             print(f"[{args.tag}] {args.gate} H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
                   flush=True)
-        del x
+        del x, runners
 
 
 if __name__ == "__main__":
