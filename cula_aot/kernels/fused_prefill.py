@@ -74,7 +74,7 @@ from .tile_chain import (
     tile_u,
     tile_w,
     wgmma_state_products,
-    write_checkpoint,
+    store_checkpoint,
     write_state,
 )
 from .warp_mma import (accumulators_as_a, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, st_global_v4,
@@ -435,8 +435,11 @@ def fused_prefill_kernel(
         checkpoint_tile = cutlass.Int32(-1)
         checkpoint_misaligned = cutlass.Boolean(False)
         if cutlass.const_expr(checkpointing):
-            checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(checkpoint_offsets, flags, seq,
-                                                                            checkpoint_every, cutlass.Int32(0))
+            checkpoint_tile, checkpoint_column, checkpoint_misaligned = checkpoint_schedule(
+                checkpoint_offsets, flags, seq, checkpoint_every, cutlass.Int32(0))
+            # What the writes need, derived here: nothing both roles read stays live to them.
+            checkpoint_row = seq * checkpoint_columns
+            whole_tiles = length // CHUNK
         if (cw == 0) & (lane == 0):
             report_status(status, (flags & FLAG_STATUS) != 0,
                           cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
@@ -466,11 +469,12 @@ def fused_prefill_kernel(
                     _consumer_tile(ctx, tile, cutlass.Int32(at % stages), cutlass.Int32((at + (stages - 1)) % stages),
                                    cutlass.Int32((at // stages) % 2))
                 if run_end - 1 == checkpoint_tile:
-                    checkpoint_tile = write_checkpoint(
-                        state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, seq,
-                        cutlass.Int32(0), checkpoint_every, checkpoint_columns, checkpoint_slots,
-                        checkpoint_slot_stride, head, t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags,
-                        status, (cw == 0) & (lane == 0))
+                    store_checkpoint(state, (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint_columns),
+                                     checkpoint_row + checkpoint_column, checkpoints, checkpoint_indices,
+                                     checkpoint_slots, checkpoint_slot_stride, head, t, v_col, checkpoint_stride_k,
+                                     checkpoint_stride_v, flags, status, (cw == 0) & (lane == 0))
+                    checkpoint_tile = checkpoint_tile + checkpoint_every // CHUNK
+                    checkpoint_column = checkpoint_column + 1
                 run_start = run_end
         else:
             for tile in cutlass.range(num_tiles, unroll=1):

@@ -136,16 +136,26 @@ def checkpoint_run_end(checkpoint_tile, num_tiles):
 def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
                      checkpoint_offsets: cute.Pointer, row, tokens_before, every, columns, slots, slot_stride, head, t,
                      v_col, stride_k, stride_v, flags, status: cute.Pointer, reporter):
-    """At a checkpoint tile (``checkpoint_schedule``): this thread's Sᵀ values, the state after
-    ``tile``, into slot ``checkpoint_indices[row, column]`` when the tile is whole (fp32 or bf16
-    by ``FLAG_BF16_CHECKPOINT``; a slot outside the pool is padding, reported by ``reporter``
-    when out of range).  Returns the next checkpoint tile.  The column is recomputed from the
-    schedule here, so the tile loop keeps one register for checkpoints: the next tile."""
+    """At a checkpoint tile (``checkpoint_schedule``): the state after ``tile`` into slot
+    ``checkpoint_indices[row, column]`` when the tile is whole (``store_checkpoint``).  Returns
+    the next checkpoint tile.  The column is recomputed from the schedule here, so the tile loop
+    keeps one register for checkpoints: the next tile."""
     first_tile, column, _ = checkpoint_schedule(checkpoint_offsets, flags, row, every, tokens_before)
     every_tiles = every // CHUNK
     column = column + (tile - first_tile) // every_tiles
-    if ((tile + 1) * CHUNK <= length) & (column < columns):
-        slot, usable, out_of_range = pool_slot(checkpoint_indices, row * columns + column, slots)
+    store_checkpoint(state, ((tile + 1) * CHUNK <= length) & (column < columns), row * columns + column, checkpoints,
+                     checkpoint_indices, slots, slot_stride, head, t, v_col, stride_k, stride_v, flags, status, reporter)
+    return tile + every_tiles
+
+
+@cute.jit
+def store_checkpoint(state: cute.Tensor, wanted, index, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
+                     slots, slot_stride, head, t, v_col, stride_k, stride_v, flags, status: cute.Pointer, reporter):
+    """Where ``wanted`` (a whole tile, a column inside the slot map): this thread's Sᵀ values into
+    slot ``checkpoint_indices[index]`` (fp32 or bf16 by ``FLAG_BF16_CHECKPOINT``; a slot outside
+    the pool is padding, reported by ``reporter`` when out of range)."""
+    if wanted:
+        slot, usable, out_of_range = pool_slot(checkpoint_indices, index, slots)
         if usable:
             state_io(write_pairs, write_elements, state, checkpoints, slot, opaque_i32(slot_stride), opaque_i32(head),
                      opaque_i32(t), opaque_i32(v_col), opaque_i32(stride_k), opaque_i32(stride_v),
@@ -153,7 +163,6 @@ def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer
         if reporter:
             report_status(status, (flags & FLAG_STATUS) != 0,
                           cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0))
-    return tile + every_tiles
 
 
 @cute.jit
