@@ -14,10 +14,10 @@ tiles of sequence i, W = Σ t_i · H · V-blocks (CTA tile steps of work), C = S
 
 (pre_scan: two chains per non-last segment; merge: one step per segment; the segmented K2
 re-runs every tile from its merged carry; OVERHEAD: two more launches plus host table work
-that the GPU waits on).  The constants were fitted when the first segment also took two
-pre_scan chains and a merge product; it now takes one chain and no product
-(``prefill_plans._segment_tables``), which the model does not credit.  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when
-CP does not beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 CONTRACT §7 CP workloads
+that the GPU waits on; fitted when a sequence's first segment also took two pre_scan chains
+and a merge product, where it now takes one chain and no product, which the model does not
+credit).  ``auto_split`` returns the s ∈ SPLITS with the lowest cost, or 1 when CP does not
+beat serial by MIN_GAIN.  Constants: first fitted to 30 timings (6 CONTRACT §7 CP workloads
 × serial and s_split 2/4/8/16, H200, 2026-11-29; tile step 0.90 µs), then CTAS_PER_SM and
 MERGE_STEP refitted to the 15 auto-CP graph timings of 2026-12-01 (CONTRACT §7 rows and long
 contexts, the five-CTA segmented K2): every CONTRACT §7 pick stays the measured best, and the worst

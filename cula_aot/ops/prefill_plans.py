@@ -41,12 +41,13 @@ def _segment_tables(segments, init_flags: int, final_flags: int):
         for n, seg in enumerate(seq_segments):
             index = len(main_rows)
             last = n + 1 == len(seq_segments)
-            if not last and n == 0:
-                prescan_rows.append(_segment_row(seg, start, seg.seq, 2 * index + 1,
-                                                 init_flags | FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
-            elif not last:
-                prescan_rows.append(_segment_row(seg, start, -1, 2 * index, transition))
-                prescan_rows.append(_segment_row(seg, start, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+            if not last:
+                if n == 0:
+                    prescan_rows.append(_segment_row(seg, start, seg.seq, 2 * index + 1,
+                                                     init_flags | FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+                else:
+                    prescan_rows.append(_segment_row(seg, start, -1, 2 * index, transition))
+                    prescan_rows.append(_segment_row(seg, start, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
             main_rows.append(_segment_row(seg, start, index, seg.seq,
                                           FLAG_INITIAL_STATE | (final_flags if last else 0)))
         bounds.append(len(main_rows))
