@@ -12,8 +12,8 @@ benchmark's rows take it, as varlen (another K2 cubin), and the fused kernel (H1
 whose ratio was furthest from 1 in ``bench_prefill --only checkpoints``.  Serial path, initial +
 final state, fp32 pool; ``--quick`` times each graph 10 + 40 instead of 25 + 100; ``--rows 5,6``
 runs those rows only, ``--gate softplus`` draws and runs that gate, ``--rounds 3`` measures each
-case three times in rotated order (medians), so that no case is always measured first.  One line per row and case;
-ratios are to the row's plain case.
+case three times in rotated order (medians), so that no case is always measured first.  One
+line per row and case; ratios are to the row's plain case.
 
 ``--profile ROW`` (an index into ``ROWS``) makes one call per case and times nothing, for a
 profiler: ``ncu -k regex:k2_recurrence python3 -m benchmarks.checkpoint_kernels --profile 1``.
