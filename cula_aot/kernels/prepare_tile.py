@@ -255,29 +255,19 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
 
 
-def block_pair_product(acc: cute.Tensor, i_kd: cute.Tensor, i_qd: cute.Tensor, j_kinv: cute.Tensor):
-    """``acc`` += both products of one 8×8 block of pairs over the warp's 32 keys, stacked in one
-    m16n8k8 per k-step: A's rows g and g + 8 are kd and qd of the lane's i row (``i_kd``,
-    ``i_qd``: the tf32 bits of its 8 values), B's column g kinv of its j row (``j_kinv``), so
+def block_pair_step(acc: cute.Tensor, i_kd: list, i_qd: list, j_kinv: list):
+    """``acc`` += one k-step of both products of one 8×8 block of pairs, stacked in one m16n8k8:
+    A's rows g and g + 8 are kd and qd of the lane's i row (``i_kd``, ``i_qd``: the tf32 bits of
+    its values at the step's keys t and t + 4), B's column g kinv of its j row (``j_kinv``), so
     the result's c0, c1 are the block's L entries (kd·kinvᵀ) and c2, c3 its Mqk entries."""
-    for s in range(K_STEPS):
-        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-        d = mma_tf32_m16n8k8([i_kd[lo], i_qd[lo], i_kd[hi], i_qd[hi]], [j_kinv[lo], j_kinv[hi]],
-                             [acc[c] for c in range(4)])
-        for c in range(4):
-            acc[c] = d[c]
-
-
-def zero_accumulators(count: int) -> list:
-    accs = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(count)]
-    for acc in accs:
-        acc.fill(0.0)
-    return accs
+    d = mma_tf32_m16n8k8([i_kd[0], i_qd[0], i_kd[1], i_qd[1]], j_kinv, [acc[c] for c in range(4)])
+    for c in range(4):
+        acc[c] = d[c]
 
 
 def store_block_partials(upper: cute.Tensor, across: cute.Tensor, lower: cute.Tensor, s_part: cute.Tensor, warp, lane):
-    """The three blocks of pairs j ≤ i (``block_pair_product``: rows and columns 0–7, rows 8–15
-    × columns 0–7, rows and columns 8–15) as this warp's partials in ``store_product_partials``'
+    """The three blocks of pairs j ≤ i (``block_pair_step``: rows and columns 0–7, rows 8–15 ×
+    columns 0–7, rows and columns 8–15) as this warp's partials in ``store_product_partials``'
     layout; the block above the diagonal (rows 0–7 × columns 8–15) is 0."""
     zero = cutlass.Float32(0.0)
     fragments = ([upper[0], upper[1], across[0], across[1]], [zero, zero, lower[0], lower[1]],
@@ -392,6 +382,39 @@ def add_masked_products(operands, n_tiles: int, keep, partial: list, lane):
 
 
 @cute.jit
+def halves_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale,
+                    s_part: cute.Tensor, warp, lane):
+    """Phase C at depth 1 (each half spans at most BLOCK_RANGE from its start, 0 or G[7], to its
+    end): each half's pairs around its midpoint (P = G[7]/2 above, (G[7] + G[15])/2 below), the
+    pairs across row 8 around P = G[7] (factors ≤ 1): three 8×8 blocks of stacked products
+    (``block_pair_step``), their operands formed k-step by k-step so that only one step's values
+    are live; 12 MMAs, no masks."""
+    upper, across, lower = (cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(3))
+    upper.fill(0.0)
+    across.fill(0.0)
+    lower.fill(0.0)
+    for s in cutlass.range_constexpr(K_STEPS):
+        own = [[], []]  # [half] → per key (t, t + 4): (kd, qd, kinv) bits around the half's midpoint
+        cross = [[], []]  # across row 8: above, k̂·2^(G[7] − G) (the j side); below, k̂ and q̂·2^(G − G[7])
+        for j in (fragment_value(s, 0), fragment_value(s, 1)):
+            for half, ref in ((0, mid[j] * 0.5), (1, (mid[j] + total[j]) * 0.5)):
+                rise = exp2_fast(cum[half][j] - ref)
+                fall = exp2_fast(ref - cum[half][j])
+                own[half].append((f32_bits(tf32_ready(khat[half][j] * rise)),
+                                  f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
+                                  f32_bits(tf32_ready(khat[half][j] * fall))))
+            cross[0].append((f32_bits(tf32_ready(khat[0][j] * exp2_fast(mid[j] - cum[0][j]))),))
+            factor = exp2_fast(cum[1][j] - mid[j])
+            cross[1].append((f32_bits(tf32_ready(khat[1][j] * factor)), f32_bits(tf32_ready(qhat[1][j] * factor * scale))))
+        for half, acc in ((0, upper), (1, lower)):
+            block_pair_step(acc, [own[half][0][0], own[half][1][0]], [own[half][0][1], own[half][1][1]],
+                            [own[half][0][2], own[half][1][2]])
+        block_pair_step(across, [cross[1][0][0], cross[1][1][0]], [cross[1][0][1], cross[1][1][1]],
+                        [cross[0][0][0], cross[0][1][0]])
+    store_block_partials(upper, across, lower, s_part, warp, lane)
+
+
+@cute.jit
 def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, s_part: cute.Tensor, warp, lane):
     """Phase C of an unbounded gate for a warp whose tile halves do not both fit BLOCK_RANGE (rare:
     ``unbounded_operands`` takes depths 0 and 1): its partials of kd·kinvᵀ and qd·kinvᵀ (as
@@ -434,129 +457,51 @@ def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, s
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
 
 
-def rounded_bits(x):
-    return f32_bits(tf32_ready(x))
-
-
-@cute.jit
-def whole_tile_operands(qhat: list, khat: list, cum: list, total: cute.Tensor, scale, store_images, s_part: cute.Tensor,
-                        warp, lane):
-    """Depth 0: every pair around P = G[15]/2.  With c = 2^(G[15]/2) ≥ 2^(−BLOCK_RANGE/2), one pair
-    of exponentials per element serves images and products alike: 2^G = 2^(G − P)·c,
-    2^(G[15] − G) = 2^(P − G)·c."""
-    c = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    for j in cutlass.range_constexpr(LANE_COLS):
-        c[j] = exp2_fast(total[j] * 0.5)
-    bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
-    kd_bits, qd_bits, kinv_bits = bits
-    for half in cutlass.range_constexpr(2):
-        qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        for j in cutlass.range_constexpr(LANE_COLS):
-            rise = exp2_fast(cum[half][j] - total[j] * 0.5)
-            fall = exp2_fast(total[j] * 0.5 - cum[half][j])
-            q_rise = qhat[half][j] * rise * scale
-            k_rise = khat[half][j] * rise
-            k_fall = khat[half][j] * fall
-            qd[j] = q_rise * c[j]
-            kd[j] = k_rise * c[j]
-            kr[j] = k_fall * c[j]
-            kd_bits[half][j] = rounded_bits(k_rise)
-            qd_bits[half][j] = rounded_bits(q_rise)
-            kinv_bits[half][j] = rounded_bits(k_fall)
-        store_images(half, qd, kd, kr)
-    upper, across, lower = zero_accumulators(3)
-    block_pair_product(upper, kd_bits[0], qd_bits[0], kinv_bits[0])
-    block_pair_product(across, kd_bits[1], qd_bits[1], kinv_bits[0])
-    block_pair_product(lower, kd_bits[1], qd_bits[1], kinv_bits[1])
-    store_block_partials(upper, across, lower, s_part, warp, lane)
-
-
-@cute.jit
-def split_halves(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, store_images,
-                 s_part: cute.Tensor, warp, lane):
-    """Depth 1: each half's pairs around its midpoint (P = G[7]/2 above, (G[7] + G[15])/2 below),
-    the pairs across row 8 around P = G[7], one half after the other so that little stays live.
-    The rise and fall of each element about its half's midpoint serve its images and products
-    with per-column factors, each product of factors ordered to stay in range: above,
-    2^G = 2^(G − P)·2^(G[7]/2), k̂·2^(G[7] − G) = (k̂·2^(P − G))·2^(G[7]/2) (the j side across)
-    and 2^(G[15] − G) = 2^(G[7] − G)·2^(G[15] − G[7]); below, with d = 2^((G[15] − G[7])/2),
-    k̂·2^(G − G[7]) = (k̂·2^(G − P))·d (the i side across), 2^G = 2^(G − G[7])·2^G[7] and
-    2^(G[15] − G) = 2^(P − G)·d."""
-    upper, across, lower = zero_accumulators(3)
-    kd_bits, qd_bits, kinv_bits, kinv_across = (cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32)
-                                                for _ in range(4))
-    qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    for j in cutlass.range_constexpr(LANE_COLS):
-        ref = mid[j] * 0.5
-        rise = exp2_fast(cum[0][j] - ref)
-        fall = exp2_fast(ref - cum[0][j])
-        c = exp2_fast(ref)
-        q_rise = qhat[0][j] * rise * scale
-        k_rise = khat[0][j] * rise
-        k_cross = khat[0][j] * fall * c
-        qd[j] = q_rise * c
-        kd[j] = k_rise * c
-        kr[j] = k_cross * exp2_fast(total[j] - mid[j])
-        kd_bits[j] = rounded_bits(k_rise)
-        qd_bits[j] = rounded_bits(q_rise)
-        kinv_bits[j] = rounded_bits(khat[0][j] * fall)
-        kinv_across[j] = rounded_bits(k_cross)
-    store_images(0, qd, kd, kr)
-    block_pair_product(upper, kd_bits, qd_bits, kinv_bits)
-
-    kd_across, qd_across = (cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2))
-    for j in cutlass.range_constexpr(LANE_COLS):
-        ref = (mid[j] + total[j]) * 0.5
-        rise = exp2_fast(cum[1][j] - ref)
-        fall = exp2_fast(ref - cum[1][j])
-        d = exp2_fast((total[j] - mid[j]) * 0.5)
-        g7 = exp2_fast(mid[j])
-        q_rise = qhat[1][j] * rise * scale
-        k_rise = khat[1][j] * rise
-        k_fall = khat[1][j] * fall
-        q_cross = q_rise * d
-        k_cross = k_rise * d
-        qd[j] = q_cross * g7
-        kd[j] = k_cross * g7
-        kr[j] = k_fall * d
-        kd_bits[j] = rounded_bits(k_rise)
-        qd_bits[j] = rounded_bits(q_rise)
-        kinv_bits[j] = rounded_bits(k_fall)
-        kd_across[j] = rounded_bits(k_cross)
-        qd_across[j] = rounded_bits(q_cross)
-    store_images(1, qd, kd, kr)
-    block_pair_product(lower, kd_bits, qd_bits, kinv_bits)
-    block_pair_product(across, kd_across, qd_across, kinv_across)
-    store_block_partials(upper, across, lower, s_part, warp, lane)
-
-
 @cute.jit
 def unbounded_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, store_images,
                        s_part: cute.Tensor, warp, lane):
     """Phases B and C of an unbounded gate: the decayed images, handed row by row to
     ``store_images(half, qd, kd, kr)`` (qd = q̂·2^G·scale, kd = k̂·2^G, kr = k̂·2^(G[15] − G)), and
-    this warp's partials of kd·kinvᵀ and qd·kinvᵀ, at the smallest depth whose blocks fit
-    BLOCK_RANGE in every column of the warp (a warp vote): the whole tile (−G[15] ≤ BLOCK_RANGE:
-    the common case, ``whole_tile_operands``), its halves (each spans from its start, 0 or G[7],
-    to its end: ``split_halves``), else the images by their own exponentials and the deeper
-    splits (``split_partials``)."""
+    this warp's partials of kd·kinvᵀ and qd·kinvᵀ.  Where the tile decays by at most 2^-BLOCK_RANGE
+    in every column of the warp (−G[15] ≤ BLOCK_RANGE: the common case), P = G[15]/2 serves every
+    pair and, with c = 2^(G[15]/2) ≥ 2^(−BLOCK_RANGE/2), one pair of exponentials per element
+    serves images and products alike: 2^G = 2^(G − P)·c, 2^(G[15] − G) = 2^(P − G)·c.  Otherwise
+    the images take their own exponentials and phase C splits the tile (``split_partials``)."""
     fits = -total[0] <= BLOCK_RANGE
     for j in cutlass.range_constexpr(1, LANE_COLS):
         fits = fits & (-total[j] <= BLOCK_RANGE)
     if cute.arch.vote_all_sync(fits):
-        whole_tile_operands(qhat, khat, cum, total, scale, store_images, s_part, warp, lane)
+        c = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+        for j in cutlass.range_constexpr(LANE_COLS):
+            c[j] = exp2_fast(total[j] * 0.5)
+        bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
+        kd_bits, qd_bits, kinv_bits = bits
+        for half in cutlass.range_constexpr(2):
+            qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+            for j in cutlass.range_constexpr(LANE_COLS):
+                rise = exp2_fast(cum[half][j] - total[j] * 0.5)
+                fall = exp2_fast(total[j] * 0.5 - cum[half][j])
+                q_rise = qhat[half][j] * rise * scale
+                k_rise = khat[half][j] * rise
+                k_fall = khat[half][j] * fall
+                qd[j] = q_rise * c[j]
+                kd[j] = k_rise * c[j]
+                kr[j] = k_fall * c[j]
+                kd_bits[half][j] = f32_bits(tf32_ready(k_rise))
+                qd_bits[half][j] = f32_bits(tf32_ready(q_rise))
+                kinv_bits[half][j] = f32_bits(tf32_ready(k_fall))
+            store_images(half, qd, kd, kr)
+        store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
     else:
+        unbounded_images(qhat, khat, cum, total, scale, store_images)
         halves_fit = (-mid[0] <= BLOCK_RANGE) & (mid[0] - total[0] <= BLOCK_RANGE)
         for j in cutlass.range_constexpr(1, LANE_COLS):
             halves_fit = halves_fit & (-mid[j] <= BLOCK_RANGE) & (mid[j] - total[j] <= BLOCK_RANGE)
         if cute.arch.vote_all_sync(halves_fit):
-            split_halves(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
+            halves_partials(qhat, khat, cum, mid, total, scale, s_part, warp, lane)
         else:
-            unbounded_images(qhat, khat, cum, total, scale, store_images)
             split_partials(qhat, khat, cum, mid, scale, s_part, warp, lane)
 
 
