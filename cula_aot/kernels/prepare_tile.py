@@ -405,7 +405,8 @@ def halves_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: 
                                   f32_bits(tf32_ready(khat[half][j] * fall))))
             cross[0].append((f32_bits(tf32_ready(khat[0][j] * exp2_fast(mid[j] - cum[0][j]))),))
             factor = exp2_fast(cum[1][j] - mid[j])
-            cross[1].append((f32_bits(tf32_ready(khat[1][j] * factor)), f32_bits(tf32_ready(qhat[1][j] * factor * scale))))
+            cross[1].append((f32_bits(tf32_ready(khat[1][j] * factor)),
+                             f32_bits(tf32_ready(qhat[1][j] * factor * scale))))
         for half, acc in ((0, upper), (1, lower)):
             block_pair_step(acc, [own[half][0][0], own[half][1][0]], [own[half][0][1], own[half][1][1]],
                             [own[half][0][2], own[half][1][2]])
@@ -466,7 +467,8 @@ def unbounded_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, tota
     in every column of the warp (−G[15] ≤ BLOCK_RANGE: the common case), P = G[15]/2 serves every
     pair and, with c = 2^(G[15]/2) ≥ 2^(−BLOCK_RANGE/2), one pair of exponentials per element
     serves images and products alike: 2^G = 2^(G − P)·c, 2^(G[15] − G) = 2^(P − G)·c.  Otherwise
-    the images take their own exponentials and phase C splits the tile (``split_partials``)."""
+    the images take their own exponentials and phase C splits the tile: at row 8 where each half
+    fits (``halves_partials``), deeper where one does not (``split_partials``)."""
     fits = -total[0] <= BLOCK_RANGE
     for j in cutlass.range_constexpr(1, LANE_COLS):
         fits = fits & (-total[j] <= BLOCK_RANGE)
