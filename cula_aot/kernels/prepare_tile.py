@@ -394,24 +394,24 @@ def halves_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: 
     across.fill(0.0)
     lower.fill(0.0)
     for s in cutlass.range_constexpr(K_STEPS):
-        own = [[], []]  # [half] → per key (t, t + 4): (kd, qd, kinv) bits around the half's midpoint
-        cross = [[], []]  # across row 8: above, k̂·2^(G[7] − G) (the j side); below, k̂ and q̂·2^(G − G[7])
+        # Per half, the tf32 bits at the step's keys t and t + 4 around the half's midpoint, and
+        # those across row 8: the j side above (k̂·2^(G[7] − G)), the i side below (·2^(G − G[7])).
+        kd, qd, kinv = ([[], []] for _ in range(3))
+        j_across, kd_across, qd_across = [], [], []
         for j in (fragment_value(s, 0), fragment_value(s, 1)):
             for half, ref in ((0, mid[j] * 0.5), (1, (mid[j] + total[j]) * 0.5)):
                 rise = exp2_fast(cum[half][j] - ref)
                 fall = exp2_fast(ref - cum[half][j])
-                own[half].append((f32_bits(tf32_ready(khat[half][j] * rise)),
-                                  f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
-                                  f32_bits(tf32_ready(khat[half][j] * fall))))
-            cross[0].append((f32_bits(tf32_ready(khat[0][j] * exp2_fast(mid[j] - cum[0][j]))),))
+                kd[half].append(f32_bits(tf32_ready(khat[half][j] * rise)))
+                qd[half].append(f32_bits(tf32_ready(qhat[half][j] * rise * scale)))
+                kinv[half].append(f32_bits(tf32_ready(khat[half][j] * fall)))
+            j_across.append(f32_bits(tf32_ready(khat[0][j] * exp2_fast(mid[j] - cum[0][j]))))
             factor = exp2_fast(cum[1][j] - mid[j])
-            cross[1].append((f32_bits(tf32_ready(khat[1][j] * factor)),
-                             f32_bits(tf32_ready(qhat[1][j] * factor * scale))))
-        for half, acc in ((0, upper), (1, lower)):
-            block_pair_step(acc, [own[half][0][0], own[half][1][0]], [own[half][0][1], own[half][1][1]],
-                            [own[half][0][2], own[half][1][2]])
-        block_pair_step(across, [cross[1][0][0], cross[1][1][0]], [cross[1][0][1], cross[1][1][1]],
-                        [cross[0][0][0], cross[0][1][0]])
+            kd_across.append(f32_bits(tf32_ready(khat[1][j] * factor)))
+            qd_across.append(f32_bits(tf32_ready(qhat[1][j] * factor * scale)))
+        block_pair_step(upper, kd[0], qd[0], kinv[0])
+        block_pair_step(lower, kd[1], qd[1], kinv[1])
+        block_pair_step(across, kd_across, qd_across, j_across)
     store_block_partials(upper, across, lower, s_part, warp, lane)
 
 
