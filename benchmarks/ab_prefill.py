@@ -22,10 +22,17 @@ import sys
 from pathlib import Path
 
 # Section → how a row is labelled (the fields that identify a workload).
-_ROW_KEYS = {"spec": ("workload", "H"), "serving": ("workload", "H"), "gates": ("workload", "H", "gate"),
-             "checkpoints": ("source", "workload", "H"), "cp": ("H", "lengths"),
-             "cp_long": ("H", "lengths"), "cp_sweep": ("H", "lengths"), "fixed": ("B", "T"),
-             "varlen": ("N", "T", "dist")}
+_ROW_KEYS = {
+    "spec": ("workload", "H"),
+    "serving": ("workload", "H"),
+    "gates": ("workload", "H", "gate"),
+    "checkpoints": ("source", "workload", "H"),
+    "cp": ("H", "lengths"),
+    "cp_long": ("H", "lengths"),
+    "cp_sweep": ("H", "lengths"),
+    "fixed": ("B", "T"),
+    "varlen": ("N", "T", "dist"),
+}
 
 
 def parse_arm(text: str):
@@ -71,8 +78,8 @@ def summarize(runs: dict) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    bench_args = argv[argv.index("--") + 1:] if "--" in argv else []
-    own = argv[:argv.index("--")] if "--" in argv else argv
+    bench_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", type=parse_arm, action="append", required=True, help="NAME=TREE[@ARTIFACTS]")
     parser.add_argument("--rounds", type=int, default=2)
@@ -91,8 +98,16 @@ def main(argv=None):
             if artifacts:
                 env["CULA_AOT_ARTIFACTS"] = str(Path(artifacts).resolve())
             command = [sys.executable, "-m", "benchmarks.bench_prefill", *bench_args, "--json", str(path)]
-            done = subprocess.run(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, timeout=args.timeout_s, check=False)
+            done = subprocess.run(
+                command,
+                cwd=tree,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=args.timeout_s,
+                check=False,
+            )
             print(f"round {round_} {name}: rc={done.returncode}", flush=True)
             if done.returncode != 0:
                 print(done.stderr[-2000:], file=sys.stderr)

@@ -70,7 +70,7 @@ CHUNK_VARIANTS = tuple(("chunk", *v) for v in DECODE_CHUNK_VARIANTS)
 
 
 def variant_name(variant) -> str:
-    """"32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items)."""
+    """ "32x2" for a (v_block, items) variant, "chunk4x2" for the chunk kernel (warps x items)."""
     return f"chunk{variant[1]}x{variant[2]}" if variant[0] == "chunk" else "x".join(map(str, variant))
 
 
@@ -132,10 +132,24 @@ class Bench:
         from cula_aot.ops.decode import decode
 
         def run():
-            decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                   lower_bound=self.lower_bound, gate=self.args.gate,
-                   state_pool=x["pool"], state_indices=x["indices"], out=x["out"],
-                   state_layout=self.args.layout, intermediate_states=inter, variant=variant)
+            decode(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["g"],
+                x["beta"],
+                A_log=x["A_log"],
+                dt_bias=x["dt_bias"],
+                lower_bound=self.lower_bound,
+                gate=self.args.gate,
+                state_pool=x["pool"],
+                state_indices=x["indices"],
+                out=x["out"],
+                state_layout=self.args.layout,
+                intermediate_states=inter,
+                variant=variant,
+            )
+
         return run
 
     def fla_call(self, x, pool, out):
@@ -144,16 +158,30 @@ class Bench:
         n, tokens, heads, _ = x["q"].shape
         dt_bias = x["dt_bias"].reshape(heads * D)
         pool_path = tokens == 1
-        common = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], A_log=x["A_log"], dt_bias=dt_bias,
-                      scale=D ** -0.5, initial_state=pool, state_v_first=self.args.layout == "vk",
-                      use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                      lower_bound=self.lower_bound, out=out)
+        common = dict(
+            q=x["q"],
+            k=x["k"],
+            v=x["v"],
+            g=x["g"],
+            beta=x["beta"],
+            A_log=x["A_log"],
+            dt_bias=dt_bias,
+            scale=D**-0.5,
+            initial_state=pool,
+            state_v_first=self.args.layout == "vk",
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            lower_bound=self.lower_bound,
+            out=out,
+        )
 
         def run():
             with torch.no_grad():
                 if pool_path:
                     return self.fla(**common, inplace_final_state=True, ssm_state_indices=x["indices"])[1]
                 return self.fla(**common, inplace_final_state=False, output_final_state=True)[1]
+
         return run
 
     def row(self, dtype_name, heads, n, tokens):
@@ -162,15 +190,25 @@ class Bench:
         esize = torch.empty((), dtype=dtype).element_size()
         state_bytes = n * heads * D * D * esize
         io_bytes = 5 * n * tokens * heads * D * 2 + n * tokens * heads * 2 + 4 * n
-        row = {"dtype": dtype_name, "layout": self.args.layout, "heads": heads, "seqs": n, "tokens": tokens,
-               "nh": n * heads, "bytes": 2 * state_bytes + io_bytes}
+        row = {
+            "dtype": dtype_name,
+            "layout": self.args.layout,
+            "heads": heads,
+            "seqs": n,
+            "tokens": tokens,
+            "nh": n * heads,
+            "bytes": 2 * state_bytes + io_bytes,
+        }
         from cula_aot.ops.decode import pick_variant
 
         chosen = pick_variant(n, heads, tokens, dtype == torch.bfloat16, self.args.layout, gate=self.args.gate)
         row["v_block"] = variant_name(chosen)
         if tokens > 1:
-            row["inter_variant"] = variant_name(pick_variant(n, heads, tokens, dtype == torch.bfloat16,
-                                                             self.args.layout, intermediates=True, gate=self.args.gate))
+            row["inter_variant"] = variant_name(
+                pick_variant(
+                    n, heads, tokens, dtype == torch.bfloat16, self.args.layout, intermediates=True, gate=self.args.gate
+                )
+            )
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
         if self.fla is not None and self.args.mode != "ours":
@@ -195,9 +233,12 @@ class Bench:
                 row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
                 del inter
             if n * heads >= self.args.variants_min_nh:
-                row["variants"] = {variant_name(v): (row["ours_ms"] if v == chosen else
-                                                     self.time_replay(capture_graph(self.ours_call(x, variant=v))))
-                                   for v in row_variants(dtype_name, tokens, self.args.layout)}
+                row["variants"] = {
+                    variant_name(v): (
+                        row["ours_ms"] if v == chosen else self.time_replay(capture_graph(self.ours_call(x, variant=v)))
+                    )
+                    for v in row_variants(dtype_name, tokens, self.args.layout)
+                }
         self.rows.append(row)
         del x
         self.progress(row)
@@ -212,7 +253,9 @@ class Bench:
                         x = self.inputs(n, tokens, heads, DTYPES[dtype_name])
                         entry = {"dtype": dtype_name, "heads": heads, "seqs": n, "tokens": tokens}
                         for v in row_variants(dtype_name, tokens, self.args.layout):
-                            entry[f"v{variant_name(v)}_ms"] = self.time_replay(capture_graph(self.ours_call(x, variant=v)))
+                            entry[f"v{variant_name(v)}_ms"] = self.time_replay(
+                                capture_graph(self.ours_call(x, variant=v))
+                            )
                         self.sweep.append(entry)
                         print("sweep", json.dumps(entry), flush=True)
                         del x
@@ -246,10 +289,16 @@ class Bench:
         props = torch.cuda.get_device_properties(0)
         self.meta = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "device": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
             "fla": peers.fla_version() if self.fla is not None else None,
-            "warmup": self.warmup, "iters": self.iters, "layout": self.args.layout, "gate": self.args.gate,
-            "copy_bandwidth": peers.copy_bandwidth("cuda"), "mode": self.args.mode,
+            "warmup": self.warmup,
+            "iters": self.iters,
+            "layout": self.args.layout,
+            "gate": self.args.gate,
+            "copy_bandwidth": peers.copy_bandwidth("cuda"),
+            "mode": self.args.mode,
             "launch_floor_ms": self.launch_floor(),
         }
         print(json.dumps(self.meta), flush=True)
@@ -293,15 +342,18 @@ def repick(result):
     from cula_aot.ops.decode import pick_variant
 
     for r in result["rows"]:
-        chosen = variant_name(pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16",
-                                           r.get("layout", "vk")))
+        chosen = variant_name(
+            pick_variant(r["seqs"], r["heads"], r["tokens"], r["dtype"] == "bf16", r.get("layout", "vk"))
+        )
         if "ours_inter_ms" in r:
             r.setdefault("inter_variant", r["v_block"])
         if r.get("variants") and chosen in r["variants"]:
             r["ours_ms"], r["v_block"] = r["variants"][chosen], chosen
         elif chosen != r["v_block"]:
-            result["errors"].append(f"{r['dtype']} H={r['heads']} N={r['seqs']} T={r['tokens']}: picked {chosen} "
-                                    f"was not timed; {r['v_block']} reported")
+            result["errors"].append(
+                f"{r['dtype']} H={r['heads']} N={r['seqs']} T={r['tokens']}: picked {chosen} "
+                f"was not timed; {r['v_block']} reported"
+            )
     result["meta"]["repicked"] = True
 
 
@@ -322,16 +374,25 @@ def _rel_rmse(a, b):
 def render_markdown(res) -> str:
     meta = res["meta"]
     bw = meta.get("copy_bandwidth")
-    lines = [f"# kda_decode on {meta.get('device')} ({meta.get('date')})", "",
-             f"CUDA-graph replay, L2 flushed before each, {meta.get('warmup')} warm-up / {meta.get('iters')} "
-             f"timed, IQM; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)" if bw else "", "",
-             f"launch floor (a graph replaying a one-element fill, same timing): "
-             f"{1e3 * meta['launch_floor_ms']:.1f} µs" if meta.get("launch_floor_ms") else "", "",
-             f"fla: {meta.get('fla')} (T = 1: pool in place via ssm_state_indices; T > 1: plain path, "
-             f"states in / new states out); state layout {meta.get('layout')}", "",
-             "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
-             "| o vs fla | state vs fla |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# kda_decode on {meta.get('device')} ({meta.get('date')})",
+        "",
+        f"CUDA-graph replay, L2 flushed before each, {meta.get('warmup')} warm-up / {meta.get('iters')} "
+        f"timed, IQM; copy bandwidth {bw / 1e9:.0f} GB/s (read + write)"
+        if bw
+        else "",
+        "",
+        f"launch floor (a graph replaying a one-element fill, same timing): {1e3 * meta['launch_floor_ms']:.1f} µs"
+        if meta.get("launch_floor_ms")
+        else "",
+        "",
+        f"fla: {meta.get('fla')} (T = 1: pool in place via ssm_state_indices; T > 1: plain path, "
+        f"states in / new states out); state layout {meta.get('layout')}",
+        "",
+        "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
+        "| o vs fla | state vs fla |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in res["rows"]:
         if "ours_ms" not in r:
             continue
@@ -348,25 +409,40 @@ def render_markdown(res) -> str:
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | {r['nh']} | {r['v_block']} "
             f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
-            f"| {rmse_o:.1e} | {rmse_s:.1e} |")
+            f"| {rmse_o:.1e} | {rmse_s:.1e} |"
+        )
     with_variants = [r for r in res["rows"] if r.get("variants")]
     if with_variants:
         names = list(dict.fromkeys(k for r in with_variants for k in r["variants"]))
-        lines += ["", "Every (v_block × items) kernel, µs (the default pick is the v_block column above)", "",
-                  "| pool | H | N | T | " + " | ".join(names) + " | best |",
-                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |"]
+        lines += [
+            "",
+            "Every (v_block × items) kernel, µs (the default pick is the v_block column above)",
+            "",
+            "| pool | H | N | T | " + " | ".join(names) + " | best |",
+            "| --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " | --- |",
+        ]
         for r in with_variants:
             v = r["variants"]
-            lines.append(f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | "
-                         + " | ".join(f"{1e3 * v[k]:.1f}" if k in v else "—" for k in names)
-                         + f" | {min(v, key=v.get)} |")
+            lines.append(
+                f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | "
+                + " | ".join(f"{1e3 * v[k]:.1f}" if k in v else "—" for k in names)
+                + f" | {min(v, key=v.get)} |"
+            )
     if res.get("sweep"):
         keys = list(dict.fromkeys(k for e in res["sweep"] for k in e if k.endswith("_ms")))
-        lines += ["", "V-block sweep (µs)", "", "| pool | H | N | T | " + " | ".join(keys) + " |",
-                  "| --- | --- | --- | --- | " + " | ".join("---" for _ in keys) + " |"]
+        lines += [
+            "",
+            "V-block sweep (µs)",
+            "",
+            "| pool | H | N | T | " + " | ".join(keys) + " |",
+            "| --- | --- | --- | --- | " + " | ".join("---" for _ in keys) + " |",
+        ]
         for s in res["sweep"]:
-            lines.append(f"| {s['dtype']} | {s['heads']} | {s['seqs']} | {s['tokens']} | "
-                         + " | ".join(f"{1e3 * s[k]:.1f}" if k in s else "—" for k in keys) + " |")
+            lines.append(
+                f"| {s['dtype']} | {s['heads']} | {s['seqs']} | {s['tokens']} | "
+                + " | ".join(f"{1e3 * s[k]:.1f}" if k in s else "—" for k in keys)
+                + " |"
+            )
     if res.get("errors"):
         lines += ["", "Errors:", ""] + [f"* {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"
@@ -377,20 +453,28 @@ def parse_args(argv=None):
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--quick", action="store_true", help="5 warm-up / 30 timed instead of 25 / 100")
-    parser.add_argument("--no-fla", dest="mode", action="store_const", const="ours", default="both",
-                        help="time cula_aot only")
+    parser.add_argument(
+        "--no-fla", dest="mode", action="store_const", const="ours", default="both", help="time cula_aot only"
+    )
     parser.add_argument("--fla-only", dest="mode", action="store_const", const="fla", help="time fla only")
     parser.add_argument("--merge", nargs="+", help="join the rows of these JSON results (ours + fla) and exit")
-    parser.add_argument("--repick", action="store_true",
-                        help="with --merge: report, per row, the time of the variant ops.decode.pick_variant picks now "
-                             "(from the row's per-variant timings; rows without them keep their default)")
+    parser.add_argument(
+        "--repick",
+        action="store_true",
+        help="with --merge: report, per row, the time of the variant ops.decode.pick_variant picks now "
+        "(from the row's per-variant timings; rows without them keep their default)",
+    )
     parser.add_argument("--heads", type=int, nargs="+", default=list(HEADS))
     parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--layout", default="vk", choices=["vk", "kv"])
-    parser.add_argument("--gate", default="safe", choices=["safe", "softplus"],
-                        help="the decay of every call (softplus: fla's unbounded gate, no lower bound)")
+    parser.add_argument(
+        "--gate",
+        default="safe",
+        choices=["safe", "softplus"],
+        help="the decay of every call (softplus: fla's unbounded gate, no lower bound)",
+    )
     parser.add_argument("--sweep", action="store_true", help="also time every built V block on a subset")
     parser.add_argument("--variants-min-nh", type=int, default=256, help="time every variant from this N·H")
     parser.add_argument("--sweep-max", type=int, default=1000, help="at most this many sweep entries")

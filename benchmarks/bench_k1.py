@@ -31,8 +31,13 @@ t_import = time.perf_counter() - t_import
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", help="write results here")
-    parser.add_argument("--tile-caps", type=int, nargs="*", default=[],
-                        help="also time K1 with specs.K1_MAX_TILES_PER_CTA set to each of these")
+    parser.add_argument(
+        "--tile-caps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time K1 with specs.K1_MAX_TILES_PER_CTA set to each of these",
+    )
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     torch.zeros(1, device=device)  # CUDA context up before the clock starts
@@ -40,8 +45,14 @@ def main():
     t0 = time.perf_counter()
     n = loader.preload(device)
     t_preload = time.perf_counter() - t0
-    results = {"import_s": t_import, "preload_s": t_preload, "kernels_loaded": n,
-               "per_module_ms": 1e3 * t_preload / n, "copy_bandwidth_Bps": copy_bandwidth(device), "k1": []}
+    results = {
+        "import_s": t_import,
+        "preload_s": t_preload,
+        "kernels_loaded": n,
+        "per_module_ms": 1e3 * t_preload / n,
+        "copy_bandwidth_Bps": copy_bandwidth(device),
+        "k1": [],
+    }
 
     default_cap = specs.K1_MAX_TILES_PER_CTA
     cases = [(64, 1, 8192, None), (96, 1, 8192, None), (8, 1, 16384, None), (64, 8, 1024, None)]
@@ -63,17 +74,31 @@ def main():
         slots = heads * plan_slots(batch, seq_len, None)
         moved = 3 * q.numel() * 2 + beta.numel() * 2 + slots * sum(WORKSPACE_SLOT_BYTES.values())
         tiles_per_cta = specs.k1_grid(slots // heads, heads, sm_count(device))["tiles_per_cta"]
-        results["k1"].append({"heads": heads, "batch": batch, "seq_len": seq_len, "tiles_per_cta": tiles_per_cta, "ms": ms,
-                              "first_call_ms": first_ms, "GB": moved / 1e9, "TBps": moved / ms / 1e9,
-                              "of_copy": moved / ms * 1e3 / results["copy_bandwidth_Bps"]})
-    print(f"import cula_aot + torch: {t_import * 1e3:.1f} ms; preload {n} cubins: {t_preload * 1e3:.1f} ms "
-          f"({results['per_module_ms']:.2f} ms per module)")
+        results["k1"].append(
+            {
+                "heads": heads,
+                "batch": batch,
+                "seq_len": seq_len,
+                "tiles_per_cta": tiles_per_cta,
+                "ms": ms,
+                "first_call_ms": first_ms,
+                "GB": moved / 1e9,
+                "TBps": moved / ms / 1e9,
+                "of_copy": moved / ms * 1e3 / results["copy_bandwidth_Bps"],
+            }
+        )
+    print(
+        f"import cula_aot + torch: {t_import * 1e3:.1f} ms; preload {n} cubins: {t_preload * 1e3:.1f} ms "
+        f"({results['per_module_ms']:.2f} ms per module)"
+    )
     print(f"copy bandwidth (same run): {results['copy_bandwidth_Bps'] / 1e12:.2f} TB/s")
     print("| H | B | T | tiles/CTA | K1 ms | first call ms | GB moved | TB/s | of copy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results["k1"]:
-        print(f"| {r['heads']} | {r['batch']} | {r['seq_len']} | {r['tiles_per_cta']} | {r['ms']:.4f} | {r['first_call_ms']:.2f} | "
-              f"{r['GB']:.3f} | {r['TBps']:.2f} | {r['of_copy']:.0%} |")
+        print(
+            f"| {r['heads']} | {r['batch']} | {r['seq_len']} | {r['tiles_per_cta']} | {r['ms']:.4f} | {r['first_call_ms']:.2f} | "
+            f"{r['GB']:.3f} | {r['TBps']:.2f} | {r['of_copy']:.0%} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

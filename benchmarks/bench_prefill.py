@@ -94,8 +94,12 @@ SPEC_WORKLOADS = [
 ]
 # CONTRACT §7 CP: (heads, lengths, published cuLA H200 ms with s_split 8)
 CP_WORKLOADS = [
-    (4, [8192], 0.3561), (4, [8192, 2048], 0.3638), (4, [16384], 0.6357),
-    (8, [8192], 0.3768), (8, [8192, 2048], 0.3911), (8, [16384], 0.6759),
+    (4, [8192], 0.3561),
+    (4, [8192, 2048], 0.3638),
+    (4, [16384], 0.6357),
+    (8, [8192], 0.3768),
+    (8, [8192, 2048], 0.3911),
+    (8, [16384], 0.6759),
 ]
 CP_SPLITS = (False, 2, 4, 8, 16, "auto")
 # CP splits also timed under CUDA-graph replay (CP captures once its plan has run eagerly).
@@ -104,40 +108,74 @@ CP_GRAPH_SPLITS = (4, 8, 16, "auto")
 CP_LONG_WORKLOADS = [(h, lengths) for h in (1, 4, 8) for lengths in ([65536], [131072], [131072] + [1024] * 5)]
 CP_LONG_SPLITS = (8, 16, 32, 64, "auto")
 # Planner data (the CP cost model's fit): (heads, lengths), graph replay only.
-CP_SWEEP_WORKLOADS = [(1, [8192]), (1, [16384]), (2, [8192]), (2, [16384]), (4, [1024] * 8), (4, [4096]),
-                      (8, [1024] * 8), (8, [4096]), (16, [8192]), (16, [16384]), (16, [2048] * 4 + [128] * 16),
-                      (32, [8192]), (32, [16384]),
-                      # single short prompts at the production shards' head counts
-                      (4, [2048]), (8, [2048]), (12, [1024]), (12, [2048]), (16, [2048]), (24, [2048]), (32, [2048]),
-                      (64, [2048]), (12, [4096]), (24, [4096]),
-                      # small batches where the planner's short-prompt overhead decides
-                      (4, [2048] * 4 + [128] * 16), (8, [2048] * 2), (12, [4096] * 2)]
+CP_SWEEP_WORKLOADS = [
+    (1, [8192]),
+    (1, [16384]),
+    (2, [8192]),
+    (2, [16384]),
+    (4, [1024] * 8),
+    (4, [4096]),
+    (8, [1024] * 8),
+    (8, [4096]),
+    (16, [8192]),
+    (16, [16384]),
+    (16, [2048] * 4 + [128] * 16),
+    (32, [8192]),
+    (32, [16384]),
+    # single short prompts at the production shards' head counts
+    (4, [2048]),
+    (8, [2048]),
+    (12, [1024]),
+    (12, [2048]),
+    (16, [2048]),
+    (24, [2048]),
+    (32, [2048]),
+    (64, [2048]),
+    (12, [4096]),
+    (24, [4096]),
+    # small batches where the planner's short-prompt overhead decides
+    (4, [2048] * 4 + [128] * 16),
+    (8, [2048] * 2),
+    (12, [4096] * 2),
+]
 CP_SWEEP_SPLITS = (2, 4, 8, 16, 32, "auto")
 # Serving matrix: tensor-parallel shard head counts × batch shapes, varlen.
 SERVING_HEADS = (4, 8, 16, 32)
-SERVING_BATCHES = [("1x8192", [8192]), ("8x1024", [1024] * 8), ("32x256", [256] * 32),
-                   ("4x2048+16x128", [2048] * 4 + [128] * 16)]
+SERVING_BATCHES = [
+    ("1x8192", [8192]),
+    ("8x1024", [1024] * 8),
+    ("32x256", [256] * 32),
+    ("4x2048+16x128", [2048] * 4 + [128] * 16),
+]
 # Gates: production shards (Kimi Linear's 96 heads over 8 GPUs is H12) and the serving matrix, each
 # with the safe and the softplus gate, CUDA-graph replay, fla beside.
-SHARD_WORKLOADS = [(12, "1x2048", [2048]), (12, "1x8192", [8192]), (16, "1x8192", [8192]), (24, "1x8192", [8192]),
-                   (32, "1x8192", [8192]), (16, "8x2048", [2048] * 8)]
+SHARD_WORKLOADS = [
+    (12, "1x2048", [2048]),
+    (12, "1x8192", [8192]),
+    (16, "1x8192", [8192]),
+    (24, "1x8192", [8192]),
+    (32, "1x8192", [8192]),
+    (16, "8x2048", [2048] * 8),
+]
 GATE_WORKLOADS = SHARD_WORKLOADS + [
-    (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
+    (heads, label, lengths) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES
+]
 BENCH_GATES = ("safe", "softplus")
 # Forced CP splits also timed on every gates row (graph replay): the planner's data on short
 # prompts, beside fla in the same run.
 GATE_CP_SPLITS = (2, 4, 8)
 # Checkpoints: every spec, serving and CP row, at these periods (tokens).
-CHECKPOINT_WORKLOADS = ([("spec", heads, label, lengths, seq_len) for label, heads, lengths, seq_len, _ in SPEC_WORKLOADS]
-                        + [("serving", heads, label, lengths, None) for heads in SERVING_HEADS
-                           for label, lengths in SERVING_BATCHES]
-                        + [("cp", heads, f"{len(lengths)} seqs {sum(lengths)}", lengths, None)
-                           for heads, lengths, _ in CP_WORKLOADS])
+CHECKPOINT_WORKLOADS = (
+    [("spec", heads, label, lengths, seq_len) for label, heads, lengths, seq_len, _ in SPEC_WORKLOADS]
+    + [("serving", heads, label, lengths, None) for heads in SERVING_HEADS for label, lengths in SERVING_BATCHES]
+    + [("cp", heads, f"{len(lengths)} seqs {sum(lengths)}", lengths, None) for heads, lengths, _ in CP_WORKLOADS]
+)
 CHECKPOINT_PERIODS = (1024, 256)
 SWEEP_HEADS = 64
 FIXED_SWEEP = [(b, t) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
-VARLEN_SWEEP = [(n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384)
-                for dist in ("uniform", "random", "skewed")]
+VARLEN_SWEEP = [
+    (n, total, dist) for n in (10, 20) for total in (4096, 8192, 16384) for dist in ("uniform", "random", "skewed")
+]
 
 
 def _apportion(total, weights):
@@ -181,8 +219,19 @@ def make_inputs(heads, batch, lengths, seq_len, device, seed=0, gate="safe"):
     if lengths:
         cu_cpu = cu_seqlens_of(lengths)
         cu = cu_cpu.to(device)
-    return {"q": x["q"], "k": x["k"], "v": x["v"], "g": x["g"], "beta": x["beta"], "cu": cu, "cu_cpu": cu_cpu,
-            "A_log": x["A_log"], "dt_bias": x["dt_bias"], "s0": x["initial_state"], "gate": gate}
+    return {
+        "q": x["q"],
+        "k": x["k"],
+        "v": x["v"],
+        "g": x["g"],
+        "beta": x["beta"],
+        "cu": cu,
+        "cu_cpu": cu_cpu,
+        "A_log": x["A_log"],
+        "dt_bias": x["dt_bias"],
+        "s0": x["initial_state"],
+        "gate": gate,
+    }
 
 
 def gate_options(x) -> dict:
@@ -199,9 +248,22 @@ def prefill_runner(x, **options):
     final = torch.empty_like(x["s0"])
 
     def run():
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                initial_state=x["s0"], cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"],
-                out=out, final_state=final, **gate_options(x), **options)
+        prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            initial_state=x["s0"],
+            cu_seqlens=x["cu"],
+            cu_seqlens_cpu=x["cu_cpu"],
+            out=out,
+            final_state=final,
+            **gate_options(x),
+            **options,
+        )
         return out, final
 
     return run
@@ -228,8 +290,16 @@ def k1_runner(x):
     from cula_aot.ops.prepare import prepare
 
     def run():
-        prepare(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=x["cu"],
-                **gate_options(x))
+        prepare(
+            x["q"],
+            x["k"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            cu_seqlens=x["cu"],
+            **gate_options(x),
+        )
 
     return run
 
@@ -290,10 +360,12 @@ class Bench:
         row["ours_graph_ms"] = self.time_graph(ours, "ours")
         # Both serial paths whatever auto picks: the fused kernel and K1 then K2.
         for path, fused in (("fused", True), ("two_kernel", False)):
-            row[f"ours_{path}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=False, fused=fused),
-                                                           f"ours {path}")
-        row.update(fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None,
-                   fla_rel_rmse_state=None)
+            row[f"ours_{path}_graph_ms"] = self.time_graph(
+                prefill_runner(x, intracard_cp=False, fused=fused), f"ours {path}"
+            )
+        row.update(
+            fla_eager_ms=None, fla_graph_ms=None, fla_first_call_s=None, fla_rel_rmse_o=None, fla_rel_rmse_state=None
+        )
         if self.fla_for(x["q"].shape[2]):
             fla = peers.fla_runner(x, gate_options(x)["lower_bound"])
             try:
@@ -349,8 +421,13 @@ class Bench:
     def run_spec(self):
         rows = self.results.setdefault("spec", [])
         for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
-            row = {"workload": label, "H": heads, "lengths": lengths, "T": seq_len or sum(lengths),
-                   "published_cula_ms": published}
+            row = {
+                "workload": label,
+                "H": heads,
+                "lengths": lengths,
+                "T": seq_len or sum(lengths),
+                "published_cula_ms": published,
+            }
             if self.skipped_for_budget(rows, row):
                 continue
             x = make_inputs(heads, 1, lengths, seq_len, self.device)
@@ -399,8 +476,9 @@ class Bench:
                 row["cp_auto_graph_ms"] = self.time_graph(auto, f"gates H={heads} {label} {gate} auto")
                 row["auto_split"] = planned_split(lengths, heads, self.device)
                 for split in GATE_CP_SPLITS:
-                    row[f"cp_{split}_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp=split),
-                                                                  f"gates H={heads} {label} {gate} s={split}")
+                    row[f"cp_{split}_graph_ms"] = self.time_graph(
+                        prefill_runner(x, intracard_cp=split), f"gates H={heads} {label} {gate} s={split}"
+                    )
                 if gate == "safe":
                     safe_ms = row["ours_graph_ms"]
                 elif safe_ms and row["ours_graph_ms"]:
@@ -455,20 +533,25 @@ class Bench:
                 continue
             x = make_inputs(heads, 1, lengths, seq_len, self.device)
             row["auto_split"] = 1 if lengths is None else planned_split(lengths, heads, self.device)
-            plain = row["plain_graph_ms"] = self.time_graph(prefill_runner(x, intracard_cp="auto"),
-                                                            f"checkpoints H={heads} {label}")
+            plain = row["plain_graph_ms"] = self.time_graph(
+                prefill_runner(x, intracard_cp="auto"), f"checkpoints H={heads} {label}"
+            )
             for every in CHECKPOINT_PERIODS:
                 options = checkpoint_options(x, every)
                 row[f"checkpoints_{every}"] = int((options["checkpoint_indices"] >= 0).sum())
                 timed = row[f"checkpoint_{every}_graph_ms"] = self.time_graph(
-                    prefill_runner(x, intracard_cp="auto", **options), f"checkpoints H={heads} {label} every {every}")
+                    prefill_runner(x, intracard_cp="auto", **options), f"checkpoints H={heads} {label} every {every}"
+                )
                 if plain and timed:
                     row[f"checkpoint_{every}_ratio"] = timed / plain
                 del options
             del x
-            self.finish_row(rows, row, f"checkpoints {source} H={heads} {label}: "
-                                       + " ".join(f"every {n} x{_f(row.get(f'checkpoint_{n}_ratio'), 3)}"
-                                                  for n in CHECKPOINT_PERIODS))
+            self.finish_row(
+                rows,
+                row,
+                f"checkpoints {source} H={heads} {label}: "
+                + " ".join(f"every {n} x{_f(row.get(f'checkpoint_{n}_ratio'), 3)}" for n in CHECKPOINT_PERIODS),
+            )
 
     def run_fixed(self):
         rows = self.results.setdefault("fixed", [])
@@ -509,30 +592,50 @@ class Bench:
     def collect_meta(self):
         props = torch.cuda.get_device_properties(self.device)
         meta = self.results["meta"]
-        meta.update(date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    command=" ".join(sys.argv), gpu=props.name, sm_count=props.multi_processor_count,
-                    torch=torch.__version__, cuda=torch.version.cuda, warmup=self.warmup, iters=self.iters,
-                    default_v_block=K2_DEFAULT_V_BLOCK, v_blocks=list(K2_V_BLOCKS), fla=peers.fla_version(),
-                    fla_used=self.use_fla, fla_heads=None if self.fla_heads is None else sorted(self.fla_heads))
+        meta.update(
+            date_utc=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            command=" ".join(sys.argv),
+            gpu=props.name,
+            sm_count=props.multi_processor_count,
+            torch=torch.__version__,
+            cuda=torch.version.cuda,
+            warmup=self.warmup,
+            iters=self.iters,
+            default_v_block=K2_DEFAULT_V_BLOCK,
+            v_blocks=list(K2_V_BLOCKS),
+            fla=peers.fla_version(),
+            fla_used=self.use_fla,
+            fla_heads=None if self.fla_heads is None else sorted(self.fla_heads),
+        )
         try:
             import triton
+
             meta["triton"] = triton.__version__
         except ImportError:
             meta["triton"] = None
         try:
-            meta["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            check=False, capture_output=True, text=True, timeout=30).stdout.strip()
+            meta["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             meta["driver"] = None
         import cula_aot
+
         meta["cula_aot"] = cula_aot.__version__
 
     def run(self, sections):
         self.collect_meta()
         bandwidth = peers.copy_bandwidth(self.device)
         self.results["meta"]["copy_bandwidth_Bps"] = bandwidth
-        print(f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write); fla: "
-              f"{self.results['meta']['fla'] if self.use_fla else 'not used'}", flush=True)
+        print(
+            f"device copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write); fla: "
+            f"{self.results['meta']['fla'] if self.use_fla else 'not used'}",
+            flush=True,
+        )
         for section in sections:
             getattr(self, f"run_{section}")()
         self.results["meta"]["elapsed_s"] = time.perf_counter() - self.start
@@ -584,9 +687,14 @@ PEER_HEADER = ["ours eager ms", "ours graph ms", "fla eager ms", "fla graph ms",
 
 
 def _peer_cells(r):
-    return [_f(r.get("ours_eager_ms")), _f(r.get("ours_graph_ms")), _f(r.get("fla_eager_ms")),
-            _f(r.get("fla_graph_ms")), _ratio(r.get("ours_eager_ms"), r.get("fla_eager_ms")),
-            _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms"))]
+    return [
+        _f(r.get("ours_eager_ms")),
+        _f(r.get("ours_graph_ms")),
+        _f(r.get("fla_eager_ms")),
+        _f(r.get("fla_graph_ms")),
+        _ratio(r.get("ours_eager_ms"), r.get("fla_eager_ms")),
+        _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms")),
+    ]
 
 
 def _lengths_label(lengths):
@@ -602,8 +710,11 @@ def _lengths_label(lengths):
 
 def _split_graph_table(rows, splits, bw):
     """The table of a ``_run_split_graphs`` section: serial, each split, the best and auto."""
-    header = (["H", "lengths", "serial graph"] + [f"s={s} graph" for s in splits]
-              + ["auto split", "best CP", "serial ÷ best CP", "serial ÷ auto", "auto ÷ best", "% BW (best)"])
+    header = (
+        ["H", "lengths", "serial graph"]
+        + [f"s={s} graph" for s in splits]
+        + ["auto split", "best CP", "serial ÷ best CP", "serial ÷ auto", "auto ÷ best", "% BW (best)"]
+    )
     out = []
     for r in rows:
         label = _lengths_label(r["lengths"])
@@ -615,9 +726,11 @@ def _split_graph_table(rows, splits, bw):
         best = min((v for v in cps + [serial] if v is not None), default=None)
         best_cp = min((v for v in cps if v is not None), default=None)
         pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.0f}%" if best and bw else "–"
-        out.append([r["H"], label, _f(serial)] + [_f(v) for v in cps]
-                   + [r.get("auto_split"), _f(best_cp), _ratio(serial, best_cp), _ratio(serial, auto),
-                      _ratio(auto, best), pct])
+        out.append(
+            [r["H"], label, _f(serial)]
+            + [_f(v) for v in cps]
+            + [r.get("auto_split"), _f(best_cp), _ratio(serial, best_cp), _ratio(serial, auto), _ratio(auto, best), pct]
+        )
     return _table(header, out)
 
 
@@ -625,49 +738,102 @@ def render_markdown(res):
     meta = res.get("meta", {})
     bw = meta.get("copy_bandwidth_Bps")
     out = ["# KDA prefill benchmark", ""]
-    out.append(f"{meta.get('gpu', '?')} ({meta.get('sm_count', '?')} SMs), driver {meta.get('driver', '?')}, "
-               f"torch {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}), triton {meta.get('triton', '?')}, "
-               f"fla {meta.get('fla') or 'not installed'}, cula_aot {meta.get('cula_aot', '?')}; "
-               f"{meta.get('date_utc', '?')}; `{meta.get('command', '')}`.")
-    out.append(f"CUDA events, {meta.get('warmup', '?')} warm-up / {meta.get('iters', '?')} timed, interquartile "
-               f"mean, ms. Initial + final state everywhere. Eager = the Python call (host work included); graph = "
-               f"replay of one captured call. Ratios are ours ÷ fla (< 1: ours faster). Device copy bandwidth "
-               f"{'–' if bw is None else f'{bw / 1e12:.2f} TB/s'} (read + write); % BW = unavoidable bytes / graph "
-               f"time / copy bandwidth. RMSE = relative RMSE of fla's o / final state against ours.")
+    out.append(
+        f"{meta.get('gpu', '?')} ({meta.get('sm_count', '?')} SMs), driver {meta.get('driver', '?')}, "
+        f"torch {meta.get('torch', '?')} (CUDA {meta.get('cuda', '?')}), triton {meta.get('triton', '?')}, "
+        f"fla {meta.get('fla') or 'not installed'}, cula_aot {meta.get('cula_aot', '?')}; "
+        f"{meta.get('date_utc', '?')}; `{meta.get('command', '')}`."
+    )
+    out.append(
+        f"CUDA events, {meta.get('warmup', '?')} warm-up / {meta.get('iters', '?')} timed, interquartile "
+        f"mean, ms. Initial + final state everywhere. Eager = the Python call (host work included); graph = "
+        f"replay of one captured call. Ratios are ours ÷ fla (< 1: ours faster). Device copy bandwidth "
+        f"{'–' if bw is None else f'{bw / 1e12:.2f} TB/s'} (read + write); % BW = unavoidable bytes / graph "
+        f"time / copy bandwidth. RMSE = relative RMSE of fla's o / final state against ours."
+    )
     out.append("")
     if "overhead" in res:
         r = res["overhead"]
-        out += ["## Host overhead (H=8, B=1, T=16, back to back)", "",
-                _table(["impl", "host µs per call", "eager ms", "graph ms"],
-                       [["cula_aot", _f(r.get("ours_host_us"), 1), _f(r.get("ours_eager_ms")),
-                         _f(r.get("ours_graph_ms"))],
-                        ["fla chunk_kda", _f(r.get("fla_host_us"), 1), _f(r.get("fla_eager_ms")),
-                         _f(r.get("fla_graph_ms"))]]), ""]
+        out += [
+            "## Host overhead (H=8, B=1, T=16, back to back)",
+            "",
+            _table(
+                ["impl", "host µs per call", "eager ms", "graph ms"],
+                [
+                    ["cula_aot", _f(r.get("ours_host_us"), 1), _f(r.get("ours_eager_ms")), _f(r.get("ours_graph_ms"))],
+                    [
+                        "fla chunk_kda",
+                        _f(r.get("fla_host_us"), 1),
+                        _f(r.get("fla_eager_ms")),
+                        _f(r.get("fla_graph_ms")),
+                    ],
+                ],
+            ),
+            "",
+        ]
     if res.get("spec"):
         vbs = meta.get("v_blocks", list(K2_V_BLOCKS))
-        header = (["H", "workload", "K1 ms"] + [f"eager vb={vb}" for vb in vbs] + PEER_HEADER
-                  + ["cuLA published ms", "ours graph / cuLA", "best peer ms", "ours graph / best peer", "GB",
-                     "ours % BW", "fla % BW", "RMSE o / state"])
+        header = (
+            ["H", "workload", "K1 ms"]
+            + [f"eager vb={vb}" for vb in vbs]
+            + PEER_HEADER
+            + [
+                "cuLA published ms",
+                "ours graph / cuLA",
+                "best peer ms",
+                "ours graph / best peer",
+                "GB",
+                "ours % BW",
+                "fla % BW",
+                "RMSE o / state",
+            ]
+        )
         rows = []
         for r in res["spec"]:
             if r.get("skipped"):
                 rows.append([r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
                 continue
-            peers_ms = [v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms"))
-                        if v is not None]
+            peers_ms = [
+                v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms")) if v is not None
+            ]
             best_peer = min(peers_ms)
-            rows.append([r["H"], r["workload"], _f(r.get("k1_ms"))]
-                        + [_f(r.get(f"ours_eager_ms_vb{vb}")) for vb in vbs] + _peer_cells(r)
-                        + [_f(r["published_cula_ms"]), _ratio(r.get("ours_graph_ms"), r["published_cula_ms"]),
-                           _f(best_peer), _ratio(r.get("ours_graph_ms"), best_peer), _f(r["GB"], 3),
-                           _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        title = ("## CONTRACT §7 serial workloads (ours graph: the automatic V block, see the JSON's auto_v_block; "
-                 "'ours eager ms' = the best V block)")
+            rows.append(
+                [r["H"], r["workload"], _f(r.get("k1_ms"))]
+                + [_f(r.get(f"ours_eager_ms_vb{vb}")) for vb in vbs]
+                + _peer_cells(r)
+                + [
+                    _f(r["published_cula_ms"]),
+                    _ratio(r.get("ours_graph_ms"), r["published_cula_ms"]),
+                    _f(best_peer),
+                    _ratio(r.get("ours_graph_ms"), best_peer),
+                    _f(r["GB"], 3),
+                    _pct_bw(r, "ours_graph_ms", bw),
+                    _pct_bw(r, "fla_graph_ms", bw),
+                    _rmse(r),
+                ]
+            )
+        title = (
+            "## CONTRACT §7 serial workloads (ours graph: the automatic V block, see the JSON's auto_v_block; "
+            "'ours eager ms' = the best V block)"
+        )
         out += [title, "", _table(header, rows), ""]
     if res.get("serving"):
-        header = (["H", "workload", "K1 ms", "serial eager", "serial graph", "auto split", "auto eager",
-                   "auto graph", "serial ÷ auto (graph)", "fla graph", "ours best graph / fla graph", "GB",
-                   "% BW (best graph)", "RMSE o / state"])
+        header = [
+            "H",
+            "workload",
+            "K1 ms",
+            "serial eager",
+            "serial graph",
+            "auto split",
+            "auto eager",
+            "auto graph",
+            "serial ÷ auto (graph)",
+            "fla graph",
+            "ours best graph / fla graph",
+            "GB",
+            "% BW (best graph)",
+            "RMSE o / state",
+        ]
         rows = []
         for r in res["serving"]:
             if r.get("skipped"):
@@ -676,17 +842,45 @@ def render_markdown(res):
             graphs = [v for v in (r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")) if v is not None]
             best = min(graphs, default=None)
             pct = f"{100 * r['GB'] * 1e9 / (best * 1e-3) / bw:.1f}%" if best and bw else "–"
-            rows.append([r["H"], r["workload"], _f(r.get("k1_ms")), _f(r.get("ours_eager_ms")),
-                         _f(r.get("ours_graph_ms")), r.get("auto_split"), _f(r.get("cp_auto_ms")),
-                         _f(r.get("cp_auto_graph_ms")), _ratio(r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")),
-                         _f(r.get("fla_graph_ms")), _ratio(best, r.get("fla_graph_ms")), _f(r["GB"], 3), pct,
-                         _rmse(r)])
-        out += ["## Serving matrix (varlen, initial + final state; auto must never lose to serial)", "",
-                _table(header, rows), ""]
+            rows.append(
+                [
+                    r["H"],
+                    r["workload"],
+                    _f(r.get("k1_ms")),
+                    _f(r.get("ours_eager_ms")),
+                    _f(r.get("ours_graph_ms")),
+                    r.get("auto_split"),
+                    _f(r.get("cp_auto_ms")),
+                    _f(r.get("cp_auto_graph_ms")),
+                    _ratio(r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")),
+                    _f(r.get("fla_graph_ms")),
+                    _ratio(best, r.get("fla_graph_ms")),
+                    _f(r["GB"], 3),
+                    pct,
+                    _rmse(r),
+                ]
+            )
+        out += [
+            "## Serving matrix (varlen, initial + final state; auto must never lose to serial)",
+            "",
+            _table(header, rows),
+            "",
+        ]
     if res.get("gates"):
-        header = ["H", "workload", "gate", "K1 ms", "serial graph", "auto split", "auto graph",
-                  "best forced split (graph)", "fla graph", "ours best graph / fla graph",
-                  "softplus ÷ safe (serial graph)", "RMSE o / state"]
+        header = [
+            "H",
+            "workload",
+            "gate",
+            "K1 ms",
+            "serial graph",
+            "auto split",
+            "auto graph",
+            "best forced split (graph)",
+            "fla graph",
+            "ours best graph / fla graph",
+            "softplus ÷ safe (serial graph)",
+            "RMSE o / state",
+        ]
         rows = []
         for r in res["gates"]:
             if r.get("skipped"):
@@ -695,54 +889,117 @@ def render_markdown(res):
             best = min([v for v in (r.get("ours_graph_ms"), r.get("cp_auto_graph_ms")) if v is not None], default=None)
             forced = {s: r[f"cp_{s}_graph_ms"] for s in GATE_CP_SPLITS if r.get(f"cp_{s}_graph_ms")}
             split = min(forced, key=forced.get, default=None)
-            rows.append([r["H"], r["workload"], r["gate"], _f(r.get("k1_ms")), _f(r.get("ours_graph_ms")),
-                         r.get("auto_split"), _f(r.get("cp_auto_graph_ms")),
-                         "" if split is None else f"{_f(forced[split])} (s={split})", _f(r.get("fla_graph_ms")),
-                         _ratio(best, r.get("fla_graph_ms")), _f(r.get("softplus_over_safe"), 3), _rmse(r)])
-        out += ["## Gates: production shards and serving rows, safe and softplus (graph replay)", "",
-                _table(header, rows), ""]
+            rows.append(
+                [
+                    r["H"],
+                    r["workload"],
+                    r["gate"],
+                    _f(r.get("k1_ms")),
+                    _f(r.get("ours_graph_ms")),
+                    r.get("auto_split"),
+                    _f(r.get("cp_auto_graph_ms")),
+                    "" if split is None else f"{_f(forced[split])} (s={split})",
+                    _f(r.get("fla_graph_ms")),
+                    _ratio(best, r.get("fla_graph_ms")),
+                    _f(r.get("softplus_over_safe"), 3),
+                    _rmse(r),
+                ]
+            )
+        out += [
+            "## Gates: production shards and serving rows, safe and softplus (graph replay)",
+            "",
+            _table(header, rows),
+            "",
+        ]
     if res.get("cp"):
-        header = (["H", "lengths", "serial eager"] + [f"s={s} eager" for s in CP_SPLITS[1:-1]]
-                  + ["auto eager"] + [f"s={s} graph" for s in CP_GRAPH_SPLITS]
-                  + ["serial graph", "fla eager", "fla graph", "serial graph / fla graph",
-                     "cuLA s=8 published", "best ours", "best peer", "best ours / best peer", "RMSE o / state"])
+        header = (
+            ["H", "lengths", "serial eager"]
+            + [f"s={s} eager" for s in CP_SPLITS[1:-1]]
+            + ["auto eager"]
+            + [f"s={s} graph" for s in CP_GRAPH_SPLITS]
+            + [
+                "serial graph",
+                "fla eager",
+                "fla graph",
+                "serial graph / fla graph",
+                "cuLA s=8 published",
+                "best ours",
+                "best peer",
+                "best ours / best peer",
+                "RMSE o / state",
+            ]
+        )
         rows = []
         for r in res["cp"]:
             if r.get("skipped"):
                 rows.append([r["H"], r["lengths"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
                 continue
             graphs = [r.get(f"cp_{s}_graph_ms") for s in CP_GRAPH_SPLITS]
-            best = min(v for v in [r[f"cp_{s}_ms"] for s in CP_SPLITS] + graphs + [r.get("ours_graph_ms")]
-                       if v is not None)
-            best_peer = min(v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms"))
-                            if v is not None)
-            rows.append([r["H"], r["lengths"]] + [_f(r[f"cp_{s}_ms"]) for s in CP_SPLITS] + [_f(v) for v in graphs]
-                        + [_f(r.get("ours_graph_ms")), _f(r.get("fla_eager_ms")), _f(r.get("fla_graph_ms")),
-                           _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms")), _f(r["published_cula_ms"]),
-                           _f(best), _f(best_peer), _ratio(best, best_peer), _rmse(r)])
-        out += ["## CONTRACT §7 intracard-CP workloads (eager and CUDA-graph replay)", "",
-                _table(header, rows), ""]
+            best = min(
+                v for v in [r[f"cp_{s}_ms"] for s in CP_SPLITS] + graphs + [r.get("ours_graph_ms")] if v is not None
+            )
+            best_peer = min(
+                v for v in (r["published_cula_ms"], r.get("fla_eager_ms"), r.get("fla_graph_ms")) if v is not None
+            )
+            rows.append(
+                [r["H"], r["lengths"]]
+                + [_f(r[f"cp_{s}_ms"]) for s in CP_SPLITS]
+                + [_f(v) for v in graphs]
+                + [
+                    _f(r.get("ours_graph_ms")),
+                    _f(r.get("fla_eager_ms")),
+                    _f(r.get("fla_graph_ms")),
+                    _ratio(r.get("ours_graph_ms"), r.get("fla_graph_ms")),
+                    _f(r["published_cula_ms"]),
+                    _f(best),
+                    _f(best_peer),
+                    _ratio(best, best_peer),
+                    _rmse(r),
+                ]
+            )
+        out += ["## CONTRACT §7 intracard-CP workloads (eager and CUDA-graph replay)", "", _table(header, rows), ""]
     for section, splits, title in (
-            ("cp_long", CP_LONG_SPLITS, "Long contexts, intracard CP"),
-            ("cp_sweep", CP_SWEEP_SPLITS, "Planner sweep: forced splits against auto")):
+        ("cp_long", CP_LONG_SPLITS, "Long contexts, intracard CP"),
+        ("cp_sweep", CP_SWEEP_SPLITS, "Planner sweep: forced splits against auto"),
+    ):
         if res.get(section):
-            out += [f"## {title} (CUDA-graph replay; ratios > 1: CP faster than serial)", "",
-                    _split_graph_table(res[section], splits, bw), ""]
+            out += [
+                f"## {title} (CUDA-graph replay; ratios > 1: CP faster than serial)",
+                "",
+                _split_graph_table(res[section], splits, bw),
+                "",
+            ]
     if res.get("checkpoints"):
-        header = (["rows", "H", "workload", "auto split", "without (graph ms)"]
-                  + [c for n in CHECKPOINT_PERIODS for c in (f"every {n}: checkpoints", f"every {n}: ms",
-                                                              f"every {n}: with ÷ without")])
+        header = ["rows", "H", "workload", "auto split", "without (graph ms)"] + [
+            c
+            for n in CHECKPOINT_PERIODS
+            for c in (f"every {n}: checkpoints", f"every {n}: ms", f"every {n}: with ÷ without")
+        ]
         rows = []
         for r in res["checkpoints"]:
             if r.get("skipped"):
-                rows.append([r["source"], r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 4))
+                rows.append(
+                    [r["source"], r["H"], r["workload"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 4)
+                )
                 continue
-            rows.append([r["source"], r["H"], r["workload"], r.get("auto_split"), _f(r.get("plain_graph_ms"))]
-                        + [c for n in CHECKPOINT_PERIODS for c in (r.get(f"checkpoints_{n}"),
-                                                                    _f(r.get(f"checkpoint_{n}_graph_ms")),
-                                                                    _f(r.get(f"checkpoint_{n}_ratio"), 3))])
-        out += ["## Prefix-cache checkpoints (automatic path, graph replay; fp32 pool, one slot per checkpoint)", "",
-                _table(header, rows), ""]
+            rows.append(
+                [r["source"], r["H"], r["workload"], r.get("auto_split"), _f(r.get("plain_graph_ms"))]
+                + [
+                    c
+                    for n in CHECKPOINT_PERIODS
+                    for c in (
+                        r.get(f"checkpoints_{n}"),
+                        _f(r.get(f"checkpoint_{n}_graph_ms")),
+                        _f(r.get(f"checkpoint_{n}_ratio"), 3),
+                    )
+                ]
+            )
+        out += [
+            "## Prefix-cache checkpoints (automatic path, graph replay; fp32 pool, one slot per checkpoint)",
+            "",
+            _table(header, rows),
+            "",
+        ]
     if res.get("fixed"):
         header = ["B", "T"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
         rows = []
@@ -750,22 +1007,34 @@ def render_markdown(res):
             if r.get("skipped"):
                 rows.append([r["B"], r["T"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
                 continue
-            rows.append([r["B"], r["T"]] + _peer_cells(r) + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw),
-                                                             _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
+            rows.append(
+                [r["B"], r["T"]]
+                + _peer_cells(r)
+                + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)]
+            )
         out += [f"## Sweep: fixed length, H={SWEEP_HEADS}, automatic V block", "", _table(header, rows), ""]
     if res.get("varlen"):
-        header = ["N", "total T", "length dist", "max len"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW",
-                                                                         "RMSE o / state"]
+        header = (
+            ["N", "total T", "length dist", "max len"] + PEER_HEADER + ["GB", "ours % BW", "fla % BW", "RMSE o / state"]
+        )
         rows = []
         for r in res["varlen"]:
             if r.get("skipped"):
-                rows.append([r["N"], r["T"], r["dist"], r["max_len"], f"skipped ({r['skipped']})"]
-                            + [""] * (len(header) - 5))
+                rows.append(
+                    [r["N"], r["T"], r["dist"], r["max_len"], f"skipped ({r['skipped']})"] + [""] * (len(header) - 5)
+                )
                 continue
-            rows.append([r["N"], r["T"], r["dist"], r["max_len"]] + _peer_cells(r)
-                        + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)])
-        out += [f"## Sweep: varlen, H={SWEEP_HEADS}, B=1, automatic V block (lengths: see the JSON)", "",
-                _table(header, rows), ""]
+            rows.append(
+                [r["N"], r["T"], r["dist"], r["max_len"]]
+                + _peer_cells(r)
+                + [_f(r["GB"], 3), _pct_bw(r, "ours_graph_ms", bw), _pct_bw(r, "fla_graph_ms", bw), _rmse(r)]
+            )
+        out += [
+            f"## Sweep: varlen, H={SWEEP_HEADS}, B=1, automatic V block (lengths: see the JSON)",
+            "",
+            _table(header, rows),
+            "",
+        ]
     if res.get("errors"):
         out += ["## Errors", ""] + [f"- {e}" for e in res["errors"]] + [""]
     if "elapsed_s" in meta:
@@ -779,22 +1048,28 @@ def dry_run(sections, shards_only=False):
         print("overhead: H=8 B=1 T=16 (ours 2000 calls, fla 500 calls)")
     if "spec" in sections:
         for label, heads, lengths, seq_len, published in SPEC_WORKLOADS:
-            print(f"spec: H={heads} {label} T={seq_len or sum(lengths)} lengths={lengths} "
-                  f"V blocks {list(K2_V_BLOCKS)} cuLA {published} ms")
+            print(
+                f"spec: H={heads} {label} T={seq_len or sum(lengths)} lengths={lengths} "
+                f"V blocks {list(K2_V_BLOCKS)} cuLA {published} ms"
+            )
     if "serving" in sections:
         for heads in SERVING_HEADS:
             for label, lengths in SERVING_BATCHES:
                 print(f"serving: H={heads} {label} ({len(lengths)} seqs, {sum(lengths)} tokens): serial and auto")
     if "gates" in sections:
         for heads, label, lengths in gate_workloads(shards_only):
-            print(f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial, auto and "
-                  f"s={'/'.join(map(str, GATE_CP_SPLITS))}, graph")
+            print(
+                f"gates: H={heads} {label} gates {list(BENCH_GATES)}: serial, auto and "
+                f"s={'/'.join(map(str, GATE_CP_SPLITS))}, graph"
+            )
     if "cp" in sections:
         for heads, lengths, published in CP_WORKLOADS:
             print(f"cp: H={heads} lengths={lengths} splits={list(CP_SPLITS)} cuLA {published} ms")
     if "cp_long" in sections:
         for heads, lengths in CP_LONG_WORKLOADS:
-            print(f"cp_long: H={heads} lengths={lengths[:2]}{'…' if len(lengths) > 2 else ''} splits {list(CP_LONG_SPLITS)}")
+            print(
+                f"cp_long: H={heads} lengths={lengths[:2]}{'…' if len(lengths) > 2 else ''} splits {list(CP_LONG_SPLITS)}"
+            )
     if "cp_sweep" in sections:
         for heads, lengths in CP_SWEEP_WORKLOADS:
             print(f"cp_sweep: H={heads} lengths={_lengths_label(lengths)} splits {list(CP_SWEEP_SPLITS)}")
@@ -807,8 +1082,10 @@ def dry_run(sections, shards_only=False):
     if "varlen" in sections:
         for n, total, dist in VARLEN_SWEEP:
             lengths = varlen_lengths(n, total, dist)
-            print(f"varlen: H={SWEEP_HEADS} N={n} T={total} {dist}: max {max(lengths)} min {min(lengths)} "
-                  f"lengths={lengths}")
+            print(
+                f"varlen: H={SWEEP_HEADS} N={n} T={total} {dist}: max {max(lengths)} min {min(lengths)} "
+                f"lengths={lengths}"
+            )
 
 
 def gate_workloads(shards_only: bool):
@@ -820,15 +1097,25 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write all results here as JSON")
     parser.add_argument("--markdown", help="write the tables here as markdown")
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, from {','.join(SECTIONS)} (default: all)",
+    )
     parser.add_argument("--quick", action="store_true", help="5 warm-up / 20 timed instead of 25 / 100")
     parser.add_argument("--no-fla", action="store_true", help="do not run flash-linear-attention even if importable")
     parser.add_argument("--fla-heads", help="run fla only for these head counts, e.g. 64 (default: all)")
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="skip (and mark) the workloads that would start after this many seconds")
-    parser.add_argument("--shards-only", action="store_true",
-                        help="gates: the production shards only, not the serving matrix (fla tunes per head count)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip (and mark) the workloads that would start after this many seconds",
+    )
+    parser.add_argument(
+        "--shards-only",
+        action="store_true",
+        help="gates: the production shards only, not the serving matrix (fla tunes per head count)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="list the workloads and exit (no GPU)")
     args = parser.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]

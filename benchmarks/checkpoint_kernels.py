@@ -29,9 +29,16 @@ from benchmarks.timing import capture_graph, kernel_medians_us, time_cuda
 
 # (H, batch, length, fused, varlen): the path forced so the kernel under test runs; varlen rows are
 # one batch of `batch` sequences with host lengths, as the benchmark's serving rows are.
-ROWS = ((4, 8, 1024, False, False), (4, 8, 1024, False, True), (32, 1, 8192, False, False),
-        (32, 1, 8192, False, True), (64, 1, 8192, False, False), (16, 8, 1024, True, True),
-        (64, 8, 1024, True, True), (16, 32, 256, True, True))
+ROWS = (
+    (4, 8, 1024, False, False),
+    (4, 8, 1024, False, True),
+    (32, 1, 8192, False, False),
+    (32, 1, 8192, False, True),
+    (64, 1, 8192, False, False),
+    (16, 8, 1024, True, True),
+    (64, 8, 1024, True, True),
+    (16, 32, 256, True, True),
+)
 
 
 def row_inputs(heads, batch, length, varlen, gate="safe"):
@@ -67,8 +74,9 @@ def main():
     parser.add_argument("--profile", type=int, default=None, help="one call per case of ROWS[PROFILE], untimed")
     parser.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
     parser.add_argument("--gate", default="safe", choices=("safe", "softplus"))
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every case this many times, rotating their order; report medians")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every case this many times, rotating their order; report medians"
+    )
     args = parser.parse_args()
     if args.profile is not None:
         heads, batch, seq_len, fused, varlen = ROWS[args.profile]
@@ -81,21 +89,24 @@ def main():
     for heads, batch, seq_len, fused, varlen in rows:
         x = row_inputs(heads, batch, seq_len, varlen, args.gate)
         path = "fused" if fused else ("K1+K2 varlen" if varlen else "K1+K2 fixed")
-        runners = {case: prefill_runner(x, intracard_cp=False, fused=fused, **options)
-                   for case, options in cases(x, args.every).items()}
+        runners = {
+            case: prefill_runner(x, intracard_cp=False, fused=fused, **options)
+            for case, options in cases(x, args.every).items()
+        }
         names = list(runners)
         samples = {case: [] for case in names}
         for r in range(args.rounds):  # each round starts one case later, so no case is always first
-            for case in names[r % len(names):] + names[:r % len(names)]:
+            for case in names[r % len(names) :] + names[: r % len(names)]:
                 samples[case].append(measure(runners[case], args.quick))
-        times = {case: {key: statistics.median(t[key] for t in samples[case]) for key in samples[case][0]}
-                 for case in names}
+        times = {
+            case: {key: statistics.median(t[key] for t in samples[case]) for key in samples[case][0]} for case in names
+        }
         plain = times[names[0]]
         for case in names:
-            ratios = "  ".join(f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times[case].items()
-                               if key in plain)
-            print(f"[{args.tag}] {args.gate} H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}",
-                  flush=True)
+            ratios = "  ".join(
+                f"{key}={value:.4g} (x{value / plain[key]:.3f})" for key, value in times[case].items() if key in plain
+            )
+            print(f"[{args.tag}] {args.gate} H{heads} {batch}x{seq_len} {path} {case:15s} {ratios}", flush=True)
         del x, runners
 
 

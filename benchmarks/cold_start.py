@@ -41,13 +41,16 @@ def main():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     results = {}
     for mode, eager in (("lazy", False), ("preload", True)):
-        out = subprocess.run([sys.executable, "-c", CHILD.format(eager=eager)], check=True, env=env,
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD.format(eager=eager)], check=True, env=env, capture_output=True, text=True
+        ).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
     for mode, r in results.items():
-        print(f"{mode:8s} import {r['import_ms']:.1f} ms + preload {r['preload_ms']:.1f} ms "
-              f"({r['cubins_preloaded']} cubins) + first prefill {r['first_prefill_ms']:.1f} ms "
-              f"= {r['total_ms']:.1f} ms")
+        print(
+            f"{mode:8s} import {r['import_ms']:.1f} ms + preload {r['preload_ms']:.1f} ms "
+            f"({r['cubins_preloaded']} cubins) + first prefill {r['first_prefill_ms']:.1f} ms "
+            f"= {r['total_ms']:.1f} ms"
+        )
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
 

@@ -26,8 +26,11 @@ from cula_aot.specs import K2_SEGMENTED_V_BLOCK
 
 SM_COUNT = 132  # H100 / H200
 V_BLOCKS = D // K2_SEGMENTED_V_BLOCK  # what ops.prefill passes the planner
-GRID = {"CTAS_PER_SM": (1.5, 2.0, 2.5, 3.0, 4.0), "MERGE_STEP": (1.0, 2.0, 4.0, 6.0, 8.0),
-        "OVERHEAD": (10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0)}
+GRID = {
+    "CTAS_PER_SM": (1.5, 2.0, 2.5, 3.0, 4.0),
+    "MERGE_STEP": (1.0, 2.0, 4.0, 6.0, 8.0),
+    "OVERHEAD": (10.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0),
+}
 
 
 def measured_rows(results: list) -> list:
@@ -75,11 +78,13 @@ def picks(rows) -> list:
 def score(rows) -> tuple:
     """(worst pick ÷ fastest, summed log of pick ÷ fastest, rms of log(time / (unit · cost))."""
     losses = [ratio for *_, ratio in picks(rows)]
-    logs = [math.log(t / cp_plan.cost(lengths, heads, SM_COUNT, s, V_BLOCKS))
-            for heads, lengths, times in rows for s, t in times.items()]
+    logs = [
+        math.log(t / cp_plan.cost(lengths, heads, SM_COUNT, s, V_BLOCKS))
+        for heads, lengths, times in rows
+        for s, t in times.items()
+    ]
     mean = sum(logs) / len(logs)
-    return (max(losses), sum(math.log(x) for x in losses),
-            math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs)))
+    return (max(losses), sum(math.log(x) for x in losses), math.sqrt(sum((x - mean) ** 2 for x in logs) / len(logs)))
 
 
 def search(rows) -> list:
@@ -107,7 +112,7 @@ def main(argv=None):
     print(f"{len(rows)} rows; current {current}: worst {worst:.3f}, log loss {loss:.4f}, rms {rms:.3f}")
     for heads, lengths, pick, fastest, ratio in picks(rows):
         print(f"  H{heads} {_label(lengths)}: pick {pick}, fastest {fastest}, pick / fastest {ratio:.3f}")
-    for worst, loss, rms, values in search(rows)[:args.top]:
+    for worst, loss, rms, values in search(rows)[: args.top]:
         print(f"candidate {values}: worst {worst:.3f}, log loss {loss:.4f}, rms {rms:.3f}")
 
 

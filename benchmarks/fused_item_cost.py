@@ -24,9 +24,22 @@ def fused_kernel_us(x, with_states: bool, calls: int = 20) -> float:
     final = torch.empty_like(x["s0"]) if with_states else None
 
     def run():
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                lower_bound=LOWER_BOUND, initial_state=x["s0"] if with_states else None, out=out,
-                final_state=final, output_final_state=with_states, intracard_cp=False, fused=True)
+        prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=LOWER_BOUND,
+            initial_state=x["s0"] if with_states else None,
+            out=out,
+            final_state=final,
+            output_final_state=with_states,
+            intracard_cp=False,
+            fused=True,
+        )
 
     (us,) = [us for name, us in kernel_medians_us(run, calls).items() if "fused" in name]
     return us
@@ -41,11 +54,15 @@ def main():
         for with_states in (True, False):
             us = fused_kernel_us(x, with_states)
             points[with_states].append((seq_len // 16, us))
-            print(f"H={heads} B={batch} T={seq_len} states={with_states}: {us:.1f} us, {us / (seq_len // 16):.3f} us per tile")
+            print(
+                f"H={heads} B={batch} T={seq_len} states={with_states}: {us:.1f} us, {us / (seq_len // 16):.3f} us per tile"
+            )
     for with_states, line in points.items():
         (t0, u0), (t1, u1) = line[-2], line[-1]
         slope = (u1 - u0) / (t1 - t0)
-        print(f"states={with_states}: {slope:.3f} us per tile, {u1 - slope * t1:.1f} us per item (the two longest lengths)")
+        print(
+            f"states={with_states}: {slope:.3f} us per tile, {u1 - slope * t1:.1f} us per item (the two longest lengths)"
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,10 @@ from cula_aot import reference
 from cula_aot.ops.prefill import prefill
 
 SHAPES = ((16, 8, 1024), (12, 1, 8192))  # (H, B, T): a fused row of the benchmark, a production shard
-CASES = {"safe": (("safe", "std"),),
-         "unbounded": (("softplus", "std"), ("softplus", "A0"), ("softplus", "A16"), ("precomputed", "std"))}
+CASES = {
+    "safe": (("safe", "std"),),
+    "unbounded": (("softplus", "std"), ("softplus", "A0"), ("softplus", "A16"), ("precomputed", "std")),
+}
 CASES["all"] = CASES["safe"] + CASES["unbounded"]
 
 
@@ -31,9 +33,23 @@ def kernel_us(x, gate, a_log, dt_bias, fused) -> dict:
     out, final = torch.empty_like(x["v"]), torch.empty_like(x["s0"])
 
     def run():
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=a_log, dt_bias=dt_bias,
-                lower_bound=LOWER_BOUND if gate == "safe" else None, initial_state=x["s0"], out=out,
-                final_state=final, output_final_state=True, intracard_cp=False, fused=fused, gate=gate)
+        prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=a_log,
+            dt_bias=dt_bias,
+            lower_bound=LOWER_BOUND if gate == "safe" else None,
+            initial_state=x["s0"],
+            out=out,
+            final_state=final,
+            output_final_state=True,
+            intracard_cp=False,
+            fused=fused,
+            gate=gate,
+        )
 
     return {name.split("(")[0][7:30]: us for name, us in kernel_medians_us(run).items()}
 
@@ -53,8 +69,11 @@ def main():
                     y["g"] = reference.gate(x["g"], x["A_log"], x["dt_bias"], None, "softplus").to(torch.bfloat16)
                     a_log = dt_bias = None
                 times = kernel_us(y, gate, a_log, dt_bias, fused)
-                print(f"[{args.tag}] H{heads} {batch}x{seq_len} fused={fused} {gate:11s} {regime:4s} "
-                      + "  ".join(f"{name}={us:.1f}" for name, us in times.items()), flush=True)
+                print(
+                    f"[{args.tag}] H{heads} {batch}x{seq_len} fused={fused} {gate:11s} {regime:4s} "
+                    + "  ".join(f"{name}={us:.1f}" for name, us in times.items()),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

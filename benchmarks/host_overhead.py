@@ -27,17 +27,34 @@ def main():
         x = standard_inputs(1, 64, heads, device="cuda")
         cu = cu_seqlens_of([16, 16, 16, 16], "cuda")
         pool = torch.zeros(8, heads, 128, 128, device="cuda")
-        extra = dict(cu_seqlens=cu, initial_state=pool, output_final_state=True,
-                     state_indices=torch.tensor([1, 3, 5, 7], dtype=torch.int32, device="cuda"))
+        extra = dict(
+            cu_seqlens=cu,
+            initial_state=pool,
+            output_final_state=True,
+            state_indices=torch.tensor([1, 3, 5, 7], dtype=torch.int32, device="cuda"),
+        )
     else:
         x = standard_inputs(1, 16, heads, device="cuda")
-        extra = dict(initial_state=torch.zeros(1, heads, 128, 128, device="cuda"),
-                     final_state=torch.zeros(1, heads, 128, 128, device="cuda"))
+        extra = dict(
+            initial_state=torch.zeros(1, heads, 128, 128, device="cuda"),
+            final_state=torch.zeros(1, heads, 128, 128, device="cuda"),
+        )
     out = torch.empty_like(x["v"])
 
     def call():
-        cula_aot.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                             lower_bound=x["lower_bound"], out=out, intracard_cp=False, **extra)
+        cula_aot.kda_prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            out=out,
+            intracard_cp=False,
+            **extra,
+        )
 
     def burst_us(fn, calls=300, rounds=10):
         """Median over rounds of host µs per call for ``calls`` back-to-back calls after a sync
@@ -76,7 +93,9 @@ def main():
     def driver_launch():
         kernel.launch_packed(packed, grid, stream, dependent=dependent)
 
-    print(f"driver launch (cuLaunchKernel of {kernel.name} from packed parameters): {burst_us(driver_launch, 500):.2f} us")
+    print(
+        f"driver launch (cuLaunchKernel of {kernel.name} from packed parameters): {burst_us(driver_launch, 500):.2f} us"
+    )
 
     profile = cProfile.Profile()
     profile.enable()

@@ -30,8 +30,20 @@ def timeline(batch: int, seq_len: int, heads: int, intracard_cp=False, varlen=Fa
         lengths = {"cu_seqlens": cu.cuda(), "cu_seqlens_cpu": cu}
 
     def run():
-        cula_aot.kda_prefill(q, k, v, g, beta, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0,
-                             initial_state=s0, output_final_state=True, intracard_cp=intracard_cp, **lengths)
+        cula_aot.kda_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=a_log,
+            dt_bias=dt_bias,
+            lower_bound=-5.0,
+            initial_state=s0,
+            output_final_state=True,
+            intracard_cp=intracard_cp,
+            **lengths,
+        )
 
     for _ in range(5):
         run()

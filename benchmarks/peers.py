@@ -64,11 +64,24 @@ def fla_runner(x, lower_bound=-5.0):
 
     def run():
         with torch.no_grad():
-            return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["s0"],
-                             output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                             use_beta_sigmoid_in_kernel=True, safe_gate=lower_bound is not None,
-                             lower_bound=lower_bound,
-                             A_log=x["A_log"], dt_bias=dt_bias, state_v_first=True,
-                             cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+            return chunk_kda(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["g"],
+                x["beta"],
+                initial_state=x["s0"],
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                safe_gate=lower_bound is not None,
+                lower_bound=lower_bound,
+                A_log=x["A_log"],
+                dt_bias=dt_bias,
+                state_v_first=True,
+                cu_seqlens=cu,
+                cu_seqlens_cpu=cu_cpu,
+            )
 
     return run

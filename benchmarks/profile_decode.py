@@ -17,11 +17,11 @@ from cula_aot.testing import standard_inputs
 
 
 def parse_variant(name):
-    """"32x2" → (32, 2), "chunk4x2" → ("chunk", 4, 2) (``bench_decode.variant_name`` inverted)."""
+    """ "32x2" → (32, 2), "chunk4x2" → ("chunk", 4, 2) (``bench_decode.variant_name`` inverted)."""
     if name is None:
         return None
     if name.startswith("chunk"):
-        return ("chunk", *map(int, name[len("chunk"):].split("x")))
+        return ("chunk", *map(int, name[len("chunk") :].split("x")))
     return tuple(map(int, name.split("x")))
 
 

@@ -8,6 +8,15 @@ from .runtime.driver import CudaError
 from .runtime.manifest import ArtifactError
 from . import torch_op  # noqa: F401  (registers torch.ops.cula_aot.kda_prefill)
 
-__all__ = ["ArtifactError", "CudaError", "KDAInputError", "STATUS_CHECKPOINT_MISALIGNED", "STATUS_CU_SEQLENS_MALFORMED",
-           "STATUS_SLOT_OUT_OF_RANGE", "fwd",
-           "kda_decode", "kda_prefill", "preload"]
+__all__ = [
+    "ArtifactError",
+    "CudaError",
+    "KDAInputError",
+    "STATUS_CHECKPOINT_MISALIGNED",
+    "STATUS_CU_SEQLENS_MALFORMED",
+    "STATUS_SLOT_OUT_OF_RANGE",
+    "fwd",
+    "kda_decode",
+    "kda_prefill",
+    "preload",
+]

@@ -17,7 +17,9 @@ def _info(manifest: Manifest) -> int:
     print(f"cula-aot {__version__}")
     print(f"manifest      {manifest.path}")
     print(f"arch          {data['arch']}")
-    print(f"CuTeDSL       {data['cutedsl_version']} ({', '.join(f'{k} {v}' for k, v in data['distributions'].items())})")
+    print(
+        f"CuTeDSL       {data['cutedsl_version']} ({', '.join(f'{k} {v}' for k, v in data['distributions'].items())})"
+    )
     print(f"ptxas         {data.get('ptxas_version')}")
     print("head counts   any: H is the launch grid's, no kernel is built per head count")
     print(f"kernels       {len(manifest.kernels)} cubins, {sizes / 1e6:.1f} MB")

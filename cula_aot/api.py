@@ -7,11 +7,36 @@ from .ops.prefill import KDAInputError, prefill
 from .runtime.loader import default_loader
 
 
-def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None,
-                initial_state=None, output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-                intracard_cp="auto", out=None, final_state=None, state_indices=None, check_seqlens="auto", status=None,
-                beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None,
-                checkpoint_offsets=None):
+def kda_prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate="safe",
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    state_layout="vk",
+    intracard_cp="auto",
+    out=None,
+    final_state=None,
+    state_indices=None,
+    check_seqlens="auto",
+    status=None,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+):
     """KDA chunked prefill forward on an sm_90a GPU, with AOT-compiled kernels (no JIT).
 
     q, k, v, g: bf16 ``[B, T, H, 128]``; beta: bf16 ``[B, T, H]`` logits.  All five may be
@@ -83,19 +108,65 @@ def kda_prefill(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None,
     state and every other slot of the pool are untouched).  ``cula_aot.layout.checkpoint_tiles``
     lists the (tile, column) pairs a sequence writes.
     """
-    return prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                   initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                   cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout, out=out, final_state=final_state,
-                   intracard_cp=intracard_cp, state_indices=state_indices, check_seqlens=check_seqlens,
-                   status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-                   checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool,
-                   checkpoint_indices=checkpoint_indices, checkpoint_offsets=checkpoint_offsets)
+    return prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        state_layout=state_layout,
+        out=out,
+        final_state=final_state,
+        intracard_cp=intracard_cp,
+        state_indices=state_indices,
+        check_seqlens=check_seqlens,
+        status=status,
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+        checkpoint_every=checkpoint_every,
+        checkpoint_pool=checkpoint_pool,
+        checkpoint_indices=checkpoint_indices,
+        checkpoint_offsets=checkpoint_offsets,
+    )
 
 
-def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, *, cu_seqlens_cpu=None, intracard_cp=False, state_indices=None, check_seqlens="auto",
-        status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None,
-        checkpoint_indices=None, checkpoint_offsets=None):
+def fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    out,
+    A_log,
+    dt_bias,
+    lower_bound,
+    initial_state=None,
+    final_state=None,
+    cu_seqlens=None,
+    *,
+    cu_seqlens_cpu=None,
+    intracard_cp=False,
+    state_indices=None,
+    check_seqlens="auto",
+    status=None,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+):
     """FlashKDA-compatible in-place forward: writes ``out`` (and ``final_state`` if given).
 
     States use FlashKDA's ``[N, H, V, K]`` layout (fp32 or bf16).  Serial by default, like
@@ -106,12 +177,33 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     """
     if out is None:
         raise KDAInputError("fwd writes in place: out must be a bf16 tensor shaped like v")
-    prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-            initial_state=initial_state, cu_seqlens=cu_seqlens, out=out, final_state=final_state,
-            cu_seqlens_cpu=cu_seqlens_cpu, intracard_cp=intracard_cp, state_indices=state_indices,
-            check_seqlens=check_seqlens, status=status, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-            checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices,
-            checkpoint_offsets=checkpoint_offsets)
+    prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        out=out,
+        final_state=final_state,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        intracard_cp=intracard_cp,
+        state_indices=state_indices,
+        check_seqlens=check_seqlens,
+        status=status,
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+        checkpoint_every=checkpoint_every,
+        checkpoint_pool=checkpoint_pool,
+        checkpoint_indices=checkpoint_indices,
+        checkpoint_offsets=checkpoint_offsets,
+    )
 
 
 def preload(device=None) -> int:
@@ -121,9 +213,28 @@ def preload(device=None) -> int:
     return default_loader().preload(device)
 
 
-def kda_decode(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, gate="safe", scale=None, state_pool,
-               state_indices, out=None, num_tokens=None, state_layout="vk", intermediate_states=None, status=None,
-               beta_sigmoid=True, qk_l2norm=True):
+def kda_decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate="safe",
+    scale=None,
+    state_pool,
+    state_indices,
+    out=None,
+    num_tokens=None,
+    state_layout="vk",
+    intermediate_states=None,
+    status=None,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     """KDA decode (the recurrent step, docs/CONTRACT.md §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
 
@@ -151,7 +262,24 @@ def kda_decode(q, k, v, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, 
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
-    return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                  state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states, status=status, gate=gate,
-                  beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    return decode(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        state_pool=state_pool,
+        state_indices=state_indices,
+        out=out,
+        num_tokens=num_tokens,
+        state_layout=state_layout,
+        intermediate_states=intermediate_states,
+        status=status,
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+    )

@@ -74,8 +74,9 @@ def sequence_ranks(lengths, rank_tokens) -> list[tuple[int, int]]:
 
 def _check(lengths, rank_tokens, world: int, local_tokens: int, rank: int):
     if not all(type(n) is int and n >= 0 for n in lengths):
-        fail(f"lengths must be non-negative ints (the global sequence lengths, the same on every rank), "
-             f"got {lengths!r}")
+        fail(
+            f"lengths must be non-negative ints (the global sequence lengths, the same on every rank), got {lengths!r}"
+        )
     if len(rank_tokens) != world or not all(type(n) is int and n >= 0 for n in rank_tokens):
         fail(f"rank_tokens must hold one non-negative int per rank of the group ({world}), got {rank_tokens!r}")
     if sum(rank_tokens) != sum(lengths):
@@ -101,17 +102,28 @@ def _check_state(name, t, num_seqs: int | None, heads: int, device):
 def _check_states(initial_state, final_state, state_indices, num_seqs, heads, device):
     if state_indices is None:
         if final_state is not None:
-            fail("final_state is a pool written at state_indices: pass state_indices (int32 [N], one slot per "
-                 "sequence), or leave final_state out and take the returned [N, H, 128, 128] rows")
+            fail(
+                "final_state is a pool written at state_indices: pass state_indices (int32 [N], one slot per "
+                "sequence), or leave final_state out and take the returned [N, H, 128, 128] rows"
+            )
         if initial_state is not None:
             _check_state("initial_state", initial_state, num_seqs, heads, device)
         return
-    if (not isinstance(state_indices, torch.Tensor) or state_indices.dtype != torch.int32
-            or tuple(state_indices.shape) != (num_seqs,) or state_indices.device != device):
-        got = (f"{state_indices.dtype} {list(state_indices.shape)} on {state_indices.device}"
-               if isinstance(state_indices, torch.Tensor) else type(state_indices).__name__)
-        fail(f"state_indices must be an int32 tensor [N] = [{num_seqs}] on {device} (one pool slot per global "
-             f"sequence, -1 for none), got {got}")
+    if (
+        not isinstance(state_indices, torch.Tensor)
+        or state_indices.dtype != torch.int32
+        or tuple(state_indices.shape) != (num_seqs,)
+        or state_indices.device != device
+    ):
+        got = (
+            f"{state_indices.dtype} {list(state_indices.shape)} on {state_indices.device}"
+            if isinstance(state_indices, torch.Tensor)
+            else type(state_indices).__name__
+        )
+        fail(
+            f"state_indices must be an int32 tensor [N] = [{num_seqs}] on {device} (one pool slot per global "
+            f"sequence, -1 for none), got {got}"
+        )
     if initial_state is None and final_state is None:
         fail("state_indices selects slots of a state pool: pass the pool as initial_state and/or final_state")
     for name, pool in (("initial_state", initial_state), ("final_state", final_state)):
@@ -119,9 +131,24 @@ def _check_states(initial_state, final_state, state_indices, num_seqs, heads, de
             _check_state(name, pool, None, heads, device)
 
 
-def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initial_state=None,
-                   output_final_state=False, final_state=None, state_indices=None, state_layout="vk",
-                   intracard_cp="auto", **options):
+def kda_prefill_cp(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    lengths,
+    rank_tokens,
+    group=None,
+    initial_state=None,
+    output_final_state=False,
+    final_state=None,
+    state_indices=None,
+    state_layout="vk",
+    intracard_cp="auto",
+    **options,
+):
     """KDA prefill of a batch split over the ranks of ``group`` (default: the world).
 
     q, k, v, g: this rank's bf16 ``[1, T_r, H, 128]`` slice of the global token axis; beta
@@ -167,7 +194,7 @@ def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initia
 
     fragments = rank_fragments(lengths, rank_tokens, rank)
     seq_starts = [sum(lengths[:n]) for n in range(num_seqs)]
-    my_start, my_end = sum(rank_tokens[:rank]), sum(rank_tokens[:rank + 1])
+    my_start, my_end = sum(rank_tokens[:rank]), sum(rank_tokens[: rank + 1])
     continuing_in = bool(fragments) and seq_starts[fragments[0][0]] < my_start
     continuing_out = bool(fragments) and seq_starts[fragments[-1][0]] + lengths[fragments[-1][0]] > my_end
     ends_here = {n for n, _, _ in fragments if seq_starts[n] + lengths[n] <= my_end}
@@ -177,9 +204,10 @@ def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initia
 
     if fragments:
         zero = torch.zeros(heads, D, D, device=device)
-        opened = [n for n, _, _ in fragments[int(continuing_in):]]  # the sequences that start on this rank
+        opened = [n for n, _, _ in fragments[int(continuing_in) :]]  # the sequences that start on this rank
         starts = ([zero] if continuing_in else []) + list(
-            _read_states(initial_state, state_indices, opened, state_layout, heads, device))
+            _read_states(initial_state, state_indices, opened, state_layout, heads, device)
+        )
         # An empty sequence (it starts and ends here) keeps its initial state; kda_prefill takes none.
         finals.update((n, s) for (n, a, b), s in zip(fragments, starts) if a == b)
         run = [i for i, (_, a, b) in enumerate(fragments) if a < b]
@@ -203,8 +231,11 @@ def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initia
                     pair[0], pair[1] = run_finals[-1], run_finals[0]
                 else:  # the sequence started here: its map is its final state (A = 0)
                     pair[1] = run_finals[len(run) - 1]
-            finals.update((fragments[i][0], run_finals[j]) for j, i in enumerate(run)
-                          if fragments[i][0] in ends_here and not (i == 0 and continuing_in))
+            finals.update(
+                (fragments[i][0], run_finals[j])
+                for j, i in enumerate(run)
+                if fragments[i][0] in ends_here and not (i == 0 and continuing_in)
+            )
 
     # 2. Exchange.
     gathered = _all_gather(pair, world, group)
@@ -215,11 +246,12 @@ def kda_prefill_cp(q, k, v, g, beta, *, lengths, rank_tokens, group=None, initia
         n, a, b = fragments[0]
         carry = torch.zeros(heads, D, D, dtype=torch.float64, device=device)
         for j in range(rank):
-            if rank_tokens[j] and sum(rank_tokens[:j + 1]) > seq_starts[n]:
+            if rank_tokens[j] and sum(rank_tokens[: j + 1]) > seq_starts[n]:
                 carry = gathered[j, 0].double() @ carry + gathered[j, 1].double()
         # 4. Continuation pass: the first fragment from its carry.
-        o_first, final_first = _prefill([x[:, a:b] for x in (q, k, v, g, beta)], carry.float()[None], [0, b - a],
-                                        intracard_cp, options)
+        o_first, final_first = _prefill(
+            [x[:, a:b] for x in (q, k, v, g, beta)], carry.float()[None], [0, b - a], intracard_cp, options
+        )
         o[:, a:b] = o_first
         if n in ends_here:
             finals[n] = final_first[0]
@@ -272,17 +304,25 @@ def _write_states(pool, state_indices, finals, layout):
     # the duplicate destinations write identical bits.
     first = inside.int().argmax().view(1)  # 0 when none is inside
     spare = slots.index_select(0, first).clamp(0, pool.shape[0] - 1)
-    fill = torch.where(inside.index_select(0, first)[:, None, None, None], states.index_select(0, first),
-                       pool.index_select(0, spare))
+    fill = torch.where(
+        inside.index_select(0, first)[:, None, None, None], states.index_select(0, first), pool.index_select(0, spare)
+    )
     pool.index_copy_(0, torch.where(inside, slots, spare), torch.where(inside[:, None, None, None], states, fill))
 
 
 def _prefill(inputs, starts, bounds, intracard_cp, options):
     """One local varlen prefill from ``starts`` (``[n, H, K, V]``) over sequences ``bounds``."""
     cu = torch.tensor(bounds, dtype=torch.int32)
-    return local_prefill(*inputs, initial_state=starts.contiguous(), output_final_state=True,
-                         cu_seqlens=cu.to(inputs[0].device), cu_seqlens_cpu=cu, state_layout="kv",
-                         intracard_cp=intracard_cp, **options)
+    return local_prefill(
+        *inputs,
+        initial_state=starts.contiguous(),
+        output_final_state=True,
+        cu_seqlens=cu.to(inputs[0].device),
+        cu_seqlens_cpu=cu,
+        state_layout="kv",
+        intracard_cp=intracard_cp,
+        **options,
+    )
 
 
 def _all_gather(pair: torch.Tensor, world: int, group) -> torch.Tensor:

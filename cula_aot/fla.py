@@ -34,9 +34,23 @@ BACKEND_ENV_VAR = "FLA_CULA_AOT"
 BACKEND_PRIORITY = 2
 
 
-def unsupported(q, k, v, g, beta, *, use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                allow_neg_eigval=False, use_gate_in_kernel=False, return_intermediate_states=False, cp_context=None,
-                num_accepted_tokens=None, ssm_state_indices=None, **_):
+def unsupported(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    use_qk_l2norm_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    use_gate_in_kernel=False,
+    return_intermediate_states=False,
+    cp_context=None,
+    num_accepted_tokens=None,
+    ssm_state_indices=None,
+    **_,
+):
     """The reason cula_aot's kernels cannot run this fla call, or None."""
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     for name, t in tensors.items():
@@ -85,59 +99,183 @@ def _conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
     return {"qk_l2norm": bool(use_qk_l2norm_in_kernel), "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
-              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
-              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    safe_gate=False,
+    lower_bound=None,
+    disable_recompute=False,
+    return_intermediate_states=False,
+    state_v_first=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    cp_context=None,
+    use_graph=False,
+    max_num_seqs=None,
+    *,
+    A_log=None,
+    dt_bias=None,
+    **kwargs,
+):
     """fla's ``chunk_kda`` forward on cula_aot's kernels: ``(o, final_state)``.  States are
     ``[N, H, K, V]`` (fla's default) or ``[N, H, V, K]`` with ``state_v_first``, fp32 or bf16;
     ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` (fla's own execution options) are
     accepted and have nothing to change here.  Raises ``KDAInputError`` for what is ``unsupported``."""
-    _check(unsupported(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                       return_intermediate_states=return_intermediate_states, cp_context=cp_context))
+    _check(
+        unsupported(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            return_intermediate_states=return_intermediate_states,
+            cp_context=cp_context,
+        )
+    )
     gate = _gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
-    return kda_prefill(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                       state_layout="vk" if state_v_first else "kv", **gate,
-                       **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
+    return kda_prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        state_layout="vk" if state_v_first else "kv",
+        **gate,
+        **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel),
+    )
 
 
-def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
-                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
-                        state_v_first=False, cu_seqlens=None, **kwargs):
+def fused_recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    state_v_first=False,
+    cu_seqlens=None,
+    **kwargs,
+):
     """fla's ``fused_recurrent_kda`` forward (a ``lower_bound`` selects the safe gate, as there) on
     cula_aot's kernels, for any T: ``(o, final_state)``."""
-    return _recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
-                      output_final_state=output_final_state, inplace_final_state=False, state_v_first=state_v_first,
-                      cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, **kwargs)
+    return _recurrent(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        inplace_final_state=False,
+        state_v_first=state_v_first,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+        **kwargs,
+    )
 
 
-def _recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None, output_final_state=False,
-               inplace_final_state=True, state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
-               num_accepted_tokens=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+def _recurrent(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log=None,
+    dt_bias=None,
+    initial_state=None,
+    scale=None,
+    output_final_state=False,
+    inplace_final_state=True,
+    state_v_first=False,
+    cu_seqlens=None,
+    ssm_state_indices=None,
+    num_accepted_tokens=None,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    use_beta_sigmoid_in_kernel=False,
+    allow_neg_eigval=False,
+    lower_bound=None,
+    out=None,
+    **kwargs,
+):
     """fla's ``fused_recurrent_kda_fwd`` (argument order and defaults as there): in place into
     ``initial_state`` (slot ``ssm_state_indices[n]`` for sequence n, when given) or into a new
     fp32 final state; ``out`` written when given."""
-    _check(unsupported(q, k, v, g, beta, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                       num_accepted_tokens=num_accepted_tokens, ssm_state_indices=ssm_state_indices))
+    _check(
+        unsupported(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval,
+            num_accepted_tokens=num_accepted_tokens,
+            ssm_state_indices=ssm_state_indices,
+        )
+    )
     gate = _gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
-    options = dict(scale=scale, cu_seqlens=cu_seqlens, state_layout="vk" if state_v_first else "kv", out=out,
-                   intracard_cp=False, **gate, **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel))
+    options = dict(
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        state_layout="vk" if state_v_first else "kv",
+        out=out,
+        intracard_cp=False,
+        **gate,
+        **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel),
+    )
     if inplace_final_state:
         if initial_state is None:
             raise KDAInputError("inplace_final_state=True needs an initial_state to update")
         slots = ssm_state_indices
         if slots is None:
             slots = _identity_slots(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, q.device)
-        o, _ = kda_prefill(q, k, v, g, beta, initial_state=initial_state, final_state=initial_state,
-                           state_indices=slots.to(torch.int32), **options)
+        o, _ = kda_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=initial_state,
+            final_state=initial_state,
+            state_indices=slots.to(torch.int32),
+            **options,
+        )
         return o, initial_state
     return kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, **options)
 

@@ -59,8 +59,9 @@ STATUS_CHECKPOINT_MISALIGNED = 4  # a checkpoint offset negative or not a multip
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.
 # SEG_SEQ_OFFSET: the tokens of its sequence before the segment (where its checkpoints fall).
-(SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS,
- SEG_SEQ_OFFSET) = range(8)
+(SEG_SEQ, SEG_FIRST_TOKEN, SEG_FIRST_SLOT, SEG_TOKENS, SEG_INIT_INDEX, SEG_FINAL_INDEX, SEG_FLAGS, SEG_SEQ_OFFSET) = (
+    range(8)
+)
 SEGMENT_FIELDS = 8  # 32 bytes
 
 # The per-slot workspaces: element dtype and bytes per (tile, head) slot.

@@ -168,8 +168,9 @@ def _steps(firsts: list[int], counts: list[int], device):
     for j in range(max(counts, default=0)):
         seqs = [n for n, c in enumerate(counts) if c > j]
         ids = [firsts[n] + j for n in seqs]
-        out.append((torch.tensor(seqs, dtype=torch.int64, device=device),
-                    torch.tensor(ids, dtype=torch.int64, device=device)))
+        out.append(
+            (torch.tensor(seqs, dtype=torch.int64, device=device), torch.tensor(ids, dtype=torch.int64, device=device))
+        )
     return out
 
 
@@ -187,6 +188,7 @@ def _neumann_inverse_fp16(L: torch.Tensor) -> torch.Tensor:
     Exact for strictly lower 16×16 L (L¹⁶ = 0); the products are taken in float64 and each result
     rounded to fp16, modelling fp16 operands with a rounded fp16 store after every matmul.
     """
+
     def f16(x):
         return _round(x, torch.float16)
 
@@ -207,14 +209,28 @@ def _pairwise_products(a, kn, G):
     out = torch.zeros(*a.shape[:-1], a.shape[-2], dtype=torch.float64, device=a.device)
     lower = torch.tril(torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=a.device))
     for s in range(0, a.shape[0], 64):
-        diff = G[s:s + 64, :, :, None, :] - G[s:s + 64, :, None, :, :]  # [n, H, i, j, K]
+        diff = G[s : s + 64, :, :, None, :] - G[s : s + 64, :, None, :, :]  # [n, H, i, j, K]
         decay = torch.exp(diff.clamp(max=0.0)) * lower[:, :, None]
-        out[s:s + 64] = torch.einsum("nhik,nhjk,nhijk->nhij", a[s:s + 64], kn[s:s + 64], decay)
+        out[s : s + 64] = torch.einsum("nhik,nhjk,nhijk->nhij", a[s : s + 64], kn[s : s + 64], decay)
     return out
 
 
-def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_seqlens=None,
-                  recipe=False, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
+def prepare_tiles(
+    q,
+    k,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    cu_seqlens=None,
+    recipe=False,
+    gate_kind="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     """Per-(tile, head) quantities of CONTRACT §2 (what kernel K1 writes), as float64 tensors.
 
     q, k, g bf16 ``[B, T, H, K]``; beta bf16 ``[B, T, H]`` (logits); A_log fp32 ``[H]``; dt_bias fp32
@@ -241,7 +257,7 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
     """
     B, T, H, K = q.shape
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     lay = _layout(B, T, cu_seqlens, q.device)
 
     def flat(x):
@@ -278,9 +294,19 @@ def prepare_tiles(q, k, g, beta, *, A_log, dt_bias, lower_bound, scale=None, cu_
         inv = torch.linalg.solve_triangular(eye + L, eye, upper=False, unitriangular=True)
 
     return {
-        "qd": qd, "kd": kd, "kinv": kinv, "kr": kr, "gt": gt,
-        "L": L, "inv": inv, "mqk": mqk, "b": b, "beta": logit,
-        "tile_seq": lay.tile_seq, "tile_index": lay.tile_index, "tile_rows": lay.tile_rows,
+        "qd": qd,
+        "kd": kd,
+        "kinv": kinv,
+        "kr": kr,
+        "gt": gt,
+        "L": L,
+        "inv": inv,
+        "mqk": mqk,
+        "b": b,
+        "beta": logit,
+        "tile_seq": lay.tile_seq,
+        "tile_index": lay.tile_index,
+        "tile_rows": lay.tile_rows,
     }
 
 
@@ -288,13 +314,28 @@ def _initial_state(initial_state, N, H, K, V, device):
     if initial_state is None:
         return torch.zeros(N, H, K, V, dtype=torch.float64, device=device)
     if tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [N, H, K, V] = {[N, H, K, V]}, "
-                         f"got {list(initial_state.shape)}")
+        raise ValueError(f"initial_state must be [N, H, K, V] = {[N, H, K, V]}, got {list(initial_state.shape)}")
     return initial_state.to(torch.float64).clone()
 
 
-def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                cu_seqlens=None, recipe=False, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
+def kda_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    recipe=False,
+    gate_kind="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     """Tile recurrence of CONTRACT §2 -> ``(o [B, T, H, V], final_state [N, H, K, V])``, float64.
 
     initial_state: optional ``[N, H, K, V]`` (fp32), S itself, not transposed; None = zeros.
@@ -308,9 +349,21 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     """
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    tiles = prepare_tiles(q, k, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                          scale=scale, cu_seqlens=cu_seqlens, recipe=recipe, gate_kind=gate_kind,
-                          beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    tiles = prepare_tiles(
+        q,
+        k,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        recipe=recipe,
+        gate_kind=gate_kind,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+    )
     lay = _layout(B, T, cu_seqlens, q.device)
     N = len(lay.lengths)
     vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)  # [n_tiles, H, 16, V]
@@ -338,8 +391,23 @@ def kda_chunked(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, in
     return bf16(o).view(B, T, H, Vd), S
 
 
-def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                  cu_seqlens=None, gate_kind="safe", beta_sigmoid=True, qk_l2norm=True):
+def kda_recurrent(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    gate_kind="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     """Token-by-token float64 recurrence -> ``(o [B, T, H, V], final_state [N, H, K, V])``.
 
     For each token: ``S ← diag(exp(γ))·S``; ``S ← S + b·k̂ (v − Sᵀk̂)ᵀ``; ``o = scale·Sᵀq̂``
@@ -348,7 +416,7 @@ def kda_recurrent(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, 
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     if scale is None:
-        scale = K ** -0.5
+        scale = K**-0.5
     lay = _layout(B, T, cu_seqlens, q.device)
     N = len(lay.lengths)
 

@@ -40,8 +40,19 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_decay=False, n_states=None,
-                    generator_device=None, gate="safe", extreme=False) -> dict:
+def standard_inputs(
+    batch,
+    seq_len,
+    heads,
+    *,
+    device="cpu",
+    seed=None,
+    slow_decay=False,
+    n_states=None,
+    generator_device=None,
+    gate="safe",
+    extreme=False,
+) -> dict:
     """q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1)
     (the module docstring has the details), as a dict of ``kda_prefill`` keyword arguments with
     ``lower_bound``; ``n_states``: also ``initial_state`` ~ 0.1·N(0,1) fp32 for that many sequences.
@@ -56,9 +67,13 @@ def standard_inputs(batch, seq_len, heads, *, device="cpu", seed=None, slow_deca
         return torch.randn(*shape, generator=gen, device=draw)
 
     shape = (batch, seq_len, heads, HEAD_DIM)
-    inputs = {"q": randn(*shape).to(torch.bfloat16), "k": randn(*shape).to(torch.bfloat16),
-              "v": randn(*shape).to(torch.bfloat16), "g": randn(*shape).to(torch.bfloat16),
-              "beta": randn(batch, seq_len, heads).to(torch.bfloat16)}
+    inputs = {
+        "q": randn(*shape).to(torch.bfloat16),
+        "k": randn(*shape).to(torch.bfloat16),
+        "v": randn(*shape).to(torch.bfloat16),
+        "g": randn(*shape).to(torch.bfloat16),
+        "beta": randn(batch, seq_len, heads).to(torch.bfloat16),
+    }
     if slow_decay:
         inputs["A_log"], lower_bound = torch.full((heads,), -4.0, device=draw), -0.05
     else:

@@ -37,36 +37,84 @@ INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Te
 CONVENTIONS = 'str gate="safe", bool beta_sigmoid=True, bool qk_l2norm=True'
 SCHEMAS = {
     "kda_prefill": f"({INPUTS}, float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
-                   f"Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, str state_layout=\"vk\", "
-                   f"int intracard_cp=0, {CONVENTIONS}) -> (Tensor, Tensor)",
+    f'Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, str state_layout="vk", '
+    f"int intracard_cp=0, {CONVENTIONS}) -> (Tensor, Tensor)",
     "kda_prefill_pool": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, float? scale=None, "
-                        f"Tensor? cu_seqlens=None, str state_layout=\"vk\", {CONVENTIONS}, int checkpoint_every=0, "
-                        f"Tensor(b!)? checkpoint_pool=None, Tensor? checkpoint_indices=None, "
-                        f"Tensor? checkpoint_offsets=None) -> Tensor",
+    f'Tensor? cu_seqlens=None, str state_layout="vk", {CONVENTIONS}, int checkpoint_every=0, '
+    f"Tensor(b!)? checkpoint_pool=None, Tensor? checkpoint_indices=None, "
+    f"Tensor? checkpoint_offsets=None) -> Tensor",
     "kda_decode": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, Tensor(b!)? intermediate_states, "
-                  f"float? scale=None, int? num_tokens=None, str state_layout=\"vk\", {CONVENTIONS}) -> Tensor",
+    f'float? scale=None, int? num_tokens=None, str state_layout="vk", {CONVENTIONS}) -> Tensor',
 }
 for _name, _schema in SCHEMAS.items():
     torch.library.define(f"cula_aot::{_name}", _schema)
 
 
 @torch.library.impl("cula_aot::kda_prefill", "cuda")
-def kda_prefill_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                   output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0,
-                   gate="safe", beta_sigmoid=True, qk_l2norm=True):
+def kda_prefill_op(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    state_layout="vk",
+    intracard_cp=0,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     o, final_state = prefill(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, state_layout=state_layout,
-        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp), gate=gate, beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        state_layout=state_layout,
+        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp),
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+    )
     return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
 
 
 @torch.library.register_fake("cula_aot::kda_prefill")
-def fake_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None, output_final_state=False,
-      cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0, gate="safe", beta_sigmoid=True,
-      qk_l2norm=True):
+def fake_prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    state_layout="vk",
+    intracard_cp=0,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     heads = q.shape[2]
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_shape = (num_seqs, heads, D, D) if output_final_state else (0,)
@@ -74,37 +122,142 @@ def fake_prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, init
 
 
 @torch.library.impl("cula_aot::kda_prefill_pool", "cuda")
-def kda_prefill_pool_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None,
-                        cu_seqlens=None, state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True,
-                        checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None, checkpoint_offsets=None):
+def kda_prefill_pool_op(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    state_pool,
+    state_indices,
+    scale=None,
+    cu_seqlens=None,
+    state_layout="vk",
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+):
     o, _ = prefill(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=state_pool, final_state=state_pool, state_indices=state_indices, cu_seqlens=cu_seqlens,
-        state_layout=state_layout, intracard_cp=False, gate=gate, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm,
-        checkpoint_every=checkpoint_every, checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices,
-        checkpoint_offsets=checkpoint_offsets)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=state_pool,
+        final_state=state_pool,
+        state_indices=state_indices,
+        cu_seqlens=cu_seqlens,
+        state_layout=state_layout,
+        intracard_cp=False,
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+        checkpoint_every=checkpoint_every,
+        checkpoint_pool=checkpoint_pool,
+        checkpoint_indices=checkpoint_indices,
+        checkpoint_offsets=checkpoint_offsets,
+    )
     return o
 
 
 @torch.library.register_fake("cula_aot::kda_prefill_pool")
-def fake_prefill_pool(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
-      state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0, checkpoint_pool=None,
-      checkpoint_indices=None, checkpoint_offsets=None):
+def fake_prefill_pool(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    state_pool,
+    state_indices,
+    scale=None,
+    cu_seqlens=None,
+    state_layout="vk",
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+):
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
 @torch.library.impl("cula_aot::kda_decode", "cuda")
-def kda_decode_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states,
-                  scale=None, num_tokens=None, state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True):
-    return decode(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-                  state_pool=state_pool, state_indices=state_indices, num_tokens=num_tokens,
-                  state_layout=state_layout, intermediate_states=intermediate_states, gate=gate,
-                  beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+def kda_decode_op(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    state_pool,
+    state_indices,
+    intermediate_states,
+    scale=None,
+    num_tokens=None,
+    state_layout="vk",
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
+    return decode(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        state_pool=state_pool,
+        state_indices=state_indices,
+        num_tokens=num_tokens,
+        state_layout=state_layout,
+        intermediate_states=intermediate_states,
+        gate=gate,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+    )
 
 
 @torch.library.register_fake("cula_aot::kda_decode")
-def fake_decode(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states, scale=None,
-      num_tokens=None, state_layout="vk", gate="safe", beta_sigmoid=True, qk_l2norm=True):
+def fake_decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    lower_bound,
+    state_pool,
+    state_indices,
+    intermediate_states,
+    scale=None,
+    num_tokens=None,
+    state_layout="vk",
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
 
 

@@ -39,10 +39,21 @@ class KDALayer:
 
     def prefill(self, q, k, v, g, beta, cu_seqlens, state_indices, out=None):
         """One varlen prefill step: every sequence continues from (and updates) its pool slot."""
-        o, _ = cula_aot.kda_prefill(q, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias,
-                                    lower_bound=self.lower_bound, initial_state=self.pool,
-                                    output_final_state=True, state_indices=state_indices,
-                                    cu_seqlens=cu_seqlens, out=out)
+        o, _ = cula_aot.kda_prefill(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            lower_bound=self.lower_bound,
+            initial_state=self.pool,
+            output_final_state=True,
+            state_indices=state_indices,
+            cu_seqlens=cu_seqlens,
+            out=out,
+        )
         return o
 
 
@@ -50,8 +61,8 @@ def fused_projection(tokens: int, gen):
     """q, k, v, g, beta as views of one projection output (engines slice, they do not copy)."""
     width = 4 * HEADS * D + HEADS
     proj = torch.randn(1, tokens, width, generator=gen, device="cuda").to(torch.bfloat16)
-    views = [proj[..., i * HEADS * D:(i + 1) * HEADS * D].unflatten(-1, (HEADS, D)) for i in range(4)]
-    return (*views, proj[..., 4 * HEADS * D:])
+    views = [proj[..., i * HEADS * D : (i + 1) * HEADS * D].unflatten(-1, (HEADS, D)) for i in range(4)]
+    return (*views, proj[..., 4 * HEADS * D :])
 
 
 def cu_of(lengths):
@@ -113,7 +124,9 @@ def graph_replay_of_a_padded_batch():
     eager = KDALayer(max_requests=32)
     o_eager = eager.prefill(*fresh, cu, indices)
     torch.cuda.synchronize()
-    assert torch.equal(out[:, :1004], o_eager[:, :1004]) and torch.equal(layer.pool[indices[:3]], eager.pool[indices[:3]])
+    assert torch.equal(out[:, :1004], o_eager[:, :1004]) and torch.equal(
+        layer.pool[indices[:3]], eager.pool[indices[:3]]
+    )
     print("graph replay of a padded batch with new requests equals the eager call")
 
 

@@ -15,7 +15,9 @@ def _has_sm90() -> bool:
 def pytest_configure(config):
     # Registered here as well as in pyproject.toml: CI also runs this suite outside the checkout.
     config.addinivalue_line("markers", "gpu: needs an sm_90a GPU and built kernels (skipped without CUDA)")
-    config.addinivalue_line("markers", "integration: needs the integration extra (flash-linear-attention, transformers)")
+    config.addinivalue_line(
+        "markers", "integration: needs the integration extra (flash-linear-attention, transformers)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,10 +39,22 @@ def test_every_section_is_runnable_and_listed(bench, capsys):
 
 
 def test_split_tables_render_from_results(bench):
-    rows = [{"H": 8, "lengths": [4096], "GB": 0.05, "serial_graph_ms": 0.16, "auto_split": 8,
-             **{f"cp_{s}_graph_ms": 0.1 + 0.01 * i for i, s in enumerate(bench.CP_SWEEP_SPLITS)}}]
-    res = {"meta": {"copy_bandwidth_Bps": 4e12}, "errors": [], "cp_sweep": rows,
-           "cp_long": [{**rows[0], "lengths": [131072] + [1024] * 5}]}
+    rows = [
+        {
+            "H": 8,
+            "lengths": [4096],
+            "GB": 0.05,
+            "serial_graph_ms": 0.16,
+            "auto_split": 8,
+            **{f"cp_{s}_graph_ms": 0.1 + 0.01 * i for i, s in enumerate(bench.CP_SWEEP_SPLITS)},
+        }
+    ]
+    res = {
+        "meta": {"copy_bandwidth_Bps": 4e12},
+        "errors": [],
+        "cp_sweep": rows,
+        "cp_long": [{**rows[0], "lengths": [131072] + [1024] * 5}],
+    }
     text = bench.render_markdown(json.loads(json.dumps(res)))
     assert "## Planner sweep" in text and "## Long contexts" in text and "131072 + 5×1024" in text
     sweep_line = next(line for line in text.splitlines() if line.startswith("| 8 | 4096 |"))
@@ -80,10 +92,24 @@ def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
             f"open({str(log)!r}, 'a').write({name!r} + ':' + os.environ.get('CULA_AOT_ARTIFACTS', '-') + '\\n')\n"
             "path = sys.argv[sys.argv.index('--json') + 1]\n"
             f"json.dump({{'cp': [{{'H': 4, 'lengths': [8192], 'cp_auto_graph_ms': {ms}, 'cp_4_ms': 1.0}}]}},"
-            " open(path, 'w'))\n")
+            " open(path, 'w'))\n"
+        )
     out = tmp_path / "out"
-    ab.main(["--arm", f"a={tmp_path / 'a'}", "--arm", f"b={tmp_path / 'b'}@{tmp_path}", "--rounds", "2",
-             "--out", str(out), "--", "--only", "cp"])
+    ab.main(
+        [
+            "--arm",
+            f"a={tmp_path / 'a'}",
+            "--arm",
+            f"b={tmp_path / 'b'}@{tmp_path}",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+            "--",
+            "--only",
+            "cp",
+        ]
+    )
     ran = log.read_text().split()
     assert [r.split(":")[0] for r in ran] == ["a", "b", "a", "b"]  # alternated
     assert ran[0].endswith(":-") and ran[1].endswith(f":{tmp_path}")
@@ -94,10 +120,22 @@ def test_ab_runs_each_arm_per_round_and_compares_graph_times(ab, tmp_path):
 
 
 def test_ab_labels_the_gate_and_checkpoint_rows(ab):
-    result = {"gates": [{"H": 12, "workload": "1x8192", "gate": g, "ours_graph_ms": ms}
-                        for g, ms in (("safe", 0.2), ("softplus", 0.21))],
-              "checkpoints": [{"source": "serving", "H": 16, "workload": "8x1024", "plain_graph_ms": 0.1,
-                               "checkpoint_1024_graph_ms": 0.105, "checkpoint_1024_ratio": 1.05}]}
+    result = {
+        "gates": [
+            {"H": 12, "workload": "1x8192", "gate": g, "ours_graph_ms": ms}
+            for g, ms in (("safe", 0.2), ("softplus", 0.21))
+        ],
+        "checkpoints": [
+            {
+                "source": "serving",
+                "H": 16,
+                "workload": "8x1024",
+                "plain_graph_ms": 0.1,
+                "checkpoint_1024_graph_ms": 0.105,
+                "checkpoint_1024_ratio": 1.05,
+            }
+        ],
+    }
     timings = ab.graph_timings(result)
     assert timings[("gates", "workload=1x8192 H=12 gate=softplus", "ours_graph_ms")] == 0.21
     assert timings[("checkpoints", "source=serving workload=8x1024 H=16", "checkpoint_1024_graph_ms")] == 0.105
@@ -120,17 +158,33 @@ def test_checkpoint_kernel_cases_share_one_schedule(bench):
 
 def test_shards_only_keeps_the_production_shards_first(bench, capsys):
     shards = bench.gate_workloads(True)
-    assert [(h, label) for h, label, _ in shards] == [(12, "1x2048"), (12, "1x8192"), (16, "1x8192"),
-                                                      (24, "1x8192"), (32, "1x8192"), (16, "8x2048")]
-    assert bench.gate_workloads(False)[:len(shards)] == shards
+    assert [(h, label) for h, label, _ in shards] == [
+        (12, "1x2048"),
+        (12, "1x8192"),
+        (16, "1x8192"),
+        (24, "1x8192"),
+        (32, "1x8192"),
+        (16, "8x2048"),
+    ]
+    assert bench.gate_workloads(False)[: len(shards)] == shards
     args = bench.parse_args(["--only", "gates", "--shards-only", "--dry-run"])
     bench.dry_run(args.sections, args.shards_only)
     assert capsys.readouterr().out.count("gates: ") == len(shards)
 
 
 def test_gates_table_shows_the_best_forced_split(bench):
-    row = {"H": 12, "workload": "1x2048", "gate": "safe", "ours_graph_ms": 0.09, "cp_auto_graph_ms": 0.09,
-           "auto_split": 1, "fla_graph_ms": 0.15, "cp_2_graph_ms": 0.07, "cp_4_graph_ms": 0.06, "cp_8_graph_ms": 0.065}
+    row = {
+        "H": 12,
+        "workload": "1x2048",
+        "gate": "safe",
+        "ours_graph_ms": 0.09,
+        "cp_auto_graph_ms": 0.09,
+        "auto_split": 1,
+        "fla_graph_ms": 0.15,
+        "cp_2_graph_ms": 0.07,
+        "cp_4_graph_ms": 0.06,
+        "cp_8_graph_ms": 0.065,
+    }
     text = bench.render_markdown({"meta": {"copy_bandwidth_Bps": 4e12}, "errors": [], "gates": [row]})
     line = next(line for line in text.splitlines() if line.startswith("| 12 | 1x2048"))
     assert "0.0600 (s=4)" in line and "0.60x" in line  # forced splits are data, not the auto pick
@@ -139,8 +193,12 @@ def test_gates_table_shows_the_best_forced_split(bench):
 def test_cp_fit_reads_the_planner_data_and_restores_the_constants():
     fit = _load_script(ROOT / "benchmarks" / "fit_cp_plan.py")
     sweep = json.loads((ROOT / "docs" / "bench" / "2026-12-01_cp_sweep.json").read_text())
-    gates = {"gates": [{"H": 12, "lengths": [2048], "ours_graph_ms": 0.09, "cp_2_graph_ms": 0.08, "cp_4_graph_ms": 0.06},
-                       {"H": 12, "lengths": [2048], "ours_graph_ms": 0.09}]}
+    gates = {
+        "gates": [
+            {"H": 12, "lengths": [2048], "ours_graph_ms": 0.09, "cp_2_graph_ms": 0.08, "cp_4_graph_ms": 0.06},
+            {"H": 12, "lengths": [2048], "ours_graph_ms": 0.09},
+        ]
+    }
     rows = fit.measured_rows([sweep, gates])
     assert len(rows) == len(sweep["cp_sweep"]) + 1  # a gates row gives its forced splits only
     assert rows[-1] == (12, [2048], {2: 0.08, 4: 0.06})

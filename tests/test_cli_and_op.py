@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "cula_aot", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "cula_aot", *args], capture_output=True, text=True, env=env, cwd=ROOT)
 
 
 def test_info_lists_toolchain_and_kernels():
@@ -47,8 +46,9 @@ def test_op_is_registered_with_a_fake_implementation():
         beta = torch.empty(1, 40, 4, dtype=torch.bfloat16)
         a_log, dt_bias = torch.empty(4), torch.empty(4, 128)
         cu = torch.tensor([0, 10, 40], dtype=torch.int32)
-        o, final = torch.ops.cula_aot.kda_prefill(q, q, q, q, beta, a_log, dt_bias, -5.0,
-                                                  output_final_state=True, cu_seqlens=cu)
+        o, final = torch.ops.cula_aot.kda_prefill(
+            q, q, q, q, beta, a_log, dt_bias, -5.0, output_final_state=True, cu_seqlens=cu
+        )
         assert o.shape == q.shape and o.dtype == torch.bfloat16
         assert final.shape == (2, 4, 128, 128) and final.dtype == torch.float32
         _, none = torch.ops.cula_aot.kda_prefill(q, q, q, q, beta, a_log, dt_bias, -5.0)
@@ -68,6 +68,7 @@ def test_decode_op_is_registered_with_a_fake_implementation():
         o = torch.ops.cula_aot.kda_decode(q, q, q, q, beta, a_log, dt_bias, -5.0, pool, idx, None)
         assert o.shape == q.shape and o.dtype == torch.bfloat16
         flat = torch.empty(6, 4, 128, dtype=torch.bfloat16)
-        o3 = torch.ops.cula_aot.kda_decode(flat, flat, flat, flat, beta.flatten(0, 1), a_log, dt_bias, -5.0, pool,
-                                           idx, None, num_tokens=2)
+        o3 = torch.ops.cula_aot.kda_decode(
+            flat, flat, flat, flat, beta.flatten(0, 1), a_log, dt_bias, -5.0, pool, idx, None, num_tokens=2
+        )
         assert o3.shape == flat.shape

@@ -18,13 +18,41 @@ from tests.helpers import bits, cu_seqlens_of, fresh_seed, in_layout, standard_i
 HEADS = 2
 
 
-def reference_prefill(q, k, v, g, beta, *, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                      state_layout, intracard_cp, A_log=None, dt_bias=None, lower_bound=None, gate="safe", **_):
+def reference_prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    state_layout,
+    intracard_cp,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate="safe",
+    **_,
+):
     """The local prefill's contract in float64 (``[N, H, K, V]`` states)."""
     assert state_layout == "kv" and output_final_state and torch.equal(cu_seqlens, cu_seqlens_cpu)
     assert q.shape[1] > 0 and bool((cu_seqlens_cpu.diff() > 0).all()), "kda_prefill refuses empty sequences"
-    o, s = reference.kda_recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                                   initial_state=initial_state.double(), cu_seqlens=cu_seqlens_cpu, gate_kind=gate)
+    o, s = reference.kda_recurrent(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        initial_state=initial_state.double(),
+        cu_seqlens=cu_seqlens_cpu,
+        gate_kind=gate,
+    )
     return o, s.float()
 
 
@@ -41,19 +69,34 @@ def _worker(rank, world, init_file, seed, lengths, rank_tokens, gate, layout):
         distributed.local_prefill = reference_prefill
         tensors, options, s0 = _problem(seed, lengths, gate)
         start = sum(rank_tokens[:rank])
-        mine = [t[:, start:start + rank_tokens[rank]] for t in tensors]
+        mine = [t[:, start : start + rank_tokens[rank]] for t in tensors]
         init = in_layout(s0, layout)
-        o, final = distributed.kda_prefill_cp(*mine, lengths=lengths, rank_tokens=rank_tokens, initial_state=init,
-                                              output_final_state=True, state_layout=layout, **options)
+        o, final = distributed.kda_prefill_cp(
+            *mine,
+            lengths=lengths,
+            rank_tokens=rank_tokens,
+            initial_state=init,
+            output_final_state=True,
+            state_layout=layout,
+            **options,
+        )
         cu = cu_seqlens_of(lengths)
-        want_o, want_s = reference.kda_recurrent(*tensors, **{k: v for k, v in options.items() if k != "gate"},
-                                                 initial_state=s0.double(), cu_seqlens=cu, gate_kind=gate)
+        want_o, want_s = reference.kda_recurrent(
+            *tensors,
+            **{k: v for k, v in options.items() if k != "gate"},
+            initial_state=s0.double(),
+            cu_seqlens=cu,
+            gate_kind=gate,
+        )
         assert o.shape == (1, rank_tokens[rank], HEADS, 128)
         if rank_tokens[rank]:
-            assert reference.rel_rmse(o, want_o[:, start:start + rank_tokens[rank]]) < 1e-6, rank
+            assert reference.rel_rmse(o, want_o[:, start : start + rank_tokens[rank]]) < 1e-6, rank
         got = in_layout(final, layout)
-        ends = [n for n, _, b in distributed.rank_fragments(lengths, rank_tokens, rank)
-                if sum(lengths[:n + 1]) <= start + rank_tokens[rank]]
+        ends = [
+            n
+            for n, _, b in distributed.rank_fragments(lengths, rank_tokens, rank)
+            if sum(lengths[: n + 1]) <= start + rank_tokens[rank]
+        ]
         for n in range(len(lengths)):
             if n in ends:
                 assert reference.rel_rmse(got[n], want_s[n]) < 1e-6, (rank, n)
@@ -63,16 +106,23 @@ def _worker(rank, world, init_file, seed, lengths, rank_tokens, gate, layout):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("lengths, rank_tokens, gate, layout", [
-    ([40], [40], "safe", "vk"),  # one rank: the plain prefill
-    ([97], [30, 31, 36], "softplus", "vk"),  # one sequence over three ranks: a middle rank
-    ([20, 0, 45, 8, 30], [33, 0, 40, 30], "safe", "kv"),  # varlen, an empty sequence and an empty rank
-    ([10, 50, 5], [12, 12, 12, 29], "softplus", "kv"),  # a sequence over three ranks inside a batch
-])
+@pytest.mark.parametrize(
+    "lengths, rank_tokens, gate, layout",
+    [
+        ([40], [40], "safe", "vk"),  # one rank: the plain prefill
+        ([97], [30, 31, 36], "softplus", "vk"),  # one sequence over three ranks: a middle rank
+        ([20, 0, 45, 8, 30], [33, 0, 40, 30], "safe", "kv"),  # varlen, an empty sequence and an empty rank
+        ([10, 50, 5], [12, 12, 12, 29], "softplus", "kv"),  # a sequence over three ranks inside a batch
+    ],
+)
 def test_split_over_ranks_equals_one_prefill(lengths, rank_tokens, gate, layout):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(len(rank_tokens), os.path.join(tmp, "pg"), fresh_seed(), lengths, rank_tokens, gate,
-                                layout), nprocs=len(rank_tokens), join=True)
+        mp.spawn(
+            _worker,
+            args=(len(rank_tokens), os.path.join(tmp, "pg"), fresh_seed(), lengths, rank_tokens, gate, layout),
+            nprocs=len(rank_tokens),
+            join=True,
+        )
 
 
 def test_fragments_cover_every_token_once():
@@ -83,7 +133,9 @@ def test_fragments_cover_every_token_once():
         for n, a, b in distributed.rank_fragments(lengths, rank_tokens, rank):
             assert 0 <= a <= b <= rank_tokens[rank]
             covered += [(n, start + t) for t in range(a, b)]
-    assert covered == [(n, t) for n, length in enumerate(lengths) for t in range(sum(lengths[:n]), sum(lengths[:n]) + length)]
+    assert covered == [
+        (n, t) for n, length in enumerate(lengths) for t in range(sum(lengths[:n]), sum(lengths[:n]) + length)
+    ]
     # empty sequences: on the rank holding their position, the last rank at the end
     assert (1, 1, 1) in distributed.rank_fragments(lengths, rank_tokens, 1)
     assert (4, 7, 7) in distributed.rank_fragments(lengths, rank_tokens, 3)
@@ -96,14 +148,15 @@ def test_bad_splits_are_refused_before_any_work():
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'pg')}", rank=0, world_size=1)
         try:
             tensors, options, _ = _problem(0, [16], "safe")
-            for kwargs, message in [(dict(lengths=[16], rank_tokens=[8, 8]), "one non-negative int per rank"),
-                                    (dict(lengths=[16], rank_tokens=[15]), "sum to 15"),
-                                    (dict(lengths=[8, 8.0], rank_tokens=[16]), "non-negative ints")]:
+            for kwargs, message in [
+                (dict(lengths=[16], rank_tokens=[8, 8]), "one non-negative int per rank"),
+                (dict(lengths=[16], rank_tokens=[15]), "sum to 15"),
+                (dict(lengths=[8, 8.0], rank_tokens=[16]), "non-negative ints"),
+            ]:
                 with pytest.raises(KDAInputError, match=message):
                     distributed.kda_prefill_cp(*tensors, **kwargs, **options)
         finally:
             dist.destroy_process_group()
-
 
 
 def _random_backing(size, dtype, gen):
@@ -119,7 +172,7 @@ def _pool_worker(rank, world, init_file, seed, lengths, rank_tokens, slots, size
         distributed.local_prefill = reference_prefill
         tensors, options, s0 = _problem(seed, lengths, gate)
         start = sum(rank_tokens[:rank])
-        mine = [t[:, start:start + rank_tokens[rank]] for t in tensors]
+        mine = [t[:, start : start + rank_tokens[rank]] for t in tensors]
         # Random slots everywhere (another rank's values would give wrong results if read), the
         # true initial state only in the slots of the sequences this rank starts.
         gen = torch.Generator().manual_seed(seed + 1 + rank)
@@ -132,23 +185,39 @@ def _pool_worker(rank, world, init_file, seed, lengths, rank_tokens, slots, size
         target = target_backing[:, :HEADS] if separate else pool
         pool_before, target_backing_before = backing.clone(), target_backing.clone()
         indices = torch.tensor(own, dtype=torch.int32)
-        o, final = distributed.kda_prefill_cp(*mine, lengths=lengths, rank_tokens=rank_tokens, initial_state=pool,
-                                              final_state=target if separate else None,
-                                              output_final_state=not separate, state_indices=indices,
-                                              state_layout=layout, **options)
+        o, final = distributed.kda_prefill_cp(
+            *mine,
+            lengths=lengths,
+            rank_tokens=rank_tokens,
+            initial_state=pool,
+            final_state=target if separate else None,
+            output_final_state=not separate,
+            state_indices=indices,
+            state_layout=layout,
+            **options,
+        )
         assert final is target
         # The reference starts from the pool's values (bf16-rounded for a bf16 pool), zeros for -1.
-        s_start = torch.stack([s0[n].to(dtype).float() if slot >= 0 else torch.zeros_like(s0[n])
-                               for n, slot in enumerate(slots)])
-        want_o, want_s = reference.kda_recurrent(*tensors, **{k: v for k, v in options.items() if k != "gate"},
-                                                 initial_state=s_start.double(), cu_seqlens=cu_seqlens_of(lengths),
-                                                 gate_kind=gate)
+        s_start = torch.stack(
+            [s0[n].to(dtype).float() if slot >= 0 else torch.zeros_like(s0[n]) for n, slot in enumerate(slots)]
+        )
+        want_o, want_s = reference.kda_recurrent(
+            *tensors,
+            **{k: v for k, v in options.items() if k != "gate"},
+            initial_state=s_start.double(),
+            cu_seqlens=cu_seqlens_of(lengths),
+            gate_kind=gate,
+        )
         if rank_tokens[rank]:
-            assert reference.rel_rmse(o, want_o[:, start:start + rank_tokens[rank]]) < 1e-6, rank
-        written = {slot: n for n, slot in enumerate(own) if slot >= 0 and distributed.sequence_ranks(lengths, rank_tokens)[n][1] == rank}
+            assert reference.rel_rmse(o, want_o[:, start : start + rank_tokens[rank]]) < 1e-6, rank
+        written = {
+            slot: n
+            for n, slot in enumerate(own)
+            if slot >= 0 and distributed.sequence_ranks(lengths, rank_tokens)[n][1] == rank
+        }
         for slot, n in written.items():
             got = in_layout(target[slot].float(), layout)
-            assert reference.rel_rmse(got, want_s[n]) < (1e-6 if dtype == torch.float32 else 2 ** -8), (rank, n)
+            assert reference.rel_rmse(got, want_s[n]) < (1e-6 if dtype == torch.float32 else 2**-8), (rank, n)
         kept = [slot for slot in range(size) if slot not in written]
         assert torch.equal(bits(target_backing[kept]), bits(target_backing_before[kept])), rank  # not this rank's
         assert torch.equal(bits(target_backing[:, HEADS]), bits(target_backing_before[:, HEADS])), "padding written"
@@ -158,20 +227,39 @@ def _pool_worker(rank, world, init_file, seed, lengths, rank_tokens, slots, size
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("lengths, rank_tokens, slots, size, gate, layout, dtype, separate", [
-    # one sequence over three ranks, in place
-    ([97], [30, 31, 36], [2], 4, "softplus", "vk", torch.float32, False),
-    # a sequence over three ranks with no slot: a zero start, and its last rank writes nothing
-    ([10, 30, 5, 20], [12, 20, 12, 21], [3, -1, 0, 5], 6, "safe", "kv", torch.bfloat16, True),
-    # an empty sequence (its state stays), an empty rank, a last rank whose only sequence has no slot
-    ([20, 0, 45, 8, 30], [33, 0, 40, 30], [4, 1, 0, 6, -1], 7, "safe", "vk", torch.bfloat16, False),
-    # one rank: the plain prefill through a permuted pool into another
-    ([40, 24], [64], [1, 0], 3, "softplus", "kv", torch.float32, True),
-])
+@pytest.mark.parametrize(
+    "lengths, rank_tokens, slots, size, gate, layout, dtype, separate",
+    [
+        # one sequence over three ranks, in place
+        ([97], [30, 31, 36], [2], 4, "softplus", "vk", torch.float32, False),
+        # a sequence over three ranks with no slot: a zero start, and its last rank writes nothing
+        ([10, 30, 5, 20], [12, 20, 12, 21], [3, -1, 0, 5], 6, "safe", "kv", torch.bfloat16, True),
+        # an empty sequence (its state stays), an empty rank, a last rank whose only sequence has no slot
+        ([20, 0, 45, 8, 30], [33, 0, 40, 30], [4, 1, 0, 6, -1], 7, "safe", "vk", torch.bfloat16, False),
+        # one rank: the plain prefill through a permuted pool into another
+        ([40, 24], [64], [1, 0], 3, "softplus", "kv", torch.float32, True),
+    ],
+)
 def test_pools_split_over_ranks_equal_one_prefill(lengths, rank_tokens, slots, size, gate, layout, dtype, separate):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_pool_worker, args=(len(rank_tokens), os.path.join(tmp, "pg"), fresh_seed(), lengths, rank_tokens,
-                                     slots, size, gate, layout, dtype, separate), nprocs=len(rank_tokens), join=True)
+        mp.spawn(
+            _pool_worker,
+            args=(
+                len(rank_tokens),
+                os.path.join(tmp, "pg"),
+                fresh_seed(),
+                lengths,
+                rank_tokens,
+                slots,
+                size,
+                gate,
+                layout,
+                dtype,
+                separate,
+            ),
+            nprocs=len(rank_tokens),
+            join=True,
+        )
 
 
 def test_bad_pools_are_refused_before_any_work(monkeypatch):

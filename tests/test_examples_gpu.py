@@ -17,10 +17,13 @@ def test_example_runs(script):
     # The package as this test session imports it (a checkout or an installed wheel).
     import cula_aot
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(cula_aot.__file__).parent.parent),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300,
-                            env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(cula_aot.__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300, env=env
+    )
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().endswith("ok")

@@ -32,22 +32,30 @@ def _flags(**changes):
 
 def test_chunk_kda_softplus_maps_fla_defaults_and_layouts(x, calls):
     dt = x["dt_bias"].reshape(-1)  # fla's flat [H·K] dt_bias
-    fla_route.chunk_kda(*_qkvgb(x), A_log=x["A_log"], dt_bias=dt, initial_state=None, output_final_state=True,
-                        state_v_first=True, **_flags())
-    (_, kwargs), = calls
+    fla_route.chunk_kda(
+        *_qkvgb(x),
+        A_log=x["A_log"],
+        dt_bias=dt,
+        initial_state=None,
+        output_final_state=True,
+        state_v_first=True,
+        **_flags(),
+    )
+    ((_, kwargs),) = calls
     assert kwargs["gate"] == "softplus" and "lower_bound" not in kwargs and kwargs["state_layout"] == "vk"
     assert kwargs["dt_bias"].shape == (2, 128) and torch.equal(kwargs["dt_bias"].reshape(-1), dt)
     assert kwargs["output_final_state"] is True
     calls.clear()
     fla_route.chunk_kda(*_qkvgb(x), A_log=None, dt_bias=None, **_flags())
-    (_, kwargs), = calls
+    ((_, kwargs),) = calls
     assert kwargs["state_layout"] == "kv"  # fla's default [N, H, K, V]
     assert torch.equal(kwargs["A_log"], torch.zeros(2)) and torch.equal(kwargs["dt_bias"], torch.zeros(2, 128))
 
 
 def test_chunk_kda_safe_and_precomputed_gates(x, calls):
-    fla_route.chunk_kda(*_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0,
-                        **_flags())
+    fla_route.chunk_kda(
+        *_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0, **_flags()
+    )
     fla_route.chunk_kda(*_qkvgb(x), **_flags(use_gate_in_kernel=False))
     (_, safe), (_, pre) = calls
     assert safe["gate"] == "safe" and safe["lower_bound"] == -5.0
@@ -58,15 +66,15 @@ def test_chunk_kda_safe_and_precomputed_gates(x, calls):
 
 def test_recurrent_entry_updates_states_in_place_as_a_pool(x, calls):
     state = torch.zeros(1, 2, 128, 128)
-    o, final = fla_route._recurrent(*_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=state,
-                                    **_flags())
-    (_, kwargs), = calls
+    o, final = fla_route._recurrent(*_qkvgb(x), A_log=x["A_log"], dt_bias=x["dt_bias"], initial_state=state, **_flags())
+    ((_, kwargs),) = calls
     assert final is state and kwargs["final_state"] is state and kwargs["initial_state"] is state
     assert kwargs["state_indices"].tolist() == [0] and kwargs["state_indices"].dtype == torch.int32
     calls.clear()
-    fla_route.fused_recurrent_kda(*_qkvgb(x), x["A_log"], x["dt_bias"], initial_state=state, output_final_state=True,
-                                  lower_bound=-3.0, **_flags())
-    (_, kwargs), = calls
+    fla_route.fused_recurrent_kda(
+        *_qkvgb(x), x["A_log"], x["dt_bias"], initial_state=state, output_final_state=True, lower_bound=-3.0, **_flags()
+    )
+    ((_, kwargs),) = calls
     assert kwargs["gate"] == "safe" and kwargs["lower_bound"] == -3.0 and "state_indices" not in kwargs
 
 
@@ -74,8 +82,9 @@ def test_recurrent_entry_updates_states_in_place_as_a_pool(x, calls):
 def test_fla_input_conventions_become_the_kernels(x, calls, l2norm, sigmoid):
     fla_route.chunk_kda(*_qkvgb(x), **_flags(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=sigmoid))
     state = torch.zeros(1, 2, 128, 128)
-    fla_route._recurrent(*_qkvgb(x), initial_state=state,
-                         **_flags(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=sigmoid))
+    fla_route._recurrent(
+        *_qkvgb(x), initial_state=state, **_flags(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=sigmoid)
+    )
     for _, kwargs in calls:
         assert kwargs["qk_l2norm"] is l2norm and kwargs["beta_sigmoid"] is sigmoid
 
@@ -84,18 +93,22 @@ def test_fp32_precomputed_gate_and_beta_are_accepted(x, calls):
     g = -torch.rand(x["g"].shape)  # fp32 log-decay, as fla's callers pass a precomputed gate
     beta = torch.rand(x["beta"].shape)  # fp32 probabilities
     assert fla_route.unsupported(x["q"], x["k"], x["v"], g, beta, **_flags()) is None
-    fla_route.chunk_kda(x["q"], x["k"], x["v"], g, beta,
-                        **_flags(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False))
-    (args, kwargs), = calls
+    fla_route.chunk_kda(
+        x["q"], x["k"], x["v"], g, beta, **_flags(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+    )
+    ((args, kwargs),) = calls
     assert kwargs["gate"] == "precomputed" and kwargs["beta_sigmoid"] is False
     assert args[3] is g and args[4] is beta  # kda_prefill rounds them (tests/ops/test_serial_plan.py)
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(allow_neg_eigval=True), "allow_neg_eigval"),
-    (dict(return_intermediate_states=True), "intermediate"),
-    (dict(cp_context=object()), "context parallelism"),
-])
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(allow_neg_eigval=True), "allow_neg_eigval"),
+        (dict(return_intermediate_states=True), "intermediate"),
+        (dict(cp_context=object()), "context parallelism"),
+    ],
+)
 def test_unsupported_flags_are_named(x, change, reason):
     assert reason in fla_route.unsupported(*_qkvgb(x), **_flags(**change))
     with pytest.raises(KDAInputError, match=reason.split("=")[0]):

@@ -35,9 +35,17 @@ FLOOR_FACTOR = 1.5  # ours against fla, relative to fla against itself (measured
 
 
 def _model(gate, seed):
-    config = fla_models.KDAConfig(hidden_size=1024, num_heads=8, head_dim=128, num_hidden_layers=2, vocab_size=2048,
-                                  safe_gate=gate == "safe", lower_bound=-5.0 if gate == "safe" else None,
-                                  fuse_cross_entropy=False, use_cache=True)
+    config = fla_models.KDAConfig(
+        hidden_size=1024,
+        num_heads=8,
+        head_dim=128,
+        num_hidden_layers=2,
+        vocab_size=2048,
+        safe_gate=gate == "safe",
+        lower_bound=-5.0 if gate == "safe" else None,
+        fuse_cross_entropy=False,
+        use_cache=True,
+    )
     torch.manual_seed(seed)
     return fla_models.KDAForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
 
@@ -48,7 +56,7 @@ def _batch(seed):
     ids = torch.randint(3, 2048, (len(PROMPTS), width), generator=gen)
     mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
     for b, n in enumerate(PROMPTS):
-        mask[b, width - n:] = 1  # left padding: every prompt ends at the last column
+        mask[b, width - n :] = 1  # left padding: every prompt ends at the last column
     return ids.cuda(), mask.cuda()
 
 
@@ -107,12 +115,16 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
     gap = top2[..., 0] - top2[..., 1]
     noise = (ours_steps - fla_steps).abs().amax(-1)
     differing = ours_next != fla_tokens
-    print(f"KDAForCausalLM {gate} (seed {seed}): prefill logits rel-RMSE {err:.2e} (fla's fused_recurrent "
-          f"against its chunk: {floor:.2e}), greedy agreement {agree:.4f} over {ours_next.numel()} steps, "
-          f"decode logits rel-RMSE {reference.rel_rmse(ours_logits, fla_logits):.2e}")
+    print(
+        f"KDAForCausalLM {gate} (seed {seed}): prefill logits rel-RMSE {err:.2e} (fla's fused_recurrent "
+        f"against its chunk: {floor:.2e}), greedy agreement {agree:.4f} over {ours_next.numel()} steps, "
+        f"decode logits rel-RMSE {reference.rel_rmse(ours_logits, fla_logits):.2e}"
+    )
     for step, b in differing.nonzero().tolist():
-        print(f"  step {step} prompt {b}: fla's top-2 gap {gap[step, b].item():.4f}, "
-              f"logit difference {noise[step, b].item():.4f}")
+        print(
+            f"  step {step} prompt {b}: fla's top-2 gap {gap[step, b].item():.4f}, "
+            f"logit difference {noise[step, b].item():.4f}"
+        )
     assert torch.isfinite(ours_prefill).all() and torch.isfinite(ours_logits).all()
     assert err <= PREFILL_BOUND and err <= FLOOR_FACTOR * floor
     assert bool((gap[differing] <= noise[differing]).all()), "a decisive step disagrees"

@@ -3,8 +3,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cula_aot.layout import (CHUNK, D, IMAGE_BYTES, checkpoint_schedule, checkpoint_tiles, decode_k_inter,
-                             fixed_total_slots, k_inter_index, varlen_slot_base, varlen_total_slots)
+from cula_aot.layout import (
+    CHUNK,
+    D,
+    IMAGE_BYTES,
+    checkpoint_schedule,
+    checkpoint_tiles,
+    decode_k_inter,
+    fixed_total_slots,
+    k_inter_index,
+    varlen_slot_base,
+    varlen_total_slots,
+)
 
 
 def test_k_inter_formula_matches_spec_bytes():
@@ -44,8 +54,13 @@ def test_fixed_slots():
 
 
 @settings(max_examples=300, deadline=None)
-@given(length=st.integers(1, 700), offset_blocks=st.integers(0, 200), before_tiles=st.integers(0, 60),
-       every_tiles=st.integers(1, 20), columns=st.integers(1, 40))
+@given(
+    length=st.integers(1, 700),
+    offset_blocks=st.integers(0, 200),
+    before_tiles=st.integers(0, 60),
+    every_tiles=st.integers(1, 20),
+    columns=st.integers(1, 40),
+)
 def test_checkpoint_tiles_are_the_multiples_of_every(length, offset_blocks, before_tiles, every_tiles, columns):
     """Brute force: a checkpoint after every whole tile whose end is a position (from the request
     start) that is a multiple of ``every``; columns count this call's checkpoints from 0."""

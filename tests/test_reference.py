@@ -44,8 +44,7 @@ def assert_close(actual, expected, tol):
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 50])
 def test_chunked_matches_recurrent_fixed(T, H, with_state, decay):
     B = 2
-    q, k, v, g, beta, kw, s0 = make_inputs(T * 10 + H, B, T, H, decay=decay,
-                                           n_states=B if with_state else None)
+    q, k, v, g, beta, kw, s0 = make_inputs(T * 10 + H, B, T, H, decay=decay, n_states=B if with_state else None)
     o_c, s_c = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0)
     o_r, s_r = kda_recurrent(q, k, v, g, beta, **kw, initial_state=s0)
     assert o_c.shape == (B, T, H, D) and o_c.dtype == torch.float64
@@ -60,8 +59,9 @@ def test_chunked_matches_recurrent_fixed(T, H, with_state, decay):
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_chunked_matches_recurrent_varlen(index_dtype, H, with_state, decay):
     cu = torch.tensor(VARLEN, dtype=index_dtype)
-    q, k, v, g, beta, kw, s0 = make_inputs(7 + H, 1, VARLEN[-1], H, decay=decay,
-                                           n_states=len(VARLEN) - 1 if with_state else None)
+    q, k, v, g, beta, kw, s0 = make_inputs(
+        7 + H, 1, VARLEN[-1], H, decay=decay, n_states=len(VARLEN) - 1 if with_state else None
+    )
     o_c, s_c = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
     o_r, s_r = kda_recurrent(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
     assert s_c.shape == (len(VARLEN) - 1, H, D, D)
@@ -85,8 +85,7 @@ def test_long_slow_decay_carries_state():
 def test_recipe_close_to_exact(decay):
     H = 2
     cu = torch.tensor(VARLEN)
-    q, k, v, g, beta, kw, s0 = make_inputs(11, 1, VARLEN[-1], H, decay=decay,
-                                           n_states=len(VARLEN) - 1)
+    q, k, v, g, beta, kw, s0 = make_inputs(11, 1, VARLEN[-1], H, decay=decay, n_states=len(VARLEN) - 1)
     o_x, s_x = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu)
     o_p, s_p = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu, recipe=True)
     assert_close(o_p, o_x, 1e-2)
@@ -164,10 +163,11 @@ def test_sequences_independent(recipe):
     o, s = kda_chunked(q, k, v, g, beta, **kw, initial_state=s0, cu_seqlens=cu, recipe=recipe)
     for n, (a, e) in enumerate(zip(VARLEN, VARLEN[1:])):
         sl = slice(a, e)
-        o_n, s_n = kda_chunked(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], **kw,
-                               initial_state=s0[n:n + 1], recipe=recipe)
+        o_n, s_n = kda_chunked(
+            q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], **kw, initial_state=s0[n : n + 1], recipe=recipe
+        )
         assert_close(o[:, sl], o_n, 1e-13)
-        assert_close(s[n:n + 1], s_n, 1e-13)
+        assert_close(s[n : n + 1], s_n, 1e-13)
 
 
 def test_empty_sequence_keeps_initial_state():
@@ -184,8 +184,7 @@ def test_bad_cu_seqlens_rejected():
         with pytest.raises(ValueError):
             kda_chunked(q, k, v, g, beta, **kw, cu_seqlens=torch.tensor(cu))
     with pytest.raises(ValueError):
-        kda_chunked(q.expand(2, -1, -1, -1), k, v, g, beta, **kw,
-                    cu_seqlens=torch.tensor([0, 20]))
+        kda_chunked(q.expand(2, -1, -1, -1), k, v, g, beta, **kw, cu_seqlens=torch.tensor([0, 20]))
 
 
 @pytest.mark.parametrize("decay", ["standard", "slow"])
@@ -216,9 +215,16 @@ def test_rel_rmse():
     assert rel_rmse(torch.tensor([math.inf, 4.0]), b) == math.inf
 
 
-@pytest.mark.parametrize("gate, slow, extreme", [("softplus", False, False), ("softplus", True, False),
-                                                 ("softplus", False, True), ("precomputed", False, False),
-                                                 ("precomputed", False, True)])
+@pytest.mark.parametrize(
+    "gate, slow, extreme",
+    [
+        ("softplus", False, False),
+        ("softplus", True, False),
+        ("softplus", False, True),
+        ("precomputed", False, False),
+        ("precomputed", False, True),
+    ],
+)
 def test_tile_form_matches_the_recurrence_under_unbounded_gates(gate, slow, extreme):
     """Under the unbounded gates the tile form forms L and mqk pair by pair; it must still be the
     token recurrence, also where a token's decay is e^-480 next to keys that do not decay."""
@@ -235,8 +241,9 @@ def test_tile_form_matches_the_recurrence_under_unbounded_gates(gate, slow, extr
 
 def test_pairwise_products_equal_the_factored_ones_on_the_safe_gate():
     x = standard_inputs(1, 48, 2, seed=fresh_seed())
-    t = reference.prepare_tiles(x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                lower_bound=x["lower_bound"])
+    t = reference.prepare_tiles(
+        x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"]
+    )
     G = torch.log(t["kd"] / t["kinv"]) / 2  # kd / kinv = e^(2G) wherever k̂ ≠ 0
     kn = t["kd"] * torch.exp(-G)
     pairwise = reference._pairwise_products(t["qd"] * torch.exp(-G), kn, G)
@@ -247,8 +254,7 @@ def test_the_gates_of_fla():
     g = torch.tensor([[[[30.0, -20.0, 0.0]]]])
     a_log = torch.tensor([0.5])
     dt = torch.tensor([[0.1, 0.2, -0.3]])
-    want = -torch.exp(torch.tensor(0.5, dtype=torch.float64)) * torch.nn.functional.softplus(
-        g.double() + dt.double())
+    want = -torch.exp(torch.tensor(0.5, dtype=torch.float64)) * torch.nn.functional.softplus(g.double() + dt.double())
     assert torch.allclose(reference.gate(g, a_log, dt, None, "softplus"), want)
     assert torch.allclose(reference.gate(g, None, None, None, "softplus"), -torch.nn.functional.softplus(g.double()))
     assert torch.equal(reference.gate(-g, None, None, None, "precomputed"), (-g.double()).clamp(max=0))
@@ -260,17 +266,24 @@ def test_input_conventions(beta_sigmoid, qk_l2norm):
     σ(β) and normalised q, k that way is the default convention exactly."""
     x = standard_inputs(1, 40, 2, seed=fresh_seed())
     q, k, beta = x["q"], x["k"], x["beta"]
-    given = dict(q=reference.l2norm_bf16(q).to(torch.bfloat16) if not qk_l2norm else q,
-                 k=reference.l2norm_bf16(k).to(torch.bfloat16) if not qk_l2norm else k,
-                 beta=torch.sigmoid(beta.double()) if not beta_sigmoid else beta)
-    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], cu_seqlens=torch.tensor([0, 17, 40]))
-    o_tile, s_tile = kda_chunked(given["q"], given["k"], x["v"], x["g"], given["beta"], **kw,
-                                 beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
-    o_tok, s_tok = kda_recurrent(given["q"], given["k"], x["v"], x["g"], given["beta"], **kw,
-                                 beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    given = dict(
+        q=reference.l2norm_bf16(q).to(torch.bfloat16) if not qk_l2norm else q,
+        k=reference.l2norm_bf16(k).to(torch.bfloat16) if not qk_l2norm else k,
+        beta=torch.sigmoid(beta.double()) if not beta_sigmoid else beta,
+    )
+    kw = dict(
+        A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], cu_seqlens=torch.tensor([0, 17, 40])
+    )
+    o_tile, s_tile = kda_chunked(
+        given["q"], given["k"], x["v"], x["g"], given["beta"], **kw, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm
+    )
+    o_tok, s_tok = kda_recurrent(
+        given["q"], given["k"], x["v"], x["g"], given["beta"], **kw, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm
+    )
     o_default, s_default = kda_recurrent(q, k, x["v"], x["g"], beta, **kw)
     assert rel_rmse(o_tile, o_tok) < 1e-12 and rel_rmse(s_tile, s_tok) < 1e-12
     assert rel_rmse(o_tok, o_default) < 1e-12 and rel_rmse(s_tok, s_default) < 1e-12
-    tiles = prepare_tiles(given["q"], given["k"], x["g"], given["beta"], **kw, beta_sigmoid=beta_sigmoid,
-                          qk_l2norm=qk_l2norm)
+    tiles = prepare_tiles(
+        given["q"], given["k"], x["g"], given["beta"], **kw, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm
+    )
     assert (tiles["b"][1, :, 7:] == 0).all()  # the second sequence's padded rows: b = 0 in either convention

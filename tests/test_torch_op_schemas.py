@@ -20,19 +20,65 @@ def ops():
     for name, schema in SCHEMAS.items():
         lib.define(f"{name}{schema}")
 
-    def prefill(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-                output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk", intracard_cp=0,
-                gate="safe"):
+    def prefill(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        cu_seqlens=None,
+        cu_seqlens_cpu=None,
+        state_layout="vk",
+        intracard_cp=0,
+        gate="safe",
+    ):
         n = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        return v * 2, (torch.ones(n, q.shape[2], 128, 128) if output_final_state else q.new_empty(0, dtype=torch.float32))
+        return v * 2, (
+            torch.ones(n, q.shape[2], 128, 128) if output_final_state else q.new_empty(0, dtype=torch.float32)
+        )
 
-    def pool(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, scale=None, cu_seqlens=None,
-             state_layout="vk", gate="safe"):
+    def pool(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        state_pool,
+        state_indices,
+        scale=None,
+        cu_seqlens=None,
+        state_layout="vk",
+        gate="safe",
+    ):
         state_pool.add_(1.0)
         return v * 2
 
-    def decode(q, k, v, g, beta, A_log, dt_bias, lower_bound, state_pool, state_indices, intermediate_states,
-               scale=None, num_tokens=None, state_layout="vk", gate="safe"):
+    def decode(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        state_pool,
+        state_indices,
+        intermediate_states,
+        scale=None,
+        num_tokens=None,
+        state_layout="vk",
+        gate="safe",
+    ):
         state_pool.add_(1.0)
         if intermediate_states is not None:
             intermediate_states.add_(1.0)
@@ -53,10 +99,14 @@ def _inputs(n=1, t=100):
 def test_prefill_schema(ops):
     q, beta, a, dt = _inputs()
     cu = torch.tensor([0, 30, 100], dtype=torch.int32)
-    torch.library.opcheck(ops.kda_prefill.default, (q, q, q, q, beta, a, dt, -5.0),
-                          {"output_final_state": True, "cu_seqlens": cu, "cu_seqlens_cpu": cu})
-    torch.library.opcheck(ops.kda_prefill.default, (q, q, q, q, beta, None, None, None),
-                          {"output_final_state": True, "gate": "softplus"})
+    torch.library.opcheck(
+        ops.kda_prefill.default,
+        (q, q, q, q, beta, a, dt, -5.0),
+        {"output_final_state": True, "cu_seqlens": cu, "cu_seqlens_cpu": cu},
+    )
+    torch.library.opcheck(
+        ops.kda_prefill.default, (q, q, q, q, beta, None, None, None), {"output_final_state": True, "gate": "softplus"}
+    )
 
 
 def test_pool_and_decode_schemas_declare_their_mutations(ops):
@@ -67,8 +117,9 @@ def test_pool_and_decode_schemas_declare_their_mutations(ops):
     pool_b, idx3 = torch.randn(6, H, 128, 128).bfloat16(), torch.tensor([4, -1, 0], dtype=torch.int32)
     inter = torch.zeros(3, 2, H, 128, 128).bfloat16()
     torch.library.opcheck(ops.kda_decode.default, (qd, qd, qd, qd, bd, a, dt, -5.0, pool_b, idx3, inter))
-    torch.library.opcheck(ops.kda_decode.default, (qd, qd, qd, qd, bd, None, None, None, pool_b, idx3, None),
-                          {"gate": "softplus"})
+    torch.library.opcheck(
+        ops.kda_decode.default, (qd, qd, qd, qd, bd, None, None, None, pool_b, idx3, None), {"gate": "softplus"}
+    )
     start = pool.clone()
     compiled = torch.compile(lambda *x: ops.kda_prefill_pool(*x) * 1, fullgraph=True)
     assert torch.equal(compiled(q, q, q, q, beta, a, dt, -5.0, pool, idx), q * 2) and torch.equal(pool, start + 1)

@@ -87,12 +87,16 @@ def check_abi(spec: KernelSpec, entry: dict) -> list[dict]:
     if entry["cluster"] not in (None, tuple(spec.cluster)):
         raise AbiMismatch(f"{where}: declared cluster {spec.cluster}, PTX {entry['cluster']}")
     if entry["cluster_ops"] != (tuple(spec.cluster) != (1, 1, 1)):
-        raise AbiMismatch(f"{where}: declared cluster {spec.cluster}, but the PTX "
-                          f"{'has' if entry['cluster_ops'] else 'has no'} cluster instructions")
+        raise AbiMismatch(
+            f"{where}: declared cluster {spec.cluster}, but the PTX "
+            f"{'has' if entry['cluster_ops'] else 'has no'} cluster instructions"
+        )
     if entry["grid_wait"] != spec.dependent_launch:
         # A dependent launch of a kernel that never waits would race its predecessor's writes.
-        raise AbiMismatch(f"{where}: declared dependent_launch={spec.dependent_launch}, but the PTX "
-                          f"{'has' if entry['grid_wait'] else 'has no'} griddepcontrol.wait")
+        raise AbiMismatch(
+            f"{where}: declared dependent_launch={spec.dependent_launch}, but the PTX "
+            f"{'has' if entry['grid_wait'] else 'has no'} griddepcontrol.wait"
+        )
     return declared
 
 

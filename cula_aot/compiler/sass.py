@@ -82,8 +82,9 @@ def opcode_difference(a: Loop, b: Loop) -> dict:
 def disassemble(cubin_path: str) -> str:
     tool = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if tool is None:
-        raise FileNotFoundError("cuobjdump not found: set CUOBJDUMP or put it on PATH "
-                                "(pip download nvidia-cuda-cuobjdump carries it)")
+        raise FileNotFoundError(
+            "cuobjdump not found: set CUOBJDUMP or put it on PATH (pip download nvidia-cuda-cuobjdump carries it)"
+        )
     return subprocess.run([tool, "-sass", cubin_path], capture_output=True, text=True, check=True).stdout
 
 

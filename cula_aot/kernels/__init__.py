@@ -15,12 +15,22 @@ _KERNELS = {
         k2_recurrence.k2_recurrence_kernel,
         lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
-    "fused_prefill": (fused_prefill.fused_prefill_launch, fused_prefill.fused_prefill_kernel,
-                      lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers)),
+    "fused_prefill": (
+        fused_prefill.fused_prefill_launch,
+        fused_prefill.fused_prefill_kernel,
+        lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers),
+    ),
     "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
-    "kda_decode": (decode.kda_decode_launch, decode.kda_decode_kernel, lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state)),
-    "kda_decode_chunk": (decode_chunk.kda_decode_chunk_launch, decode_chunk.kda_decode_chunk_kernel,
-                         lambda spec: decode_chunk.smem_bytes(spec.warps, spec.items)),
+    "kda_decode": (
+        decode.kda_decode_launch,
+        decode.kda_decode_kernel,
+        lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state),
+    ),
+    "kda_decode_chunk": (
+        decode_chunk.kda_decode_chunk_launch,
+        decode_chunk.kda_decode_chunk_kernel,
+        lambda spec: decode_chunk.smem_bytes(spec.warps, spec.items),
+    ),
 }
 
 
@@ -55,14 +65,16 @@ def declared_names_match(spec: KernelSpec) -> None:
     if runtime != declared:
         raise ValueError(f"{spec.name}: kernel parameters {runtime} != declared ABI {declared}")
     descriptors = [p for p in spec.params if p.kind == "tma_descriptor"]
-    if spec.params[:len(descriptors)] != tuple(descriptors):
+    if spec.params[: len(descriptors)] != tuple(descriptors):
         raise ValueError(f"{spec.name}: the TMA descriptors must lead the parameter list")
     sources = [dict(p.recipe)["source"] for p in descriptors]
     signature = inspect.signature(inspect.unwrap(launch)).parameters.values()
     shape = [(p.name, p.kind) for p in signature]
-    expected = ([(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
-                + [("params", inspect.Parameter.VAR_POSITIONAL)]
-                + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *spec.args)])
+    expected = (
+        [(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
+        + [("params", inspect.Parameter.VAR_POSITIONAL)]
+        + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *spec.args)]
+    )
     if shape != expected:
         raise ValueError(f"{spec.name}: launch parameters {shape} != {expected}")
     passed = _kernel_call_arguments(inspect.unwrap(launch), kernel.__name__)
@@ -78,8 +90,11 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(launch)))
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Name) and node.func.id == kernel_name]
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == kernel_name
+    ]
     if len(calls) != 1 or calls[0].keywords:
         raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, *params, name, ...)")
     names = []

@@ -144,8 +144,9 @@ INPUT_BLOCKS = D // INPUT_BLOCK_COLS
 
 def input_tile_layout():
     """An input tile in shared memory as (row, column in block, block)."""
-    return cute.make_layout((CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS),
-                            stride=(INPUT_BLOCK_COLS, 1, CHUNK * INPUT_BLOCK_COLS))
+    return cute.make_layout(
+        (CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS), stride=(INPUT_BLOCK_COLS, 1, CHUNK * INPUT_BLOCK_COLS)
+    )
 
 
 def input_element_offset(row, col):
@@ -156,10 +157,15 @@ def input_element_offset(row, col):
 def make_token_tma(base: cute.Pointer):
     """(TMA load atom, coordinate tensor) for one input tile per copy of a [rows, H·128] bf16
     tensor viewed as (row, column in block, block of all heads); a tile is at (token0, 0, 4·head)."""
-    view = cute.make_tensor(base, cute.make_layout((TRACE_ROWS, INPUT_BLOCK_COLS, TRACE_HEADS * INPUT_BLOCKS),
-                                                   stride=(TRACE_HEADS * D, 1, INPUT_BLOCK_COLS)))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(),
-                                       (CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS))
+    view = cute.make_tensor(
+        base,
+        cute.make_layout(
+            (TRACE_ROWS, INPUT_BLOCK_COLS, TRACE_HEADS * INPUT_BLOCKS), stride=(TRACE_HEADS * D, 1, INPUT_BLOCK_COLS)
+        ),
+    )
+    return cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), view, input_tile_layout(), (CHUNK, INPUT_BLOCK_COLS, INPUT_BLOCKS)
+    )
 
 
 def record_part(record: cute.Pointer, part: str, dtype):
@@ -218,8 +224,9 @@ def varlen_sequence(cu_seqlens_ptr: cute.Pointer, num_seqs, seq, num_tokens):
     return cutlass.Int64(start), slot_base(cu, seq, num_tokens), end - start, malformed
 
 
-def state_element(base: cute.Pointer, index, slot_stride, head, k, v, stride_k, stride_v,
-                  dtype=cutlass.Float32, count: int = 1) -> cute.Tensor:
+def state_element(
+    base: cute.Pointer, index, slot_stride, head, k, v, stride_k, stride_v, dtype=cutlass.Float32, count: int = 1
+) -> cute.Tensor:
     """A one-element view of S[k, v] of head ``head`` in state ``index`` of a [slots, H, 128, 128]
     state tensor of ``dtype`` (fp32 or bf16; ``base`` is declared fp32 and recast): slots are
     ``slot_stride`` elements apart (H·128·128 when packed, more in a padded pool) and a head's

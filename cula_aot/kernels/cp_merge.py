@@ -39,6 +39,7 @@ from ..specs import MERGE_THREADS as THREADS
 from .common import D, TRACE_HEADS, grid_heads, pool_slot, report_status, state_element
 from .warp_mma import cp_async_16, mma_tf32_m16n8k8, tf32_split
 
+
 # carry_i as split tf32 (hi, lo) bits, [128 rows][v_block] with rows padded so the B fragment
 # loads (rows 2t.., column g) hit 32 distinct banks: 24 words for 16 columns, 8 for 8.
 def _carry_row(v_block: int) -> int:
@@ -84,8 +85,18 @@ def _entry_of_value(warp, lane, i: int, n_tiles: int):
 
 
 @cute.jit
-def _prefetch_transition(prescan: cute.Pointer, seg, heads, head, col0, m_stage_address,
-                         b_stage_address, tid, with_m, v_block: cutlass.Constexpr[int]):
+def _prefetch_transition(
+    prescan: cute.Pointer,
+    seg,
+    heads,
+    head,
+    col0,
+    m_stage_address,
+    b_stage_address,
+    tid,
+    with_m,
+    v_block: cutlass.Constexpr[int],
+):
     """Issue this thread's 16-byte ``cp.async`` chunks of M_seg (where ``with_m``: not for a
     sequence's first segment) into a padded smem stage (a warp copies one 512-byte row per round,
     so the reads coalesce) and of B_seg's [128][v_block] block into a B stage, so the step's bias
@@ -95,16 +106,22 @@ def _prefetch_transition(prescan: cute.Pointer, seg, heads, head, col0, m_stage_
         for j in cutlass.range_constexpr(_CHUNKS_PER_THREAD):
             row = tid // 32 + j * (THREADS // 32)
             col = (tid % 32) * 4
-            cp_async_16(m_stage_address + (row * _M_ROW + col) * 4,
-                        (prescan + m_base + cutlass.Int64(row * D + col)).toint(), 16)
+            cp_async_16(
+                m_stage_address + (row * _M_ROW + col) * 4,
+                (prescan + m_base + cutlass.Int64(row * D + col)).toint(),
+                16,
+            )
     b_base = m_base + cutlass.Int64(heads) * (D * D)
     row_chunks = v_block // 4
     for j in cutlass.range_constexpr(D * row_chunks // THREADS):
         chunk = tid + j * THREADS
         row = chunk // row_chunks
         col = (chunk % row_chunks) * 4
-        cp_async_16(b_stage_address + (row * v_block + col) * 4,
-                    (prescan + b_base + cutlass.Int64(row * D + col0 + col)).toint(), 16)
+        cp_async_16(
+            b_stage_address + (row * v_block + col) * 4,
+            (prescan + b_base + cutlass.Int64(row * D + col0 + col)).toint(),
+            16,
+        )
 
 
 @cute.kernel
@@ -138,10 +155,10 @@ def cp_merge_kernel(
     carry_layout = cute.make_layout((D, v_block), stride=(_carry_row(v_block), 1))
     s_hi = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
     s_lo = smem.allocate_tensor(cutlass.Int32, carry_layout, 16)
-    s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((n_stages, D, D), stride=(D * _M_ROW, _M_ROW, 1)),
-                               16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout((n_stages, D, v_block), stride=(D * v_block, v_block, 1)),
-                               16)
+    s_m = smem.allocate_tensor(cutlass.Float32, cute.make_layout((n_stages, D, D), stride=(D * _M_ROW, _M_ROW, 1)), 16)
+    s_b = smem.allocate_tensor(
+        cutlass.Float32, cute.make_layout((n_stages, D, v_block), stride=(D * v_block, v_block, 1)), 16
+    )
     m_stage_address = s_m.iterator.toint()
     b_stage_address = s_b.iterator.toint()
 
@@ -158,26 +175,48 @@ def cp_merge_kernel(
         init_index, usable, out_of_range = pool_slot(state_indices, seq, init_slots)
         read_init = cutlass.select_(usable, read_init, 0)
         if tid == 0:
-            report_status(status, (flags & FLAG_STATUS) != 0, cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0))
+            report_status(
+                status, (flags & FLAG_STATUS) != 0, cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0)
+            )
     if read_init != 0:
         if (flags & FLAG_BF16_INIT) != 0:
             for i in cutlass.range_constexpr(n_values):
                 k, c = _entry_of_value(warp, lane, i, n_tiles)
-                carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
-                                         init_stride_v, cutlass.BFloat16)[0].to(cutlass.Float32)
+                carry[i] = state_element(
+                    initial_state,
+                    init_index,
+                    init_slot_stride,
+                    head,
+                    k,
+                    col0 + c,
+                    init_stride_k,
+                    init_stride_v,
+                    cutlass.BFloat16,
+                )[0].to(cutlass.Float32)
         else:
             for i in cutlass.range_constexpr(n_values):
                 k, c = _entry_of_value(warp, lane, i, n_tiles)
-                carry[i] = state_element(initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k,
-                                         init_stride_v)[0]
+                carry[i] = state_element(
+                    initial_state, init_index, init_slot_stride, head, k, col0 + c, init_stride_k, init_stride_v
+                )[0]
 
     # Launched as the pre_scan's programmatic dependent: the lengths and the caller's start state
     # above overlap its tail; the transition pairs are its output.
     cute.arch.griddepcontrol_wait()
     for j in cutlass.range_constexpr(n_stages - 1):  # the first steps' transitions, one group each
         if first + j + 1 < last:
-            _prefetch_transition(prescan, first + j, heads, head, col0, m_stage_address + j * _M_STAGE_BYTES,
-                                 b_stage_address + j * _b_stage_bytes(v_block), tid, j > 0, v_block)
+            _prefetch_transition(
+                prescan,
+                first + j,
+                heads,
+                head,
+                col0,
+                m_stage_address + j * _M_STAGE_BYTES,
+                b_stage_address + j * _b_stage_bytes(v_block),
+                tid,
+                j > 0,
+                v_block,
+            )
         cute.arch.cp_async_commit_group()
     acc_lh = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
     acc_hl = cute.make_rmem_tensor(cute.make_layout(n_values), cutlass.Float32)
@@ -188,8 +227,18 @@ def cp_merge_kernel(
         ahead = seg + (n_stages - 1)
         ahead_stage = (stage + (n_stages - 1)) % n_stages
         if ahead + 1 < last:
-            _prefetch_transition(prescan, ahead, heads, head, col0, m_stage_address + ahead_stage * _M_STAGE_BYTES,
-                                 b_stage_address + ahead_stage * _b_stage_bytes(v_block), tid, True, v_block)
+            _prefetch_transition(
+                prescan,
+                ahead,
+                heads,
+                head,
+                col0,
+                m_stage_address + ahead_stage * _M_STAGE_BYTES,
+                b_stage_address + ahead_stage * _b_stage_bytes(v_block),
+                tid,
+                True,
+                v_block,
+            )
         cute.arch.cp_async_commit_group()
         for i in cutlass.range_constexpr(n_values):
             k, c = _entry_of_value(warp, lane, i, n_tiles)
@@ -247,5 +296,6 @@ def cp_merge_kernel(
 def cp_merge_launch(*params, stream, v_block: cutlass.Constexpr[int]):
     # ``params``: the kernel's runtime parameters (``specs.MERGE_PARAMS``); the grid is a
     # placeholder (the runtime launches the spec's).
-    cp_merge_kernel(*params, v_block).launch(grid=[D // v_block, TRACE_HEADS, 1], block=[THREADS, 1, 1],
-                                             smem=smem_bytes(v_block), stream=stream)
+    cp_merge_kernel(*params, v_block).launch(
+        grid=[D // v_block, TRACE_HEADS, 1], block=[THREADS, 1, 1], smem=smem_bytes(v_block), stream=stream
+    )

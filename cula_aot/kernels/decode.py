@@ -236,8 +236,24 @@ def _reduce_rows(tile: Tile, dk, dq, j):
     return butterfly_reduce_scatter(list(zip(dk, dq)), j, tile.xor_offsets)[0]
 
 
-def _token_step(tile: Tile, state: cute.Tensor, s_kinv, s_kd, s_qd, s_kq, s_b, s_v, s_o, t, group, j, v_row,
-                scale, v_stride: int, s_decay=None):
+def _token_step(
+    tile: Tile,
+    state: cute.Tensor,
+    s_kinv,
+    s_kd,
+    s_qd,
+    s_kq,
+    s_b,
+    s_v,
+    s_o,
+    t,
+    group,
+    j,
+    v_row,
+    scale,
+    v_stride: int,
+    s_decay=None,
+):
     """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
     see ``defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
     reduce-scattered over the group (``_reduce_rows``), u and o of the lane's row (o staged in
@@ -295,8 +311,11 @@ def _unstage_state(tile: Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_th
     """This thread's staged vectors (``_stage_state``) from shared memory into ``state`` (fp32)."""
     for i, (_, regs) in enumerate(tile.vectors()):
         at = cute.assume((i * n_threads + tid) * tile.ce, divby=tile.ce)
-        vec = cute.make_tensor(cute.recast_ptr(stage.iterator, dtype=dtype) + at,
-                               cute.make_layout(tile.ce)).load().to(cutlass.Float32)
+        vec = (
+            cute.make_tensor(cute.recast_ptr(stage.iterator, dtype=dtype) + at, cute.make_layout(tile.ce))
+            .load()
+            .to(cutlass.Float32)
+        )
         for e in range(tile.ce):
             state[regs[e]] = vec[e]
 
@@ -389,12 +408,20 @@ def kda_decode_kernel(
     # ---- issued before the slot is known: the first round of token inputs (token half_id,
     # clamped) and the v rows; the state loads then wait only for the index ------------------
     t0 = cutlass.min(half_id, num_tokens - 1)
-    inputs0 = token_loads(q, k, g, beta, a_log, dt_bias, hl,
-                           n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
-                           n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
-                           n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
-                           cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
-                           + head, head)
+    inputs0 = token_loads(
+        q,
+        k,
+        g,
+        beta,
+        a_log,
+        dt_bias,
+        hl,
+        n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+        n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+        n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+        cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t + head,
+        head,
+    )
     v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
@@ -411,35 +438,55 @@ def kda_decode_kernel(
     state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
     if seq < num_seqs and slot >= 0 and slot < num_slots:
         # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
-        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
-                                               divby=_tile(kv_layout, bf16_state).ce)
+        pool_head = state_pool + cute.assume(
+            cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems, divby=_tile(kv_layout, bf16_state).ce
+        )
         _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
         # The next item's state streams into shared memory while the first item computes.
         if cutlass.const_expr(items > 1):
-            _stage_state(_tile(kv_layout, bf16_state), pool_head,
-                         lane_off + _tile(kv_layout, bf16_state).row_offset(v_block),
-                         s_stage.iterator.toint(), tid, n_threads)
+            _stage_state(
+                _tile(kv_layout, bf16_state),
+                pool_head,
+                lane_off + _tile(kv_layout, bf16_state).row_offset(v_block),
+                s_stage.iterator.toint(),
+                tid,
+                n_threads,
+            )
         cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
-    token_prepare(_tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound,
-                  flags, gate)
+    token_prepare(
+        _tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate
+    )
     for r in cutlass.range_constexpr(rounds):
         io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-        _store8(s_v, io_tc * rows + io_col,
-                cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16))
+        _store8(
+            s_v,
+            io_tc * rows + io_col,
+            cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16),
+        )
     # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
     # the whole warp), with the token clamped like round 0.
     for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
         t = cutlass.min(base + half_id, num_tokens - 1)
         t64 = cutlass.Int64(t)
-        inputs = token_loads(q, k, g, beta, a_log, dt_bias, hl,
-                              n64 * q_stride_n + t64 * q_stride_t + head * D,
-                              n64 * k_stride_n + t64 * k_stride_t + head * D,
-                              n64 * g_stride_n + t64 * g_stride_t + head * D,
-                              cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head, head)
-        token_prepare(_tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound,
-                      flags, gate)
+        inputs = token_loads(
+            q,
+            k,
+            g,
+            beta,
+            a_log,
+            dt_bias,
+            hl,
+            n64 * q_stride_n + t64 * q_stride_t + head * D,
+            n64 * k_stride_n + t64 * k_stride_t + head * D,
+            n64 * g_stride_n + t64 * g_stride_t + head * D,
+            cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head,
+            head,
+        )
+        token_prepare(
+            _tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound, flags, gate
+        )
     cute.arch.sync_threads()
     if cutlass.const_expr(gate == "safe"):
         defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
@@ -448,51 +495,100 @@ def kda_decode_kernel(
     cute.arch.sync_threads()
 
     if seq < num_seqs and slot >= 0 and slot < num_slots:
-        pool_head = state_pool + cute.assume(cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems,
-                                               divby=_tile(kv_layout, bf16_state).ce)
+        pool_head = state_pool + cute.assume(
+            cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems, divby=_tile(kv_layout, bf16_state).ce
+        )
         write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
         for item in cutlass.range_constexpr(items):
             item_off = lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block)
             if cutlass.const_expr(item > 0):
                 cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
-                _unstage_state(_tile(kv_layout, bf16_state), state,
-                               cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
-                               tid, n_threads, _tile(kv_layout, bf16_state).dtype)
+                _unstage_state(
+                    _tile(kv_layout, bf16_state),
+                    state,
+                    cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
+                    tid,
+                    n_threads,
+                    _tile(kv_layout, bf16_state).dtype,
+                )
                 if cutlass.const_expr(item + 1 < items):
                     # Each thread refills only its own vectors: no barrier between unstage and refill.
-                    _stage_state(_tile(kv_layout, bf16_state), pool_head,
-                                 lane_off + _tile(kv_layout, bf16_state).row_offset((item + 1) * v_block),
-                                 s_stage.iterator.toint(), tid, n_threads)
+                    _stage_state(
+                        _tile(kv_layout, bf16_state),
+                        pool_head,
+                        lane_off + _tile(kv_layout, bf16_state).row_offset((item + 1) * v_block),
+                        s_stage.iterator.toint(),
+                        tid,
+                        n_threads,
+                    )
                     cute.arch.cp_async_commit_group()
             # Two loops, not one with the store under `if`: ptxas predicates a store inside the
             # loop, so its ~110 instructions would issue on every token of every call.
             if write_inter:
                 for t in cutlass.range(num_tokens, unroll=1):
-                    _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                                t, group, j, item * v_block + row_local, scale, rows, _step_decay(gate, s_decay))
+                    _token_step(
+                        _tile(kv_layout, bf16_state),
+                        state,
+                        s_alpha,
+                        s_khat,
+                        s_qhat,
+                        s_kq,
+                        s_b,
+                        s_v,
+                        s_o,
+                        t,
+                        group,
+                        j,
+                        item * v_block + row_local,
+                        scale,
+                        rows,
+                        _step_decay(gate, s_decay),
+                    )
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
-                    _store_state(state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j,
-                                 gate != "safe")
+                    _store_state(
+                        state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j, gate != "safe"
+                    )
             else:
                 for t in cutlass.range(num_tokens, unroll=1):
-                    _token_step(_tile(kv_layout, bf16_state), state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o,
-                                t, group, j, item * v_block + row_local, scale, rows, _step_decay(gate, s_decay))
-            _store_state(state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j,
-                         gate != "safe")
+                    _token_step(
+                        _tile(kv_layout, bf16_state),
+                        state,
+                        s_alpha,
+                        s_khat,
+                        s_qhat,
+                        s_kq,
+                        s_b,
+                        s_v,
+                        s_o,
+                        t,
+                        group,
+                        j,
+                        item * v_block + row_local,
+                        scale,
+                        rows,
+                        _step_decay(gate, s_decay),
+                    )
+            _store_state(
+                state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j, gate != "safe"
+            )
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(rounds):
             io_t = _io_token(tid, chunks, n_threads, r)
             if io_t < num_tokens:
                 o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
-                staged = cute.make_tensor(s_o.iterator + cute.assume(io_t * rows + io_col, divby=8),
-                                          cute.make_layout(8))
+                staged = cute.make_tensor(
+                    s_o.iterator + cute.assume(io_t * rows + io_col, divby=8), cute.make_layout(8)
+                )
                 cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(staged.load())
     else:
         # Padding row: zeros out, nothing else; a slot other than -1 is reported.
         if tid == 0:
-            report_status(status, (flags & DECODE_FLAG_STATUS) != 0,
-                          cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0))
+            report_status(
+                status,
+                (flags & DECODE_FLAG_STATUS) != 0,
+                cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
+            )
         for r in cutlass.range_constexpr(rounds):
             io_t = _io_token(tid, chunks, n_threads, r)
             if seq < num_seqs and io_t < num_tokens:
@@ -500,14 +596,25 @@ def kda_decode_kernel(
                 frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
                 frag.fill(0.0)
                 cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                    frag.load().to(cutlass.BFloat16))
+                    frag.load().to(cutlass.BFloat16)
+                )
 
 
 @cute.jit
-def kda_decode_launch(*params, stream, kv_layout: cutlass.Constexpr[bool], bf16_state: cutlass.Constexpr[bool],
-                      v_block: cutlass.Constexpr[int], items: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]):
+def kda_decode_launch(
+    *params,
+    stream,
+    kv_layout: cutlass.Constexpr[bool],
+    bf16_state: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+    items: cutlass.Constexpr[int],
+    gate: cutlass.Constexpr[str],
+):
     # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
     # placeholder (the runtime launches the spec's).
     kda_decode_kernel(*params, kv_layout, bf16_state, v_block, items, gate).launch(
-        grid=[D // (items * v_block), TRACE_HEADS, 1], block=[threads(v_block), 1, 1],
-        smem=smem_bytes(v_block, items, bf16_state), stream=stream)
+        grid=[D // (items * v_block), TRACE_HEADS, 1],
+        block=[threads(v_block), 1, 1],
+        smem=smem_bytes(v_block, items, bf16_state),
+        stream=stream,
+    )

@@ -165,8 +165,9 @@ def _store_words(dst: cute.Pointer, offset, words: list):
     cute.make_tensor(dst + cute.assume(offset, divby=4), cute.make_layout(len(words))).store(frag.load())
 
 
-def _build_p_operands(s_kdqd: cute.Tensor, s_decay: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, workers: int,
-                      deferred: bool):
+def _build_p_operands(
+    s_kdqd: cute.Tensor, s_decay: cute.Tensor, s_pb: cute.Tensor, num_tokens, tid, workers: int, deferred: bool
+):
     """P's B operands: column n's fp32 key vector (zero for tokens ≥ T; ``deferred``: kd or qd
     as the prologue left them, else k̂ or q̂ times A_t here) as bf16 hi and lo halves, hi at
     ``pb_chunk``, lo a whole half (P_COLUMNS·128 bf16) later; ``workers`` threads."""
@@ -180,15 +181,17 @@ def _build_p_operands(s_kdqd: cute.Tensor, s_decay: cute.Tensor, s_pb: cute.Tens
         hi = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         lo = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for e in range(8):
-            x = cutlass.Float32(cutlass.select_(t < num_tokens, src[e] if deferred else src[e] * decay[e],
-                                                cutlass.Float32(0.0)))
+            x = cutlass.Float32(
+                cutlass.select_(t < num_tokens, src[e] if deferred else src[e] * decay[e], cutlass.Float32(0.0))
+            )
             high = x.to(cutlass.BFloat16).to(cutlass.Float32)
             hi[e] = high
             lo[e] = x - high
         for half, values in ((0, hi), (1, lo)):
             at = half * P_COLUMNS * D + chunk * 8
             cute.make_tensor(s_pb.iterator + cute.assume(at, divby=8), cute.make_layout(8)).store(
-                values.load().to(cutlass.BFloat16))
+                values.load().to(cutlass.BFloat16)
+            )
 
 
 def _later_decay(s_alpha: cute.Tensor, first, at, num_tokens) -> list:
@@ -215,8 +218,9 @@ def _prefix_decay(s_alpha: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n
             s_decay[t * D + position] = decay
 
 
-def _build_update_operands(s_kinv: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor,
-                           num_tokens, item, deferred: bool):
+def _build_update_operands(
+    s_kinv: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor, num_tokens, item, deferred: bool
+):
     """K̃_t = k̂_t⊙A_{T−1}/A_t (zero for tokens ≥ T), rounded for tf32, for ``kt_work`` item
     ``item`` (one per thread): 8 keys read as vectors, written at ``kt_index``.  ``deferred``:
     ki_t⊙A_{T−1} (``s_kinv`` holds ki); else k̂_t times the decay of the tokens after t
@@ -302,8 +306,20 @@ def _stage_item(pool_head: cute.Pointer, row_g, cl, stage_address, tid, n_thread
         cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
 
 
-def _compute_item(state: cute.Tensor, s_pb: cute.Tensor, s_g: cute.Tensor, s_decay: cute.Tensor, s_kt: cute.Tensor,
-                  s_o: cute.Tensor, v_lo, v_hi, num_tokens, warp, gl, cl):
+def _compute_item(
+    state: cute.Tensor,
+    s_pb: cute.Tensor,
+    s_g: cute.Tensor,
+    s_decay: cute.Tensor,
+    s_kt: cute.Tensor,
+    s_o: cute.Tensor,
+    v_lo,
+    v_hi,
+    num_tokens,
+    warp,
+    gl,
+    cl,
+):
     """One warp's 16 rows: P on tensor cores, [u | o] through G, o staged in ``s_o``, and the
     rank-T update of ``state`` in place (bf16 pairs, rounded once)."""
     # P = S_0·[kd | qd] as hi + lo halves, two accumulators (two short chains).
@@ -349,9 +365,12 @@ def _compute_item(state: cute.Tensor, s_pb: cute.Tensor, s_g: cute.Tensor, s_dec
         for jj in range(4):
             j = 4 * m + jj
             kb = f32_bits(kt[jj])
-            c_frag = [bf16_as_f32(state[j], False) * decay[2 * jj], bf16_as_f32(state[j], True) * decay[2 * jj + 1],
-                      bf16_as_f32(state[PAIRS + j], False) * decay[2 * jj],
-                      bf16_as_f32(state[PAIRS + j], True) * decay[2 * jj + 1]]
+            c_frag = [
+                bf16_as_f32(state[j], False) * decay[2 * jj],
+                bf16_as_f32(state[j], True) * decay[2 * jj + 1],
+                bf16_as_f32(state[PAIRS + j], False) * decay[2 * jj],
+                bf16_as_f32(state[PAIRS + j], True) * decay[2 * jj + 1],
+            ]
             new = mma_tf32_m16n8k8(a_u, [kb, kb], c_frag)
             state[j] = pack_bf16x2(new[0], new[1])
             state[PAIRS + j] = pack_bf16x2(new[2], new[3])
@@ -446,20 +465,34 @@ def kda_decode_chunk_kernel(
                 for e in cutlass.range_constexpr(4):
                     state[r * PAIRS + 4 * m + e] = words[e]
         if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
-            _stage_item(state_pool + cute.assume(head_at, divby=8), cta_row0 + ROWS * warps + gl, cl,
-                        s_stage.iterator.toint(), tid, n_threads)
+            _stage_item(
+                state_pool + cute.assume(head_at, divby=8),
+                cta_row0 + ROWS * warps + gl,
+                cl,
+                s_stage.iterator.toint(),
+                tid,
+                n_threads,
+            )
             cute.arch.cp_async_commit_group()
 
     # ---- prologue, overlapping the state loads: half-warp t prepares token t (whole warps, since
     # the norms shuffle over the warp; the last token is repeated past T: identical values) ------
     if warp * 2 < num_tokens:
         t0 = cutlass.min(tid // HALF, num_tokens - 1)
-        inputs = token_loads(q, k, g, beta, a_log, dt_bias, hl,
-                              n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
-                              n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
-                              n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
-                              cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t
-                              + head, head)
+        inputs = token_loads(
+            q,
+            k,
+            g,
+            beta,
+            a_log,
+            dt_bias,
+            hl,
+            n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
+            n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
+            n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
+            cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t + head,
+            head,
+        )
         token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate)
     cute.arch.sync_threads()
     deferred = gate == "safe"  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
@@ -500,16 +533,20 @@ def kda_decode_chunk_kernel(
                     # Each thread refills only its own vectors: no barrier between unstage and refill.
                     _stage_item(pool_head, row0 + ROWS * warps + gl, cl, s_stage.iterator.toint(), tid, n_threads)
                     cute.arch.cp_async_commit_group()
-            _compute_item(state, s_pb, s_g, s_decay, s_kt, s_o, v_rows[2 * item], v_rows[2 * item + 1], num_tokens,
-                          warp, gl, cl)
+            _compute_item(
+                state, s_pb, s_g, s_decay, s_kt, s_o, v_rows[2 * item], v_rows[2 * item + 1], num_tokens, warp, gl, cl
+            )
             for r in cutlass.range_constexpr(2):
                 for m in cutlass.range_constexpr(4):
-                    _store_words(pool_words, _state_word(row0 + gl, r, m, cl),
-                                 [state[r * PAIRS + 4 * m + e] for e in range(4)])
+                    _store_words(
+                        pool_words, _state_word(row0 + gl, r, m, cl), [state[r * PAIRS + 4 * m + e] for e in range(4)]
+                    )
             cute.arch.sync_warp()
             if lane < 2 * num_tokens:
-                staged = cute.make_tensor(s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS
-                                                                     + 8 * (lane % 2), divby=8), cute.make_layout(8))
+                staged = cute.make_tensor(
+                    s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS + 8 * (lane % 2), divby=8),
+                    cute.make_layout(8),
+                )
                 out_at = out_base + row0
                 cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(staged.load())
             if cutlass.const_expr(item + 1 < items):
@@ -517,22 +554,30 @@ def kda_decode_chunk_kernel(
     else:
         # Padding row: zeros out, nothing else; a slot other than -1 is reported.
         if tid == 0:
-            report_status(status, (flags & DECODE_FLAG_STATUS) != 0,
-                          cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0))
+            report_status(
+                status,
+                (flags & DECODE_FLAG_STATUS) != 0,
+                cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
+            )
         if seq < num_seqs and lane < 2 * num_tokens:
             frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
             frag.fill(0.0)
             for item in cutlass.range_constexpr(items):
                 out_at = out_base + cta_row0 + item * ROWS * warps
                 cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
-                    frag.load().to(cutlass.BFloat16))
+                    frag.load().to(cutlass.BFloat16)
+                )
 
 
 @cute.jit
-def kda_decode_chunk_launch(*params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int],
-                            gate: cutlass.Constexpr[str]):
+def kda_decode_chunk_launch(
+    *params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]
+):
     # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
     # placeholder (the runtime launches the spec's).
     kda_decode_chunk_kernel(*params, warps, items, gate).launch(
-        grid=[D // (ROWS * warps * items), TRACE_HEADS, 1], block=[threads(warps), 1, 1],
-        smem=smem_bytes(warps, items), stream=stream)
+        grid=[D // (ROWS * warps * items), TRACE_HEADS, 1],
+        block=[threads(warps), 1, 1],
+        smem=smem_bytes(warps, items),
+        stream=stream,
+    )

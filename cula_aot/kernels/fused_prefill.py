@@ -49,14 +49,39 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import (FLAG_LONGEST_FIRST, FLAG_STATUS, FLAG_VARLEN, IMAGE_BYTES, ORDER_MAX_SEQS,
-                      STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE)
+from ..layout import (
+    FLAG_LONGEST_FIRST,
+    FLAG_STATUS,
+    FLAG_VARLEN,
+    IMAGE_BYTES,
+    ORDER_MAX_SEQS,
+    STATUS_CHECKPOINT_MISALIGNED,
+    STATUS_CU_SEQLENS_MALFORMED,
+    STATUS_SLOT_OUT_OF_RANGE,
+)
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
-from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARPS,
-                           copy_tiles, gate_cumsum, input_tile, lane_row_values, normalised_and_gates, reduce_l,
-                           reduce_mqk, register_inverse, store_inverse, store_row_norms, vector, lane_columns,
-                           lane_rows)
+from .prepare_tile import (
+    gate_constants,
+    decayed_partials,
+    LANE_COLS,
+    NORM_PARTIALS,
+    PRODUCT_PARTIALS,
+    WARPS,
+    copy_tiles,
+    gate_cumsum,
+    input_tile,
+    lane_row_values,
+    normalised_and_gates,
+    reduce_l,
+    reduce_mqk,
+    register_inverse,
+    store_inverse,
+    store_row_norms,
+    vector,
+    lane_columns,
+    lane_rows,
+)
 from .tile_chain import (
     checkpoint_run_end,
     checkpoint_schedule,
@@ -77,8 +102,15 @@ from .tile_chain import (
     store_checkpoint,
     write_state,
 )
-from .warp_mma import (accumulators_as_a, ld_shared_v4, ldmatrix_x4, mma_bf16_m16n8k16, pack_bf16x2, st_global_v4,
-                       stmatrix_x4_trans)
+from .warp_mma import (
+    accumulators_as_a,
+    ld_shared_v4,
+    ldmatrix_x4,
+    mma_bf16_m16n8k16,
+    pack_bf16x2,
+    st_global_v4,
+    stmatrix_x4_trans,
+)
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 
 WARP = 32
@@ -94,8 +126,15 @@ CONSUMER_WARPS = D // 16  # one warp per 16 V columns, two warpgroups
 STAGE_KEY_GROUP_BYTES = 160
 STAGE_TOKEN_HALF_BYTES = (D // 8) * STAGE_KEY_GROUP_BYTES
 STAGE_IMAGE_BYTES = 2 * STAGE_TOKEN_HALF_BYTES
-STAGE_PART_BYTES = {"kd": STAGE_IMAGE_BYTES, "kr": STAGE_IMAGE_BYTES, "qd": STAGE_IMAGE_BYTES,
-                    "inv": CHUNK * CHUNK * 2, "mqk": CHUNK * CHUNK * 2, "gt": D * 4, "b": CHUNK * 4}
+STAGE_PART_BYTES = {
+    "kd": STAGE_IMAGE_BYTES,
+    "kr": STAGE_IMAGE_BYTES,
+    "qd": STAGE_IMAGE_BYTES,
+    "inv": CHUNK * CHUNK * 2,
+    "mqk": CHUNK * CHUNK * 2,
+    "gt": D * 4,
+    "b": CHUNK * 4,
+}
 STAGE_PART_OFFSETS = {}
 STAGE_BYTES = 0
 for _part, _bytes in STAGE_PART_BYTES.items():  # the parts back to back, in this order
@@ -117,8 +156,9 @@ def _stage_part(stage_base: cute.Pointer, part: str, dtype):
 
 def _stage_part_view(stage_base: cute.Pointer, part: str, dtype) -> cute.Tensor:
     """``part`` of the record in a stage as a 1-D tensor of ``dtype``."""
-    return cute.make_tensor(_stage_part(stage_base, part, dtype),
-                            cute.make_layout(STAGE_PART_BYTES[part] * 8 // dtype.width))
+    return cute.make_tensor(
+        _stage_part(stage_base, part, dtype), cute.make_layout(STAGE_PART_BYTES[part] * 8 // dtype.width)
+    )
 
 
 @cute.jit
@@ -140,8 +180,9 @@ PRODUCER_SMEM_BYTES = 6 * IMAGE_BYTES + 16 + 4 * NORM_PARTIALS + 4 * PRODUCT_PAR
 def smem_bytes(stages: int, producers: int) -> int:
     """Dynamic shared memory: each producer's buffers, the record stages, the consumers' v
     stages, the stage barriers and alignment slack."""
-    return (producers * PRODUCER_SMEM_BYTES + stages * (STAGE_BYTES + CONSUMER_WARPS * V_WARP_BYTES)
-            + 16 * stages + 8 * 128)
+    return (
+        producers * PRODUCER_SMEM_BYTES + stages * (STAGE_BYTES + CONSUMER_WARPS * V_WARP_BYTES) + 16 * stages + 8 * 128
+    )
 
 
 INPUT_ELEMS = 2 * 3 * CHUNK * D  # two load buffers of q, k, g tiles
@@ -189,8 +230,17 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     context (``_ConsumerContext``)."""
     stage_base = stage_pointer(ctx.s_stages, stage, STAGE_BYTES)
     ahead = tile + (ctx.stages - 1)
-    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ctx.seq_start + cutlass.Int64(ahead * CHUNK),
-                  ctx.length - ahead * CHUNK, ctx.head, ctx.warp_col0, ctx.lane, True)
+    stage_v_rows(
+        ctx.v,
+        ctx.v_row_stride,
+        ctx.v_base + ahead_stage * ctx.v_stage_bytes,
+        ctx.seq_start + cutlass.Int64(ahead * CHUNK),
+        ctx.length - ahead * CHUNK,
+        ctx.head,
+        ctx.warp_col0,
+        ctx.lane,
+        True,
+    )
     cute.arch.cp_async_commit_group()
     rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
     token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
@@ -217,15 +267,16 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     a_u = tile_u(w, base, STAGE_PART_OFFSETS["inv"], ctx.square_lane)
 
     # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr, in flight under the O work ------------------------
-    updated = issue_state_update(ctx.state, gt, ctx.t, a_u, base, STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES,
-                                 STAGE_KEY_GROUP_BYTES)
+    updated = issue_state_update(
+        ctx.state, gt, ctx.t, a_u, base, STAGE_PART_OFFSETS["kr"], STAGE_TOKEN_HALF_BYTES, STAGE_KEY_GROUP_BYTES
+    )
 
     # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
     qs_acc = wgmma_wait(1, qs_acc)
     b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + ctx.square_lane)
     o_pairs = []
     for n in cutlass.range_constexpr(2):
-        d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
+        d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n : 2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
         o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
     o_slot = ctx.v_base + stage * ctx.v_stage_bytes
     stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
@@ -233,7 +284,9 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     words = ld_shared_v4(o_slot + ctx.lane * 16)
     out_row, out_half = v_chunk(ctx.lane)
     if out_row < rows_valid:
-        at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+        at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(
+            ctx.head * D + ctx.warp_col0 + out_half * 8
+        )
         st_global_v4((ctx.out + at).toint(), words)
     updated = wgmma_wait(0, updated)
     for i in cutlass.range_constexpr(4 * N_TILES):
@@ -313,8 +366,15 @@ def fused_prefill_kernel(
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
-                seq = longest_first(cu_seqlens, num_seqs, seq, cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
-                                     tid, fused_threads(producers), seq_len)
+                seq = longest_first(
+                    cu_seqlens,
+                    num_seqs,
+                    seq,
+                    cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
+                    tid,
+                    fused_threads(producers),
+                    seq_len,
+                )
         seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
@@ -347,8 +407,15 @@ def fused_prefill_kernel(
                 if b < my_tiles:
                     if lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
-                    copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b,
-                                seq_start + (producer + b * producers) * CHUNK, head)
+                    copy_tiles(
+                        atoms,
+                        token_coords,
+                        s_inputs,
+                        b,
+                        load_barriers + b,
+                        seq_start + (producer + b * producers) * CHUNK,
+                        head,
+                    )
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
         # The softplus producers recompute their gate constants every tile (L1 hits): held across
@@ -368,8 +435,13 @@ def fused_prefill_kernel(
 
             # ---- phase A (K1): the lane's fragments, row norms -----------------------------
             valid = [r < rows for r in my_rows]
-            vq, vk, vg = ([lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
-                           for r, ok in zip(my_rows, valid)] for which in range(3))
+            vq, vk, vg = (
+                [
+                    lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
+                    for r, ok in zip(my_rows, valid)
+                ]
+                for which in range(3)
+            )
             store_row_norms(vq, vk, s_norm, my_rows, pw)
             logit = cutlass.Float32(-float("inf"))
             if pw == inverse_warp:
@@ -382,16 +454,24 @@ def fused_prefill_kernel(
                 if mine + 2 < my_tiles:
                     if lane == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
-                    copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer,
-                                token0 + 2 * producers * CHUNK, head)
+                    copy_tiles(
+                        atoms,
+                        token_coords,
+                        s_inputs,
+                        buffer,
+                        load_barriers + buffer,
+                        token0 + 2 * producers * CHUNK,
+                        head,
+                    )
             # The stage is free once both consumer warpgroups are done with tile i − stages.
             if i >= stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // stages) + 1) % 2)
             record = stage_pointer(s_stages, stage, STAGE_BYTES)
 
             # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
-            qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale, gate)
+            qhat, khat, gamma = normalised_and_gates(
+                vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate
+            )
             cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
             if lane < 4:
                 vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
@@ -401,8 +481,9 @@ def fused_prefill_kernel(
                     _store_stage_image_row(record, part, values, my_rows[half], col0)
 
             # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate,
-                             kr_from_kinv=True)
+            decayed_partials(
+                qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
+            )
             b = cutlass.Float32(0.0)
             if pw == inverse_warp:
                 b = sigmoid(logit)
@@ -411,8 +492,11 @@ def fused_prefill_kernel(
             _producer_sync(producer)
             # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
             if pw == inverse_warp:
-                store_inverse(_stage_part(record, "inv", cutlass.BFloat16),
-                               register_inverse(reduce_l(s_part, b, lane), lane), lane)
+                store_inverse(
+                    _stage_part(record, "inv", cutlass.BFloat16),
+                    register_inverse(reduce_l(s_part, b, lane), lane),
+                    lane,
+                )
             elif pw >= 2:
                 reduce_mqk(s_part, _stage_part(record, "mqk", cutlass.BFloat16), pw % 2, lane)
 
@@ -431,34 +515,68 @@ def fused_prefill_kernel(
         init_index = seq
         final_index = seq
         init_index, read_init, final_index, write_final, bad_slot = state_slots(
-            state_indices, flags, init_index, init_slots, final_index, final_slots)
+            state_indices, flags, init_index, init_slots, final_index, final_slots
+        )
         checkpoint_tile = cutlass.Int32(-1)
         checkpoint_misaligned = cutlass.Boolean(False)
         if cutlass.const_expr(checkpointing):
             checkpoint_tile, checkpoint_column, checkpoint_misaligned = checkpoint_schedule(
-                checkpoint_offsets, flags, seq, checkpoint_every, cutlass.Int32(0))
+                checkpoint_offsets, flags, seq, checkpoint_every, cutlass.Int32(0)
+            )
             # What the writes need, derived here: nothing both roles read stays live to them.
             checkpoint_row = seq * checkpoint_columns
             whole_tiles = length // CHUNK
         if (cw == 0) & (lane == 0):
-            report_status(status, (flags & FLAG_STATUS) != 0,
-                          cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-                          | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
-                          | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0))
+            report_status(
+                status,
+                (flags & FLAG_STATUS) != 0,
+                cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+                | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+                | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
+            )
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
-            read_state(state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v,
-                       flags)
+            read_state(
+                state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags
+            )
         v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
         v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
         for s in cutlass.range_constexpr(stages - 1):
-            stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
-                          length - s * CHUNK, head, warp_col0, lane, True)
+            stage_v_rows(
+                v,
+                v_row_stride,
+                v_base + s * v_stage_bytes,
+                seq_start + cutlass.Int64(s * CHUNK),
+                length - s * CHUNK,
+                head,
+                warp_col0,
+                lane,
+                True,
+            )
             cute.arch.cp_async_commit_group()
         square_lane = square_lane_offset(lane)
         out_stride = cutlass.Int64(out_row_stride)
-        ctx = _ConsumerContext(empty=empty, full=full, head=head, lane=lane, length=length, out=out, out_stride=out_stride, s_stages=s_stages, seq_start=seq_start, square_lane=square_lane, stages=stages, state=state, t=t, v=v, v_base=v_base, v_row_stride=v_row_stride, v_stage_bytes=v_stage_bytes, warp_col0=warp_col0)
+        ctx = _ConsumerContext(
+            empty=empty,
+            full=full,
+            head=head,
+            lane=lane,
+            length=length,
+            out=out,
+            out_stride=out_stride,
+            s_stages=s_stages,
+            seq_start=seq_start,
+            square_lane=square_lane,
+            stages=stages,
+            state=state,
+            t=t,
+            v=v,
+            v_base=v_base,
+            v_row_stride=v_row_stride,
+            v_stage_bytes=v_stage_bytes,
+            warp_col0=warp_col0,
+        )
         if cutlass.const_expr(checkpointing):
             # Runs of tiles up to each checkpoint, the write between runs, as in K2.
             run_start = cutlass.Int32(0)
@@ -466,13 +584,31 @@ def fused_prefill_kernel(
                 run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
                 for tile in cutlass.range(run_start, run_end, unroll=1):
                     at = cutlass.Uint32(tile)
-                    _consumer_tile(ctx, tile, cutlass.Int32(at % stages), cutlass.Int32((at + (stages - 1)) % stages),
-                                   cutlass.Int32((at // stages) % 2))
+                    _consumer_tile(
+                        ctx,
+                        tile,
+                        cutlass.Int32(at % stages),
+                        cutlass.Int32((at + (stages - 1)) % stages),
+                        cutlass.Int32((at // stages) % 2),
+                    )
                 if run_end - 1 == checkpoint_tile:
-                    store_checkpoint(state, (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint_columns),
-                                     checkpoint_row + checkpoint_column, checkpoints, checkpoint_indices,
-                                     checkpoint_slots, checkpoint_slot_stride, head, t, v_col, checkpoint_stride_k,
-                                     checkpoint_stride_v, flags, status, (cw == 0) & (lane == 0))
+                    store_checkpoint(
+                        state,
+                        (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint_columns),
+                        checkpoint_row + checkpoint_column,
+                        checkpoints,
+                        checkpoint_indices,
+                        checkpoint_slots,
+                        checkpoint_slot_stride,
+                        head,
+                        t,
+                        v_col,
+                        checkpoint_stride_k,
+                        checkpoint_stride_v,
+                        flags,
+                        status,
+                        (cw == 0) & (lane == 0),
+                    )
                     checkpoint_tile = checkpoint_tile + checkpoint_every // CHUNK
                     checkpoint_column = checkpoint_column + 1
                 run_start = run_end
@@ -481,19 +617,42 @@ def fused_prefill_kernel(
                 _consumer_tile(ctx, tile, tile % stages, (tile + (stages - 1)) % stages, (tile // stages) % 2)
 
         if write_final != 0:
-            write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k,
-                        final_stride_v, flags)
+            write_state(
+                state,
+                final_state,
+                final_index,
+                final_slot_stride,
+                head,
+                t,
+                v_col,
+                final_stride_k,
+                final_stride_v,
+                flags,
+            )
 
 
 @cute.jit
-def fused_prefill_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
-                         stages: cutlass.Constexpr[int], producers: cutlass.Constexpr[int], gate: cutlass.Constexpr[str],
-                         checkpointing: cutlass.Constexpr[bool]):
+def fused_prefill_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    *params,
+    stream,
+    stages: cutlass.Constexpr[int],
+    producers: cutlass.Constexpr[int],
+    gate: cutlass.Constexpr[str],
+    checkpointing: cutlass.Constexpr[bool],
+):
     # ``params``: the kernel's runtime parameters after its descriptors (``specs.FUSED_PARAMS``);
     # descriptors and grid as in ``k1_prepare_launch``.
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
     fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers, gate, checkpointing).launch(
-        grid=[1, TRACE_HEADS, 1], block=[fused_threads(producers), 1, 1], smem=smem_bytes(stages, producers),
-        stream=stream, min_blocks_per_mp=1, preferred_smem_carveout=100)
+        grid=[1, TRACE_HEADS, 1],
+        block=[fused_threads(producers), 1, 1],
+        smem=smem_bytes(stages, producers),
+        stream=stream,
+        min_blocks_per_mp=1,
+        preferred_smem_carveout=100,
+    )

@@ -60,15 +60,44 @@ runtime scalars.
 import cutlass
 import cutlass.cute as cute
 
-from .common import (CHUNK, D, IMAGE_BYTES, THREADS, TRACE_HEADS, beta_weight, k_inter_index, make_token_tma,
-                     record_part, sequence_bounds, slot_base, varlen_slot_sequence)
+from .common import (
+    CHUNK,
+    D,
+    IMAGE_BYTES,
+    THREADS,
+    TRACE_HEADS,
+    beta_weight,
+    k_inter_index,
+    make_token_tma,
+    record_part,
+    sequence_bounds,
+    slot_base,
+    varlen_slot_sequence,
+)
 from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
-from .prepare_tile import (gate_constants, decayed_partials, LANE_COLS, NORM_PARTIALS, PRODUCT_PARTIALS, WARP_COLS,
-                           copy_tiles, gate_cumsum, input_tile, lane_columns, lane_row_values, lane_rows,
-                           normalised_and_gates, reduce_l, reduce_mqk, register_inverse, store_inverse,
-                           store_row_norms, vector)
+from .prepare_tile import (
+    gate_constants,
+    decayed_partials,
+    LANE_COLS,
+    NORM_PARTIALS,
+    PRODUCT_PARTIALS,
+    WARP_COLS,
+    copy_tiles,
+    gate_cumsum,
+    input_tile,
+    lane_columns,
+    lane_row_values,
+    lane_rows,
+    normalised_and_gates,
+    reduce_l,
+    reduce_mqk,
+    register_inverse,
+    store_inverse,
+    store_row_norms,
+    vector,
+)
 
 assert WARP_COLS == 4 * LANE_COLS  # lanes t = 0..3 of a row cover the warp's columns
 
@@ -90,8 +119,9 @@ def _store_image_row(record: cute.Pointer, part: cutlass.Constexpr[str], values:
 
 
 @cute.jit
-def _next_tile(cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, next_base,
-               varlen: cutlass.Constexpr[bool]):
+def _next_tile(
+    cu_seqlens: cute.Pointer, num_seqs, seq_len, slot, seq, base, next_base, varlen: cutlass.Constexpr[bool]
+):
     """The tile cursor: (first token, valid rows, seq, base, next_base) of tile slot ``slot``, given
     the cursor (seq, its first slot ``base``, the next sequence's ``next_base``) at an earlier
     slot of this CTA (varlen; rows ≤ 0 marks a gap slot).  Slots are visited in order, so a
@@ -190,7 +220,8 @@ def k1_prepare_kernel(
         for b in cutlass.range_constexpr(2):
             if b < count:
                 token0, rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen)
+                    cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen
+                )
                 _publish_tile(s_info, load_barriers, b, token0, rows, lane)
                 copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
 
@@ -211,8 +242,13 @@ def k1_prepare_kernel(
         # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
         valid = [r < rows for r in my_rows]
         # g needs no mask: γ itself is zeroed on rows past the end.
-        vq, vk, vg = ([lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
-                       for r, ok in zip(my_rows, valid)] for which in range(3))
+        vq, vk, vg = (
+            [
+                lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
+                for r, ok in zip(my_rows, valid)
+            ]
+            for which in range(3)
+        )
         store_row_norms(vq, vk, s_norm, my_rows, warp)
         # β of rows tid < 16: loaded here, used only at the end of phase C, so their global
         # latency overlaps phases A-C instead of holding the next barrier.
@@ -227,14 +263,16 @@ def k1_prepare_kernel(
         if cute.arch.warp_idx() == 0:
             if i + 2 < count:
                 next_token0, next_rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen)
+                    cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen
+                )
                 _publish_tile(s_info, load_barriers, buffer, next_token0, next_rows, lane)
                 copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
 
         if rows > 0:
             # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
-            qhat, khat, gamma = normalised_and_gates(vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias,
-                                                      gamma_scale, gate, qk_as_given)
+            qhat, khat, gamma = normalised_and_gates(
+                vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate, qk_as_given
+            )
             cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
             if lane < 4:
                 vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
@@ -248,8 +286,9 @@ def k1_prepare_kernel(
             decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
             b = cutlass.Float32(0.0)
             if warp == 0:
-                b = cutlass.Float32(cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability),
-                                                    cutlass.Float32(0.0)))
+                b = cutlass.Float32(
+                    cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability), cutlass.Float32(0.0))
+                )
                 if lane < CHUNK:
                     cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             cute.arch.sync_threads()
@@ -258,15 +297,25 @@ def k1_prepare_kernel(
             # (it sums L's partials first); warps 2-3 sum Mqk's meanwhile.  No barrier: the next
             # tile's exchange is written after its phase A barrier, which warp 0 reaches last.
             if warp == 0:
-                store_inverse(record_part(record, "inv", cutlass.BFloat16), register_inverse(reduce_l(s_part, b, lane),
-                                                                                              lane), lane)
+                store_inverse(
+                    record_part(record, "inv", cutlass.BFloat16),
+                    register_inverse(reduce_l(s_part, b, lane), lane),
+                    lane,
+                )
             elif warp >= 2:
                 reduce_mqk(s_part, record_part(record, "mqk", cutlass.BFloat16), warp % 2, lane)
 
 
 @cute.jit
-def k1_prepare_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream,
-                      varlen: cutlass.Constexpr[bool], gate: cutlass.Constexpr[str]):
+def k1_prepare_launch(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    *params,
+    stream,
+    varlen: cutlass.Constexpr[bool],
+    gate: cutlass.Constexpr[str],
+):
     # ``params``: the kernel's runtime parameters after its descriptors (``specs.K1_PARAMS``).
     # The descriptors built here and the grid only fix the kernel's types: the runtime encodes
     # the real descriptors per call from the manifest recipe and launches the spec's grid.
@@ -274,7 +323,12 @@ def k1_prepare_launch(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
     k1_prepare_kernel(tma_q, tma_k, tma_g, *params, token_coords, varlen, gate).launch(
-        grid=[1, TRACE_HEADS, 1], block=[THREADS, 1, 1], smem=SMEM_BYTES, stream=stream,
+        grid=[1, TRACE_HEADS, 1],
+        block=[THREADS, 1, 1],
+        smem=SMEM_BYTES,
+        stream=stream,
         # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
         # does not ask a GPU for the SM's shared memory (the runtime sets it on load).
-        min_blocks_per_mp=CTAS_PER_SM, preferred_smem_carveout=100)
+        min_blocks_per_mp=CTAS_PER_SM,
+        preferred_smem_carveout=100,
+    )

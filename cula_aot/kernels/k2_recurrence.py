@@ -141,7 +141,9 @@ from .tile_chain import (
 WARP = 32
 KS_CHAINS = 4  # independent accumulation chains of Sᵀ·kdᵀ (see the tile loop)
 
-assert all(o % STAGE_ALIGN == 0 for o in (WORKSPACE_RECORD_BYTES, PRESCAN_RECORD_BYTES, *WORKSPACE_PART_OFFSETS.values()))
+assert all(
+    o % STAGE_ALIGN == 0 for o in (WORKSPACE_RECORD_BYTES, PRESCAN_RECORD_BYTES, *WORKSPACE_PART_OFFSETS.values())
+)
 
 
 def stage_bytes(prescan: bool) -> int:
@@ -179,8 +181,15 @@ def multicast_slice_bytes(nbytes: int, ctas: int) -> int:
     return nbytes // ctas
 
 
-def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrier: cute.Pointer, record_offset,
-                       nbytes: int, cluster_ctas: int, rank):
+def _issue_stage_loads(
+    workspace: cute.Pointer,
+    stage_base: cute.Pointer,
+    barrier: cute.Pointer,
+    record_offset,
+    nbytes: int,
+    cluster_ctas: int,
+    rank,
+):
     """One thread: arm ``barrier`` with the stage's byte count, then load the workspace record at
     byte ``record_offset`` (its first ``nbytes``): alone with one bulk copy, or in a cluster of
     ``cluster_ctas`` CTAs (the V blocks of one sequence and head) its ``rank``-th slice,
@@ -190,15 +199,23 @@ def _issue_stage_loads(workspace: cute.Pointer, stage_base: cute.Pointer, barrie
     record = workspace + cute.assume(record_offset, divby=STAGE_ALIGN)
     if cutlass.const_expr(cluster_ctas == 1):
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), cutlass.Uint8, num_bits_per_copy=nbytes * 8)
-        cute.copy(atom, cute.make_tensor(record, cute.make_layout(nbytes)),
-                  cute.make_tensor(stage_base, cute.make_layout(nbytes)), mbar_ptr=barrier)
+        cute.copy(
+            atom,
+            cute.make_tensor(record, cute.make_layout(nbytes)),
+            cute.make_tensor(stage_base, cute.make_layout(nbytes)),
+            mbar_ptr=barrier,
+        )
     else:
         part = multicast_slice_bytes(nbytes, cluster_ctas)
         offset = cute.assume(rank * part, divby=16)
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SMulticastOp(), cutlass.Uint8, num_bits_per_copy=part * 8)
-        cute.copy(atom, cute.make_tensor(record + offset, cute.make_layout(part)),
-                  cute.make_tensor(stage_base + offset, cute.make_layout(part)), mbar_ptr=barrier,
-                  mcast_mask=cutlass.Int16((1 << cluster_ctas) - 1))
+        cute.copy(
+            atom,
+            cute.make_tensor(record + offset, cute.make_layout(part)),
+            cute.make_tensor(stage_base + offset, cute.make_layout(part)),
+            mbar_ptr=barrier,
+            mcast_mask=cutlass.Int16((1 << cluster_ctas) - 1),
+        )
 
 
 def _image_lane_offset(lane):
@@ -271,17 +288,29 @@ def run_cursor(run_start, seq_start, length, out_stride, slot0, stages: int):
     ``run_start``: the carried values' start (``TileCursor``; stages count unsigned from tile 0)."""
     token0 = seq_start + cutlass.Int64(run_start * CHUNK)
     at = cutlass.Uint32(run_start)
-    return (token0, length - run_start * CHUNK, token0 * out_stride, cutlass.Int32(at % stages),
-            cutlass.Int32((at + (stages - 1)) % stages), cutlass.Int32((at // stages) % 2),
-            (slot0 + cutlass.Int64(run_start + (stages - 1))) * WORKSPACE_RECORD_BYTES)
+    return (
+        token0,
+        length - run_start * CHUNK,
+        token0 * out_stride,
+        cutlass.Int32(at % stages),
+        cutlass.Int32((at + (stages - 1)) % stages),
+        cutlass.Int32((at // stages) % 2),
+        (slot0 + cutlass.Int64(run_start + (stages - 1))) * WORKSPACE_RECORD_BYTES,
+    )
 
 
 def next_tile(token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages: int):
     """The carried values (``run_cursor``'s order) one tile on."""
     wraps = stage == stages - 1
-    return (token0 + CHUNK, rows_left - CHUNK, out_row0 + out_stride * CHUNK, cutlass.select_(wraps, 0, stage + 1),
-            cutlass.select_(ahead_stage == stages - 1, 0, ahead_stage + 1), cutlass.select_(wraps, phase ^ 1, phase),
-            ahead_record + WORKSPACE_RECORD_BYTES)
+    return (
+        token0 + CHUNK,
+        rows_left - CHUNK,
+        out_row0 + out_stride * CHUNK,
+        cutlass.select_(wraps, 0, stage + 1),
+        cutlass.select_(ahead_stage == stages - 1, 0, ahead_stage + 1),
+        cutlass.select_(wraps, phase ^ 1, phase),
+        ahead_record + WORKSPACE_RECORD_BYTES,
+    )
 
 
 @cute.jit
@@ -312,10 +341,26 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         token0 = cursor.token0
     if ctx.tid == 0:
         if ahead < ctx.num_tiles:
-            _issue_stage_loads(ctx.workspace, stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes), ctx.full + ahead_stage,
-                               ahead_record, ctx.stage_nbytes, ctx.cluster_ctas, ctx.rank)
-    stage_v_rows(ctx.v, ctx.v_row_stride, ctx.v_base + ahead_stage * ctx.v_stage_bytes, ahead_token0, ahead_rows, ctx.head,
-                  ctx.warp_col0, ctx.lane, ctx.load_v)
+            _issue_stage_loads(
+                ctx.workspace,
+                stage_pointer(ctx.s_stages, ahead_stage, ctx.stage_nbytes),
+                ctx.full + ahead_stage,
+                ahead_record,
+                ctx.stage_nbytes,
+                ctx.cluster_ctas,
+                ctx.rank,
+            )
+    stage_v_rows(
+        ctx.v,
+        ctx.v_row_stride,
+        ctx.v_base + ahead_stage * ctx.v_stage_bytes,
+        ahead_token0,
+        ahead_rows,
+        ctx.head,
+        ctx.warp_col0,
+        ctx.lane,
+        ctx.load_v,
+    )
     # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
     cute.arch.cp_async_commit_group()
     rows_valid = cutlass.min(rows_left, CHUNK)
@@ -341,8 +386,7 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, IMAGE_K_STEP_UNITS)
         qs_acc = [cutlass.Float32(0.0)] * 8
         if cutlass.const_expr(not ctx.prescan):
-            qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES,
-                                   IMAGE_TOKEN_GROUP_BYTES)
+            qd_b = smem_descriptor(base + WORKSPACE_PART_OFFSETS["qd"], IMAGE_KEY_GROUP_BYTES, IMAGE_TOKEN_GROUP_BYTES)
             qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, IMAGE_K_STEP_UNITS)
             ks_acc = wgmma_wait(1, ks_acc)
         else:
@@ -362,13 +406,13 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
             b_kd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kd"] + kt * 2 * CHUNK * 16 + ctx.image_lane)
             ks_kt = ks_chains[kt % KS_CHAINS]
             for n in cutlass.range_constexpr(2):
-                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n:2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
+                d_k = mma_bf16_m16n8k16(a, b_kd[2 * n : 2 * n + 2], [ks_kt[4 * n + c] for c in range(4)])
                 for c in cutlass.range_constexpr(4):
                     ks_kt[4 * n + c] = d_k[c]
             if cutlass.const_expr(not ctx.prescan):
                 b_qd = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["qd"] + kt * 2 * CHUNK * 16 + ctx.image_lane)
                 for n in cutlass.range_constexpr(2):
-                    d_q = mma_bf16_m16n8k16(a, b_qd[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+                    d_q = mma_bf16_m16n8k16(a, b_qd[2 * n : 2 * n + 2], [qs[4 * n + c] for c in range(4)])
                     for c in cutlass.range_constexpr(4):
                         qs[4 * n + c] = d_q[c]
         ks = ks_chains[0]
@@ -381,8 +425,16 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
     a_u = tile_u(w, base, WORKSPACE_PART_OFFSETS["inv"], ctx.square_lane)
     if cutlass.const_expr(ctx.wgmma):
         # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued first, in flight under the O work.
-        updated = issue_state_update(ctx.state, gt, ctx.t, a_u, base, WORKSPACE_PART_OFFSETS["kr"], IMAGE_TOKEN_GROUP_BYTES,
-                                     IMAGE_KEY_GROUP_BYTES)
+        updated = issue_state_update(
+            ctx.state,
+            gt,
+            ctx.t,
+            a_u,
+            base,
+            WORKSPACE_PART_OFFSETS["kr"],
+            IMAGE_TOKEN_GROUP_BYTES,
+            IMAGE_KEY_GROUP_BYTES,
+        )
 
     # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ (the pre_scan writes states only) --------------------------
     # O as bf16 pairs, matrix m = 2·n + h of the 16 × 16 block: token n-tile n, V rows 8h..8h+7.
@@ -394,17 +446,19 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
                 qs[i] = qs_acc[i]
         b_mqk = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["mqk"] + ctx.square_lane)
         for n in cutlass.range_constexpr(2):
-            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n:2 * n + 2], [qs[4 * n + c] for c in range(4)])
+            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n : 2 * n + 2], [qs[4 * n + c] for c in range(4)])
             o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
 
     # -- Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr (B[token, key] = kr: ldmatrix.trans) ----------------
     if cutlass.const_expr(not ctx.wgmma):
         for pair in cutlass.range_constexpr(N_TILES // 2):
-            b_kr = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + ctx.image_trans_lane, transpose=True)
+            b_kr = ldmatrix_x4(
+                base + WORKSPACE_PART_OFFSETS["kr"] + pair * 2 * CHUNK * 16 + ctx.image_trans_lane, transpose=True
+            )
             for n in cutlass.range_constexpr(2):
                 j = 2 * pair + n
                 scaled = [ctx.state[4 * j + c] * gt[8 * j + 2 * ctx.t + c % 2] for c in range(4)]
-                d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n:2 * n + 2], scaled)
+                d_s = mma_bf16_m16n8k16(a_u, b_kr[2 * n : 2 * n + 2], scaled)
                 for c in cutlass.range_constexpr(4):
                     ctx.state[4 * j + c] = d_s[c]
     if cutlass.const_expr(not ctx.prescan):
@@ -418,9 +472,15 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         out_row, out_half = v_chunk(ctx.lane)
         if out_row < rows_valid and ctx.write_out:
             if cutlass.const_expr(cursor is None):
-                at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+                at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(
+                    ctx.head * D + ctx.warp_col0 + out_half * 8
+                )
             else:
-                at = cursor.out_row0 + cutlass.Int64(out_row) * ctx.out_stride + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+                at = (
+                    cursor.out_row0
+                    + cutlass.Int64(out_row) * ctx.out_stride
+                    + cutlass.Int64(ctx.head * D + ctx.warp_col0 + out_half * 8)
+                )
             st_global_v4((ctx.out + at).toint(), words)
     if cutlass.const_expr(ctx.wgmma):
         # The update has read the stage's kr and written the state before the stage is freed.
@@ -509,9 +569,15 @@ def k2_recurrence_kernel(
         if (flags & FLAG_LONGEST_FIRST) != 0:
             if num_seqs <= ORDER_MAX_SEQS:
                 # The stages are free until the barriers below are initialised and synced.
-                seq = longest_first(cu_seqlens, num_seqs, seq,
-                                     cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32), tid, k2_threads(v_block),
-                                     seq_len)
+                seq = longest_first(
+                    cu_seqlens,
+                    num_seqs,
+                    seq,
+                    cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
+                    tid,
+                    k2_threads(v_block),
+                    seq_len,
+                )
     seq_start = cutlass.Int64(0)
     first_slot = cutlass.Int32(0)
     length = seq_len
@@ -543,18 +609,23 @@ def k2_recurrence_kernel(
     # State pools: the row's index is a sequence number and the slot is state_indices[n]
     # (outside the pool: a zero start and no write).
     init_index, read_init, final_index, write_final, bad_slot = state_slots(
-        state_indices, flags, init_index, init_slots, final_index, final_slots)
+        state_indices, flags, init_index, init_slots, final_index, final_slots
+    )
     # Prefix-cache checkpoints.
     checkpoint_tile = cutlass.Int32(-1)
     checkpoint_misaligned = cutlass.Boolean(False)
     if cutlass.const_expr(checkpointing):
         checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
-            checkpoint_offsets, flags, checkpoint_row, checkpoint_every, tokens_before)
+            checkpoint_offsets, flags, checkpoint_row, checkpoint_every, tokens_before
+        )
     if tid == 0:
-        report_status(status, (flags & FLAG_STATUS) != 0,
-                      cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-                      | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
-                      | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0))
+        report_status(
+            status,
+            (flags & FLAG_STATUS) != 0,
+            cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+            | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+            | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
+        )
     if cutlass.const_expr(segmented):
         # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
         # is the merge's output, so nothing of the predecessor's is read before its grid is done.
@@ -562,7 +633,9 @@ def k2_recurrence_kernel(
     state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
     if read_init != 0:
-        read_state(state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags)
+        read_state(
+            state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags
+        )
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(4 * N_TILES):
             key, column = state_entry(t, v_col, i)
@@ -592,10 +665,26 @@ def k2_recurrence_kernel(
     for s in cutlass.range_constexpr(stages - 1):
         if tid == 0:
             if s < num_tiles:
-                _issue_stage_loads(workspace, stage_pointer(s_stages, s, stage_nbytes), full + s,
-                                   (slot0 + cutlass.Int64(s)) * WORKSPACE_RECORD_BYTES, stage_nbytes, cluster_ctas, rank)
-        stage_v_rows(v, v_row_stride, v_base + s * v_stage_bytes, seq_start + cutlass.Int64(s * CHUNK),
-                      length - s * CHUNK, head, warp_col0, lane, load_v)
+                _issue_stage_loads(
+                    workspace,
+                    stage_pointer(s_stages, s, stage_nbytes),
+                    full + s,
+                    (slot0 + cutlass.Int64(s)) * WORKSPACE_RECORD_BYTES,
+                    stage_nbytes,
+                    cluster_ctas,
+                    rank,
+                )
+        stage_v_rows(
+            v,
+            v_row_stride,
+            v_base + s * v_stage_bytes,
+            seq_start + cutlass.Int64(s * CHUNK),
+            length - s * CHUNK,
+            head,
+            warp_col0,
+            lane,
+            load_v,
+        )
         cute.arch.cp_async_commit_group()
 
     image_lane = _image_lane_offset(lane)
@@ -603,7 +692,40 @@ def k2_recurrence_kernel(
     square_lane = square_lane_offset(lane)
     out_stride = cutlass.Int64(out_row_stride)
 
-    ctx = _ChainContext(cluster_ctas=cluster_ctas, full=full, head=head, image_lane=image_lane, image_trans_lane=image_trans_lane, lane=lane, length=length, load_v=load_v, multicast=multicast, num_tiles=num_tiles, out=out, out_stride=out_stride, prescan=prescan, rank=rank, s_stages=s_stages, seq_start=seq_start, slot0=slot0, square_lane=square_lane, stage_nbytes=stage_nbytes, stages=stages, state=state, t=t, tid=tid, v=v, v_base=v_base, v_row_stride=v_row_stride, v_stage_bytes=v_stage_bytes, warp=warp, warp_col0=warp_col0, wgmma=wgmma, workspace=workspace, write_out=write_out)
+    ctx = _ChainContext(
+        cluster_ctas=cluster_ctas,
+        full=full,
+        head=head,
+        image_lane=image_lane,
+        image_trans_lane=image_trans_lane,
+        lane=lane,
+        length=length,
+        load_v=load_v,
+        multicast=multicast,
+        num_tiles=num_tiles,
+        out=out,
+        out_stride=out_stride,
+        prescan=prescan,
+        rank=rank,
+        s_stages=s_stages,
+        seq_start=seq_start,
+        slot0=slot0,
+        square_lane=square_lane,
+        stage_nbytes=stage_nbytes,
+        stages=stages,
+        state=state,
+        t=t,
+        tid=tid,
+        v=v,
+        v_base=v_base,
+        v_row_stride=v_row_stride,
+        v_stage_bytes=v_stage_bytes,
+        warp=warp,
+        warp_col0=warp_col0,
+        wgmma=wgmma,
+        workspace=workspace,
+        write_out=write_out,
+    )
     if cutlass.const_expr(checkpointing):
         # The tiles run up to each checkpoint (one run without any), the write between runs; a
         # run carries its tiles' addresses and stages (``TileCursor``).
@@ -611,17 +733,38 @@ def k2_recurrence_kernel(
         while run_start < num_tiles:
             run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
             token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = run_cursor(
-                run_start, seq_start, length, out_stride, slot0, stages)
+                run_start, seq_start, length, out_stride, slot0, stages
+            )
             for tile in cutlass.range(run_start, run_end, unroll=1):
-                _chain_tile(ctx, tile, stage, ahead_stage, phase,
-                            cursor=TileCursor(token0, rows_left, out_row0, ahead_record))
+                _chain_tile(
+                    ctx, tile, stage, ahead_stage, phase, cursor=TileCursor(token0, rows_left, out_row0, ahead_record)
+                )
                 token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = next_tile(
-                    token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages)
+                    token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages
+                )
             if run_end - 1 == checkpoint_tile:
                 checkpoint_tile = write_checkpoint(
-                    state, checkpoint_tile, length, checkpoints, checkpoint_indices, checkpoint_offsets, checkpoint_row,
-                    tokens_before, checkpoint_every, checkpoint_columns, checkpoint_slots, checkpoint_slot_stride, head,
-                    t, v_col, checkpoint_stride_k, checkpoint_stride_v, flags, status, tid == 0)
+                    state,
+                    checkpoint_tile,
+                    length,
+                    checkpoints,
+                    checkpoint_indices,
+                    checkpoint_offsets,
+                    checkpoint_row,
+                    tokens_before,
+                    checkpoint_every,
+                    checkpoint_columns,
+                    checkpoint_slots,
+                    checkpoint_slot_stride,
+                    head,
+                    t,
+                    v_col,
+                    checkpoint_stride_k,
+                    checkpoint_stride_v,
+                    flags,
+                    status,
+                    tid == 0,
+                )
             run_start = run_end
     else:
         for tile in cutlass.range(num_tiles, unroll=1):
@@ -632,20 +775,40 @@ def k2_recurrence_kernel(
             cute.arch.cluster_wait()
 
     if write_final != 0:
-        write_state(state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k, final_stride_v,
-                    flags)
+        write_state(
+            state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k, final_stride_v, flags
+        )
 
 
 @cute.jit
 def k2_recurrence_launch(
-    *params, stream, varlen: cutlass.Constexpr[bool], v_block: cutlass.Constexpr[int],
-    segmented: cutlass.Constexpr[bool], prescan: cutlass.Constexpr[bool], stages: cutlass.Constexpr[int],
-    multicast: cutlass.Constexpr[bool], wgmma: cutlass.Constexpr[bool], checkpointing: cutlass.Constexpr[bool],
+    *params,
+    stream,
+    varlen: cutlass.Constexpr[bool],
+    v_block: cutlass.Constexpr[int],
+    segmented: cutlass.Constexpr[bool],
+    prescan: cutlass.Constexpr[bool],
+    stages: cutlass.Constexpr[int],
+    multicast: cutlass.Constexpr[bool],
+    wgmma: cutlass.Constexpr[bool],
+    checkpointing: cutlass.Constexpr[bool],
 ):
     # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
     # placeholder: the runtime launches the cubin with the spec's grid.
     k2_recurrence_kernel(
-        *params, varlen, v_block, segmented, prescan, stages, multicast, wgmma, checkpointing,
-    ).launch(grid=[D // v_block, TRACE_HEADS, 1], block=[k2_threads(v_block), 1, 1],
-             smem=smem_bytes(v_block, stages, prescan), stream=stream,
-             **({"cluster": [D // v_block, 1, 1]} if multicast else {}))
+        *params,
+        varlen,
+        v_block,
+        segmented,
+        prescan,
+        stages,
+        multicast,
+        wgmma,
+        checkpointing,
+    ).launch(
+        grid=[D // v_block, TRACE_HEADS, 1],
+        block=[k2_threads(v_block), 1, 1],
+        smem=smem_bytes(v_block, stages, prescan),
+        stream=stream,
+        **({"cluster": [D // v_block, 1, 1]} if multicast else {}),
+    )

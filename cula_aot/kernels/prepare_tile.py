@@ -8,8 +8,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
-from .common import (CHUNK, D, LOG2E, THREADS, exp2_fast, INPUT_BLOCKS, input_tile_layout, input_element_offset,
-                     unbounded_gamma)
+from .common import (
+    CHUNK,
+    D,
+    LOG2E,
+    THREADS,
+    exp2_fast,
+    INPUT_BLOCKS,
+    input_tile_layout,
+    input_element_offset,
+    unbounded_gamma,
+)
 from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
 WARPS = THREADS // 32
@@ -135,14 +144,26 @@ def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower
         for j in range(LANE_COLS):
             gate_bias[j] = bias[j] * gate_scale
         gamma_scale = cute.math.exp(a_value) if gate == "softplus" else lower_bound * cutlass.Float32(LOG2E)
-    has_source = [cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0)))
-                  for b in range(3)]
+    has_source = [
+        cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0))) for b in range(3)
+    ]
     return gate_scale, gate_bias, gamma_scale, has_source
 
 
 @cute.jit
-def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute.Tensor, my_rows: tuple, gate_scale,
-                          gate_bias: cute.Tensor, gamma_scale, gate: cutlass.Constexpr[str] = "safe", qk_as_given=None):
+def normalised_and_gates(
+    vq: list,
+    vk: list,
+    vg: list,
+    valid: list,
+    s_norm: cute.Tensor,
+    my_rows: tuple,
+    gate_scale,
+    gate_bias: cute.Tensor,
+    gamma_scale,
+    gate: cutlass.Constexpr[str] = "safe",
+    qk_as_given=None,
+):
     """Phase B: q̂ and k̂ (L2-normalised, or as given where the runtime flag ``qk_as_given`` is set;
     None: always normalised, no select; rounded to bf16) and γ in log2 units (zero on rows past
     the end) of the lane's elements, lists over its two rows (``gate_constants`` for the gate)."""
@@ -159,7 +180,8 @@ def normalised_and_gates(vq: list, vk: list, vg: list, valid: list, s_norm: cute
             khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
             if cutlass.const_expr(gate == "safe"):
                 logistic = cute.arch.rcp_approx(
-                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j]))
+                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j])
+                )
                 decay = gamma_scale * logistic
             else:
                 decay = unbounded_gamma(vg[half][j], gate, gate_scale, gate_bias[j], gamma_scale)
@@ -189,8 +211,16 @@ def gate_cumsum(gamma: list, has_source: list, lane):
     return cum, total, gtot, mid
 
 
-def decayed_operands(qhat: list, khat: list, cum: list, scale, total: cute.Tensor, gtot: cute.Tensor, store_images,
-                     kr_from_kinv: bool = False):
+def decayed_operands(
+    qhat: list,
+    khat: list,
+    cum: list,
+    scale,
+    total: cute.Tensor,
+    gtot: cute.Tensor,
+    store_images,
+    kr_from_kinv: bool = False,
+):
     """Phase B's decayed operands of the lane's two rows: qd = q̂·2^G·scale, kd = k̂·2^G and
     kr = k̂·2^(G[15] − G), handed row by row to ``store_images(half, qd, kd, kr)``; returns the
     tf32 bits of kd, qd and kinv = k̂·2^−G (phase C's A and B operands: rounded from the fp32
@@ -220,8 +250,21 @@ def decayed_operands(qhat: list, khat: list, cum: list, scale, total: cute.Tenso
     return kd_bits, qd_bits, kinv_bits
 
 
-def decayed_partials(qhat: list, khat: list, cum: list, total: cute.Tensor, gtot: cute.Tensor, mid: cute.Tensor, scale,
-                     store_images, s_part: cute.Tensor, warp, lane, gate: str, kr_from_kinv: bool = False):
+def decayed_partials(
+    qhat: list,
+    khat: list,
+    cum: list,
+    total: cute.Tensor,
+    gtot: cute.Tensor,
+    mid: cute.Tensor,
+    scale,
+    store_images,
+    s_part: cute.Tensor,
+    warp,
+    lane,
+    gate: str,
+    kr_from_kinv: bool = False,
+):
     """Phases B and C after the cumsum, by ``gate``: the decayed images to ``store_images`` and
     the warp's partial products into the exchange (the safe gate: ``decayed_operands``, kr as
     ``kr_from_kinv`` says, then ``store_product_partials``; the unbounded ones:
@@ -270,8 +313,12 @@ def store_block_partials(upper: cute.Tensor, across: cute.Tensor, lower: cute.Te
     columns 0–7, rows and columns 8–15) as this warp's partials in ``store_product_partials``'
     layout; the block above the diagonal (rows 0–7 × columns 8–15) is 0."""
     zero = cutlass.Float32(0.0)
-    fragments = ([upper[0], upper[1], across[0], across[1]], [zero, zero, lower[0], lower[1]],
-                 [upper[2], upper[3], across[2], across[3]], [zero, zero, lower[2], lower[3]])
+    fragments = (
+        [upper[0], upper[1], across[0], across[1]],
+        [zero, zero, lower[0], lower[1]],
+        [upper[2], upper[3], across[2], across[3]],
+        [zero, zero, lower[2], lower[3]],
+    )
     for f in range(4):
         partial = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
         for c in range(4):
@@ -309,8 +356,10 @@ def block_span(cum: list, size, g, t, half: int, j: int):
     """G at the first and the last row of the ``size``-row block holding the lane's row (half,
     column j), from the lanes that hold them."""
     first, last = block_end_rows(size, g)
-    return (cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t),
-            cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t))
+    return (
+        cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t),
+        cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t),
+    )
 
 
 @cute.jit
@@ -325,7 +374,9 @@ def blocks_fit(cum: list, level: int, g, t):
     return cute.arch.vote_all_sync(fits)
 
 
-def split_level_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, level: int, g, t, half: int, j: int):
+def split_level_operands(
+    qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, level: int, g, t, half: int, j: int
+):
     """The tf32 operand bits (kd, qd, kinv) of the lane's element (half, j) at split level
     ``level``: P = G[r − 1] of its block pair, the factor on the i side (A: kd, qd) or the j side
     (B: kinv) and 0 on the other, so both factors are ≤ 1."""
@@ -335,16 +386,21 @@ def split_level_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, sc
         # Split at row 8 (P = G[7]): the upper half holds the i of every pair.
         if half == 1:
             factor = exp2_fast(g_row - mid[j])
-            return (f32_bits(tf32_ready(khat[half][j] * factor)), f32_bits(tf32_ready(qhat[half][j] * factor * scale)),
-                    f32_bits(zero))
+            return (
+                f32_bits(tf32_ready(khat[half][j] * factor)),
+                f32_bits(tf32_ready(qhat[half][j] * factor * scale)),
+                f32_bits(zero),
+            )
         factor = exp2_fast(mid[j] - g_row)
         return f32_bits(zero), f32_bits(zero), f32_bits(tf32_ready(khat[half][j] * factor))
     ref_row, is_i = split_reference_row(level, g)
     ref = cute.arch.shuffle_sync(g_row, offset=4 * ref_row + t)
     factor = exp2_fast(cutlass.Float32(cutlass.select_(is_i, g_row - ref, ref - g_row)))
-    return (f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero)))),
-            f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero)))),
-            f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor)))))
+    return (
+        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero)))),
+        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero)))),
+        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor)))),
+    )
 
 
 def block_operands(qhat: list, khat: list, cum: list, ref: list, scale, half: int, j: int):
@@ -352,8 +408,11 @@ def block_operands(qhat: list, khat: list, cum: list, ref: list, scale, half: in
     midpoint reference: factors ≤ 2^(BLOCK_RANGE / 2)."""
     rise = exp2_fast(cum[half][j] - ref[half][j])
     fall = exp2_fast(ref[half][j] - cum[half][j])
-    return (f32_bits(tf32_ready(khat[half][j] * rise)), f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
-            f32_bits(tf32_ready(khat[half][j] * fall)))
+    return (
+        f32_bits(tf32_ready(khat[half][j] * rise)),
+        f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
+        f32_bits(tf32_ready(khat[half][j] * fall)),
+    )
 
 
 @cute.jit
@@ -378,12 +437,14 @@ def add_masked_products(operands, n_tiles: int, keep, partial: list, lane):
             for c in cutlass.range_constexpr(4):
                 i, col = fragment_entry(lane, n, c)
                 partial[2 * p + n][c] = partial[2 * p + n][c] + cutlass.Float32(
-                    cutlass.select_(keep(i, col), acc[2 * p + n][c], cutlass.Float32(0.0)))
+                    cutlass.select_(keep(i, col), acc[2 * p + n][c], cutlass.Float32(0.0))
+                )
 
 
 @cute.jit
-def halves_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale,
-                    s_part: cute.Tensor, warp, lane):
+def halves_partials(
+    qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, s_part: cute.Tensor, warp, lane
+):
     """Phase C at depth 1 (each half spans at most BLOCK_RANGE from its start, 0 or G[7], to its
     end): each half's pairs around its midpoint (P = G[7]/2 above, (G[7] + G[15])/2 below), the
     pairs across row 8 around P = G[7] (factors ≤ 1): three 8×8 blocks of stacked products
@@ -446,21 +507,39 @@ def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, s
     for f in cutlass.range_constexpr(4):
         partial[f].fill(0.0)
     shift = 4 - depth
-    add_masked_products(lambda half, j: block_operands(qhat, khat, cum, ref, scale, half, j), 2,
-                        lambda i, col: (i >> shift) == (col >> shift), partial, lane)
+    add_masked_products(
+        lambda half, j: block_operands(qhat, khat, cum, ref, scale, half, j),
+        2,
+        lambda i, col: (i >> shift) == (col >> shift),
+        partial,
+        lane,
+    )
     for level in cutlass.range_constexpr(SPLIT_LEVELS):
         if level < depth:
             add_masked_products(
                 lambda half, j, level=level: split_level_operands(qhat, khat, cum, mid, scale, level, g, t, half, j),
-                2 if level > 0 else 1, lambda i, col, level=level: (col < i) & (((i ^ col) >> (3 - level)) == 1),
-                partial, lane)
+                2 if level > 0 else 1,
+                lambda i, col, level=level: (col < i) & (((i ^ col) >> (3 - level)) == 1),
+                partial,
+                lane,
+            )
     for f in cutlass.range_constexpr(4):
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
 
 
 @cute.jit
-def unbounded_operands(qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, store_images,
-                       s_part: cute.Tensor, warp, lane):
+def unbounded_operands(
+    qhat: list,
+    khat: list,
+    cum: list,
+    mid: cute.Tensor,
+    total: cute.Tensor,
+    scale,
+    store_images,
+    s_part: cute.Tensor,
+    warp,
+    lane,
+):
     """Phases B and C of an unbounded gate: the decayed images, handed row by row to
     ``store_images(half, qd, kd, kr)`` (qd = q̂·2^G·scale, kd = k̂·2^G, kr = k̂·2^(G[15] − G)), and
     this warp's partials of kd·kinvᵀ and qd·kinvᵀ.  Where the tile decays by at most 2^-BLOCK_RANGE
@@ -573,8 +652,10 @@ def b_operand(blocks: list) -> list:
 
 def f16_product(a_blocks: list, b_operand: list, init=None) -> list:
     """C fragments of A·B (+ ``init``), 16 × 16, one m16n8k16 per n-tile."""
-    return [mma_f16_m16n8k16(a_blocks, b_operand[n], init[n] if init is not None else [cutlass.Float32(0.0)] * 4)
-            for n in range(2)]
+    return [
+        mma_f16_m16n8k16(a_blocks, b_operand[n], init[n] if init is not None else [cutlass.Float32(0.0)] * 4)
+        for n in range(2)
+    ]
 
 
 @cute.jit
@@ -630,6 +711,7 @@ def copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, buf
     g_tile = cute.local_tile(cute.domain_offset(origin, token_coords), input_tile_layout().shape, (0, 0, 0))
     for which, atom in enumerate(atoms):
         s_tile = cute.make_tensor(input_tile(inputs.iterator, buffer, which), input_tile_layout())
-        t_smem, t_gmem = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 3),
-                                               cute.group_modes(g_tile, 0, 3))
+        t_smem, t_gmem = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 3), cute.group_modes(g_tile, 0, 3)
+        )
         cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)

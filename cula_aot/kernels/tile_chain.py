@@ -6,9 +6,19 @@ order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import (FLAG_BF16_CHECKPOINT, FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_CHECKPOINT_OFFSETS, FLAG_FINAL_STATE,
-                      FLAG_INDEXED_FINAL, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_STATUS, ORDER_MAX_SEQS,
-                      STATUS_SLOT_OUT_OF_RANGE)
+from ..layout import (
+    FLAG_BF16_CHECKPOINT,
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
+    FLAG_CHECKPOINT_OFFSETS,
+    FLAG_FINAL_STATE,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_STATUS,
+    ORDER_MAX_SEQS,
+    STATUS_SLOT_OUT_OF_RANGE,
+)
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
@@ -87,22 +97,48 @@ def state_slots(state_indices: cute.Pointer, flags, init_index, init_slots, fina
 
 
 @cute.jit
-def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
-               flags):
+def read_state(
+    state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v, flags
+):
     """This thread's Sᵀ accumulator values (``state_entry``) from state ``index`` of
     ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
     layout puts them side by side (``paired``)."""
-    state_io(read_pairs, read_elements, state, initial_state, index, slot_stride, head, t, v_col, stride_k, stride_v,
-             (flags & FLAG_BF16_INIT) != 0)
+    state_io(
+        read_pairs,
+        read_elements,
+        state,
+        initial_state,
+        index,
+        slot_stride,
+        head,
+        t,
+        v_col,
+        stride_k,
+        stride_v,
+        (flags & FLAG_BF16_INIT) != 0,
+    )
 
 
 @cute.jit
-def write_state(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v,
-                flags):
+def write_state(
+    state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v, flags
+):
     """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
     ``FLAG_BF16_FINAL``; paired as ``read_state``."""
-    state_io(write_pairs, write_elements, state, final_state, index, slot_stride, head, t, v_col, stride_k, stride_v,
-             (flags & FLAG_BF16_FINAL) != 0)
+    state_io(
+        write_pairs,
+        write_elements,
+        state,
+        final_state,
+        index,
+        slot_stride,
+        head,
+        t,
+        v_col,
+        stride_k,
+        stride_v,
+        (flags & FLAG_BF16_FINAL) != 0,
+    )
 
 
 @cute.jit
@@ -133,9 +169,28 @@ def checkpoint_run_end(checkpoint_tile, num_tiles):
 
 
 @cute.jit
-def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
-                     checkpoint_offsets: cute.Pointer, row, tokens_before, every, columns, slots, slot_stride, head, t,
-                     v_col, stride_k, stride_v, flags, status: cute.Pointer, reporter):
+def write_checkpoint(
+    state: cute.Tensor,
+    tile,
+    length,
+    checkpoints: cute.Pointer,
+    checkpoint_indices: cute.Pointer,
+    checkpoint_offsets: cute.Pointer,
+    row,
+    tokens_before,
+    every,
+    columns,
+    slots,
+    slot_stride,
+    head,
+    t,
+    v_col,
+    stride_k,
+    stride_v,
+    flags,
+    status: cute.Pointer,
+    reporter,
+):
     """At a checkpoint tile (``checkpoint_schedule``): the state after ``tile`` into slot
     ``checkpoint_indices[row, column]`` when the tile is whole (``store_checkpoint``).  Returns
     the next checkpoint tile.  The column is recomputed from the schedule here, so the tile loop
@@ -143,31 +198,85 @@ def write_checkpoint(state: cute.Tensor, tile, length, checkpoints: cute.Pointer
     first_tile, column, _ = checkpoint_schedule(checkpoint_offsets, flags, row, every, tokens_before)
     every_tiles = every // CHUNK
     column = column + (tile - first_tile) // every_tiles
-    store_checkpoint(state, ((tile + 1) * CHUNK <= length) & (column < columns), row * columns + column, checkpoints,
-                     checkpoint_indices, slots, slot_stride, head, t, v_col, stride_k, stride_v, flags, status, reporter)
+    store_checkpoint(
+        state,
+        ((tile + 1) * CHUNK <= length) & (column < columns),
+        row * columns + column,
+        checkpoints,
+        checkpoint_indices,
+        slots,
+        slot_stride,
+        head,
+        t,
+        v_col,
+        stride_k,
+        stride_v,
+        flags,
+        status,
+        reporter,
+    )
     return tile + every_tiles
 
 
 @cute.jit
-def store_checkpoint(state: cute.Tensor, wanted, index, checkpoints: cute.Pointer, checkpoint_indices: cute.Pointer,
-                     slots, slot_stride, head, t, v_col, stride_k, stride_v, flags, status: cute.Pointer, reporter):
+def store_checkpoint(
+    state: cute.Tensor,
+    wanted,
+    index,
+    checkpoints: cute.Pointer,
+    checkpoint_indices: cute.Pointer,
+    slots,
+    slot_stride,
+    head,
+    t,
+    v_col,
+    stride_k,
+    stride_v,
+    flags,
+    status: cute.Pointer,
+    reporter,
+):
     """Where ``wanted`` (a whole tile, a column inside the slot map): this thread's Sᵀ values into
     slot ``checkpoint_indices[index]`` (fp32 or bf16 by ``FLAG_BF16_CHECKPOINT``; a slot outside
     the pool is padding, reported by ``reporter`` when out of range)."""
     if wanted:
         slot, usable, out_of_range = pool_slot(checkpoint_indices, index, slots)
         if usable:
-            state_io(write_pairs, write_elements, state, checkpoints, slot, opaque_i32(slot_stride), opaque_i32(head),
-                     opaque_i32(t), opaque_i32(v_col), opaque_i32(stride_k), opaque_i32(stride_v),
-                     (flags & FLAG_BF16_CHECKPOINT) != 0)
+            state_io(
+                write_pairs,
+                write_elements,
+                state,
+                checkpoints,
+                slot,
+                opaque_i32(slot_stride),
+                opaque_i32(head),
+                opaque_i32(t),
+                opaque_i32(v_col),
+                opaque_i32(stride_k),
+                opaque_i32(stride_v),
+                (flags & FLAG_BF16_CHECKPOINT) != 0,
+            )
         if reporter:
-            report_status(status, (flags & FLAG_STATUS) != 0,
-                          cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0))
+            report_status(
+                status, (flags & FLAG_STATUS) != 0, cutlass.select_(out_of_range, STATUS_SLOT_OUT_OF_RANGE, 0)
+            )
 
 
 @cute.jit
-def state_io(pairs_io, elements_io, state: cute.Tensor, base: cute.Pointer, index, slot_stride, head, t, v_col,
-             stride_k, stride_v, dtype_is_bf16):
+def state_io(
+    pairs_io,
+    elements_io,
+    state: cute.Tensor,
+    base: cute.Pointer,
+    index,
+    slot_stride,
+    head,
+    t,
+    v_col,
+    stride_k,
+    stride_v,
+    dtype_is_bf16,
+):
     """The case split ``read_state`` and ``write_state`` share: layout and dtype are runtime
     values ([.., V, K]: ``stride_k`` 1, ``stride_v`` 128; [.., K, V]: 128, 1), but an access's
     width, element type and offsets are fixed when it is traced, so each case is its own branch:
@@ -196,15 +305,17 @@ def paired(stride_k, slot_stride):
     return (stride_k == 1) & ((slot_stride % 2) == 0)
 
 
-def _thread_origin(base: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int, stride_v: int, dtype,
-                   align: int = 1):
+def _thread_origin(
+    base: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int, stride_v: int, dtype, align: int = 1
+):
     """This thread's first state element (key 2t, V column ``v_col``) of state ``index``, head
     ``head`` (``common.state_element``'s addressing): every value of its fragments lies a
     trace-time constant away (``_value_offset``), so the accesses take immediate offsets from
     one register pair."""
     ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
     at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(
-        head * (D * D) + (2 * t) * stride_k + v_col * stride_v)
+        head * (D * D) + (2 * t) * stride_k + v_col * stride_v
+    )
     if align > 1:
         at = cute.assume(at, divby=align)
     return ptr + at
@@ -238,8 +349,18 @@ def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_strid
 
 
 @cute.jit
-def read_elements(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int,
-                  stride_v: int, dtype):
+def read_elements(
+    state: cute.Tensor,
+    initial_state: cute.Pointer,
+    index,
+    slot_stride,
+    head,
+    t,
+    v_col,
+    stride_k: int,
+    stride_v: int,
+    dtype,
+):
     """``read_state`` on either layout: one value per access."""
     origin = _thread_origin(initial_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
@@ -248,8 +369,18 @@ def read_elements(state: cute.Tensor, initial_state: cute.Pointer, index, slot_s
 
 
 @cute.jit
-def write_elements(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int,
-                   stride_v: int, dtype):
+def write_elements(
+    state: cute.Tensor,
+    final_state: cute.Pointer,
+    index,
+    slot_stride,
+    head,
+    t,
+    v_col,
+    stride_k: int,
+    stride_v: int,
+    dtype,
+):
     """``write_state`` on either layout: one value per access."""
     origin = _thread_origin(final_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
@@ -288,23 +419,25 @@ def tile_u(w: cute.Tensor, base, inv_offset: int, square_lane) -> list:
     b_inv = ldmatrix_x4(base + inv_offset + square_lane)
     u = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     for n in cutlass.range_constexpr(2):
-        d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n:2 * n + 2], [cutlass.Float32(0.0)] * 4)
+        d_u = mma_bf16_m16n8k16(a_w, b_inv[2 * n : 2 * n + 2], [cutlass.Float32(0.0)] * 4)
         for c in cutlass.range_constexpr(4):
             u[4 * n + c] = d_u[c]
     return accumulators_as_a(u, 0)
 
 
 @cute.jit
-def issue_state_update(state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, kr_offset: int, leading: int,
-                       stride: int) -> list:
+def issue_state_update(
+    state: cute.Tensor, gt: cute.Tensor, t, a_u: list, base, kr_offset: int, leading: int, stride: int
+) -> list:
     """Sᵀ ← Sᵀ·diag(gtot) + Uᵀ·kr issued: one m64n128k16 for the warpgroup, B = kr N-major at
     ``base + kr_offset`` (tokens lead, keys stride), the state the accumulator, scaled first; in
     flight until ``wgmma_wait``."""
     for i in cutlass.range_constexpr(4 * N_TILES):
         state[i] = state[i] * gt[8 * (i // 4) + 2 * t + i % 2]
     wgmma_fence()
-    updated = wgmma_bf16(D, [state[i] for i in range(4 * N_TILES)], a_u,
-                         smem_descriptor(base + kr_offset, leading, stride), True)
+    updated = wgmma_bf16(
+        D, [state[i] for i in range(4 * N_TILES)], a_u, smem_descriptor(base + kr_offset, leading, stride), True
+    )
     wgmma_commit()
     return updated
 

@@ -27,19 +27,47 @@ def smem_run(array: cute.Tensor, at, count: int):
     return [vec[e] for e in range(count)]
 
 
-def token_loads(q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, beta: cute.Pointer, a_log: cute.Pointer,
-                 dt_bias: cute.Pointer, hl, q_at, k_at, g_at, beta_at, head):
+def token_loads(
+    q: cute.Pointer,
+    k: cute.Pointer,
+    g: cute.Pointer,
+    beta: cute.Pointer,
+    a_log: cute.Pointer,
+    dt_bias: cute.Pointer,
+    hl,
+    q_at,
+    k_at,
+    g_at,
+    beta_at,
+    head,
+):
     """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
     dt_bias, β, A_log); the values are consumed by ``token_prepare``."""
     col = hl * 8
-    return (bf16_row8(q, q_at + col), bf16_row8(k, k_at + col), bf16_row8(g, g_at + col),
-            f32x8(dt_bias, head * D + col),
-            cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
-            cute.make_tensor(a_log + head, cute.make_layout(1))[0])
+    return (
+        bf16_row8(q, q_at + col),
+        bf16_row8(k, k_at + col),
+        bf16_row8(g, g_at + col),
+        f32x8(dt_bias, head * D + col),
+        cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+        cute.make_tensor(a_log + head, cute.make_layout(1))[0],
+    )
 
 
-def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor,
-                   s_kq: cute.Tensor, s_b: cute.Tensor, t, hl, lower_bound, flags, gate: str = "safe"):
+def token_prepare(
+    tile,
+    inputs,
+    s_alpha: cute.Tensor,
+    s_khat: cute.Tensor,
+    s_qhat: cute.Tensor,
+    s_kq: cute.Tensor,
+    s_b: cute.Tensor,
+    t,
+    hl,
+    lower_bound,
+    flags,
+    gate: str = "safe",
+):
     """q̂, k̂ (l2norm over the half-warp, or as given under ``FLAG_QK_AS_GIVEN``; rounded to bf16),
     α = e^γ (γ by ``gate``, as in K1), k̂·q̂ and b = σ(β) (β under ``FLAG_BETA_PROBABILITY``; bits of
     the kernel's ``flags``) of token ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
@@ -70,8 +98,9 @@ def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qha
             gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
             fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
         else:
-            fa[e] = exp2_fast(unbounded_gamma(vg[e], gate, cutlass.Float32(LOG2E), bias[e] * cutlass.Float32(LOG2E),
-                                              decay_rate))
+            fa[e] = exp2_fast(
+                unbounded_gamma(vg[e], gate, cutlass.Float32(LOG2E), bias[e] * cutlass.Float32(LOG2E), decay_rate)
+            )
     for b in range(4):
         kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
     for run in range(2):  # keys col + 4·run .. + 3
@@ -84,15 +113,21 @@ def token_prepare(tile, inputs, s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qha
                 run_values = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
                 for e in range(4):
                     run_values[e] = values[4 * run + e]
-                cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(
-                    run_values.load())
+                cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(run_values.load())
     s_kq[t] = kq
     s_b[t] = beta_weight(beta_value, (flags & FLAG_BETA_PROBABILITY) != 0)
 
 
 @cute.jit
-def defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, s_decay: cute.Tensor, num_tokens,
-                 tid, n_threads: cutlass.Constexpr[int]):
+def defer_decay(
+    s_alpha: cute.Tensor,
+    s_khat: cute.Tensor,
+    s_qhat: cute.Tensor,
+    s_decay: cute.Tensor,
+    num_tokens,
+    tid,
+    n_threads: cutlass.Constexpr[int],
+):
     """Deferred decay, in place per key (all four arrays share the key positions, so this walks
     positions): with A_t = α_0·…·α_t, the state after token t is
     S_t = S'_t·diag(A_t) where S' only takes rank-1 updates, so token t needs A_t⊙k̂ and A_t⊙q̂
@@ -114,8 +149,9 @@ def defer_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_qhat: cute.Tensor, 
 
 
 @cute.jit
-def direct_decay(s_alpha: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid,
-                 n_threads: cutlass.Constexpr[int]):
+def direct_decay(
+    s_alpha: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n_threads: cutlass.Constexpr[int]
+):
     """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may fall
     below fp32's range, where k̂/A_t is not finite, so the state is decayed token by token
     (``s_decay`` = α_t, applied before each token's dot products) and updated with k̂ itself

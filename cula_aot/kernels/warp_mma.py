@@ -141,8 +141,9 @@ def movmatrix_trans(register):
     """The transpose of the 8×8 b16 matrix whose row lane // 4, columns 2·(lane % 4) + {0, 1} is
     each lane's ``register`` (the mma C layout), in the same layout."""
     return cutlass.Int32(
-        llvm.inline_asm(T.i32(), [cutlass.Int32(register).ir_value()], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
-                        "=r,r")
+        llvm.inline_asm(
+            T.i32(), [cutlass.Int32(register).ir_value()], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r"
+        )
     )
 
 
@@ -170,8 +171,9 @@ def opaque_i32(value):
     """``value`` through a volatile ``mov``: what is computed from it stays where it is used.  A
     store inside a loop (a checkpoint write in the tile loop) otherwise has its loop-invariant
     addresses hoisted out of the loop and kept live through it (spills)."""
-    return cutlass.Int32(llvm.inline_asm(T.i32(), [cutlass.Int32(value).ir_value()], "mov.b32 $0, $1;", "=r,r",
-                                         has_side_effects=True))
+    return cutlass.Int32(
+        llvm.inline_asm(T.i32(), [cutlass.Int32(value).ir_value()], "mov.b32 $0, $1;", "=r,r", has_side_effects=True)
+    )
 
 
 def cp_async_16(smem_address, global_address, src_bytes):
@@ -179,8 +181,11 @@ def cp_async_16(smem_address, global_address, src_bytes):
     are zero-filled.  Complete with ``cute.arch.cp_async_commit_group`` / ``cp_async_wait_group``."""
     llvm.inline_asm(
         None,
-        [cutlass.Int32(smem_address).ir_value(), cutlass.Int64(global_address).ir_value(),
-         cutlass.Int32(src_bytes).ir_value()],
+        [
+            cutlass.Int32(smem_address).ir_value(),
+            cutlass.Int64(global_address).ir_value(),
+            cutlass.Int32(src_bytes).ir_value(),
+        ],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r",
         has_side_effects=True,

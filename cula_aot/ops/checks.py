@@ -47,13 +47,17 @@ def check_status(status, device) -> None:
     if not isinstance(status, torch.Tensor):
         fail(f"status must be a torch.Tensor, got {type(status).__name__}")
     if status.dtype != torch.int32 or status.numel() != 1:
-        fail(f"status must be a one-element torch.int32 tensor, got {status.dtype} with {status.numel()} elements; "
-             f"e.g. torch.zeros(1, dtype=torch.int32, device=q.device)")
+        fail(
+            f"status must be a one-element torch.int32 tensor, got {status.dtype} with {status.numel()} elements; "
+            f"e.g. torch.zeros(1, dtype=torch.int32, device=q.device)"
+        )
     if status.device != device:
         fail(f"status is on {status.device} but q is on {device}; move all inputs to one CUDA device")
     if status.data_ptr() % 16:
-        fail("status must start on a 16-byte boundary; allocate it with torch.zeros(1, dtype=torch.int32, ...) "
-             "or pass status[i, :1] of an [n, 4] int32 tensor")
+        fail(
+            "status must start on a 16-byte boundary; allocate it with torch.zeros(1, dtype=torch.int32, ...) "
+            "or pass status[i, :1] of an [n, 4] int32 tensor"
+        )
 
 
 # A placeholder lower bound for the unbounded gates: their kernels never read it, and it lets one
@@ -77,8 +81,14 @@ def device_constant(key: tuple, device, make):
 def gate_defaults(heads: int, device):
     """fla's defaults for a missing A_log (unit scale: e^0) and dt_bias (0), one pair per device
     and head count."""
-    return device_constant(("gate_defaults", heads), device, lambda: (
-        torch.zeros(heads, dtype=torch.float32, device=device), torch.zeros(heads, D, dtype=torch.float32, device=device)))
+    return device_constant(
+        ("gate_defaults", heads),
+        device,
+        lambda: (
+            torch.zeros(heads, dtype=torch.float32, device=device),
+            torch.zeros(heads, D, dtype=torch.float32, device=device),
+        ),
+    )
 
 
 def input_flags(beta_sigmoid, qk_l2norm) -> int:
@@ -95,8 +105,9 @@ def kernel_dtypes(g, beta) -> tuple:
     """g and β as the kernels read them: fp32 ones (as fla's callers pass a precomputed gate and
     β probabilities) rounded to bf16 first, one elementwise pass each; anything else as given
     (validation names a wrong dtype)."""
-    return tuple(t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t
-                 for t in (g, beta))
+    return tuple(
+        t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in (g, beta)
+    )
 
 
 def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:

@@ -87,8 +87,9 @@ def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> flo
     parts = [max(1, min(s_split, t // MIN_SEGMENT_TILES)) for t in tiles]
     path = max(-(-t // k) for t, k in zip(tiles, parts))
     split_share = sum(t * (k - 1) / k for t, k in zip(tiles, parts)) / sum(tiles)
-    return (max(path, 2 * split_share * work / capacity) + MERGE_STEP * max(parts)
-            + max(path, work / capacity) + OVERHEAD)
+    return (
+        max(path, 2 * split_share * work / capacity) + MERGE_STEP * max(parts) + max(path, work / capacity) + OVERHEAD
+    )
 
 
 def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:

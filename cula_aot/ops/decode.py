@@ -34,8 +34,10 @@ def _is_tensor(name, t):
 
 def _check_base(name, t):
     if t.data_ptr() % _ALIGN:
-        fail(f"{name} must start on a {_ALIGN}-byte boundary (data_ptr {t.data_ptr():#x}); "
-              f"pass {name}.clone() or a view of an aligned buffer")
+        fail(
+            f"{name} must start on a {_ALIGN}-byte boundary (data_ptr {t.data_ptr():#x}); "
+            f"pass {name}.clone() or a view of an aligned buffer"
+        )
 
 
 def _check_rows(name, t):
@@ -43,13 +45,17 @@ def _check_rows(name, t):
     (stride 128), any token and sequence strides that keep rows 16-byte aligned."""
     n, tokens, heads, _ = t.shape
     if t.stride(3) != 1 or (heads > 1 and t.stride(2) != D):
-        fail(f"{name} must have unit stride along D and head stride {D} (a token's heads packed), got "
-              f"strides {list(t.stride())}; slice heads from a fused projection along its last dim "
-              f"or call {name}.contiguous()")
+        fail(
+            f"{name} must have unit stride along D and head stride {D} (a token's heads packed), got "
+            f"strides {list(t.stride())}; slice heads from a fused projection along its last dim "
+            f"or call {name}.contiguous()"
+        )
     for axis, size in ((0, n), (1, tokens)):
         if size > 1 and t.stride(axis) % 8:
-            fail(f"{name}.stride({axis}) = {t.stride(axis)} must be a multiple of 8 elements (16-byte "
-                  f"aligned rows); call {name}.contiguous()")
+            fail(
+                f"{name}.stride({axis}) = {t.stride(axis)} must be a multiple of 8 elements (16-byte "
+                f"aligned rows); call {name}.contiguous()"
+            )
     _check_base(name, t)
 
 
@@ -88,8 +94,25 @@ def _as_4d(name, t, num_tokens):
     return t.unflatten(0, (t.shape[0] // num_tokens, num_tokens))
 
 
-def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool, state_indices, out,
-             num_tokens, state_layout, intermediate_states, status=None):
+def validate(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale,
+    state_pool,
+    state_indices,
+    out,
+    num_tokens,
+    state_layout,
+    intermediate_states,
+    status=None,
+):
     """Check every argument; returns the (possibly [N, T]-unflattened) q, k, v, g, beta, out and
     (num_seqs, num_tokens, heads, scale)."""
     _is_tensor("q", q)
@@ -113,8 +136,10 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     if num_tokens is not None and tokens != num_tokens:
         fail(f"num_tokens = {num_tokens} but q has T = {tokens} tokens per sequence (q.shape[1])")
     if not 1 <= tokens <= DECODE_MAX_TOKENS:
-        fail(f"decode runs T = 1..{DECODE_MAX_TOKENS} tokens per sequence, got T = {tokens} "
-              f"(q.shape[1]); use kda_prefill for longer chunks")
+        fail(
+            f"decode runs T = 1..{DECODE_MAX_TOKENS} tokens per sequence, got T = {tokens} "
+            f"(q.shape[1]); use kda_prefill for longer chunks"
+        )
     if heads == 0:
         fail(f"q must have H > 0, got shape {list(q.shape)}")
     device = q.device
@@ -138,14 +163,18 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     if state_pool.dtype not in STATE_DTYPES:
         fail(f"state_pool must be torch.float32 or torch.bfloat16, got {state_pool.dtype}")
     if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (heads, D, D) or state_pool.shape[0] == 0:
-        fail(f"state_pool must be [slots, H, {D}, {D}] = [slots, {heads}, {D}, {D}] with slots >= 1, got "
-              f"{list(state_pool.shape)}")
+        fail(
+            f"state_pool must be [slots, H, {D}, {D}] = [slots, {heads}, {D}, {D}] with slots >= 1, got "
+            f"{list(state_pool.shape)}"
+        )
     if state_pool.device != device:
         fail(f"state_pool is on {state_pool.device} but q is on {device}; move all inputs to one CUDA device")
     slots = state_pool.shape[0]
     if tuple(state_pool.stride()[1:]) != (D * D, D, 1) and not (heads == 1 and state_pool.stride()[2:] == (D, 1)):
-        fail(f"state_pool must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got "
-              f"{list(state_pool.stride())}; only the slot stride may be padded")
+        fail(
+            f"state_pool must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got "
+            f"{list(state_pool.stride())}; only the slot stride may be padded"
+        )
     slot_stride = state_pool.stride(0) if slots > 1 else heads * D * D
     if slot_stride < heads * D * D:
         fail(f"state_pool.stride(0) = {slot_stride} must be >= H·128·128 = {heads * D * D} (slots must not overlap)")
@@ -163,12 +192,15 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, state_pool
     if num_seqs > 1 and state_indices.stride(0) != 1:
         fail("state_indices must be contiguous; call state_indices.contiguous()")
     if state_indices.device != device:
-        fail(f"state_indices is on {state_indices.device} but q is on {device}; keep it on the GPU "
-              "(it is never read on the host)")
+        fail(
+            f"state_indices is on {state_indices.device} but q is on {device}; keep it on the GPU "
+            "(it is never read on the host)"
+        )
 
     if intermediate_states is not None:
-        check_dtype_shape("intermediate_states", intermediate_states, state_pool.dtype,
-                           (num_seqs, tokens, heads, D, D), device)
+        check_dtype_shape(
+            "intermediate_states", intermediate_states, state_pool.dtype, (num_seqs, tokens, heads, D, D), device
+        )
         if not intermediate_states.is_contiguous():
             fail("intermediate_states must be contiguous")
         _check_base("intermediate_states", intermediate_states)
@@ -197,29 +229,66 @@ def _aligned_down(t) -> tuple[int, int]:
     return base, (ptr - base) // t.element_size()
 
 
-def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_pool, state_indices, out=None,
-           num_tokens=None, state_layout="vk", intermediate_states=None, variant=None, status=None, gate="safe",
-           beta_sigmoid=True, qk_l2norm=True):
+def decode(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    state_pool,
+    state_indices,
+    out=None,
+    num_tokens=None,
+    state_layout="vk",
+    intermediate_states=None,
+    variant=None,
+    status=None,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
     """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
     ``gate``: the decay; ``beta_sigmoid``, ``qk_l2norm``: the input conventions (``checks.call_inputs``).
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
-    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
-                                                                    beta_sigmoid, qk_l2norm)
+    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(
+        gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm
+    )
     flat = isinstance(q, torch.Tensor) and q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        state_pool=state_pool, state_indices=state_indices, out=out, num_tokens=num_tokens,
-        state_layout=state_layout, intermediate_states=intermediate_states, status=status)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        state_pool=state_pool,
+        state_indices=state_indices,
+        out=out,
+        num_tokens=num_tokens,
+        state_layout=state_layout,
+        intermediate_states=intermediate_states,
+        status=status,
+    )
     device = q.device
     bf16_state = state_pool.dtype == torch.bfloat16
     intermediates = intermediate_states is not None
     if variant is None:
         variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates, gate)
     elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates):
-        fail(f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' pool "
-             f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
-             f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None")
+        fail(
+            f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' pool "
+            f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
+            f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None"
+        )
     spec = variant_spec(variant, bf16_state, state_layout, gate)
     kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
     if out is None:
@@ -230,18 +299,31 @@ def decode(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, state_p
     beta_base, beta_offset = _aligned_down(beta)
     index_base, index_offset = _aligned_down(state_indices)
     values = {
-        "q": q.data_ptr(), "k": k.data_ptr(), "v": v.data_ptr(), "g": g.data_ptr(), "beta": beta_base,
-        "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(), "state_indices": index_base,
+        "q": q.data_ptr(),
+        "k": k.data_ptr(),
+        "v": v.data_ptr(),
+        "g": g.data_ptr(),
+        "beta": beta_base,
+        "a_log": A_log.data_ptr(),
+        "dt_bias": dt_bias.data_ptr(),
+        "state_indices": index_base,
         "state_pool": state_pool.data_ptr(),
         "intermediate": 0 if intermediate_states is None else intermediate_states.data_ptr(),
-        "out": out.data_ptr(), "status": 0 if status is None else status.data_ptr(),
-        "num_seqs": num_seqs, "num_tokens": tokens, "num_slots": state_pool.shape[0],
+        "out": out.data_ptr(),
+        "status": 0 if status is None else status.data_ptr(),
+        "num_seqs": num_seqs,
+        "num_tokens": tokens,
+        "num_slots": state_pool.shape[0],
         "slot_stride": state_pool.stride(0) if state_pool.shape[0] > 1 else heads * D * D,
-        "beta_offset": beta_offset, "index_offset": index_offset,
-        "out_stride_n": _stride(out, 0), "out_stride_t": _stride(out, 1),
-        "scale": scale, "lower_bound": float(lower_bound),
+        "beta_offset": beta_offset,
+        "index_offset": index_offset,
+        "out_stride_n": _stride(out, 0),
+        "out_stride_t": _stride(out, 1),
+        "scale": scale,
+        "lower_bound": float(lower_bound),
         "flags": (DECODE_FLAG_INTERMEDIATE if intermediate_states is not None else 0)
-                 | (DECODE_FLAG_STATUS if status is not None else 0) | conventions,
+        | (DECODE_FLAG_STATUS if status is not None else 0)
+        | conventions,
         "heads": heads,
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

@@ -37,8 +37,10 @@ def _resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, dev
         # Lengths live on the device only: planning would need a sync.
         if intracard_cp == "auto":
             return 1
-        fail("intracard_cp needs the sequence lengths on the host: pass cu_seqlens_cpu "
-              "(or check_seqlens='host', which copies cu_seqlens and synchronises)")
+        fail(
+            "intracard_cp needs the sequence lengths on the host: pass cu_seqlens_cpu "
+            "(or check_seqlens='host', which copies cu_seqlens and synchronises)"
+        )
     if type(intracard_cp) is int:
         return intracard_cp
     lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
@@ -112,12 +114,15 @@ def choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, dev
     # The serial decision is the signature's alone unless CP was planned from host lengths.
     split = 1 if intracard_cp is False or c.host_cu is None or not varlen else None
     if conventions and fused:
-        fail("the fused kernel runs beta as logits and q, k normalised in the kernel only "
-             "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False")
+        fail(
+            "the fused kernel runs beta as logits and q, k normalised in the kernel only "
+            "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False"
+        )
     lengths_uniform = None
     if fused is None:
         fused = False
         if not conventions and v_block is None:
+
             def pick(uniform):
                 return auto_fused(c.heads, c.num_seqs, c.batch * c.seq_len, _sm_count(device), uniform=uniform)
 
@@ -215,11 +220,38 @@ def _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu):
     return plan, host_cu
 
 
-def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initial_state=None,
-            output_final_state=False, cu_seqlens=None, cu_seqlens_cpu=None, state_layout="vk",
-            out=None, final_state=None, intracard_cp="auto", state_indices=None, check_seqlens="auto",
-            v_block=None, fused=None, status=None, gate="safe", beta_sigmoid=True, qk_l2norm=True, checkpoint_every=0,
-            checkpoint_pool=None, checkpoint_indices=None, checkpoint_offsets=None):
+def prefill(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    cu_seqlens_cpu=None,
+    state_layout="vk",
+    out=None,
+    final_state=None,
+    intracard_cp="auto",
+    state_indices=None,
+    check_seqlens="auto",
+    v_block=None,
+    fused=None,
+    status=None,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+):
     """K1 then K2 (serial), or K1, pre_scan, merge and segmented K2 (intracard CP), all on
     ``torch.cuda.current_stream(q.device)``.
 
@@ -246,31 +278,95 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     the input conventions (``checks.call_inputs``); ``checkpoint_*`` the prefix-cache
     checkpoints (``api.kda_prefill``; ``checkpoint_every`` is part of the signature, the
     tensors' addresses per call)."""
-    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
-                                                                    beta_sigmoid, qk_l2norm)
+    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(
+        gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm
+    )
     if state_indices is not None and output_final_state and final_state is None:
         final_state = initial_state  # a pool's final states go back where they came from
     checkpoints = (checkpoint_pool, checkpoint_indices, checkpoint_offsets)
     try:
-        key = (_signature(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, cu_seqlens,
-                          cu_seqlens_cpu, state_indices, status, *checkpoints),
-               state_layout, type(intracard_cp), intracard_cp, bool(output_final_state), check_seqlens, v_block, fused,
-               gate, conventions, type(checkpoint_every), checkpoint_every)
+        key = (
+            _signature(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                A_log,
+                dt_bias,
+                initial_state,
+                final_state,
+                out,
+                cu_seqlens,
+                cu_seqlens_cpu,
+                state_indices,
+                status,
+                *checkpoints,
+            ),
+            state_layout,
+            type(intracard_cp),
+            intracard_cp,
+            bool(output_final_state),
+            check_seqlens,
+            v_block,
+            fused,
+            gate,
+            conventions,
+            type(checkpoint_every),
+            checkpoint_every,
+        )
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validate says which
         key = plan = None
     if plan is not None:
         plan, host_cu = _plan_for_lengths(plan, key, cu_seqlens, cu_seqlens_cpu)
         if plan is not None:
-            return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
+            return plan.run(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                A_log,
+                dt_bias,
+                lower_bound,
+                scale,
+                initial_state,
+                final_state,
+                out,
+                cu_seqlens,
+                cu_seqlens_cpu,
+                state_indices,
+                status,
+                host_cu,
+                checkpoints,
+            )
 
     c = validate(
-        q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, scale=scale,
-        initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout=state_layout, out=out, final_state=final_state, intracard_cp=intracard_cp,
-        state_indices=state_indices, check_seqlens=check_seqlens, status=status, checkpoint_every=checkpoint_every,
-        checkpoint_pool=checkpoint_pool, checkpoint_indices=checkpoint_indices, checkpoint_offsets=checkpoint_offsets)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+        state_layout=state_layout,
+        out=out,
+        final_state=final_state,
+        intracard_cp=intracard_cp,
+        state_indices=state_indices,
+        check_seqlens=check_seqlens,
+        status=status,
+        checkpoint_every=checkpoint_every,
+        checkpoint_pool=checkpoint_pool,
+        checkpoint_indices=checkpoint_indices,
+        checkpoint_offsets=checkpoint_offsets,
+    )
     device = q.device
     path = choose_path(c, intracard_cp, cu_seqlens, cu_seqlens_cpu, fused, v_block, device, conventions)
     heads, varlen = c.heads, cu_seqlens is not None
@@ -280,9 +376,15 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
     loader = default_loader()
     # Resolve every kernel first: a missing cubin fails before anything launches.
     k1 = loader.get(device, K1Spec(varlen=varlen, gate=gate))
-    options = dict(cu_seqlens=cu_seqlens, state_layout=state_layout, device=device, intracard_cp=intracard_cp,
-                   split=path.split, input_flags=conventions,
-                   **_state_options(initial_state, final_state, output_final_state, state_indices, status))
+    options = dict(
+        cu_seqlens=cu_seqlens,
+        state_layout=state_layout,
+        device=device,
+        intracard_cp=intracard_cp,
+        split=path.split,
+        input_flags=conventions,
+        **_state_options(initial_state, final_state, output_final_state, state_indices, status),
+    )
     if path.kind == "cp":
         # The CP plan is this signature's, these lengths' and this split's: a varlen call re-plans its
         # split from its lengths, a fixed-length one has them in the signature.
@@ -293,12 +395,23 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
                 _remember(key, plan)
     else:
         if path.kind == "fused":
-            plan = _FusedPlan(c, loader.get(device, fused_spec(gate, c.checkpoints.every > 0)), order=SERIAL_K2_ORDER,
-                              lengths_uniform=path.lengths_uniform, **options)
+            plan = _FusedPlan(
+                c,
+                loader.get(device, fused_spec(gate, c.checkpoints.every > 0)),
+                order=SERIAL_K2_ORDER,
+                lengths_uniform=path.lengths_uniform,
+                **options,
+            )
         else:
-            plan = _SerialPlan(c, k1, loader.get(device, serial_k2_spec(varlen, path.v_block, c.checkpoints.every > 0)),
-                               sm_count=_sm_count(device), order=SERIAL_K2_ORDER,
-                               lengths_uniform=path.lengths_uniform, **options)
+            plan = _SerialPlan(
+                c,
+                k1,
+                loader.get(device, serial_k2_spec(varlen, path.v_block, c.checkpoints.every > 0)),
+                sm_count=_sm_count(device),
+                order=SERIAL_K2_ORDER,
+                lengths_uniform=path.lengths_uniform,
+                **options,
+            )
         if varlen and reached is not None:  # later calls' host lengths may reach a checkpoint, or not
             plan.checkpoint_reach = (checkpoint_every, reached)
         # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
@@ -307,5 +420,23 @@ def prefill(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale=None, initia
             _remember(key, plan)
             if plan.length_facts != (None, None):  # a later call with other kinds of lengths finds its own
                 _remember(_serial_key(key, *plan.length_facts), plan)
-    return plan.run(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-                    cu_seqlens, cu_seqlens_cpu, state_indices, status, c.host_cu, checkpoints)
+    return plan.run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        initial_state,
+        final_state,
+        out,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        state_indices,
+        status,
+        c.host_cu,
+        checkpoints,
+    )

@@ -32,17 +32,23 @@ def _check_token_tensor(name, t, dtype, shape, device, packed: tuple, aligned_ro
     strides, inner = t.stride(), 1
     for dim in range(t.dim() - 1, 1, -1):  # the packed dims, innermost first (size-1 dims: any stride)
         if shape[dim] > 1 and strides[dim] != inner:
-            fail(f"{name} must have its last {t.dim() - 2} dims packed (strides ..., {', '.join(map(str, packed))}); "
-                  f"got strides {list(strides)}: only the token dim may be strided; call {name}.contiguous()")
+            fail(
+                f"{name} must have its last {t.dim() - 2} dims packed (strides ..., {', '.join(map(str, packed))}); "
+                f"got strides {list(strides)}: only the token dim may be strided; call {name}.contiguous()"
+            )
         inner *= shape[dim]
     batch, seq_len = shape[0], shape[1]
     row = strides[1] if seq_len > 1 else (strides[0] if batch > 1 else inner)
     if row < inner:
-        fail(f"{name}'s token stride {row} is smaller than a token's {inner} elements (overlapping rows); "
-              f"call {name}.contiguous()")
+        fail(
+            f"{name}'s token stride {row} is smaller than a token's {inner} elements (overlapping rows); "
+            f"call {name}.contiguous()"
+        )
     if batch > 1 and seq_len > 1 and strides[0] != seq_len * row:
-        fail(f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
-              f"call {name}.contiguous() or flatten to varlen [1, B*T, ...] with cu_seqlens")
+        fail(
+            f"{name}'s batch stride {strides[0]} must be T x token stride = {seq_len * row}; "
+            f"call {name}.contiguous() or flatten to varlen [1, B*T, ...] with cu_seqlens"
+        )
     if aligned_rows and row * t.element_size() % 16:
         fail(f"{name} must have 16-byte aligned rows (token stride {row} elements); call {name}.contiguous()")
     return row
@@ -63,8 +69,10 @@ def _check_state(name, t, leading: int, leading_what: str, heads: int, device) -
     slot = D * D * heads
     strides = t.stride()
     if strides[2:] != (D, 1) or (heads > 1 and strides[1] != D * D):
-        fail(f"{name} must be packed within each state (strides [*, {D * D}, {D}, 1]), got strides "
-              f"{list(strides)}; call {name}.contiguous()")
+        fail(
+            f"{name} must be packed within each state (strides [*, {D * D}, {D}, 1]), got strides "
+            f"{list(strides)}; call {name}.contiguous()"
+        )
     stride = strides[0] if t.shape[0] > 1 else slot
     if stride < slot:
         fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
@@ -98,21 +106,31 @@ def check_checkpoints(every, pool, indices, offsets, num_seqs: int, heads: int, 
     int32 ``[N]``, both contiguous on q's device."""
     if every is None or (type(every) is int and every == 0):
         if pool is not None or indices is not None or offsets is not None:
-            fail("checkpoint_pool, checkpoint_indices and checkpoint_offsets need checkpoint_every "
-                 "(the period in tokens, a multiple of 16)")
+            fail(
+                "checkpoint_pool, checkpoint_indices and checkpoint_offsets need checkpoint_every "
+                "(the period in tokens, a multiple of 16)"
+            )
         return NO_CHECKPOINTS
     if type(every) is not int or every < 0 or every % CHUNK or every > CHECKPOINT_EVERY_MAX:
-        fail(f"checkpoint_every must be a positive int multiple of {CHUNK} (at most 2**30), or 0 for none; "
-             f"got {every!r}")
+        fail(
+            f"checkpoint_every must be a positive int multiple of {CHUNK} (at most 2**30), or 0 for none; got {every!r}"
+        )
     if pool is None or indices is None:
-        fail("checkpoint_every needs checkpoint_pool ([slots, H, 128, 128], fp32 or bf16) and checkpoint_indices "
-             "(int32 [N, M]: the pool slot of each sequence's j-th checkpoint, -1 to skip)")
+        fail(
+            "checkpoint_every needs checkpoint_pool ([slots, H, 128, 128], fp32 or bf16) and checkpoint_indices "
+            "(int32 [N, M]: the pool slot of each sequence's j-th checkpoint, -1 to skip)"
+        )
     slot_stride = _check_state("checkpoint_pool", pool, -1, "pool slots", heads, device)
-    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or indices.shape[0] != num_seqs \
-            or indices.shape[1] < 1:
+    if (
+        not isinstance(indices, torch.Tensor)
+        or indices.dim() != 2
+        or indices.shape[0] != num_seqs
+        or indices.shape[1] < 1
+    ):
         got = list(indices.shape) if isinstance(indices, torch.Tensor) else type(indices).__name__
-        fail(f"checkpoint_indices must be [N, M] = [{num_seqs}, M >= 1] (a slot per sequence and checkpoint), "
-             f"got {got}")
+        fail(
+            f"checkpoint_indices must be [N, M] = [{num_seqs}, M >= 1] (a slot per sequence and checkpoint), got {got}"
+        )
     _check_tensor("checkpoint_indices", indices, torch.int32, tuple(indices.shape), device)
     if indices.numel() >= 2**31:
         fail(f"checkpoint_indices has {indices.numel()} entries; at most 2**31 - 1 fit the kernels' int32 index")
@@ -128,15 +146,39 @@ def _check_device(device) -> None:
         fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
-def _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices,
-                     status=None, checkpoints=(None, None, None)) -> None:
+def _check_addresses(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    initial_state,
+    final_state,
+    out,
+    state_indices,
+    status=None,
+    checkpoints=(None, None, None),
+) -> None:
     """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
     assumption) and outputs that do not alias an input.  ``checkpoints``: (pool, indices,
     offsets)."""
-    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias,
-             "initial_state": initial_state, "final_state": final_state, "out": out, "state_indices": state_indices,
-             "status": status, **dict(zip(("checkpoint_pool", "checkpoint_indices", "checkpoint_offsets"),
-                                           checkpoints))}
+    named = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "g": g,
+        "beta": beta,
+        "A_log": A_log,
+        "dt_bias": dt_bias,
+        "initial_state": initial_state,
+        "final_state": final_state,
+        "out": out,
+        "state_indices": state_indices,
+        "status": status,
+        **dict(zip(("checkpoint_pool", "checkpoint_indices", "checkpoint_offsets"), checkpoints)),
+    }
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
             fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
@@ -158,8 +200,10 @@ def _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]
     source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
     # Here for validate and for the cached plans' per-call checks alike.
     if source.is_cuda and torch.cuda.is_current_stream_capturing():
-        fail("check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
-              "pass cu_seqlens_cpu, or check_seqlens='off'")
+        fail(
+            "check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
+            "pass cu_seqlens_cpu, or check_seqlens='off'"
+        )
     values = [int(x) for x in source.tolist()]
     if cu_seqlens_cpu is not None and cu_seqlens.numel() != len(values):
         fail(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {cu_seqlens.numel()}")
@@ -203,10 +247,32 @@ def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
     return cu_seqlens_cpu is not None or not cu_seqlens.is_cuda  # "auto": only when it costs no sync
 
 
-def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state, cu_seqlens,
-             cu_seqlens_cpu, state_layout, out, final_state, intracard_cp="auto", state_indices=None,
-             check_seqlens="auto", status=None, checkpoint_every=0, checkpoint_pool=None, checkpoint_indices=None,
-             checkpoint_offsets=None) -> Checked:
+def validate(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale,
+    initial_state,
+    cu_seqlens,
+    cu_seqlens_cpu,
+    state_layout,
+    out,
+    final_state,
+    intracard_cp="auto",
+    state_indices=None,
+    check_seqlens="auto",
+    status=None,
+    checkpoint_every=0,
+    checkpoint_pool=None,
+    checkpoint_indices=None,
+    checkpoint_offsets=None,
+) -> Checked:
     """Check every argument before anything launches (the device rule last, so every other rule
     is testable on the CPU)."""
     if not isinstance(q, torch.Tensor):
@@ -220,10 +286,13 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         fail(f"q must have B, T, H > 0, got shape {list(q.shape)}")
     device = q.device
     token_shape = (batch, seq_len, heads, D)
-    strides = {name: _check_token_tensor(name, t, torch.bfloat16, token_shape, device, (D, 1))
-               for name, t in (("q", q), ("k", k), ("v", v), ("g", g))}
-    beta_stride = _check_token_tensor("beta", beta, torch.bfloat16, (batch, seq_len, heads), device, (1,),
-                                      aligned_rows=False)
+    strides = {
+        name: _check_token_tensor(name, t, torch.bfloat16, token_shape, device, (D, 1))
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g))
+    }
+    beta_stride = _check_token_tensor(
+        "beta", beta, torch.bfloat16, (batch, seq_len, heads), device, (1,), aligned_rows=False
+    )
     _check_tensor("A_log", A_log, torch.float32, (heads,), device)
     _check_tensor("dt_bias", dt_bias, torch.float32, (heads, D), device)
     lower_bound, scale = check_scalars(lower_bound, scale)
@@ -233,8 +302,12 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
         fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {check_seqlens!r}")
 
     # Identity tests: 0 == False and 1 == True, but 0 is no s_split.
-    if not (intracard_cp is True or intracard_cp is False or (isinstance(intracard_cp, str) and intracard_cp == "auto")
-            or (type(intracard_cp) is int and intracard_cp >= 1)):
+    if not (
+        intracard_cp is True
+        or intracard_cp is False
+        or (isinstance(intracard_cp, str) and intracard_cp == "auto")
+        or (type(intracard_cp) is int and intracard_cp >= 1)
+    ):
         fail(f"intracard_cp must be 'auto', True, False or an int s_split >= 1, got {intracard_cp!r}")
 
     num_seqs = batch
@@ -271,15 +344,42 @@ def validate(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_st
     if out is not None:
         out_stride = _check_token_tensor("out", out, torch.bfloat16, token_shape, device, (D, 1))
     check_status(status, device)
-    checkpoints = check_checkpoints(checkpoint_every, checkpoint_pool, checkpoint_indices, checkpoint_offsets,
-                                    num_seqs, heads, device)
-    _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status,
-                     (checkpoint_pool, checkpoint_indices, checkpoint_offsets))
+    checkpoints = check_checkpoints(
+        checkpoint_every, checkpoint_pool, checkpoint_indices, checkpoint_offsets, num_seqs, heads, device
+    )
+    _check_addresses(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        initial_state,
+        final_state,
+        out,
+        state_indices,
+        status,
+        (checkpoint_pool, checkpoint_indices, checkpoint_offsets),
+    )
     # Last, so every shape/dtype/value rule above is also checked (and testable) on the CPU.
     _check_device(device)
     strides["beta"] = beta_stride
     if out is not None:
         strides["out"] = out_stride
     init_slots, final_slots = (0 if t is None else t.shape[0] for t in (initial_state, final_state))
-    return Checked(batch, seq_len, heads, num_seqs, scale, host_cu, seqlens_checked, strides, init_slot, final_slot,
-                   init_slots, final_slots, checkpoints)
+    return Checked(
+        batch,
+        seq_len,
+        heads,
+        num_seqs,
+        scale,
+        host_cu,
+        seqlens_checked,
+        strides,
+        init_slot,
+        final_slot,
+        init_slots,
+        final_slots,
+        checkpoints,
+    )

@@ -6,10 +6,29 @@ merge flag bits, the CP segment tables, and each call's checks, allocations and 
 
 import torch
 
-from ..layout import (FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_IDENTITY_INIT, FLAG_INDEXED_FINAL,
-                      FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_NO_OUTPUT, FLAG_STATUS, FLAG_VARLEN, FLAG_ZERO_V,
-                      SEG_FINAL_INDEX, SEG_FIRST_SLOT, SEG_FIRST_TOKEN, SEG_FLAGS, SEG_INIT_INDEX, SEG_SEQ, SEG_SEQ_OFFSET,
-                      SEG_TOKENS, SEGMENT_FIELDS, D)
+from ..layout import (
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
+    FLAG_FINAL_STATE,
+    FLAG_IDENTITY_INIT,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_NO_OUTPUT,
+    FLAG_STATUS,
+    FLAG_VARLEN,
+    FLAG_ZERO_V,
+    SEG_FINAL_INDEX,
+    SEG_FIRST_SLOT,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_INIT_INDEX,
+    SEG_SEQ,
+    SEG_SEQ_OFFSET,
+    SEG_TOKENS,
+    SEGMENT_FIELDS,
+    D,
+)
 from ..specs import WORKSPACE_POINTERS, MergeSpec, k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block
 from .checks import check_scalars, fail
 from .prefill_checks import NO_CHECKPOINTS, CheckpointPlan, Checked, _check_addresses, _host_cu_seqlens
@@ -21,7 +40,11 @@ def _segment_row(seg, seq_first_token, init_index, final_index, flags) -> list[i
     row = [0] * SEGMENT_FIELDS
     row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
     row[SEG_TOKENS], row[SEG_INIT_INDEX], row[SEG_FINAL_INDEX], row[SEG_FLAGS] = (
-        seg.num_tokens, init_index, final_index, flags)
+        seg.num_tokens,
+        init_index,
+        final_index,
+        flags,
+    )
     row[SEG_SEQ_OFFSET] = seg.first_token - seq_first_token
     return row
 
@@ -43,13 +66,15 @@ def _segment_tables(segments, init_flags: int, final_flags: int):
             last = n + 1 == len(seq_segments)
             if not last:
                 if n == 0:
-                    prescan_rows.append(_segment_row(seg, start, seg.seq, 2 * index + 1,
-                                                     init_flags | FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
+                    prescan_rows.append(
+                        _segment_row(seg, start, seg.seq, 2 * index + 1, init_flags | FLAG_NO_OUTPUT | FLAG_FINAL_STATE)
+                    )
                 else:
                     prescan_rows.append(_segment_row(seg, start, -1, 2 * index, transition))
                     prescan_rows.append(_segment_row(seg, start, -1, 2 * index + 1, FLAG_NO_OUTPUT | FLAG_FINAL_STATE))
-            main_rows.append(_segment_row(seg, start, index, seg.seq,
-                                          FLAG_INITIAL_STATE | (final_flags if last else 0)))
+            main_rows.append(
+                _segment_row(seg, start, index, seg.seq, FLAG_INITIAL_STATE | (final_flags if last else 0))
+            )
         bounds.append(len(main_rows))
     return prescan_rows, main_rows, bounds
 
@@ -64,8 +89,10 @@ def _state_flags(state, which: str, indexed: bool) -> int:
     """K2 / merge flag bits for a user state tensor (``which`` = "init" or "final")."""
     if state is None:
         return 0
-    present, pooled, bf16 = {"init": (FLAG_INITIAL_STATE, FLAG_INDEXED_INIT, FLAG_BF16_INIT),
-                             "final": (FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_BF16_FINAL)}[which]
+    present, pooled, bf16 = {
+        "init": (FLAG_INITIAL_STATE, FLAG_INDEXED_INIT, FLAG_BF16_INIT),
+        "final": (FLAG_FINAL_STATE, FLAG_INDEXED_FINAL, FLAG_BF16_FINAL),
+    }[which]
     return present | (pooled if indexed else 0) | (bf16 if state.dtype == torch.bfloat16 else 0)
 
 
@@ -76,18 +103,26 @@ def _state_options(initial_state, final_state, output_final_state, state_indices
     want_final = output_final_state or final_state is not None
     alloc_final = want_final and final_state is None
     # An allocated final state is plain fp32; without want_final there is no final_state.
-    return {"alloc_final": alloc_final, "init_flags": _state_flags(initial_state, "init", indexed),
-            "final_flags": FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed),
-            "status_flag": 0 if status is None else FLAG_STATUS}
+    return {
+        "alloc_final": alloc_final,
+        "init_flags": _state_flags(initial_state, "init", indexed),
+        "final_flags": FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed),
+        "status_flag": 0 if status is None else FLAG_STATUS,
+    }
 
 
 def _checkpoint_values(checkpoints: CheckpointPlan, state_layout: str) -> dict:
     """The checkpoint parameters' static values (``specs.abi.CHECKPOINT_PARAMS``; the pointers are
     per call): none when ``checkpoints.every`` is 0."""
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    return {"checkpoint_every": checkpoints.every, "checkpoint_columns": checkpoints.columns,
-            "checkpoint_slots": checkpoints.slots, "checkpoint_slot_stride": checkpoints.slot_stride,
-            "checkpoint_stride_k": stride_k, "checkpoint_stride_v": stride_v}
+    return {
+        "checkpoint_every": checkpoints.every,
+        "checkpoint_columns": checkpoints.columns,
+        "checkpoint_slots": checkpoints.slots,
+        "checkpoint_slot_stride": checkpoints.slot_stride,
+        "checkpoint_stride_k": stride_k,
+        "checkpoint_stride_v": stride_v,
+    }
 
 
 def _raw_stream(device) -> int:
@@ -95,8 +130,9 @@ def _raw_stream(device) -> int:
     return _current_raw_stream(device.index)
 
 
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
-                              lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
+)
 
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
 NO_CHECKPOINT_TENSORS = (None, None, None)  # a call's (checkpoint_pool, checkpoint_indices, checkpoint_offsets)
@@ -113,8 +149,20 @@ class _Plan:
     the per-call checks and allocations the signature does not fix (addresses, scalars, host
     cu_seqlens values)."""
 
-    def __init__(self, c: Checked, k1, sm_count, *, cu_seqlens, alloc_final, device, intracard_cp, split, input_flags,
-                 lengths_uniform):
+    def __init__(
+        self,
+        c: Checked,
+        k1,
+        sm_count,
+        *,
+        cu_seqlens,
+        alloc_final,
+        device,
+        intracard_cp,
+        split,
+        input_flags,
+        lengths_uniform,
+    ):
         self.c, self.device, self.alloc_final = c, device, alloc_final
         # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
         # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
@@ -131,8 +179,14 @@ class _Plan:
         self.slots = 0 if k1 is None else c.heads * total_slots
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
         if k1 is not None:
-            self.k1 = k1.template({**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                                   **k1_grid(total_slots, c.heads, sm_count), "flags": input_flags})
+            self.k1 = k1.template(
+                {
+                    **self.geometry,
+                    **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+                    **k1_grid(total_slots, c.heads, sm_count),
+                    "flags": input_flags,
+                }
+            )
 
     @property
     def length_facts(self) -> tuple:
@@ -140,8 +194,28 @@ class _Plan:
         lengths, None where it did not."""
         return self.lengths_uniform, None if self.checkpoint_reach is None else self.checkpoint_reach[1]
 
-    def _begin(self, stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-               cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints):
+    def _begin(
+        self,
+        stream,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        initial_state,
+        final_state,
+        out,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        state_indices,
+        status,
+        host_cu,
+        checkpoints,
+    ):
         """One call's checks and allocations, before anything launches: (out, final_state, the
         int32 device cu_seqlens to keep alive until the launches are issued, the call's values by
         parameter name: what every launch of the plan takes per call, ``LoadedKernel.per_call``).
@@ -150,18 +224,30 @@ class _Plan:
         c, device = self.c, self.device
         lower_bound, scale = check_scalars(lower_bound, scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
-        qp, kp, vp, gp, bp, ap, dp = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-                                      A_log.data_ptr(), dt_bias.data_ptr())
+        qp, kp, vp, gp, bp, ap, dp = (
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            g.data_ptr(),
+            beta.data_ptr(),
+            A_log.data_ptr(),
+            dt_bias.data_ptr(),
+        )
         ip = 0 if initial_state is None else initial_state.data_ptr()
         fp = 0 if final_state is None else final_state.data_ptr()
         op = 0 if out is None else out.data_ptr()
         xp = 0 if state_indices is None else state_indices.data_ptr()
         sp = 0 if status is None else status.data_ptr()
         cp, ci, co = (0 if t is None else t.data_ptr() for t in checkpoints)
-        if (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp | cp | ci | co) & 15 or op in (qp, kp, vp, gp) \
-                or fp in (qp, kp, vp, gp) or cp in (qp, kp, vp, gp):
-            _check_addresses(q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status,
-                             checkpoints)
+        if (
+            (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp | cp | ci | co) & 15
+            or op in (qp, kp, vp, gp)
+            or fp in (qp, kp, vp, gp)
+            or cp in (qp, kp, vp, gp)
+        ):
+            _check_addresses(
+                q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status, checkpoints
+            )
         if c.seqlens_checked and host_cu is None:
             _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
         if out is None:
@@ -173,41 +259,107 @@ class _Plan:
         workspaces = ARENA.pointers(device, self.slots, stream) if self.slots else ()
         cu32 = None
         if cu_seqlens is not None:
-            cu32 = cu_seqlens if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device else \
-                cu_seqlens.to(device=device, dtype=torch.int32)
+            cu32 = (
+                cu_seqlens
+                if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device
+                else cu_seqlens.to(device=device, dtype=torch.int32)
+            )
         cu_ptr = 0 if cu32 is None else cu32.data_ptr()
-        call = {"q": qp, "k": kp, "g": gp, "beta": bp, "a_log": ap, "dt_bias": dp, "v": vp, "out": op,
-                "initial_state": ip, "final_state": fp, "cu_seqlens": cu_ptr, "state_indices": xp, "status": sp,
-                "segments": 0, "scale": scale, "lower_bound": lower_bound, "checkpoints": cp,
-                "checkpoint_indices": ci, "checkpoint_offsets": co}
+        call = {
+            "q": qp,
+            "k": kp,
+            "g": gp,
+            "beta": bp,
+            "a_log": ap,
+            "dt_bias": dp,
+            "v": vp,
+            "out": op,
+            "initial_state": ip,
+            "final_state": fp,
+            "cu_seqlens": cu_ptr,
+            "state_indices": xp,
+            "status": sp,
+            "segments": 0,
+            "scale": scale,
+            "lower_bound": lower_bound,
+            "checkpoints": cp,
+            "checkpoint_indices": ci,
+            "checkpoint_offsets": co,
+        }
         call.update(zip(_WORKSPACES, workspaces))
         return out, final_state, cu32, call
 
-    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None, checkpoints=NO_CHECKPOINT_TENSORS):
+    def run(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        initial_state,
+        final_state,
+        out,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        state_indices,
+        status,
+        host_cu=None,
+        checkpoints=NO_CHECKPOINT_TENSORS,
+    ):
         """One call of a serial plan: its checks and allocations, then its ``launches`` in order
         (the CP plan has its own)."""
         stream = _raw_stream(self.device)
         out, final_state, _cu32, call = self._begin(
-            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
+            stream,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            lower_bound,
+            scale,
+            initial_state,
+            final_state,
+            out,
+            cu_seqlens,
+            cu_seqlens_cpu,
+            state_indices,
+            status,
+            host_cu,
+            checkpoints,
+        )
         for template in self.launches:
             template.launch(call, stream)
         return out, final_state
 
 
-def _serial_chain_values(c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int,
-                         order: int) -> dict:
+def _serial_chain_values(
+    c: Checked, state_layout: str, init_flags: int, final_flags: int, status_flag: int, order: int
+) -> dict:
     """The serial chain's static values (K2's, and the fused kernel's): v and out token strides,
     both states' slot counts, slot and element strides (an allocated final state: N packed
     slots), and the flags (``order``: the grid order bit, ``prefill.SERIAL_K2_ORDER``)."""
     stride_k, stride_v = (1, D) if state_layout == "vk" else (D, 1)
-    return {"v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", c.heads * D),
-            "init_slots": c.init_slots, "final_slots": c.final_slots or c.num_seqs,
-            "init_slot_stride": c.init_slot_stride, "final_slot_stride": c.final_slot_stride or c.heads * D * D,
-            "init_stride_k": stride_k, "init_stride_v": stride_v, "final_stride_k": stride_k, "final_stride_v": stride_v,
-            "flags": init_flags | final_flags | status_flag | order | c.checkpoints.flags,
-            **_checkpoint_values(c.checkpoints, state_layout)}
+    return {
+        "v_row_stride": c.strides["v"],
+        "out_row_stride": c.strides.get("out", c.heads * D),
+        "init_slots": c.init_slots,
+        "final_slots": c.final_slots or c.num_seqs,
+        "init_slot_stride": c.init_slot_stride,
+        "final_slot_stride": c.final_slot_stride or c.heads * D * D,
+        "init_stride_k": stride_k,
+        "init_stride_v": stride_v,
+        "final_stride_k": stride_k,
+        "final_stride_v": stride_v,
+        "flags": init_flags | final_flags | status_flag | order | c.checkpoints.flags,
+        **_checkpoint_values(c.checkpoints, state_layout),
+    }
 
 
 class _SerialPlan(_Plan):
@@ -216,11 +368,38 @@ class _SerialPlan(_Plan):
 
     serial = True
 
-    def __init__(self, c: Checked, k1, k2, *, sm_count, order, cu_seqlens, alloc_final, state_layout, init_flags,
-                 final_flags, status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
-        super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
-                         lengths_uniform=lengths_uniform)
+    def __init__(
+        self,
+        c: Checked,
+        k1,
+        k2,
+        *,
+        sm_count,
+        order,
+        cu_seqlens,
+        alloc_final,
+        state_layout,
+        init_flags,
+        final_flags,
+        status_flag,
+        device,
+        intracard_cp,
+        split,
+        input_flags,
+        lengths_uniform,
+    ):
+        super().__init__(
+            c,
+            k1,
+            sm_count,
+            cu_seqlens=cu_seqlens,
+            alloc_final=alloc_final,
+            device=device,
+            intracard_cp=intracard_cp,
+            split=split,
+            input_flags=input_flags,
+            lengths_uniform=lengths_uniform,
+        )
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
         self.launches = (self.k1, self.k2)
@@ -232,16 +411,42 @@ class _FusedPlan(_Plan):
 
     serial = True
 
-    def __init__(self, c: Checked, fused, *, order, cu_seqlens, alloc_final, state_layout, init_flags, final_flags,
-                 status_flag, device, intracard_cp, split, input_flags, lengths_uniform):
-        super().__init__(c, None, None, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags,
-                         lengths_uniform=lengths_uniform)
+    def __init__(
+        self,
+        c: Checked,
+        fused,
+        *,
+        order,
+        cu_seqlens,
+        alloc_final,
+        state_layout,
+        init_flags,
+        final_flags,
+        status_flag,
+        device,
+        intracard_cp,
+        split,
+        input_flags,
+        lengths_uniform,
+    ):
+        super().__init__(
+            c,
+            None,
+            None,
+            cu_seqlens=cu_seqlens,
+            alloc_final=alloc_final,
+            device=device,
+            intracard_cp=intracard_cp,
+            split=split,
+            input_flags=input_flags,
+            lengths_uniform=lengths_uniform,
+        )
         chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
-        self.kernel = fused.template({
-            **self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain})
+        self.kernel = fused.template(
+            {**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}
+        )
         self.launches = (self.kernel,)
 
 
@@ -252,10 +457,38 @@ class _CPPlan(_Plan):
 
     serial = False
 
-    def __init__(self, c: Checked, loader, k1, segments, s_split, *, sm_count, cu_seqlens, alloc_final, state_layout,
-                 init_flags, final_flags, status_flag, device, intracard_cp, split, input_flags):
-        super().__init__(c, k1, sm_count, cu_seqlens=cu_seqlens, alloc_final=alloc_final, device=device,
-                         intracard_cp=intracard_cp, split=split, input_flags=input_flags, lengths_uniform=None)
+    def __init__(
+        self,
+        c: Checked,
+        loader,
+        k1,
+        segments,
+        s_split,
+        *,
+        sm_count,
+        cu_seqlens,
+        alloc_final,
+        state_layout,
+        init_flags,
+        final_flags,
+        status_flag,
+        device,
+        intracard_cp,
+        split,
+        input_flags,
+    ):
+        super().__init__(
+            c,
+            k1,
+            sm_count,
+            cu_seqlens=cu_seqlens,
+            alloc_final=alloc_final,
+            device=device,
+            intracard_cp=intracard_cp,
+            split=split,
+            input_flags=input_flags,
+            lengths_uniform=None,
+        )
         heads = c.heads
         n_prescan = prescan_jobs(segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)
@@ -263,18 +496,26 @@ class _CPPlan(_Plan):
         # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
         # launch: a missing cubin fails before anything runs.
         merge = loader.get(device, MergeSpec(v_block=merge_v_block(heads, c.num_seqs, sm_count)))
-        prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sm_count),
-                                                          prescan=True))
-        recurrence_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count),
-                                                             checkpointing=c.checkpoints.every > 0))
+        prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sm_count), prescan=True))
+        recurrence_k2 = loader.get(
+            device,
+            segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count), checkpointing=c.checkpoints.every > 0),
+        )
         # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
         # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
         # from (at a multiple of 16 bytes): K1 reads those, so the records always match the
         # table, whatever the device cu_seqlens holds.
         self.segments, self.init_flags, self.final_flags = segments, init_flags, final_flags
         self.host_cu = c.host_cu
-        self.table_key = (device.index, c.batch, c.seq_len, None if c.host_cu is None else tuple(c.host_cu), s_split,
-                          init_flags, final_flags)
+        self.table_key = (
+            device.index,
+            c.batch,
+            c.seq_len,
+            None if c.host_cu is None else tuple(c.host_cu),
+            s_split,
+            init_flags,
+            final_flags,
+        )
         row_bytes = 4 * SEGMENT_FIELDS
         self.main_rows_at, self.bounds_at = row_bytes * n_prescan, row_bytes * (n_prescan + n_segments)
         self.cu_at = self.bounds_at + 16 * -(-4 * (len(segments) + 1) // 16)
@@ -284,24 +525,59 @@ class _CPPlan(_Plan):
         packed_slot = heads * D * D
         # The rows' states: carries (init), transition pairs (the pre_scan's final), the user's final
         # state (the recurrence's); the user's pool slot counts bound the indexed ones.
-        k2_common = {**self.geometry, "v_row_stride": c.strides["v"], "out_row_stride": c.strides.get("out", heads * D),
-                     "init_slots": n_segments, "init_slot_stride": packed_slot, "init_stride_k": D, "init_stride_v": 1}
+        k2_common = {
+            **self.geometry,
+            "v_row_stride": c.strides["v"],
+            "out_row_stride": c.strides.get("out", heads * D),
+            "init_slots": n_segments,
+            "init_slot_stride": packed_slot,
+            "init_stride_k": D,
+            "init_stride_v": 1,
+        }
         # The pre_scan's states are segment maps, not the sequence's: no checkpoints.  Its first-
         # segment rows start from the user's initial state (its pool slot, dtype and layout).
-        self.prescan = prescan_k2.template({
-            **k2_common, **_checkpoint_values(NO_CHECKPOINTS, state_layout), "num_seqs": n_prescan,
-            "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride, "init_stride_k": stride_k,
-            "init_stride_v": stride_v, "final_slots": 2 * n_segments, "final_slot_stride": packed_slot,
-            "final_stride_k": D, "final_stride_v": 1, "flags": 0}, dependent=DEPENDENT_LAUNCH)
-        self.merge = merge.template({
-            "num_seqs": c.num_seqs, "heads": heads, "init_slots": c.init_slots, "init_slot_stride": c.init_slot_stride,
-            "init_stride_k": stride_k, "init_stride_v": stride_v, "flags": init_flags | status_flag},
-            dependent=DEPENDENT_LAUNCH)
-        self.recurrence = recurrence_k2.template({
-            **k2_common, "num_seqs": n_segments, "final_slots": c.num_seqs if alloc_final else c.final_slots,
-            "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
-            "final_stride_k": stride_k, "final_stride_v": stride_v, "flags": status_flag | c.checkpoints.flags,
-            **_checkpoint_values(c.checkpoints, state_layout)}, dependent=DEPENDENT_LAUNCH)
+        self.prescan = prescan_k2.template(
+            {
+                **k2_common,
+                **_checkpoint_values(NO_CHECKPOINTS, state_layout),
+                "num_seqs": n_prescan,
+                "init_slots": c.init_slots,
+                "init_slot_stride": c.init_slot_stride,
+                "init_stride_k": stride_k,
+                "init_stride_v": stride_v,
+                "final_slots": 2 * n_segments,
+                "final_slot_stride": packed_slot,
+                "final_stride_k": D,
+                "final_stride_v": 1,
+                "flags": 0,
+            },
+            dependent=DEPENDENT_LAUNCH,
+        )
+        self.merge = merge.template(
+            {
+                "num_seqs": c.num_seqs,
+                "heads": heads,
+                "init_slots": c.init_slots,
+                "init_slot_stride": c.init_slot_stride,
+                "init_stride_k": stride_k,
+                "init_stride_v": stride_v,
+                "flags": init_flags | status_flag,
+            },
+            dependent=DEPENDENT_LAUNCH,
+        )
+        self.recurrence = recurrence_k2.template(
+            {
+                **k2_common,
+                "num_seqs": n_segments,
+                "final_slots": c.num_seqs if alloc_final else c.final_slots,
+                "final_slot_stride": packed_slot if alloc_final else c.final_slot_stride,
+                "final_stride_k": stride_k,
+                "final_stride_v": stride_v,
+                "flags": status_flag | c.checkpoints.flags,
+                **_checkpoint_values(c.checkpoints, state_layout),
+            },
+            dependent=DEPENDENT_LAUNCH,
+        )
 
     def _table_values(self) -> list[int]:
         prescan_rows, main_rows, bounds = _segment_tables(self.segments, self.init_flags, self.final_flags)
@@ -310,21 +586,60 @@ class _CPPlan(_Plan):
             values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
         return values
 
-    def run(self, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu=None, checkpoints=NO_CHECKPOINT_TENSORS):
+    def run(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        initial_state,
+        final_state,
+        out,
+        cu_seqlens,
+        cu_seqlens_cpu,
+        state_indices,
+        status,
+        host_cu=None,
+        checkpoints=NO_CHECKPOINT_TENSORS,
+    ):
         c, device = self.c, self.device
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
         out, final_state, _cu32, call = self._begin(
-            stream, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, initial_state, final_state, out,
-            cu_seqlens, cu_seqlens_cpu, state_indices, status, host_cu, checkpoints)
+            stream,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            lower_bound,
+            scale,
+            initial_state,
+            final_state,
+            out,
+            cu_seqlens,
+            cu_seqlens_cpu,
+            state_indices,
+            status,
+            host_cu,
+            checkpoints,
+        )
         # The tables before any launch, so nothing on the GPU waits for Python between them.
         # Looked up on every call, not held: the lookup records this call's stream and marks a
         # table a capture uses, which is then never evicted.
         table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
         if table is None:
-            fail("intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
-                  "call (same lengths) once before capturing, or pass intracard_cp=False")
+            fail(
+                "intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
+                "call (same lengths) once before capturing, or pass intracard_cp=False"
+            )
         rows = table.data_ptr()
         # K1 places the records by the lengths the table was planned from.
         k1_call = call if self.host_cu is None else {**call, "cu_seqlens": rows + self.cu_at}
@@ -338,4 +653,3 @@ class _CPPlan(_Plan):
         self.merge.launch({**call, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
         self.recurrence.launch({**call, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
         return out, final_state
-

@@ -49,8 +49,10 @@ def workspace_values(device, batch: int, seq_len: int, heads: int, cu_seqlens, s
     values = {
         "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
         "workspace": ARENA.pointers(device, heads * total_slots, stream)[0],
-        "seq_len": seq_len, "num_seqs": batch if cu32 is None else cu32.numel() - 1,
-        "total_slots": total_slots, "heads": heads,
+        "seq_len": seq_len,
+        "num_seqs": batch if cu32 is None else cu32.numel() - 1,
+        "total_slots": total_slots,
+        "heads": heads,
     }
     return Workspaces(total_slots, views), values, cu32
 
@@ -64,9 +66,14 @@ def input_geometry(batch: int, seq_len: int, heads: int, strides: dict) -> dict:
     """K1's values for its inputs' layout: the TMA views of q, k, g as [rows, H·4 blocks of 32
     columns] with their own token strides (recipe names, see ``specs.token_tma``) and β's token
     stride."""
-    return {"rows": batch * seq_len, "row_blocks": heads * D // INPUT_BLOCK_COLS,
-            "q_row_bytes": strides["q"] * 2, "k_row_bytes": strides["k"] * 2, "g_row_bytes": strides["g"] * 2,
-            "beta_row_stride": strides["beta"]}
+    return {
+        "rows": batch * seq_len,
+        "row_blocks": heads * D // INPUT_BLOCK_COLS,
+        "q_row_bytes": strides["q"] * 2,
+        "k_row_bytes": strides["k"] * 2,
+        "g_row_bytes": strides["g"] * 2,
+        "beta_row_stride": strides["beta"],
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,36 +81,83 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides,
-                   flags=0) -> None:
+def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides, flags=0) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``, the
     inputs' token ``strides`` (elements, see ``contiguous_strides``) and the input-convention
     ``flags`` (``checks.call_inputs``)."""
     batch, seq_len, heads, _ = q.shape
-    kernel.launch({
-        **common, **input_geometry(batch, seq_len, heads, strides), **k1_grid(common["total_slots"], heads, sm_count(q.device)),
-        "q": q.data_ptr(), "k": k.data_ptr(), "g": g.data_ptr(), "beta": beta.data_ptr(),
-        "a_log": A_log.data_ptr(), "dt_bias": dt_bias.data_ptr(),
-        "scale": float(scale), "lower_bound": float(lower_bound), "flags": flags,
-    }, stream)
+    kernel.launch(
+        {
+            **common,
+            **input_geometry(batch, seq_len, heads, strides),
+            **k1_grid(common["total_slots"], heads, sm_count(q.device)),
+            "q": q.data_ptr(),
+            "k": k.data_ptr(),
+            "g": g.data_ptr(),
+            "beta": beta.data_ptr(),
+            "a_log": A_log.data_ptr(),
+            "dt_bias": dt_bias.data_ptr(),
+            "scale": float(scale),
+            "lower_bound": float(lower_bound),
+            "flags": flags,
+        },
+        stream,
+    )
 
 
-def prepare(q, k, g, beta, *, A_log=None, dt_bias=None, lower_bound=None, scale=None, cu_seqlens=None,
-            gate="safe", beta_sigmoid=True, qk_l2norm=True) -> Workspaces:
+def prepare(
+    q,
+    k,
+    g,
+    beta,
+    *,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    scale=None,
+    cu_seqlens=None,
+    gate="safe",
+    beta_sigmoid=True,
+    qk_l2norm=True,
+) -> Workspaces:
     """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
 
     For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
     """
-    A_log, dt_bias, lower_bound, g, beta, flags = call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta,
-                                                              beta_sigmoid, qk_l2norm)
+    A_log, dt_bias, lower_bound, g, beta, flags = call_inputs(
+        gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm
+    )
     batch, seq_len, heads, _ = q.shape
     device = q.device
     kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=gate))
     stream = torch.cuda.current_stream(device).cuda_stream
     workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
-    launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound,
-                   DEFAULT_SCALE if scale is None else scale, common, stream, contiguous_strides(heads), flags)
+    launch_prepare(
+        kernel,
+        q,
+        k,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        DEFAULT_SCALE if scale is None else scale,
+        common,
+        stream,
+        contiguous_strides(heads),
+        flags,
+    )
     return workspaces
 
 
-__all__ = ["DEFAULT_SCALE", "Workspaces", "contiguous_strides", "input_geometry", "launch_prepare", "plan_slots", "prepare", "sm_count", "workspace_values"]
+__all__ = [
+    "DEFAULT_SCALE",
+    "Workspaces",
+    "contiguous_strides",
+    "input_geometry",
+    "launch_prepare",
+    "plan_slots",
+    "prepare",
+    "sm_count",
+    "workspace_values",
+]

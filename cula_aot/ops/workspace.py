@@ -12,8 +12,13 @@ import threading
 
 import torch
 
-from ..layout import (WORKSPACE_DTYPES, WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES, WORKSPACE_RECORD_ORDER,
-                      WORKSPACE_SLOT_BYTES)
+from ..layout import (
+    WORKSPACE_DTYPES,
+    WORKSPACE_PART_OFFSETS,
+    WORKSPACE_RECORD_BYTES,
+    WORKSPACE_RECORD_ORDER,
+    WORKSPACE_SLOT_BYTES,
+)
 
 _ALIGN = 256
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -57,7 +62,6 @@ class WorkspaceArena:
             if self._buffers.get((device.index, stream)) is buf:
                 self._views[(device.index, stream, slots)] = views
         return views
-
 
     def pointers(self, device: torch.device, slots: int, stream: int) -> tuple:
         """The kernels' workspace parameters (``specs.WORKSPACE_POINTERS``): the first record."""

@@ -49,7 +49,9 @@ class ParamPacker:
                     "pass tensors whose storage starts on a 16-byte boundary (e.g. call .contiguous().clone())"
                 )
             if name in self._descriptors and (not isinstance(value, bytes) or len(value) != self._descriptors[name]):
-                raise ValueError(f"{self.kernel_name}: descriptor '{name}' must be {self._descriptors[name]} encoded bytes")
+                raise ValueError(
+                    f"{self.kernel_name}: descriptor '{name}' must be {self._descriptors[name]} encoded bytes"
+                )
             if name in self._i32 and not -(2**31) <= value < 2**31:
                 raise ValueError(f"{self.kernel_name}: '{name}' = {value} does not fit in int32")
         return self.struct.pack(*ordered)

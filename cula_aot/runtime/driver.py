@@ -19,4 +19,3 @@ def check(result, what: str):
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
-

@@ -39,13 +39,19 @@ class LoadedKernel:
         self.smem = record["dynamic_smem_bytes"]
         self.grid_rule = record["grid"]
         self.packer = ParamPacker(record["params"], name, record["param_bytes"])
-        self.descriptors = [(p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
-                            for p in record["params"] if p["kind"] == "tma_descriptor"]
+        self.descriptors = [
+            (p["name"], p["recipe"]["source"], DescriptorCache(p["recipe"], f"{name}.{p['name']}"))
+            for p in record["params"]
+            if p["kind"] == "tma_descriptor"
+        ]
         # What a call supplies, in ABI order: every pointer, the tensor behind every descriptor
         # and every f32 scalar (scale, lower_bound); the i32 scalars (lengths, strides, slot
         # counts, flags) are fixed by a launch template's call signature.
-        self.per_call = tuple(p["recipe"]["source"] if p["kind"] == "tma_descriptor" else p["name"]
-                              for p in record["params"] if p["kind"] != "scalar" or p["dtype"] == "f32")
+        self.per_call = tuple(
+            p["recipe"]["source"] if p["kind"] == "tma_descriptor" else p["name"]
+            for p in record["params"]
+            if p["kind"] != "scalar" or p["dtype"] == "f32"
+        )
         self.dependent_launch = record.get("dependent_launch", False)
         # Cluster shape set at launch (the PTX of a CuTeDSL kernel does not fix it).
         self.cluster = tuple(record.get("cluster", (1, 1, 1)))
@@ -69,8 +75,9 @@ class LoadedKernel:
             values[name] = cache.get(values[source], values)
         self.launch_packed(self.packer.pack(values), grid, stream, smem_bytes, dependent)
 
-    def launch_packed(self, packed: bytes, grid: tuple, stream: int, smem_bytes: int | None = None,
-                      dependent: bool = False) -> None:
+    def launch_packed(
+        self, packed: bytes, grid: tuple, stream: int, smem_bytes: int | None = None, dependent: bool = False
+    ) -> None:
         """Launch with an already packed parameter buffer (``CU_LAUNCH_PARAM_BUFFER_POINTER``).
         The driver copies the parameters during the call (also under graph capture), so each
         thread reuses one buffer.
@@ -83,30 +90,41 @@ class LoadedKernel:
         if smem_bytes is None:
             smem_bytes = self.smem
         elif not 0 <= smem_bytes <= self.smem:
-            raise ValueError(f"{self.name}: a launch asked for {smem_bytes} B of dynamic shared memory; "
-                             f"the kernel was built for at most {self.smem} B")
+            raise ValueError(
+                f"{self.name}: a launch asked for {smem_bytes} B of dynamic shared memory; "
+                f"the kernel was built for at most {self.smem} B"
+            )
         if dependent:
             self.check_dependent()
         buffers = getattr(self._thread, "buffers", None)
         if buffers is None:
             buffer = ctypes.create_string_buffer(self.packer.size)
             size = ctypes.c_size_t(self.packer.size)
-            extra = (ctypes.c_void_p * 5)(cu.CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(buffer),
-                                          cu.CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.CU_LAUNCH_PARAM_END)
+            extra = (ctypes.c_void_p * 5)(
+                cu.CU_LAUNCH_PARAM_BUFFER_POINTER,
+                ctypes.addressof(buffer),
+                cu.CU_LAUNCH_PARAM_BUFFER_SIZE,
+                ctypes.addressof(size),
+                cu.CU_LAUNCH_PARAM_END,
+            )
             buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
         ctypes.memmove(buffers[0], packed, self.packer.size)
         if dependent or self.cluster != (1, 1, 1):
             config = self._ex_config(grid, smem_bytes, stream, dependent)
             check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[3]), self.what)
             return
-        check(cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
-              self.what)
+        check(
+            cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
+            self.what,
+        )
 
     def check_dependent(self) -> None:
         """Refuse a programmatic dependent launch of a kernel that does not wait for its predecessor."""
         if not self.dependent_launch:
-            raise ValueError(f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
-                             "launched as a programmatic dependent")
+            raise ValueError(
+                f"{self.name} does not wait for its predecessor (griddepcontrol.wait): it cannot be "
+                "launched as a programmatic dependent"
+            )
 
     def _ex_config(self, grid: tuple, smem_bytes: int, stream: int, dependent: bool):
         """This thread's ``CUlaunchConfig`` for a launch of this shape on ``stream``: a
@@ -165,8 +183,9 @@ class LaunchTemplate:
         aligns = kernel.packer.pointer_aligns
         # Static values as given; per-call ones as placeholders of their kind (an aligned
         # address, 0, an empty descriptor), so packing once checks every static value.
-        values = {n: aligns.get(n, 0) if n in dynamic_index else static[n]
-                  for n in names if n in static or n in dynamic_index}
+        values = {
+            n: aligns.get(n, 0) if n in dynamic_index else static[n] for n in names if n in static or n in dynamic_index
+        }
         # Descriptors: shapes from the static values, the address (a dynamic source) per call.
         self._descriptors = []
         for name, source, cache in kernel.descriptors:
@@ -178,7 +197,11 @@ class LaunchTemplate:
         pairs = sorted((names.index(n), i) for n, i in dynamic_index.items() if n in names)
         self._runs = []
         for at, i in pairs:
-            if self._runs and self._runs[-1][0] + self._runs[-1][2] == at and self._runs[-1][1] + self._runs[-1][2] == i:
+            if (
+                self._runs
+                and self._runs[-1][0] + self._runs[-1][2] == at
+                and self._runs[-1][1] + self._runs[-1][2] == i
+            ):
                 self._runs[-1][2] += 1
             else:
                 self._runs.append([at, i, 1])
@@ -194,8 +217,10 @@ class LaunchTemplate:
         dynamic = self._take(call)
         for i, name, align in self._pointer_checks:
             if dynamic[i] % align:
-                raise ValueError(f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
-                                 "pass tensors whose storage starts on a 16-byte boundary")
+                raise ValueError(
+                    f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
+                    "pass tensors whose storage starts on a 16-byte boundary"
+                )
         if min(self.grid) <= 0:
             return
         values = self._values.copy()
@@ -290,4 +315,13 @@ def default_loader() -> KernelLoader:
     return _DEFAULT
 
 
-__all__ = ["ArtifactError", "CudaError", "KernelLoader", "LaunchTemplate", "LoadedKernel", "check", "default_loader", "device_arch"]
+__all__ = [
+    "ArtifactError",
+    "CudaError",
+    "KernelLoader",
+    "LaunchTemplate",
+    "LoadedKernel",
+    "check",
+    "default_loader",
+    "device_arch",
+]

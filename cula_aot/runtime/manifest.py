@@ -99,7 +99,9 @@ class Manifest:
         rec = self.kernels.get(spec.name)
         if rec is not None:
             return spec.name, rec
-        raise ArtifactError(f"no {spec.kernel} specialization for {spec.args} in {self.path}. Rebuild with `{BUILD_HINT}`.")
+        raise ArtifactError(
+            f"no {spec.kernel} specialization for {spec.args} in {self.path}. Rebuild with `{BUILD_HINT}`."
+        )
 
     def check_arch(self, device_arch: str) -> None:
         if device_arch != self.arch:

@@ -11,12 +11,16 @@ from cuda.bindings import driver as cu
 
 from .driver import check
 
-_DTYPES = {"bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-           "f32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}
+_DTYPES = {
+    "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    "f32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+}
 _INTERLEAVE = {"none": cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE}
 _SWIZZLE = {"none": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE}
-_L2 = {"none": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
-       "L2_256B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B}
+_L2 = {
+    "none": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    "L2_256B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+}
 # "zeros": out-of-bounds elements read as zero (the driver's FLOAT_OOB_FILL_NONE).
 TMA_DESCRIPTOR_BYTES = 128
 _OOB = {"zeros": cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE}
@@ -39,8 +43,10 @@ class DescriptorCache:
 
     def _shape(self, values: dict) -> tuple:
         """(dims, strides) of the recipe with its runtime names resolved from ``values``."""
-        return (tuple(_resolve(d, values) for d in self.recipe["global_dims"]),
-                tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"]))
+        return (
+            tuple(_resolve(d, values) for d in self.recipe["global_dims"]),
+            tuple(_resolve(s, values) for s in self.recipe["global_strides_bytes"]),
+        )
 
     def get(self, base_address: int, values: dict) -> bytes:
         return self._get(base_address, *self._shape(values))

@@ -74,8 +74,12 @@ def token_tma(name: str, source: str) -> Param:
         "l2_promotion": "L2_256B",
         "oob_fill": "zeros",
     }
-    return Param(name, "tma_descriptor", "bf16", tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                                              for k, v in recipe.items())))
+    return Param(
+        name,
+        "tma_descriptor",
+        "bf16",
+        tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in recipe.items())),
+    )
 
 
 def abi_layout(params) -> list[dict]:
@@ -99,6 +103,7 @@ def abi_layout(params) -> list[dict]:
 # γ = lower_bound·σ(e^A_log·(g + dt_bias)), "softplus" γ = −e^A_log·softplus(g + dt_bias) and
 # "precomputed" γ = g (the caller's log-decay).  The last two are unbounded.
 GATES = ("safe", "softplus", "precomputed")
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
@@ -151,12 +156,16 @@ K1_INPUTS = (
     pointer("dt_bias", "f32"),
 )
 
+
 # State tensors: S[k, v] of state ``index`` and head h at element
 # ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
 # fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.
 def state_params(which: str) -> tuple:
-    return (scalar(f"{which}_slot_stride", "i32"), scalar(f"{which}_stride_k", "i32"),
-            scalar(f"{which}_stride_v", "i32"))
+    return (
+        scalar(f"{which}_slot_stride", "i32"),
+        scalar(f"{which}_stride_k", "i32"),
+        scalar(f"{which}_stride_v", "i32"),
+    )
 
 
 # Device-value bounds, last in every prefill kernel's list (so the parameters before them keep the

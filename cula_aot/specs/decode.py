@@ -73,8 +73,12 @@ def decode_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int = 
     the stage, k̂·q̂ and b, alignment slack, and ``tokens`` times the per-token arrays.  The kernel
     is built for ``DECODE_MAX_TOKENS``; a launch asks for what its T uses, so short calls fit more
     CTAs per SM."""
-    return (decode_stage_bytes(v_block, items, bf16_state) + 2 * DECODE_MAX_TOKENS * 4 + 256
-            + tokens * decode_token_bytes(v_block, items))
+    return (
+        decode_stage_bytes(v_block, items, bf16_state)
+        + 2 * DECODE_MAX_TOKENS * 4
+        + 256
+        + tokens * decode_token_bytes(v_block, items)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +128,15 @@ def decode_chunk_smem_bytes(warps: int, items: int) -> int:
     A: four fp32 [4, 128]), P's bf16 hi / lo operands, K̃, G and the dot products, k̂·q̂ and b,
     the warps' bf16 o staging, the next item's stage, and alignment slack."""
     tokens = DECODE_CHUNK_MAX_TOKENS
-    return (4 * tokens * 128 * 4 + 2 * 2 * tokens * 128 * 2 + tokens * 128 * 4 + (64 + 8 * tokens + 16 + 2 * tokens) * 4
-            + warps * tokens * 16 * 2 + decode_chunk_stage_bytes(warps, items) + 256)
+    return (
+        4 * tokens * 128 * 4
+        + 2 * 2 * tokens * 128 * 2
+        + tokens * 128 * 4
+        + (64 + 8 * tokens + 16 + 2 * tokens) * 4
+        + warps * tokens * 16 * 2
+        + decode_chunk_stage_bytes(warps, items)
+        + 256
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +170,13 @@ class DecodeChunkSpec(KernelSpec):
 def decode_specs() -> list[KernelSpec]:
     """Every decode specialization (both layouts, both pool dtypes, every ``DECODE_VARIANTS``, every
     gate; the chunk form for every ``DECODE_CHUNK_VARIANTS`` and gate)."""
-    return [DecodeSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
-            for gate in GATES for kv in (False, True) for bf16 in (False, True) for vb, items in DECODE_VARIANTS] + [
-        DecodeChunkSpec(warps=w, items=i, gate=gate) for gate in GATES for w, i in DECODE_CHUNK_VARIANTS]
+    return [
+        DecodeSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
+        for gate in GATES
+        for kv in (False, True)
+        for bf16 in (False, True)
+        for vb, items in DECODE_VARIANTS
+    ] + [DecodeChunkSpec(warps=w, items=i, gate=gate) for gate in GATES for w, i in DECODE_CHUNK_VARIANTS]
 
 
 # N·H thresholds of pick_variant.
@@ -180,8 +195,15 @@ def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediate
     return bf16_state and state_layout == "vk" and not intermediates and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS
 
 
-def pick_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool, state_layout: str = "vk",
-                 intermediates: bool = False, gate: str = "safe") -> tuple:
+def pick_variant(
+    num_seqs: int,
+    heads: int,
+    tokens: int,
+    bf16_state: bool,
+    state_layout: str = "vk",
+    intermediates: bool = False,
+    gate: str = "safe",
+) -> tuple:
     """The kernel to launch: ``("chunk", warps, items)`` for the tensor-core chunk kernel, else the
     token kernel's (v_block, items); chosen from every variant timed per row on an H200
     (docs/PERFORMANCE.md, Decode):
@@ -215,5 +237,4 @@ def variant_spec(variant: tuple, bf16_state: bool, state_layout: str, gate: str 
     if variant[0] == "chunk":
         return DecodeChunkSpec(warps=variant[1], items=variant[2], gate=gate)
     v_block, items = variant
-    return DecodeSpec(kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block,
-                      items=items, gate=gate)
+    return DecodeSpec(kv_layout=state_layout == "kv", bf16_state=bf16_state, v_block=v_block, items=items, gate=gate)

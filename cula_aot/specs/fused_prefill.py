@@ -94,5 +94,6 @@ def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, unif
     waves = heads * num_seqs / sm_count
     mean_tiles = total_tokens / (16 * num_seqs)
     min_tiles = FUSED_UNIFORM_MIN_MEAN_TILES if uniform else FUSED_MIN_MEAN_TILES
-    return ((waves >= FUSED_MIN_WAVES and mean_tiles >= min_tiles)
-            or (waves >= FUSED_LONG_MIN_WAVES and mean_tiles >= FUSED_LONG_MIN_MEAN_TILES))
+    return (waves >= FUSED_MIN_WAVES and mean_tiles >= min_tiles) or (
+        waves >= FUSED_LONG_MIN_WAVES and mean_tiles >= FUSED_LONG_MIN_MEAN_TILES
+    )

@@ -4,8 +4,16 @@ multicast, wgmma), grid, and the V-block dispatch of the serial and CP launches.
 import dataclasses
 from typing import ClassVar
 
-from .abi import (CHECKPOINT_PARAMS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, bound_params, pointer, scalar,
-                  state_params)
+from .abi import (
+    CHECKPOINT_PARAMS,
+    SEQUENCE_SCALARS,
+    WORKSPACE_POINTERS,
+    KernelSpec,
+    bound_params,
+    pointer,
+    scalar,
+    state_params,
+)
 
 K2_PARAMS = (
     pointer("v", "bf16"),
@@ -130,12 +138,18 @@ def serial_k2_spec(varlen: bool, v_block: int, checkpointing: bool = False) -> K
     MMAs for the one-warpgroup V block (3.5–6% faster where ``auto_v_block`` takes it; on the
     few-CTA fixed rows, where 32 columns stay the pick, 64 with wgmma lost 6–9%: PERFORMANCE.md,
     K2 recurrence)."""
-    return K2Spec(varlen=varlen, v_block=v_block, multicast=v_block in K2_MULTICAST_V_BLOCKS,
-                  wgmma=v_block == K2_WGMMA_V_BLOCK, checkpointing=checkpointing)
+    return K2Spec(
+        varlen=varlen,
+        v_block=v_block,
+        multicast=v_block in K2_MULTICAST_V_BLOCKS,
+        wgmma=v_block == K2_WGMMA_V_BLOCK,
+        checkpointing=checkpointing,
+    )
 
 
-def segmented_k2_spec(v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False,
-                      checkpointing: bool = False) -> K2Spec:
+def segmented_k2_spec(
+    v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False, checkpointing: bool = False
+) -> K2Spec:
     """The CP segmented K2: the segment recurrence, or (``prescan``) the pre_scan
     jobs, which write states only."""
     return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan, checkpointing=checkpointing)

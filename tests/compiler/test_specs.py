@@ -2,9 +2,20 @@ import dataclasses
 
 import pytest
 
-from cula_aot.specs import (GATES, K2_DEFAULT_V_BLOCK, K2_SEGMENTED_V_BLOCKS, K2_V_BLOCKS, K2_WARP_COLUMNS,
-                            K2_WIDE_V_BLOCK, K1Spec, K2Spec, abi_layout, auto_v_block, default_specs,
-                            segmented_v_block)
+from cula_aot.specs import (
+    GATES,
+    K2_DEFAULT_V_BLOCK,
+    K2_SEGMENTED_V_BLOCKS,
+    K2_V_BLOCKS,
+    K2_WARP_COLUMNS,
+    K2_WIDE_V_BLOCK,
+    K1Spec,
+    K2Spec,
+    abi_layout,
+    auto_v_block,
+    default_specs,
+    segmented_v_block,
+)
 
 
 def test_the_spec_list_names_no_head_count():
@@ -19,14 +30,18 @@ def test_the_spec_list_names_no_head_count():
     # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
     assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
     segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
-    assert sorted((s.v_block, s.prescan, s.checkpointing) for s in segmented) == \
-        sorted([(b, p, False) for b in K2_SEGMENTED_V_BLOCKS for p in (False, True)]
-               + [(b, False, True) for b in K2_SEGMENTED_V_BLOCKS])
+    assert sorted((s.v_block, s.prescan, s.checkpointing) for s in segmented) == sorted(
+        [(b, p, False) for b in K2_SEGMENTED_V_BLOCKS for p in (False, True)]
+        + [(b, False, True) for b in K2_SEGMENTED_V_BLOCKS]
+    )
     # Every chain the runtime launches has its checkpoint twin, and nothing else does.
     from cula_aot.specs import fused_spec, segmented_k2_spec, serial_k2_spec
 
-    launched = ([serial_k2_spec(v, b) for v in (False, True) for b in K2_V_BLOCKS]
-                + [segmented_k2_spec(b) for b in K2_SEGMENTED_V_BLOCKS] + [fused_spec(g) for g in GATES])
+    launched = (
+        [serial_k2_spec(v, b) for v in (False, True) for b in K2_V_BLOCKS]
+        + [segmented_k2_spec(b) for b in K2_SEGMENTED_V_BLOCKS]
+        + [fused_spec(g) for g in GATES]
+    )
     twins = {s for s in specs if getattr(s, "checkpointing", False)}
     assert twins == {dataclasses.replace(s, checkpointing=True) for s in launched}
     assert set(launched) <= set(specs)
@@ -57,8 +72,10 @@ def test_names_cover_every_codegen_argument():
             assert other.name != spec.name
     assert K1Spec(varlen=True).name == "k1_prepare_varlen1_gatesafe"
     assert K1Spec(varlen=False, gate="softplus").name == "k1_prepare_varlen0_gatesoftplus"
-    assert K2Spec(varlen=False, v_block=32).name == \
-        "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0_checkpointing0"
+    assert (
+        K2Spec(varlen=False, v_block=32).name
+        == "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0_checkpointing0"
+    )
     assert K2Spec(varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 
 
@@ -126,9 +143,12 @@ def test_prescan_needs_segmented_and_stages_the_record_prefix():
     with pytest.raises(ValueError, match="segmented"):
         K2Spec(varlen=True, v_block=32, prescan=True)
     from cula_aot.layout import PRESCAN_RECORD_BYTES, PRESCAN_RECORD_PARTS, WORKSPACE_PART_OFFSETS, WORKSPACE_SLOT_BYTES
+
     # The pre_scan's bulk copy is the record's first PRESCAN_RECORD_BYTES: its parts must lead.
     assert set(PRESCAN_RECORD_PARTS) == {"kd", "kr", "inv", "gt", "b"}
-    assert all(WORKSPACE_PART_OFFSETS[p] + WORKSPACE_SLOT_BYTES[p] <= PRESCAN_RECORD_BYTES for p in PRESCAN_RECORD_PARTS)
+    assert all(
+        WORKSPACE_PART_OFFSETS[p] + WORKSPACE_SLOT_BYTES[p] <= PRESCAN_RECORD_BYTES for p in PRESCAN_RECORD_PARTS
+    )
     assert all(WORKSPACE_PART_OFFSETS[p] >= PRESCAN_RECORD_BYTES for p in ("qd", "mqk"))
 
 
@@ -178,4 +198,7 @@ def test_auto_fused_takes_many_long_items_only():
     assert not auto_fused(16, 20, 4 * 2048 + 16 * 128, sms)  # 32 tiles on average
     spec = fused_spec()
     assert spec == FusedSpec() and spec.block == (128 * spec.producers + 256, 1, 1)
-    assert spec.grid == (1, "heads", "num_seqs") and spec.name == "fused_prefill_stages4_producers2_gatesafe_checkpointing0"
+    assert (
+        spec.grid == (1, "heads", "num_seqs")
+        and spec.name == "fused_prefill_stages4_producers2_gatesafe_checkpointing0"
+    )

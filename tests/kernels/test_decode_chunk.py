@@ -36,9 +36,9 @@ def _mma(shape, a, b):
         g, c = _lane(lane)
         if shape == "k16":  # a: 4 pairs, b: 2 pairs
             for i, (r, k0) in enumerate(((g, 2 * c), (g + 8, 2 * c), (g, 2 * c + 8), (g + 8, 2 * c + 8))):
-                A[r, k0:k0 + 2] = a[lane][i]
-            B[2 * c:2 * c + 2, g] = b[lane][0]
-            B[2 * c + 8:2 * c + 10, g] = b[lane][1]
+                A[r, k0 : k0 + 2] = a[lane][i]
+            B[2 * c : 2 * c + 2, g] = b[lane][0]
+            B[2 * c + 8 : 2 * c + 10, g] = b[lane][1]
         elif shape == "k8":
             for i, (r, k) in enumerate(((g, c), (g + 8, c), (g, c + 4), (g + 8, c + 4))):
                 A[r, k] = a[lane][i]
@@ -48,8 +48,10 @@ def _mma(shape, a, b):
             B[c, g] = b[lane][0]
     assert not np.isnan(A).any() and not np.isnan(B).any(), "a fragment element was never set"
     out = A @ B
-    return [[out[g, 2 * c], out[g, 2 * c + 1], out[g + 8, 2 * c], out[g + 8, 2 * c + 1]]
-            for g, c in map(_lane, range(LANES))]
+    return [
+        [out[g, 2 * c], out[g, 2 * c + 1], out[g + 8, 2 * c], out[g + 8, 2 * c + 1]]
+        for g, c in map(_lane, range(LANES))
+    ]
 
 
 def _add(x, y):
@@ -66,8 +68,15 @@ def _problem(tokens, seed):
     alpha = np.exp(-rng.uniform(0.0, 0.5, (tokens, D)))
     decay = np.cumprod(alpha, axis=0)  # A_t
     return dict(
-        khat=khat, qhat=qhat, alpha=alpha, decay=decay, b=rng.uniform(0.1, 0.9, tokens),
-        v=rng.standard_normal((tokens, 16)), s0=0.1 * rng.standard_normal((16, D)), scale=D ** -0.5)
+        khat=khat,
+        qhat=qhat,
+        alpha=alpha,
+        decay=decay,
+        b=rng.uniform(0.1, 0.9, tokens),
+        v=rng.standard_normal((tokens, 16)),
+        s0=0.1 * rng.standard_normal((16, D)),
+        scale=D**-0.5,
+    )
 
 
 def _recurrence(x, tokens):
@@ -90,7 +99,7 @@ def _padded(x, name, tokens):
 
 def _range_decay(x, first, last):
     """Π α_r over tokens first < r ≤ last, per key (the unbounded form's factors)."""
-    return np.prod(x["alpha"][first + 1:last + 1], axis=0) if last > first else np.ones(D)
+    return np.prod(x["alpha"][first + 1 : last + 1], axis=0) if last > first else np.ones(D)
 
 
 def _emulate(x, tokens, deferred=True):
@@ -108,7 +117,7 @@ def _emulate(x, tokens, deferred=True):
         m, n, c = dc.pb_work(i)
         kind, t = dc.p_column(n)
         chunk = dc.pb_chunk(m, n, c)
-        pb[8 * chunk:8 * chunk + 8] = kdqd[kind, t, 32 * m + 8 * c:32 * m + 8 * c + 8]
+        pb[8 * chunk : 8 * chunk + 8] = kdqd[kind, t, 32 * m + 8 * c : 32 * m + 8 * c + 8]
     state = {}
     for lane in range(LANES):
         g, c = _lane(lane)
@@ -119,12 +128,14 @@ def _emulate(x, tokens, deferred=True):
     for m in range(4):
         for half in range(2):
             p = 4 * m + 2 * half
-            a = [[state[lane, 0, p], state[lane, 1, p], state[lane, 0, p + 1], state[lane, 1, p + 1]]
-                 for lane in range(LANES)]
+            a = [
+                [state[lane, 0, p], state[lane, 1, p], state[lane, 0, p + 1], state[lane, 1, p + 1]]
+                for lane in range(LANES)
+            ]
             b = []
             for lane in range(LANES):
                 g, c = _lane(lane)
-                words = pb[8 * dc.pb_chunk(m, g, c):8 * dc.pb_chunk(m, g, c) + 8].reshape(4, 2)
+                words = pb[8 * dc.pb_chunk(m, g, c) : 8 * dc.pb_chunk(m, g, c) + 8].reshape(4, 2)
                 b.append([tuple(words[2 * half]), tuple(words[2 * half + 1])])
             d = _mma("k16", a, b)
             acc = d if acc is None else _add(acc, d)
@@ -133,8 +144,10 @@ def _emulate(x, tokens, deferred=True):
         dots = {(kind, t, s): ki[s] @ (kd if kind == 0 else qd)[t] for kind, t, s in dc.DOTS}
     else:
         raw = {0: _padded(x, "khat", tokens), 1: _padded(x, "qhat", tokens)}
-        dots = {(kind, t, s): (raw[0][s] * raw[kind][t] * _range_decay(x, s, t)) @ np.ones(D) if t < tokens else np.nan
-                for kind, t, s in dc.DOTS}
+        dots = {
+            (kind, t, s): (raw[0][s] * raw[kind][t] * _range_decay(x, s, t)) @ np.ones(D) if t < tokens else np.nan
+            for kind, t, s in dc.DOTS
+        }
     g_arr = np.full(64 + 8 * TOKENS, np.nan)
     for i in range(TOKENS):
         w = []
@@ -152,8 +165,10 @@ def _emulate(x, tokens, deferred=True):
             g_arr[dc.g2_index(i, 2 * t + 1)] = x["scale"] * z
     a1 = [[d[0], d[2], d[1], d[3]] for d in acc]  # (P_kd,c, P_qd,c) of rows g, g + 8
     b1 = [[g_arr[dc.g1_index(c, g)], g_arr[dc.g1_index(c + TOKENS, g)]] for g, c in map(_lane, range(LANES))]
-    v = [[x["v"][c, g] if c < tokens else 0.0, x["v"][c, g + 8] if c < tokens else 0.0]
-         for g, c in map(_lane, range(LANES))]
+    v = [
+        [x["v"][c, g] if c < tokens else 0.0, x["v"][c, g + 8] if c < tokens else 0.0]
+        for g, c in map(_lane, range(LANES))
+    ]
     b2 = [[g_arr[dc.g2_index(c, g)]] for g, c in map(_lane, range(LANES))]
     uo = _add(_mma("k8", a1, b1), _mma("k4", v, b2))
     o = np.full((TOKENS, 16), np.nan)
@@ -169,8 +184,11 @@ def _emulate(x, tokens, deferred=True):
             for jj in range(4):
                 key = 32 * m + 8 * c_key + 2 * jj + e
                 assert key == dc.key_of(c_key, 4 * m + jj, e)
-                later = ki[t, key] * x["decay"][last, key] if deferred else (
-                    x["khat"][t, key] * _range_decay(x, t, last)[key] if live[t] else np.nan)
+                later = (
+                    ki[t, key] * x["decay"][last, key]
+                    if deferred
+                    else (x["khat"][t, key] * _range_decay(x, t, last)[key] if live[t] else np.nan)
+                )
                 kt[dc.kt_index(t, e, c_key, 4 * m) + jj] = later if live[t] else 0.0
     new = np.full((16, D), np.nan)
     for j in range(dc.PAIRS):
@@ -183,8 +201,10 @@ def _emulate(x, tokens, deferred=True):
             kb = kt[dc.kt_index(c, g % 2, g // 2, 4 * m) + jj]
             b_u.append([kb, kb])
             keys = [dc.key_of(c, j, e) for e in range(2)]
-            c_frag.append([state[lane, 0, j][e] * x["decay"][last, keys[e]] for e in range(2)]
-                          + [state[lane, 1, j][e] * x["decay"][last, keys[e]] for e in range(2)])
+            c_frag.append(
+                [state[lane, 0, j][e] * x["decay"][last, keys[e]] for e in range(2)]
+                + [state[lane, 1, j][e] * x["decay"][last, keys[e]] for e in range(2)]
+            )
         d = _add(_mma("k8", a_u, b_u), c_frag)
         for lane in range(LANES):
             g, c = _lane(lane)
@@ -213,7 +233,7 @@ def test_unbounded_form_survives_decays_below_the_range(tokens):
         x = _problem(tokens, seed)
         rng = np.random.default_rng(100 + seed)
         fast = rng.random((tokens, D)) < 0.4
-        x["alpha"] = np.where(fast, 2.0 ** -256, x["alpha"])
+        x["alpha"] = np.where(fast, 2.0**-256, x["alpha"])
         x["decay"] = np.cumprod(x["alpha"], axis=0)
         want_o, want_s = _recurrence(x, tokens)
         got_o, got_s = _emulate(x, tokens, deferred=False)
@@ -221,8 +241,9 @@ def test_unbounded_form_survives_decays_below_the_range(tokens):
         np.testing.assert_allclose(got_o, want_o, rtol=0, atol=1e-12)
         np.testing.assert_allclose(got_s, want_s, rtol=0, atol=1e-12)
         x_mild = _problem(tokens, seed)  # and on ordinary decays it is the deferred form's result
-        np.testing.assert_allclose(_emulate(x_mild, tokens, deferred=False)[1], _emulate(x_mild, tokens)[1],
-                                   rtol=0, atol=1e-12)
+        np.testing.assert_allclose(
+            _emulate(x_mild, tokens, deferred=False)[1], _emulate(x_mild, tokens)[1], rtol=0, atol=1e-12
+        )
 
 
 def test_key_map_covers_every_key_once_per_row():
@@ -231,7 +252,8 @@ def test_key_map_covers_every_key_once_per_row():
     for c in range(4):  # each 16-byte vector of a lane is 8 consecutive keys
         for m in range(4):
             assert [dc.key_of(c, 4 * m + w, e) for w in range(4) for e in range(2)] == list(
-                range(32 * m + 8 * c, 32 * m + 8 * c + 8))
+                range(32 * m + 8 * c, 32 * m + 8 * c + 8)
+            )
             for r in range(2):  # the kernel's load / store / stage address of that vector
                 assert 2 * dc._state_word(5, r, m, c) == (5 + 8 * r) * D + 32 * m + 8 * c
 
@@ -246,8 +268,12 @@ def test_every_built_cta_has_at_most_128_threads():
 def test_work_maps_cover_every_chunk_once():
     pb = sorted(dc.pb_chunk(*dc.pb_work(i)) for i in range(4 * dc.P_COLUMNS * 4))
     assert pb == list(range(4 * dc.P_COLUMNS * 4))
-    kt = sorted(dc.kt_index(t, e, c_key, 4 * m) + jj for t, m, c_key in map(dc.kt_work, range(dc.KT_WORK))
-                for e in range(2) for jj in range(4))
+    kt = sorted(
+        dc.kt_index(t, e, c_key, 4 * m) + jj
+        for t, m, c_key in map(dc.kt_work, range(dc.KT_WORK))
+        for e in range(2)
+        for jj in range(4)
+    )
     assert kt == list(range(TOKENS * D))
 
 

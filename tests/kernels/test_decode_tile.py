@@ -7,7 +7,15 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels.decode import (  # noqa: E402
-    MAX_TOKENS, ROWS_PER_WARP, VALUES, WARP, Tile, io_rounds, smem_bytes, threads)
+    MAX_TOKENS,
+    ROWS_PER_WARP,
+    VALUES,
+    WARP,
+    Tile,
+    io_rounds,
+    smem_bytes,
+    threads,
+)
 from cula_aot.specs import DECODE_VARIANTS, decode_stage_bytes, decode_threads  # noqa: E402
 
 D = 128
@@ -55,8 +63,10 @@ def test_a_vector_instruction_reads_whole_sectors(kv_layout, bf16_state):
     tile = Tile(kv_layout, bf16_state)
     size = 2 if bf16_state else 4
     for static_off, _ in tile.vectors():
-        starts = sorted((tile.lane_offset(tile.lane_parts(l)[0] * tile.vt, tile.lane_parts(l)[1]) + static_off) * size
-                        for l in range(WARP))
+        starts = sorted(
+            (tile.lane_offset(tile.lane_parts(l)[0] * tile.vt, tile.lane_parts(l)[1]) + static_off) * size
+            for l in range(WARP)
+        )
         assert all(s % 16 == 0 for s in starts)
         sectors = {s // 32 for s in starts}
         assert len(sectors) * 32 == WARP * 16  # every touched 32-byte sector fully used
@@ -100,8 +110,9 @@ def test_key_positions_are_a_permutation_read_without_bank_conflicts(kv_layout, 
     for ki0, count in tile.key_chunks():
         # a run is one 16-byte vector per lane ...
         for j in range(tile.lanes):
-            assert [tile.key_pos(j, ki0 + c) for c in range(count)] == list(range(tile.key_pos(j, ki0),
-                                                                                  tile.key_pos(j, ki0) + 4))
+            assert [tile.key_pos(j, ki0 + c) for c in range(count)] == list(
+                range(tile.key_pos(j, ki0), tile.key_pos(j, ki0) + 4)
+            )
         # ... and each 8-lane phase of the warp's read covers 128 contiguous bytes: no conflicts
         for phase in range(WARP // 8):
             starts = {tile.key_pos(tile.lane_parts(lane)[1], ki0) * 4 for lane in range(8 * phase, 8 * phase + 8)}
@@ -151,4 +162,3 @@ def test_reduce_rows_leaves_each_lane_the_group_totals_of_its_row(kv_layout, bf1
         src = tile.lane_of(group, tile.holder(row))
         assert (group[src] == group).all() and all(tile.row_of(int(x)) == row for x in j[src])
         assert (dk_row[src] == np.array([dk[row][group == g].sum() for g in group])).all()
-

@@ -53,8 +53,10 @@ def test_kd_qd_b_fragments_come_straight_from_the_k_inter_image():
             for n in range(2):  # B[k][n] = kd[token 8n + n][key 16kt + k]: (k = 2t.., n = g), (k = 2t+8.., n = g)
                 token = 8 * n + g
                 assert regs[lane][2 * n] == (_token_key(token, 16 * kt + 2 * t), _token_key(token, 16 * kt + 2 * t + 1))
-                assert regs[lane][2 * n + 1] == (_token_key(token, 16 * kt + 2 * t + 8),
-                                                 _token_key(token, 16 * kt + 2 * t + 9))
+                assert regs[lane][2 * n + 1] == (
+                    _token_key(token, 16 * kt + 2 * t + 8),
+                    _token_key(token, 16 * kt + 2 * t + 9),
+                )
 
 
 def test_kr_transposed_b_fragments_for_the_state_update():
@@ -108,6 +110,10 @@ def test_accumulator_fragments_cover_their_tiles_once():
     # Merge: its warps × (m-tiles × n-tiles) cover the 128 × v_block carry block once.
     warps = cp_merge.THREADS // LANES
     for v_block in (8, 16):
-        seen = [cp_merge._entry_of_value(warp, lane, i, v_block // 8)
-                for warp in range(warps) for lane in range(LANES) for i in range(cp_merge._M_TILES * v_block // 8 * 4)]
+        seen = [
+            cp_merge._entry_of_value(warp, lane, i, v_block // 8)
+            for warp in range(warps)
+            for lane in range(LANES)
+            for i in range(cp_merge._M_TILES * v_block // 8 * 4)
+        ]
         assert sorted(seen) == [(k, c) for k in range(D) for c in range(v_block)]

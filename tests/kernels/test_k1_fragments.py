@@ -40,8 +40,10 @@ def _mma_m16n8k8(a_regs, b_regs):
             b[k, g] = reg
     assert not np.isnan(a).any() and not np.isnan(b).any()
     c = a @ b
-    return [[c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
-            for g, t in (divmod(lane, 4) for lane in range(LANES))]
+    return [
+        [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+        for g, t in (divmod(lane, 4) for lane in range(LANES))
+    ]
 
 
 def test_split_over_warps_products_are_a_times_b_transposed():
@@ -73,8 +75,7 @@ def test_split_over_warps_products_are_a_times_b_transposed():
 
 def test_fragment_value_is_a_bijection_of_a_warps_columns():
     for lane in range(4):
-        seen = sorted(k1.lane_columns(0, lane) + k1.fragment_value(s, u)
-                      for s in range(k1.K_STEPS) for u in (0, 1))
+        seen = sorted(k1.lane_columns(0, lane) + k1.fragment_value(s, u) for s in range(k1.K_STEPS) for u in (0, 1))
         # Over the four lanes t of a row, logical keys (s, t, u) cover the 32 columns once.
         assert seen == sorted(k1.LANE_COLS * lane + j for j in range(k1.LANE_COLS))
     columns = {k1.lane_columns(w, lane) + j for w in range(k1.WARPS) for lane in range(LANES) for j in range(8)}
@@ -111,6 +112,7 @@ def test_scan_partners_hold_the_same_column_in_consecutive_rows():
 def _emulated_f16_intrinsics():
     """numpy stand-ins for phase D's warp intrinsics, per lane as the PTX ISA defines them: a
     register is a [lane] array (fp32 values) or [lane, 2] (an fp16 pair, low half first)."""
+
     def pack(low, high):
         return np.stack([np.asarray(low), np.asarray(high)], axis=1).astype(np.float16)
 
@@ -118,8 +120,8 @@ def _emulated_f16_intrinsics():
         # Lane l holds row l // 4, columns 2·(l % 4) + {0, 1} of an 8 × 8 matrix.
         m = np.zeros((8, 8), np.float16)
         for lane in range(LANES):
-            m[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] = reg[lane]
-        return np.stack([m.T[lane // 4, 2 * (lane % 4):2 * (lane % 4) + 2] for lane in range(LANES)])
+            m[lane // 4, 2 * (lane % 4) : 2 * (lane % 4) + 2] = reg[lane]
+        return np.stack([m.T[lane // 4, 2 * (lane % 4) : 2 * (lane % 4) + 2] for lane in range(LANES)])
 
     def mma(a_regs, b_regs, c):
         a = np.zeros((16, 16))
@@ -127,21 +129,25 @@ def _emulated_f16_intrinsics():
         for lane in range(LANES):
             g, t = divmod(lane, 4)
             for reg, (row, col) in zip(a_regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                a[row, col:col + 2] = reg[lane]
+                a[row, col : col + 2] = reg[lane]
             for reg, k in zip(b_regs, [2 * t, 2 * t + 8]):
-                b[k:k + 2, g] = reg[lane]
+                b[k : k + 2, g] = reg[lane]
         d = a @ b
         lanes = [divmod(lane, 4) for lane in range(LANES)]
-        return [np.array([d[g + 8 * (v // 2), 2 * t + v % 2] for g, t in lanes])
-                + np.broadcast_to(np.asarray(c[v], float), LANES) for v in range(4)]
+        return [
+            np.array([d[g + 8 * (v // 2), 2 * t + v % 2] for g, t in lanes])
+            + np.broadcast_to(np.asarray(c[v], float), LANES)
+            for v in range(4)
+        ]
 
     return pack, movmatrix_trans, mma
 
 
 def _fragments(matrix):
     """A 16 × 16 matrix as C fragments: [n-tile][value] of [lane] arrays (``fragment_entry``)."""
-    return [[np.array([matrix[k1.fragment_entry(lane, n, c)] for lane in range(LANES)]) for c in range(4)]
-            for n in range(2)]
+    return [
+        [np.array([matrix[k1.fragment_entry(lane, n, c)] for lane in range(LANES)]) for c in range(4)] for n in range(2)
+    ]
 
 
 def test_register_phase_d_is_the_inverse_of_i_plus_l(monkeypatch):

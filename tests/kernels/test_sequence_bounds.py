@@ -66,8 +66,11 @@ def malformed(cu, total):
 
 
 @settings(max_examples=400, deadline=None)
-@given(total=st.integers(1, 5000), cu=st.lists(st.one_of(INT32, st.integers(-40, 5040)), min_size=2, max_size=9),
-       tiles_per_cta=st.integers(1, 8))
+@given(
+    total=st.integers(1, 5000),
+    cu=st.lists(st.one_of(INT32, st.integers(-40, 5040)), min_size=2, max_size=9),
+    tiles_per_cta=st.integers(1, 8),
+)
 def test_any_values_stay_inside_the_tensors_and_slots(total, cu, tiles_per_cta):
     n = len(cu) - 1
     total_slots = varlen_total_slots(total, n)
@@ -85,8 +88,11 @@ def test_any_values_stay_inside_the_tensors_and_slots(total, cu, tiles_per_cta):
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=8), pad=st.integers(0, 40),
-       tiles_per_cta=st.integers(1, 8))
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=8),
+    pad=st.integers(0, 40),
+    tiles_per_cta=st.integers(1, 8),
+)
 def test_well_formed_values_map_as_before(lengths, pad, tiles_per_cta):
     cu = [0]
     for length in lengths:

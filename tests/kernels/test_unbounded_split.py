@@ -42,7 +42,7 @@ def _warp_depth(G, warp):
     return k1.SPLIT_LEVELS
 
 
-FP32_MIN_NORMAL, FP32_MAX = 2.0 ** -126, 2.0 ** 128
+FP32_MIN_NORMAL, FP32_MAX = 2.0**-126, 2.0**128
 
 
 def _f32(x):
@@ -73,12 +73,19 @@ def _halves_partials(q_regs, k_regs, cum, mid, total):
         acc = np.zeros((LANES, 4))
         for s in range(k1.K_STEPS):
             lo, hi = k1.fragment_value(s, 0), k1.fragment_value(s, 1)
-            a_regs = [[ops[kd][lane, i_half, lo], ops[qd][lane, i_half, lo], ops[kd][lane, i_half, hi],
-                       ops[qd][lane, i_half, hi]] for lane in range(LANES)]
+            a_regs = [
+                [
+                    ops[kd][lane, i_half, lo],
+                    ops[qd][lane, i_half, lo],
+                    ops[kd][lane, i_half, hi],
+                    ops[qd][lane, i_half, hi],
+                ]
+                for lane in range(LANES)
+            ]
             b_regs = [[ops[kinv][lane, j_half, lo], ops[kinv][lane, j_half, hi]] for lane in range(LANES)]
             acc += np.array(_mma_m16n8k8(a_regs, b_regs))
         for p in range(2):
-            partial[2 * p + j_half, :, 2 * i_half:2 * i_half + 2] = acc[:, 2 * p:2 * p + 2]
+            partial[2 * p + j_half, :, 2 * i_half : 2 * i_half + 2] = acc[:, 2 * p : 2 * p + 2]
     return partial
 
 
@@ -129,8 +136,13 @@ def _warp_partials(qs, kn, G, warp):
                         qd_bits[lane, half, j] = q_regs[lane][half][j] * factor
                     else:
                         kinv_bits[lane, half, j] = k_regs[lane][half][j] * factor
-        add(kd_bits, qd_bits, kinv_bits, 2 if level > 0 else 1,
-            lambda i, col, level=level: col < i and ((i ^ col) >> (3 - level)) == 1)
+        add(
+            kd_bits,
+            qd_bits,
+            kinv_bits,
+            2 if level > 0 else 1,
+            lambda i, col, level=level: col < i and ((i ^ col) >> (3 - level)) == 1,
+        )
 
     kd_bits, qd_bits, kinv_bits = (np.zeros((LANES, 2, 8)) for _ in range(3))
     for lane in range(LANES):

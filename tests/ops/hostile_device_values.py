@@ -55,13 +55,19 @@ HOSTILE_INDICES = [
 def random_cases(rng: random.Random, count: int) -> tuple[list, list]:
     """More hostile draws: entries around [0, T] and at the int32 extremes, indices around the pool."""
     values = [INT32_MIN, -1, 0, 1, 15, 16, 17, TOTAL - 1, TOTAL, TOTAL + 1, INT32_MAX]
-    cus = [[rng.choice(values) if rng.random() < 0.3 else rng.randint(-2 * TOTAL, 2 * TOTAL) for _ in range(4)]
-           for _ in range(count)]
+    cus = [
+        [rng.choice(values) if rng.random() < 0.3 else rng.randint(-2 * TOTAL, 2 * TOTAL) for _ in range(4)]
+        for _ in range(count)
+    ]
     indices = []
     for _ in range(count):
         free = rng.sample(range(SLOTS), 3)  # in-pool slots distinct: two sequences on one slot race
-        indices.append([rng.choice([INT32_MIN, -2, -1, SLOTS, SLOTS + 7, INT32_MAX]) if rng.random() < 0.5 else slot
-                        for slot in free])
+        indices.append(
+            [
+                rng.choice([INT32_MIN, -2, -1, SLOTS, SLOTS + 7, INT32_MAX]) if rng.random() < 0.5 else slot
+                for slot in free
+            ]
+        )
     return cus, indices
 
 
@@ -89,8 +95,10 @@ class Guarded:
         self.saved = [g.clone() for g in self._guards()]
 
     def _guards(self):
-        return (self.backing.narrow(self.dim, 0, self.guard),
-                self.backing.narrow(self.dim, self.guard + self.size, self.guard))
+        return (
+            self.backing.narrow(self.dim, 0, self.guard),
+            self.backing.narrow(self.dim, self.guard + self.size, self.guard),
+        )
 
     def intact(self) -> bool:
         return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(self._guards(), self.saved))
@@ -132,8 +140,9 @@ class Harness:
         """One hostile call, then the correct call; appends what went wrong to ``failures``."""
         label = f"{self.name} cu={cu} indices={indices}"
         o, pool, status = self.run(cu, indices)
-        want = (STATUS_CU_SEQLENS_MALFORMED if cu is not None and self.reads_device_cu and malformed(cu, TOTAL) else 0) \
-            | (STATUS_SLOT_OUT_OF_RANGE if slot_bad(indices) else 0)
+        want = (
+            STATUS_CU_SEQLENS_MALFORMED if cu is not None and self.reads_device_cu and malformed(cu, TOTAL) else 0
+        ) | (STATUS_SLOT_OUT_OF_RANGE if slot_bad(indices) else 0)
         if status != want:
             failures.append(f"{label}: status {status}, want {want}")
         if not (self.out.intact() and self.pool.intact()):
@@ -155,18 +164,45 @@ def _prefill_path(x, good_cu, **options):
     def call(h, cu, indices):
         device_cu = good_cu if cu is None else torch.tensor(cu, dtype=torch.int32, device="cuda")
         extra = {"cu_seqlens_cpu": good_cu.cpu()} if options.get("intracard_cp") else {}
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                lower_bound=x["lower_bound"], initial_state=h.pool.view, final_state=h.pool.view,
-                state_indices=indices, out=h.out.view, cu_seqlens=None if good_cu is None else device_cu,
-                status=h.status, **extra, **options)
+        prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            initial_state=h.pool.view,
+            final_state=h.pool.view,
+            state_indices=indices,
+            out=h.out.view,
+            cu_seqlens=None if good_cu is None else device_cu,
+            status=h.status,
+            **extra,
+            **options,
+        )
+
     return call
 
 
 def _decode_path(x):
     def call(h, cu, indices):
-        kda_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                   lower_bound=x["lower_bound"], state_pool=h.pool.view, state_indices=indices, out=h.out.view,
-                   status=h.status)
+        kda_decode(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            state_pool=h.pool.view,
+            state_indices=indices,
+            out=h.out.view,
+            status=h.status,
+        )
+
     return call
 
 
@@ -177,20 +213,48 @@ def harnesses(seed: int) -> list:
     varlen_out = (1, TOTAL, HEADS, 128)
     varlen = dict(varlen=True, inputs=x)
     paths = [  # (name, call, out shape, out guard dim, pool dtype, options)
-        ("serial", _prefill_path(x, cu, intracard_cp=False, fused=False), varlen_out, 1, torch.float32,
-         dict(varlen, reads_device_cu=True)),
-        ("fused", _prefill_path(x, cu, intracard_cp=False, fused=True), varlen_out, 1, torch.bfloat16,
-         dict(varlen, reads_device_cu=True)),
+        (
+            "serial",
+            _prefill_path(x, cu, intracard_cp=False, fused=False),
+            varlen_out,
+            1,
+            torch.float32,
+            dict(varlen, reads_device_cu=True),
+        ),
+        (
+            "fused",
+            _prefill_path(x, cu, intracard_cp=False, fused=True),
+            varlen_out,
+            1,
+            torch.bfloat16,
+            dict(varlen, reads_device_cu=True),
+        ),
         ("cp", _prefill_path(x, cu, intracard_cp=2), varlen_out, 1, torch.float32, dict(varlen, reads_device_cu=False)),
-        ("serial fixed", _prefill_path(fixed, None, intracard_cp=False, fused=False), (3, 160, HEADS, 128), 0,
-         torch.float32, dict(varlen=False, reads_device_cu=False, inputs=fixed)),
+        (
+            "serial fixed",
+            _prefill_path(fixed, None, intracard_cp=False, fused=False),
+            (3, 160, HEADS, 128),
+            0,
+            torch.float32,
+            dict(varlen=False, reads_device_cu=False, inputs=fixed),
+        ),
     ]
     for tokens, dtype in ((1, torch.float32), (2, torch.bfloat16)):  # token kernel, chunk kernel
         d = standard_inputs(3, tokens, HEADS, device="cuda", seed=seed + 2 + tokens)
-        paths.append((f"decode T={tokens} {dtype}", _decode_path(d), (3, tokens, HEADS, 128), 0, dtype,
-                      dict(varlen=False, reads_device_cu=False, inputs=None)))
-    return [Harness(name, call, shape, dim, dtype, seed + 10 * n, **options)
-            for n, (name, call, shape, dim, dtype, options) in enumerate(paths)]
+        paths.append(
+            (
+                f"decode T={tokens} {dtype}",
+                _decode_path(d),
+                (3, tokens, HEADS, 128),
+                0,
+                dtype,
+                dict(varlen=False, reads_device_cu=False, inputs=None),
+            )
+        )
+    return [
+        Harness(name, call, shape, dim, dtype, seed + 10 * n, **options)
+        for n, (name, call, shape, dim, dtype, options) in enumerate(paths)
+    ]
 
 
 def check_reference(h) -> list:
@@ -200,9 +264,18 @@ def check_reference(h) -> list:
         return []
     cu = None if x["q"].shape[0] > 1 else cu_seqlens_of(LENGTHS, "cuda")
     start = torch.stack([h.pool_start[i].float().transpose(-1, -2) for i in GOOD_INDICES])
-    ref_o, ref_s = reference.kda_chunked(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"],
-                                         dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], initial_state=start,
-                                         cu_seqlens=cu)
+    ref_o, ref_s = reference.kda_chunked(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        initial_state=start,
+        cu_seqlens=cu,
+    )
     o, pool, _ = h.expected
     err_o = reference.rel_rmse(o, ref_o)
     err_s = max(reference.rel_rmse(pool[i].float().transpose(-1, -2), ref_s[n]) for n, i in enumerate(GOOD_INDICES))
@@ -224,7 +297,9 @@ def run(seed=None, with_reference=True, random_count=6) -> tuple[int, list]:
         cases = [(None, idx) for idx in HOSTILE_INDICES + extra_indices]
         if h.varlen:
             cases += [(cu, GOOD_INDICES) for cu in HOSTILE_CU + extra_cu]
-            cases += [(cu, idx) for cu, idx in zip(HOSTILE_CU[:3] + extra_cu[:2], HOSTILE_INDICES[:3] + extra_indices[:2])]
+            cases += [
+                (cu, idx) for cu, idx in zip(HOSTILE_CU[:3] + extra_cu[:2], HOSTILE_INDICES[:3] + extra_indices[:2])
+            ]
         for cu, idx in cases:
             h.check(cu, idx, failures)
         calls += len(cases)

@@ -24,10 +24,12 @@ pytestmark = pytest.mark.gpu
 BOUND = 5e-3
 HEADS = 4
 # Each path's options; "cp" splits the sequences into four segments.
-PATHS = {"k2_32": dict(intracard_cp=False, fused=False, v_block=32),
-         "k2_64": dict(intracard_cp=False, fused=False, v_block=64),
-         "fused": dict(intracard_cp=False, fused=True),
-         "cp": dict(intracard_cp=4)}
+PATHS = {
+    "k2_32": dict(intracard_cp=False, fused=False, v_block=32),
+    "k2_64": dict(intracard_cp=False, fused=False, v_block=64),
+    "fused": dict(intracard_cp=False, fused=True),
+    "cp": dict(intracard_cp=4),
+}
 
 
 def _args(x):
@@ -36,8 +38,12 @@ def _args(x):
 
 def _gate(x):
     """The gate's arguments (no lower bound under the softplus gate)."""
-    return {"A_log": x["A_log"], "dt_bias": x["dt_bias"], "lower_bound": x.get("lower_bound"),
-            "gate": x.get("gate", "safe")}
+    return {
+        "A_log": x["A_log"],
+        "dt_bias": x["dt_bias"],
+        "lower_bound": x.get("lower_bound"),
+        "gate": x.get("gate", "safe"),
+    }
 
 
 def _poisoned_pool(slots, dtype):
@@ -87,10 +93,23 @@ def test_checkpoints_are_prefix_final_states(path, dtype, layout, gate):
     pool = _poisoned_pool(slots, dtype)
     before = pool._base.clone()  # the padding head too
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
-    common = dict(**_gate(x), initial_state=in_layout(s0, layout).contiguous(), output_final_state=True,
-                  cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, state_layout=layout, **PATHS[path])
-    o, final = prefill(*_args(x), **common, status=status, checkpoint_every=every, checkpoint_pool=pool,
-                       checkpoint_indices=indices.cuda())
+    common = dict(
+        **_gate(x),
+        initial_state=in_layout(s0, layout).contiguous(),
+        output_final_state=True,
+        cu_seqlens=cu.cuda(),
+        cu_seqlens_cpu=cu,
+        state_layout=layout,
+        **PATHS[path],
+    )
+    o, final = prefill(
+        *_args(x),
+        **common,
+        status=status,
+        checkpoint_every=every,
+        checkpoint_pool=pool,
+        checkpoint_indices=indices.cuda(),
+    )
     o_plain, final_plain = prefill(*_args(x), **common)
     torch.cuda.synchronize()
     assert int(status.item()) == 0
@@ -102,19 +121,35 @@ def test_checkpoints_are_prefix_final_states(path, dtype, layout, gate):
     # The same path's prefill of each prefix: bitwise on the serial paths.
     prefixes = list(named.values())
     inputs, cu_p, s0_p = _prefix_batch(x, lengths, prefixes, s0)
-    _, final_p = prefill(*inputs, **{**common, "initial_state": in_layout(s0_p, layout).contiguous(),
-                                     "cu_seqlens": cu_p.cuda(), "cu_seqlens_cpu": cu_p})
+    _, final_p = prefill(
+        *inputs,
+        **{
+            **common,
+            "initial_state": in_layout(s0_p, layout).contiguous(),
+            "cu_seqlens": cu_p.cuda(),
+            "cu_seqlens_cpu": cu_p,
+        },
+    )
     got = pool[list(named)]
     if path != "cp":
         assert torch.equal(bits(got), bits(final_p.to(dtype))), path
     # And float64 on every path.
-    _, ref = reference.kda_chunked(*inputs, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x.get("lower_bound"),
-                                   initial_state=s0_p, cu_seqlens=cu_p.cuda(), gate_kind=gate)
+    _, ref = reference.kda_chunked(
+        *inputs,
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x.get("lower_bound"),
+        initial_state=s0_p,
+        cu_seqlens=cu_p.cuda(),
+        gate_kind=gate,
+    )
     err = reference.rel_rmse(in_layout(got.float(), layout), ref)
     vs_prefix = reference.rel_rmse(got.float(), final_p.to(dtype).float())
-    print(f"checkpoints {gate} {path} {dtype} {layout}: {len(named)} written, rel-RMSE vs float64 {err:.2e}, "
-          f"vs the prefix prefill {vs_prefix:.2e}")
-    assert err <= BOUND + (2 ** -8 if dtype == torch.bfloat16 else 0)
+    print(
+        f"checkpoints {gate} {path} {dtype} {layout}: {len(named)} written, rel-RMSE vs float64 {err:.2e}, "
+        f"vs the prefix prefill {vs_prefix:.2e}"
+    )
+    assert err <= BOUND + (2**-8 if dtype == torch.bfloat16 else 0)
 
 
 @pytest.mark.parametrize("path", ["k2_32", "fused", "cp"])
@@ -133,15 +168,24 @@ def test_chunked_prefill_with_offsets_matches_one_call(path):
     options = dict(**_gate(x), state_layout="vk", **PATHS[path])
     cu = cu_seqlens_of(lengths)
     whole_pool = _poisoned_pool(len(slot_of), torch.float32)
-    prefill(*_args(x), **options, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, checkpoint_every=every,
-            checkpoint_pool=whole_pool, checkpoint_indices=whole_indices.cuda())
+    prefill(
+        *_args(x),
+        **options,
+        cu_seqlens=cu.cuda(),
+        cu_seqlens_cpu=cu,
+        checkpoint_every=every,
+        checkpoint_pool=whole_pool,
+        checkpoint_indices=whole_indices.cuda(),
+    )
 
     starts = cu.tolist()
     chunk_pool = _poisoned_pool(len(slot_of), torch.float32)
     states = torch.zeros(2, HEADS, 128, 128, device="cuda")
     for part, offsets in ((0, [0, 0]), (1, cut)):
-        spans = [(starts[n] + (0 if part == 0 else cut[n]), starts[n] + (cut[n] if part == 0 else lengths[n]))
-                 for n in range(2)]
+        spans = [
+            (starts[n] + (0 if part == 0 else cut[n]), starts[n] + (cut[n] if part == 0 else lengths[n]))
+            for n in range(2)
+        ]
         rows = torch.cat([torch.arange(a, b) for a, b in spans]).cuda()
         chunk_lengths = [b - a for a, b in spans]
         # This call's columns: its j-th checkpoint is the request's (columns before the chunk) + j.
@@ -152,11 +196,20 @@ def test_chunked_prefill_with_offsets_matches_one_call(path):
                 chunk_indices[n, j] = slot_of.get((n, done[n] + j), -1)
         cu_c = cu_seqlens_of(chunk_lengths)
         status = torch.zeros(1, dtype=torch.int32, device="cuda")
-        prefill(*[a[:, rows] for a in _args(x)], **options, cu_seqlens=cu_c.cuda(), cu_seqlens_cpu=cu_c,
-                initial_state=states, final_state=states, state_indices=torch.arange(2, dtype=torch.int32).cuda(),
-                status=status, checkpoint_every=every, checkpoint_pool=chunk_pool,
-                checkpoint_indices=chunk_indices.cuda(),
-                checkpoint_offsets=torch.tensor(offsets, dtype=torch.int32).cuda())
+        prefill(
+            *[a[:, rows] for a in _args(x)],
+            **options,
+            cu_seqlens=cu_c.cuda(),
+            cu_seqlens_cpu=cu_c,
+            initial_state=states,
+            final_state=states,
+            state_indices=torch.arange(2, dtype=torch.int32).cuda(),
+            status=status,
+            checkpoint_every=every,
+            checkpoint_pool=chunk_pool,
+            checkpoint_indices=chunk_indices.cuda(),
+            checkpoint_offsets=torch.tensor(offsets, dtype=torch.int32).cuda(),
+        )
         assert int(status.item()) == 0
     torch.cuda.synchronize()
     assert not torch.isnan(whole_pool).any() and not torch.isnan(chunk_pool).any()
@@ -179,8 +232,18 @@ def test_misaligned_offsets_and_bad_slots_are_reported(path):
     offsets = torch.tensor([8, 0], dtype=torch.int32).cuda()  # sequence 0 misaligned: none of its slots
     status = torch.zeros(1, dtype=torch.int32, device="cuda")
     cu = cu_seqlens_of(lengths)
-    prefill(*_args(x), **_gate(x), cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, status=status, checkpoint_every=every,
-            checkpoint_pool=pool, checkpoint_indices=indices, checkpoint_offsets=offsets, **PATHS[path])
+    prefill(
+        *_args(x),
+        **_gate(x),
+        cu_seqlens=cu.cuda(),
+        cu_seqlens_cpu=cu,
+        status=status,
+        checkpoint_every=every,
+        checkpoint_pool=pool,
+        checkpoint_indices=indices,
+        checkpoint_offsets=offsets,
+        **PATHS[path],
+    )
     torch.cuda.synchronize()
     assert int(status.item()) == STATUS_CHECKPOINT_MISALIGNED | STATUS_SLOT_OUT_OF_RANGE
     assert torch.equal(bits(pool[[0, 1, 2, 3, 6, 7]]), bits(before[[0, 1, 2, 3, 6, 7]]))
@@ -195,8 +258,9 @@ def test_graph_replay_follows_the_indices_and_the_op_and_fwd_agree():
     pool = torch.zeros(12, HEADS, 128, 128, device="cuda")
     indices = torch.tensor([[0, 1, 2, 3], [4, -1, -1, -1]], dtype=torch.int32, device="cuda")
     out = torch.empty_like(x["v"])
-    kwargs = dict(**_gate(x), cu_seqlens=cu, out=out, checkpoint_every=every, checkpoint_pool=pool,
-                  checkpoint_indices=indices)
+    kwargs = dict(
+        **_gate(x), cu_seqlens=cu, out=out, checkpoint_every=every, checkpoint_pool=pool, checkpoint_indices=indices
+    )
     cula_aot.kda_prefill(*_args(x), **kwargs)  # warm: plans and kernels
     expect = pool[[0, 1, 2, 3, 4]].clone()
     pool.zero_()
@@ -215,11 +279,30 @@ def test_graph_replay_follows_the_indices_and_the_op_and_fwd_agree():
         states = torch.zeros(2, HEADS, 128, 128, device="cuda")
         slots = torch.arange(2, dtype=torch.int32, device="cuda")
         if run == "fwd":
-            cula_aot.fwd(*_args(x), None, torch.empty_like(x["v"]), x["A_log"], x["dt_bias"], x["lower_bound"],
-                         cu_seqlens=cu, checkpoint_every=every, checkpoint_pool=pool, checkpoint_indices=indices)
+            cula_aot.fwd(
+                *_args(x),
+                None,
+                torch.empty_like(x["v"]),
+                x["A_log"],
+                x["dt_bias"],
+                x["lower_bound"],
+                cu_seqlens=cu,
+                checkpoint_every=every,
+                checkpoint_pool=pool,
+                checkpoint_indices=indices,
+            )
         else:
-            torch.ops.cula_aot.kda_prefill_pool(*_args(x), x["A_log"], x["dt_bias"], x["lower_bound"], states, slots,
-                                                cu_seqlens=cu, checkpoint_every=every, checkpoint_pool=pool,
-                                                checkpoint_indices=indices)
+            torch.ops.cula_aot.kda_prefill_pool(
+                *_args(x),
+                x["A_log"],
+                x["dt_bias"],
+                x["lower_bound"],
+                states,
+                slots,
+                cu_seqlens=cu,
+                checkpoint_every=every,
+                checkpoint_pool=pool,
+                checkpoint_indices=indices,
+            )
         torch.cuda.synchronize()
         assert torch.equal(bits(pool[[7, 8, 9, 10, 11]]), bits(expect)), run

@@ -26,10 +26,23 @@ def _run(inputs, s0, cu, split, layout="vk"):
     out = torch.full_like(inputs["v"], float("nan"))
     n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
     final = torch.full((n, inputs["q"].shape[2], 128, 128), float("nan"), device="cuda")
-    o, fs = cula_aot.kda_prefill(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                                 A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"],
-                                 initial_state=init, cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu(),
-                                 state_layout=layout, out=out, final_state=final, intracard_cp=split)
+    o, fs = cula_aot.kda_prefill(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=init,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=None if cu is None else cu.cpu(),
+        state_layout=layout,
+        out=out,
+        final_state=final,
+        intracard_cp=split,
+    )
     torch.cuda.synchronize()
     assert torch.isfinite(o).all() and torch.isfinite(fs).all(), f"split={split}: unwritten or non-finite output"
     return o, (fs.transpose(-1, -2) if layout == "vk" else fs)
@@ -58,9 +71,18 @@ def test_cp_matches_serial_and_float64(case, split):
     layout = ("vk", "kv")[(case + split) % 2]
     o_cp, s_cp = _run(inputs, s0, cu, split, layout)
     o_serial, s_serial = _run(inputs, s0, cu, False, layout)
-    ref_o, ref_s = reference.kda_chunked(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                                         A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                         lower_bound=inputs["lower_bound"], initial_state=s0, cu_seqlens=cu)
+    ref_o, ref_s = reference.kda_chunked(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=s0,
+        cu_seqlens=cu,
+    )
     errs = {
         "o_vs_f64": reference.rel_rmse(o_cp, ref_o),
         "state_vs_f64": reference.rel_rmse(s_cp, ref_s),
@@ -83,9 +105,17 @@ def test_cp_is_deterministic_and_handles_no_initial_state():
     b = _run(inputs, None, cu, 8)
     assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16))
     assert torch.equal(a[1].view(torch.int32), b[1].view(torch.int32))
-    ref_o, _ = reference.kda_chunked(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                                     A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                     lower_bound=inputs["lower_bound"], cu_seqlens=cu)
+    ref_o, _ = reference.kda_chunked(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        cu_seqlens=cu,
+    )
     assert reference.rel_rmse(a[0], ref_o) <= BOUND
 
 
@@ -112,10 +142,22 @@ def test_cp_graph_replay_with_new_values(plan_seen_before_capture):
     final = torch.empty(2, heads, 128, 128, device="cuda")
 
     def run(cu_cpu):
-        cula_aot.kda_prefill(static["q"], static["k"], static["v"], static["g"], static["beta"],
-                             A_log=static["A_log"], dt_bias=static["dt_bias"], lower_bound=static["lower_bound"],
-                             initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, out=out, final_state=final,
-                             intracard_cp=4)
+        cula_aot.kda_prefill(
+            static["q"],
+            static["k"],
+            static["v"],
+            static["g"],
+            static["beta"],
+            A_log=static["A_log"],
+            dt_bias=static["dt_bias"],
+            lower_bound=static["lower_bound"],
+            initial_state=s0,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+            out=out,
+            final_state=final,
+            intracard_cp=4,
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -143,7 +185,16 @@ def test_cp_graph_replay_with_new_values(plan_seen_before_capture):
     torch.cuda.synchronize()
     o_eager, s_eager = _run(fresh, s0.transpose(-1, -2), cu, 4)
     assert torch.equal(out, o_eager) and torch.equal(final.transpose(-1, -2), s_eager)
-    ref_o, _ = reference.kda_chunked(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"], A_log=fresh["A_log"],
-                                     dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
-                                     initial_state=s0.transpose(-1, -2), cu_seqlens=cu)
+    ref_o, _ = reference.kda_chunked(
+        fresh["q"],
+        fresh["k"],
+        fresh["v"],
+        fresh["g"],
+        fresh["beta"],
+        A_log=fresh["A_log"],
+        dt_bias=fresh["dt_bias"],
+        lower_bound=fresh["lower_bound"],
+        initial_state=s0.transpose(-1, -2),
+        cu_seqlens=cu,
+    )
     assert reference.rel_rmse(out, ref_o) <= BOUND

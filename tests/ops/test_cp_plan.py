@@ -3,8 +3,19 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cula_aot.layout import (CHUNK, FLAG_FINAL_STATE, FLAG_IDENTITY_INIT, FLAG_INDEXED_INIT, FLAG_INITIAL_STATE,
-                             FLAG_NO_OUTPUT, FLAG_ZERO_V, SEG_FIRST_TOKEN, SEG_SEQ, SEG_SEQ_OFFSET, varlen_slot_base)
+from cula_aot.layout import (
+    CHUNK,
+    FLAG_FINAL_STATE,
+    FLAG_IDENTITY_INIT,
+    FLAG_INDEXED_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_NO_OUTPUT,
+    FLAG_ZERO_V,
+    SEG_FIRST_TOKEN,
+    SEG_SEQ,
+    SEG_SEQ_OFFSET,
+    varlen_slot_base,
+)
 from cula_aot.ops import cp_plan
 from cula_aot.ops.prefill_plans import _segment_tables, prescan_jobs
 
@@ -48,8 +59,18 @@ def test_fixed_batches_split_per_row(batch, seq_len, s_split):
 def test_auto_takes_the_measured_fastest_split_of_short_prompts():
     # Forced splits of single prompts, graph replay, H200 2026-12-05 (docs/PERFORMANCE.md, CP
     # planner sweep): the fastest of serial and s = 2..32 on each row.
-    for heads, length, fastest in ((4, 2048, 8), (8, 2048, 8), (12, 1024, 1), (12, 2048, 4), (16, 2048, 4),
-                                   (24, 2048, 1), (64, 2048, 1), (12, 4096, 8), (24, 8192, 4), (32, 8192, 1)):
+    for heads, length, fastest in (
+        (4, 2048, 8),
+        (8, 2048, 8),
+        (12, 1024, 1),
+        (12, 2048, 4),
+        (16, 2048, 4),
+        (24, 2048, 1),
+        (64, 2048, 1),
+        (12, 4096, 8),
+        (24, 8192, 4),
+        (32, 8192, 1),
+    ):
         assert cp_plan.auto_split([length], heads, 132, 4) == fastest, (heads, length)
 
 
@@ -67,8 +88,12 @@ def test_auto_is_deterministic_and_a_listed_split(lengths, heads):
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.integers(1, 40000), min_size=1, max_size=40), st.sampled_from([1, 2, 4, 8, 16, 64, 96]),
-       st.sampled_from([4, 8]), st.sampled_from([66, 132]))
+@given(
+    st.lists(st.integers(1, 40000), min_size=1, max_size=40),
+    st.sampled_from([1, 2, 4, 8, 16, 64, 96]),
+    st.sampled_from([4, 8]),
+    st.sampled_from([66, 132]),
+)
 def test_auto_shortcut_gives_the_full_searchs_answer(lengths, heads, v_blocks, sm_count):
     # The full search, written out: the cheapest listed split, taken only if MIN_GAIN better.
     costs = {s: cp_plan.cost(lengths, heads, sm_count, s, v_blocks) for s in cp_plan.SPLITS}
@@ -86,9 +111,18 @@ def test_segment_tables_link_prescan_merge_and_recurrence():
     # sequence number); its middle segments two (M_i from the identity, B_i from 0); last: none.
     assert len(prescan) == prescan_jobs(plan) == (1 + 2 + 2) + 0 + 1
     assert [(row[SEG_FIRST_TOKEN], row[4], row[5]) for row in prescan] == [
-        (0, 0, 1), (256, -1, 2), (256, -1, 3), (512, -1, 4), (512, -1, 5), (1025, 2, 11)]
+        (0, 0, 1),
+        (256, -1, 2),
+        (256, -1, 3),
+        (512, -1, 4),
+        (512, -1, 5),
+        (1025, 2, 11),
+    ]
     first_flags = FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_NO_OUTPUT | FLAG_FINAL_STATE
-    transition, end_state = FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE, FLAG_NO_OUTPUT | FLAG_FINAL_STATE
+    transition, end_state = (
+        FLAG_IDENTITY_INIT | FLAG_ZERO_V | FLAG_NO_OUTPUT | FLAG_FINAL_STATE,
+        FLAG_NO_OUTPUT | FLAG_FINAL_STATE,
+    )
     assert [row[6] for row in prescan] == [first_flags] + [transition, end_state] * 2 + [first_flags]
     # Without an initial state the first job starts from 0.
     assert _segment_tables(plan, 0, FLAG_FINAL_STATE)[0][0][6] == FLAG_NO_OUTPUT | FLAG_FINAL_STATE

@@ -33,8 +33,9 @@ def _pool(slots, heads, dtype, layout, *, pad=0, seed=0):
     return pool
 
 
-def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=None, inter=True, label="",
-              slow_decay=False):
+def _run_case(
+    n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=None, inter=True, label="", slow_decay=False
+):
     seed = fresh_seed()
     x = fused_inputs(n, tokens, heads, device="cuda", seed=seed)
     if slow_decay:  # α ≈ 1: the state and every earlier token's update survive each step
@@ -47,18 +48,32 @@ def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=Non
     indices = perm.cuda()
     before = pool.clone()
     out = torch.full((n, tokens, heads, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    inter_buf = (torch.full((n, tokens, heads, D, D), float("nan"), device="cuda", dtype=dtype) if inter else None)
-    o = decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-               lower_bound=x["lower_bound"], state_pool=pool, state_indices=indices, out=out,
-               state_layout=layout, intermediate_states=inter_buf, variant=variant)
+    inter_buf = torch.full((n, tokens, heads, D, D), float("nan"), device="cuda", dtype=dtype) if inter else None
+    o = decode(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        state_pool=pool,
+        state_indices=indices,
+        out=out,
+        state_layout=layout,
+        intermediate_states=inter_buf,
+        variant=variant,
+    )
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     valid = [i for i in range(n) if i not in padding]
     rows = perm[valid].long()
     s0 = from_pool_layout(before[rows].to(torch.float64), layout)
     sel = {name: x[name][valid] for name in ("q", "k", "v", "g", "beta")}
-    ref_o, ref_states = decode_reference(**sel, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                         lower_bound=x["lower_bound"], initial_state=s0)
+    ref_o, ref_states = decode_reference(
+        **sel, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], initial_state=s0
+    )
     report = f"decode {label} seed={seed}"
     assert torch.isfinite(out[valid]).all(), f"{report}: unwritten or non-finite output"
     err_o = reference.rel_rmse(out[valid], ref_o)
@@ -68,9 +83,10 @@ def _run_case(n, tokens, heads, dtype, layout, *, pad=0, padding=(), variant=Non
     if padding:
         assert bool((out[list(padding)] == 0).all()), f"{report}: padding rows' outputs are not zero"
     untouched = [s for s in range(slots) if s not in set(rows.tolist())]
-    assert torch.equal(pool[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       before[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
-        f"{report}: a slot that no sequence owns changed"
+    assert torch.equal(
+        pool[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        before[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    ), f"{report}: a slot that no sequence owns changed"
     if inter:
         got = from_pool_layout(inter_buf[valid], layout)
         err_i = reference.rel_rmse(got, ref_states)
@@ -99,8 +115,17 @@ CASES = [  # (N, T, H, pool dtype, layout, slot padding, padding rows)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_matches_float64_recurrence(case):
     n, tokens, heads, dtype, layout, pad, padding = CASES[case]
-    _run_case(n, tokens, heads, dtype, layout, pad=pad, padding=padding, inter=tokens > 1,
-              label=f"N={n} T={tokens} H={heads} {str(dtype)[6:]} {layout} pad={pad} padding={padding}")
+    _run_case(
+        n,
+        tokens,
+        heads,
+        dtype,
+        layout,
+        pad=pad,
+        padding=padding,
+        inter=tokens > 1,
+        label=f"N={n} T={tokens} H={heads} {str(dtype)[6:]} {layout} pad={pad} padding={padding}",
+    )
 
 
 VARIANTS = list(DECODE_VARIANTS)
@@ -114,8 +139,17 @@ def test_every_built_variant(variant, dtype, layout):
     staging for four-item CTAs, the stage refilled three times), padding rows and intermediate
     states."""
     for tokens in (3, 8):
-        _run_case(6, tokens, 8, dtype, layout, padding=(4,), variant=variant, pad=8 if tokens == 8 else 0,
-                  label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}")
+        _run_case(
+            6,
+            tokens,
+            8,
+            dtype,
+            layout,
+            padding=(4,),
+            variant=variant,
+            pad=8 if tokens == 8 else 0,
+            label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}",
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -127,8 +161,18 @@ def test_slow_decay_matches_float64_recurrence(variant, tokens):
     token loops in the kernel)."""
     for dtype, layout in ((torch.bfloat16, "vk"), (torch.float32, "kv")):
         for inter in (False, True):
-            _run_case(6, tokens, 8, dtype, layout, padding=(1,), variant=variant, inter=inter, slow_decay=True,
-                      label=f"slow decay variant={variant} T={tokens} {str(dtype)[6:]} {layout} inter={inter}")
+            _run_case(
+                6,
+                tokens,
+                8,
+                dtype,
+                layout,
+                padding=(1,),
+                variant=variant,
+                inter=inter,
+                slow_decay=True,
+                label=f"slow decay variant={variant} T={tokens} {str(dtype)[6:]} {layout} inter={inter}",
+            )
 
 
 @pytest.mark.parametrize("warps_items", DECODE_CHUNK_VARIANTS)
@@ -138,9 +182,19 @@ def test_chunk_kernel_matches_float64_recurrence(warps_items, tokens, slow_decay
     """The tensor-core chunk kernel (bf16 "vk" pools, 2–4 tokens, no intermediates) on every
     built CTA size: padding rows of both kinds, a padded slot stride, one head and many heads."""
     for n, heads, pad, padding in ((9, 8, 8, (2, 5)), (3, 64, 0, ()), (5, 1, 64, (0,))):
-        _run_case(n, tokens, heads, torch.bfloat16, "vk", pad=pad, padding=padding, variant=("chunk", *warps_items),
-                  inter=False, slow_decay=slow_decay,
-                  label=f"chunk{warps_items} T={tokens} N={n} H={heads} slow={slow_decay}")
+        _run_case(
+            n,
+            tokens,
+            heads,
+            torch.bfloat16,
+            "vk",
+            pad=pad,
+            padding=padding,
+            variant=("chunk", *warps_items),
+            inter=False,
+            slow_decay=slow_decay,
+            label=f"chunk{warps_items} T={tokens} N={n} H={heads} slow={slow_decay}",
+        )
 
 
 def test_chunk_variant_refuses_what_it_cannot_run():
@@ -154,18 +208,40 @@ def test_chunk_variant_refuses_what_it_cannot_run():
         out = torch.full((2, tokens, 8, D), 7.0, device="cuda", dtype=torch.bfloat16)
         buf = torch.full((2, tokens, 8, D, D), 3.0, device="cuda", dtype=dtype) if inter else None
         with pytest.raises(ValueError, match="chunk kernel"):
-            decode(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
-                   lower_bound=y["lower_bound"], state_pool=pool, state_indices=torch.arange(2, dtype=torch.int32,
-                                                                                              device="cuda"),
-                   out=out, intermediate_states=buf, variant=("chunk", 4, 2))
+            decode(
+                y["q"],
+                y["k"],
+                y["v"],
+                y["g"],
+                y["beta"],
+                A_log=y["A_log"],
+                dt_bias=y["dt_bias"],
+                lower_bound=y["lower_bound"],
+                state_pool=pool,
+                state_indices=torch.arange(2, dtype=torch.int32, device="cuda"),
+                out=out,
+                intermediate_states=buf,
+                variant=("chunk", 4, 2),
+            )
         assert torch.equal(pool, before) and bool((out == 7.0).all())
         assert buf is None or bool((buf == 3.0).all())
 
 
 def _plain_call(x, pool, indices, layout="vk", **kw):
-    return cula_aot.kda_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                               lower_bound=x["lower_bound"], state_pool=pool, state_indices=indices,
-                               state_layout=layout, **kw)
+    return cula_aot.kda_decode(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        state_pool=pool,
+        state_indices=indices,
+        state_layout=layout,
+        **kw,
+    )
 
 
 def test_several_calls_on_one_pool():
@@ -186,15 +262,29 @@ def test_several_calls_on_one_pool():
     common = dict(A_log=x1["A_log"], dt_bias=x1["dt_bias"], lower_bound=-5.0)
     s0 = from_pool_layout(before[a.long()].double(), layout)
     r1, st1 = decode_reference(**{n: x1[n] for n in ("q", "k", "v", "g", "beta")}, **common, initial_state=s0)
-    r2, st2 = decode_reference(**{n: x2[n] for n in ("q", "k", "v", "g", "beta")}, A_log=x2["A_log"],
-                               dt_bias=x2["dt_bias"], lower_bound=-5.0, initial_state=st1[:, -1])
+    r2, st2 = decode_reference(
+        **{n: x2[n] for n in ("q", "k", "v", "g", "beta")},
+        A_log=x2["A_log"],
+        dt_bias=x2["dt_bias"],
+        lower_bound=-5.0,
+        initial_state=st1[:, -1],
+    )
     rows_b = [0, 2, 3]
     sy = from_pool_layout(before[b[rows_b].long()].double(), layout)
-    ry, sty = decode_reference(**{n: y[n][rows_b] for n in ("q", "k", "v", "g", "beta")},
-                               A_log=y["A_log"], dt_bias=y["dt_bias"], lower_bound=-5.0, initial_state=sy)
-    errs = [reference.rel_rmse(o1, r1), reference.rel_rmse(o2, r2), reference.rel_rmse(oy[rows_b], ry),
-            reference.rel_rmse(from_pool_layout(pool[a.long()], layout), st2[:, -1]),
-            reference.rel_rmse(from_pool_layout(pool[b[rows_b].long()], layout), sty[:, -1])]
+    ry, sty = decode_reference(
+        **{n: y[n][rows_b] for n in ("q", "k", "v", "g", "beta")},
+        A_log=y["A_log"],
+        dt_bias=y["dt_bias"],
+        lower_bound=-5.0,
+        initial_state=sy,
+    )
+    errs = [
+        reference.rel_rmse(o1, r1),
+        reference.rel_rmse(o2, r2),
+        reference.rel_rmse(oy[rows_b], ry),
+        reference.rel_rmse(from_pool_layout(pool[a.long()], layout), st2[:, -1]),
+        reference.rel_rmse(from_pool_layout(pool[b[rows_b].long()], layout), sty[:, -1]),
+    ]
     print("several calls on one pool: rel-RMSE", [f"{e:.2e}" for e in errs])
     assert max(errs) <= BOUND
     assert bool((oy[1] == 0).all())
@@ -246,18 +336,27 @@ def test_prefill_then_decode_equals_one_prefill(layout, dtype):
     gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
     s0_kv = 0.1 * torch.randn(2, heads, D, D, generator=gen, device="cuda")
     s0 = to_pool_layout(s0_kv, layout).contiguous()
-    o_full, s_full = cula_aot.kda_prefill(*args, **common, initial_state=s0, output_final_state=True,
-                                          state_layout=layout)
-    o_pre, s_pre = cula_aot.kda_prefill(*(a[:, :t0].contiguous() for a in args), **common, initial_state=s0,
-                                        output_final_state=True, state_layout=layout)
+    o_full, s_full = cula_aot.kda_prefill(
+        *args, **common, initial_state=s0, output_final_state=True, state_layout=layout
+    )
+    o_pre, s_pre = cula_aot.kda_prefill(
+        *(a[:, :t0].contiguous() for a in args),
+        **common,
+        initial_state=s0,
+        output_final_state=True,
+        state_layout=layout,
+    )
     pool = torch.zeros(5, heads, D, D, device="cuda", dtype=dtype)
     indices = torch.tensor([4, 1], dtype=torch.int32, device="cuda")
     pool[indices.long()] = s_pre.to(dtype)
     pieces, start = [o_pre], t0
     for step in steps:
         sl = slice(start, start + step)
-        pieces.append(cula_aot.kda_decode(*(a[:, sl] for a in args), **common, state_pool=pool,
-                                          state_indices=indices, state_layout=layout))
+        pieces.append(
+            cula_aot.kda_decode(
+                *(a[:, sl] for a in args), **common, state_pool=pool, state_indices=indices, state_layout=layout
+            )
+        )
         start += step
     torch.cuda.synchronize()
     o_mixed = torch.cat(pieces, 1)
@@ -267,8 +366,10 @@ def test_prefill_then_decode_equals_one_prefill(layout, dtype):
     ref_o, ref_s = reference.kda_recurrent(*args, **common, initial_state=s0_kv)
     err_ref = reference.rel_rmse(o_mixed[:, tail], ref_o[:, tail])
     err_ref_s = reference.rel_rmse(from_pool_layout(pool[indices.long()].double(), layout), ref_s)
-    print(f"prefill {t0} + decode {steps} vs one prefill ({layout}, {str(dtype)[6:]} pool): o {err_o:.2e}, "
-          f"state {err_s:.2e}; vs float64: o {err_ref:.2e}, state {err_ref_s:.2e}")
+    print(
+        f"prefill {t0} + decode {steps} vs one prefill ({layout}, {str(dtype)[6:]} pool): o {err_o:.2e}, "
+        f"state {err_s:.2e}; vs float64: o {err_ref:.2e}, state {err_ref_s:.2e}"
+    )
     assert max(err_o, err_s, err_ref, err_ref_s) <= BOUND
 
 
@@ -309,10 +410,16 @@ def test_cuda_graph_capture_and_replay_with_new_values(dtype):
         assert torch.equal(out.view(torch.int16), expect.view(torch.int16)), f"replay {trial}: outputs differ"
         assert torch.equal(pool, expect_pool), f"replay {trial}: pool differs"
         valid = [i for i in range(n) if i != 3]
-        s0 = from_pool_layout(_pool(n + 8, heads, dtype, "vk", seed=seed + 20 + trial)[
-            indices[valid].long()].double(), "vk")
-        ref_o, _ = decode_reference(**{k: x[k][valid] for k in ("q", "k", "v", "g", "beta")}, A_log=x["A_log"],
-                                    dt_bias=x["dt_bias"], lower_bound=-5.0, initial_state=s0)
+        s0 = from_pool_layout(
+            _pool(n + 8, heads, dtype, "vk", seed=seed + 20 + trial)[indices[valid].long()].double(), "vk"
+        )
+        ref_o, _ = decode_reference(
+            **{k: x[k][valid] for k in ("q", "k", "v", "g", "beta")},
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=-5.0,
+            initial_state=s0,
+        )
         err = reference.rel_rmse(out[valid], ref_o)
         print(f"graph replay {trial}: o rel-RMSE {err:.2e}")
         assert err <= BOUND and bool((out[3] == 0).all())

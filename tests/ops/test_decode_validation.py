@@ -27,8 +27,12 @@ def test_valid_cpu_input_is_refused_only_for_its_device(args):
     with pytest.raises(KDAInputError, match="inputs are on cpu: .*CUDA.*\\.cuda\\(\\)"):
         _call(args)
     with pytest.raises(KDAInputError, match="inputs are on cpu"):
-        _call(args, state_pool=torch.zeros(N, H, D, D, dtype=torch.bfloat16), state_layout="kv",
-              intermediate_states=torch.zeros(N, T, H, D, D, dtype=torch.bfloat16))
+        _call(
+            args,
+            state_pool=torch.zeros(N, H, D, D, dtype=torch.bfloat16),
+            state_layout="kv",
+            intermediate_states=torch.zeros(N, T, H, D, D, dtype=torch.bfloat16),
+        )
 
 
 def _padded_pool(pad, dtype=torch.float32):
@@ -42,16 +46,25 @@ RULES = [
     (lambda x: {"q": x["q"][0, 0]}, r"q must be \[N, T, H, 128\]"),
     (lambda x: {"q": x["q"][..., :64]}, "head dim must be 128"),
     (lambda x: {"k": x["k"][:, :, :1]}, r"k must have shape \[3, 2, 4, 128\]"),
-    (lambda x: {"v": x["v"].transpose(1, 2).contiguous().transpose(1, 2)},
-     "v must have unit stride along D and head stride 128"),
+    (
+        lambda x: {"v": x["v"].transpose(1, 2).contiguous().transpose(1, 2)},
+        "v must have unit stride along D and head stride 128",
+    ),
     (lambda x: {"g": torch.zeros(N, T, H, 256, dtype=torch.bfloat16)[..., ::2]}, "g must have unit stride along D"),
-    (lambda x: {"k": torch.zeros(N * T * H * D + 8, dtype=torch.bfloat16)[4:4 + N * T * H * D].view(N, T, H, D)},
-     "k must start on a 16-byte boundary"),
-    (lambda x: {"q": torch.zeros(N, T, H * D + 4, dtype=torch.bfloat16)[..., :H * D].unflatten(-1, (H, D))},
-     r"q.stride\(1\) = 516 must be a multiple of 8"),
+    (
+        lambda x: {"k": torch.zeros(N * T * H * D + 8, dtype=torch.bfloat16)[4 : 4 + N * T * H * D].view(N, T, H, D)},
+        "k must start on a 16-byte boundary",
+    ),
+    (
+        lambda x: {"q": torch.zeros(N, T, H * D + 4, dtype=torch.bfloat16)[..., : H * D].unflatten(-1, (H, D))},
+        r"q.stride\(1\) = 516 must be a multiple of 8",
+    ),
     (lambda x: {"g": x["g"].half()}, "g must be torch.bfloat16"),
     (lambda x: {"beta": x["beta"][..., None]}, r"beta must have shape \[3, 2, 4\]"),
-    (lambda x: {"beta": torch.zeros(N, H, T, dtype=torch.bfloat16).transpose(1, 2)}, "beta must have unit stride along H"),
+    (
+        lambda x: {"beta": torch.zeros(N, H, T, dtype=torch.bfloat16).transpose(1, 2)},
+        "beta must have unit stride along H",
+    ),
     (lambda x: {"A_log": x["A_log"].double()}, "A_log must be torch.float32"),
     (lambda x: {"A_log": torch.zeros(2 * H)[::2]}, "A_log must be contiguous"),
     (lambda x: {"dt_bias": x["dt_bias"][:, :64].contiguous()}, r"dt_bias must have shape \[4, 128\]"),
@@ -62,30 +75,55 @@ RULES = [
     (lambda x: {"num_tokens": 3}, r"num_tokens = 3 but q has T = 2"),
     (lambda x: {"num_tokens": 9}, r"num_tokens must be an int in \[1, 8\]"),
     (lambda x: {"num_tokens": 2.0}, r"num_tokens must be an int"),
-    (lambda x: {k: torch.zeros(1, 9, H, D, dtype=torch.bfloat16) for k in ("q", "k", "v", "g")}
-     | {"beta": torch.zeros(1, 9, H, dtype=torch.bfloat16), "state_indices": torch.zeros(1, dtype=torch.int32)},
-     "decode runs T = 1..8 tokens per sequence, got T = 9"),
-    (lambda x: {"state_pool": torch.zeros(N, H, D, D, dtype=torch.float16)}, "state_pool must be torch.float32 or torch.bfloat16"),
+    (
+        lambda x: (
+            {k: torch.zeros(1, 9, H, D, dtype=torch.bfloat16) for k in ("q", "k", "v", "g")}
+            | {"beta": torch.zeros(1, 9, H, dtype=torch.bfloat16), "state_indices": torch.zeros(1, dtype=torch.int32)}
+        ),
+        "decode runs T = 1..8 tokens per sequence, got T = 9",
+    ),
+    (
+        lambda x: {"state_pool": torch.zeros(N, H, D, D, dtype=torch.float16)},
+        "state_pool must be torch.float32 or torch.bfloat16",
+    ),
     (lambda x: {"state_pool": torch.zeros(N, H + 1, D, D)}, r"state_pool must be \[slots, H, 128, 128\]"),
     (lambda x: {"state_pool": torch.zeros(0, H, D, D)}, "slots >= 1"),
     (lambda x: {"state_pool": torch.zeros(N, H, D, D).transpose(2, 3)}, "state_pool must be contiguous within a slot"),
     (lambda x: {"state_pool": torch.zeros(H, N, D, D).transpose(0, 1)}, "state_pool must be contiguous within a slot"),
     (lambda x: {"state_pool": _padded_pool(2)}, "must be a multiple of 16 bytes"),
-    (lambda x: {"state_pool": torch.zeros(4 * H * D * D + 4)[1:1 + 4 * H * D * D].view(4, H, D, D)}, "state_pool must start on a 16-byte"),
+    (
+        lambda x: {"state_pool": torch.zeros(4 * H * D * D + 4)[1 : 1 + 4 * H * D * D].view(4, H, D, D)},
+        "state_pool must start on a 16-byte",
+    ),
     (lambda x: {"state_indices": torch.tensor([0, 1, 2])}, "state_indices must be torch.int32"),
     (lambda x: {"state_indices": torch.tensor([0, 1], dtype=torch.int32)}, r"state_indices must have shape \[3\]"),
     (lambda x: {"state_indices": torch.zeros(6, dtype=torch.int32)[::2]}, "state_indices must be contiguous"),
-    (lambda x: {"intermediate_states": torch.zeros(N, T, H, D, D, dtype=torch.bfloat16)},
-     "intermediate_states must be torch.float32"),
-    (lambda x: {"intermediate_states": torch.zeros(N, T + 1, H, D, D)}, r"intermediate_states must have shape \[3, 2, 4, 128, 128\]"),
-    (lambda x: {"intermediate_states": torch.zeros(N, H, T, D, D).transpose(1, 2)}, "intermediate_states must be contiguous"),
+    (
+        lambda x: {"intermediate_states": torch.zeros(N, T, H, D, D, dtype=torch.bfloat16)},
+        "intermediate_states must be torch.float32",
+    ),
+    (
+        lambda x: {"intermediate_states": torch.zeros(N, T + 1, H, D, D)},
+        r"intermediate_states must have shape \[3, 2, 4, 128, 128\]",
+    ),
+    (
+        lambda x: {"intermediate_states": torch.zeros(N, H, T, D, D).transpose(1, 2)},
+        "intermediate_states must be contiguous",
+    ),
     (lambda x: {"intermediate_states": torch.zeros(1)}, r"intermediate_states must have shape"),
     (lambda x: {"out": torch.empty(N, T, H, D)}, "out must be torch.bfloat16"),
     (lambda x: {"out": x["q"]}, "out must not alias q"),
     (lambda x: {"out": x["g"]}, "out must not alias g"),
-    (lambda x: {"out": x["state_pool"].view(-1)[:N * T * H * D].view(torch.bfloat16)[:N * T * H * D].view(N, T, H, D)},
-     "out must not alias state_pool"),
-    (lambda x: {"out": torch.zeros(N, T, H, D + 8, dtype=torch.bfloat16)[..., :D]}, "out must have unit stride along D and head stride 128"),
+    (
+        lambda x: {
+            "out": x["state_pool"].view(-1)[: N * T * H * D].view(torch.bfloat16)[: N * T * H * D].view(N, T, H, D)
+        },
+        "out must not alias state_pool",
+    ),
+    (
+        lambda x: {"out": torch.zeros(N, T, H, D + 8, dtype=torch.bfloat16)[..., :D]},
+        "out must have unit stride along D and head stride 128",
+    ),
     (lambda x: {"status": torch.zeros(1, 1, dtype=torch.float32)}, "status must be a one-element torch.int32 tensor"),
     (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
     (lambda x: {"beta_sigmoid": "no"}, "beta_sigmoid must be True or False, got 'no'"),

@@ -31,9 +31,17 @@ def _inputs(gate):
 
 
 def _fla_kwargs(x, gate, state_v_first):
-    kwargs = dict(A_log=x["A_log"], dt_bias=x["dt_bias"].reshape(-1), initial_state=x["initial_state"],
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                  use_beta_sigmoid_in_kernel=True, state_v_first=state_v_first, cu_seqlens=x["cu"])
+    kwargs = dict(
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"].reshape(-1),
+        initial_state=x["initial_state"],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True,
+        state_v_first=state_v_first,
+        cu_seqlens=x["cu"],
+    )
     if gate == "safe":
         kwargs["lower_bound"] = -5.0
     return kwargs
@@ -51,8 +59,10 @@ def test_module_matches_fla(gate, state_v_first):
         o_chunk, s_chunk = fla_route.chunk_kda(*args, safe_gate=gate == "safe", **kwargs)
         o_rec, s_rec = fla_route.fused_recurrent_kda(*args, **kwargs)
     torch.cuda.synchronize()
-    report = (f"fla module {gate} state_v_first={state_v_first}: chunk o {reference.rel_rmse(o_chunk, o_ref):.2e} "
-              f"state {reference.rel_rmse(s_chunk, s_ref):.2e}; recurrent o {reference.rel_rmse(o_rec, o_ref):.2e}")
+    report = (
+        f"fla module {gate} state_v_first={state_v_first}: chunk o {reference.rel_rmse(o_chunk, o_ref):.2e} "
+        f"state {reference.rel_rmse(s_chunk, s_ref):.2e}; recurrent o {reference.rel_rmse(o_rec, o_ref):.2e}"
+    )
     print(report)
     assert s_chunk.shape == s_ref.shape and o_chunk.shape == o_ref.shape
     for got in (o_chunk, o_rec):

@@ -36,8 +36,10 @@ def test_rounding_an_fp32_log_decay_to_bf16_costs_little_of_the_accuracy_budget(
     g32 = _log_decay(regime, shape, gen)
     g16, _ = kernel_dtypes(g32, beta)
     assert g16.dtype == torch.bfloat16
-    runs = [reference.kda_recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, lower_bound=None,
-                                    gate_kind="precomputed") for g in (g32, g16)]
+    runs = [
+        reference.kda_recurrent(q, k, v, g, beta, A_log=None, dt_bias=None, lower_bound=None, gate_kind="precomputed")
+        for g in (g32, g16)
+    ]
     (o32, s32), (o16, s16) = runs
     o_err, s_err = reference.rel_rmse(o16, o32), reference.rel_rmse(s16, s32)
     print(f"{regime}: mean log-decay {float(g32.mean()):.3g}, o {o_err:.2e}, state {s_err:.2e}")

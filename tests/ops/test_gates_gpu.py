@@ -28,8 +28,9 @@ GATES = ["softplus", "precomputed"]
 
 
 def _inputs(batch, seq_len, heads, gate, kind):
-    return standard_inputs(batch, seq_len, heads, device="cuda", gate=gate, slow_decay=kind == "slow",
-                           extreme=kind == "extreme")
+    return standard_inputs(
+        batch, seq_len, heads, device="cuda", gate=gate, slow_decay=kind == "slow", extreme=kind == "extreme"
+    )
 
 
 def _gate_args(x):
@@ -46,9 +47,18 @@ def _prefill(x, s0, cu, layout="vk", **options):
     out = torch.full_like(x["v"], float("nan"))
     final = torch.full((n, x["q"].shape[2], 128, 128), float("nan"), device="cuda")
     args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    o, fs = prefill(*args, **_gate_args(x), lower_bound=None, initial_state=to_pool_layout(s0, layout).contiguous(),
-                    cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu(), state_layout=layout, out=out,
-                    final_state=final, **options)
+    o, fs = prefill(
+        *args,
+        **_gate_args(x),
+        lower_bound=None,
+        initial_state=to_pool_layout(s0, layout).contiguous(),
+        cu_seqlens=cu,
+        cu_seqlens_cpu=None if cu is None else cu.cpu(),
+        state_layout=layout,
+        out=out,
+        final_state=final,
+        **options,
+    )
     torch.cuda.synchronize()
     return o, from_pool_layout(fs, layout)
 
@@ -56,8 +66,15 @@ def _prefill(x, s0, cu, layout="vk", **options):
 def _check(label, o, s, x, s0, cu):
     assert torch.isfinite(o).all() and torch.isfinite(s).all(), f"{label}: unwritten or non-finite output"
     args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    ref_o, ref_s = reference.kda_chunked(*args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None,
-                                         initial_state=s0, cu_seqlens=cu, gate_kind=x["gate"])
+    ref_o, ref_s = reference.kda_chunked(
+        *args,
+        A_log=x.get("A_log"),
+        dt_bias=x.get("dt_bias"),
+        lower_bound=None,
+        initial_state=s0,
+        cu_seqlens=cu,
+        gate_kind=x["gate"],
+    )
     err_o, err_s = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
     report = f"{label}: o rel-RMSE {err_o:.2e}, state rel-RMSE {err_s:.2e}"
     print(report)
@@ -104,9 +121,16 @@ def test_intracard_cp(gate, kind):
     print(f"  CP vs serial: o rel-RMSE {reference.rel_rmse(o, o_serial):.2e}")
 
 
-@pytest.mark.parametrize("tokens, pool, layout, inter", [(1, torch.float32, "vk", False), (1, torch.bfloat16, "kv", False),
-                                                         (4, torch.bfloat16, "vk", False), (3, torch.float32, "kv", True),
-                                                         (8, torch.bfloat16, "vk", True)])
+@pytest.mark.parametrize(
+    "tokens, pool, layout, inter",
+    [
+        (1, torch.float32, "vk", False),
+        (1, torch.bfloat16, "kv", False),
+        (4, torch.bfloat16, "vk", False),
+        (3, torch.float32, "kv", True),
+        (8, torch.bfloat16, "vk", True),
+    ],
+)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("gate", GATES)
 def test_decode(gate, kind, tokens, pool, layout, inter):
@@ -119,11 +143,18 @@ def test_decode(gate, kind, tokens, pool, layout, inter):
     state_pool[indices[live].long()] = to_pool_layout(s0[live], layout)
     intermediate = torch.full((n, tokens, heads, 128, 128), float("nan"), device="cuda", dtype=pool) if inter else None
     args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    o = cula_aot.kda_decode(*args, **_gate_args(x), state_pool=state_pool, state_indices=indices, state_layout=layout,
-                            intermediate_states=intermediate)
+    o = cula_aot.kda_decode(
+        *args,
+        **_gate_args(x),
+        state_pool=state_pool,
+        state_indices=indices,
+        state_layout=layout,
+        intermediate_states=intermediate,
+    )
     torch.cuda.synchronize()
-    ref_o, ref_states = decode_reference(*args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None,
-                                         initial_state=s0.double(), gate=gate)
+    ref_o, ref_states = decode_reference(
+        *args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None, initial_state=s0.double(), gate=gate
+    )
     label = f"decode {gate} {kind} T={tokens} {pool} {layout} inter={inter}"
     assert torch.isfinite(o).all(), label
     assert (o[~live] == 0).all(), label
@@ -155,11 +186,11 @@ def test_chunk_decode_kernel(gate, kind, tokens, variant):
     live = indices >= 0
     state_pool[indices[live].long()] = to_pool_layout(s0[live], "vk")
     args = [x[name] for name in ("q", "k", "v", "g", "beta")]
-    o = decode(*args, **_gate_args(x), lower_bound=None, state_pool=state_pool, state_indices=indices,
-               variant=variant)
+    o = decode(*args, **_gate_args(x), lower_bound=None, state_pool=state_pool, state_indices=indices, variant=variant)
     torch.cuda.synchronize()
-    ref_o, ref_states = decode_reference(*args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None,
-                                         initial_state=s0.double(), gate=gate)
+    ref_o, ref_states = decode_reference(
+        *args, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"), lower_bound=None, initial_state=s0.double(), gate=gate
+    )
     err_o = reference.rel_rmse(o[live], ref_o[live])
     err_s = reference.rel_rmse(from_pool_layout(state_pool[indices[live].long()], "vk"), ref_states[live][:, -1])
     report = f"chunk decode {variant} {gate} {kind} T={tokens}: o rel-RMSE {err_o:.2e}, state rel-RMSE {err_s:.2e}"
@@ -177,8 +208,9 @@ def test_prefill_then_decode_continues_the_softplus_state():
     _, s_prompt = _prefill(first, s0, None, "vk", intracard_cp=False)
     pool = to_pool_layout(s_prompt, "vk").contiguous()
     args = [x[name][:, prompt:] for name in ("q", "k", "v", "g", "beta")]
-    o_dec = cula_aot.kda_decode(*args, **_gate_args(x), state_pool=pool,
-                                state_indices=torch.zeros(1, dtype=torch.int32, device="cuda"))
+    o_dec = cula_aot.kda_decode(
+        *args, **_gate_args(x), state_pool=pool, state_indices=torch.zeros(1, dtype=torch.int32, device="cuda")
+    )
     o_all, s_all = _prefill(x, s0, None, "vk", intracard_cp=False)
     err = reference.rel_rmse(o_dec, o_all[:, prompt:])
     print(f"prefill + decode vs one prefill: o rel-RMSE {err:.2e}")

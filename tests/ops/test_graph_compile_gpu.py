@@ -11,8 +11,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _op_args(inputs, cu=None):
-    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["A_log"], inputs["dt_bias"],
-            inputs["lower_bound"])
+    args = (
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["A_log"],
+        inputs["dt_bias"],
+        inputs["lower_bound"],
+    )
     kwargs = {"output_final_state": True, "cu_seqlens": cu, "cu_seqlens_cpu": None if cu is None else cu.cpu()}
     return args, kwargs
 
@@ -56,10 +64,22 @@ def test_cuda_graph_replay_matches_eager(varlen):
     final = torch.empty_like(s0)
 
     def run():
-        cula_aot.kda_prefill(static["q"], static["k"], static["v"], static["g"], static["beta"],
-                             A_log=static["A_log"], dt_bias=static["dt_bias"], lower_bound=static["lower_bound"],
-                             initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
-                             out=out, final_state=final, intracard_cp=False)
+        cula_aot.kda_prefill(
+            static["q"],
+            static["k"],
+            static["v"],
+            static["g"],
+            static["beta"],
+            A_log=static["A_log"],
+            dt_bias=static["dt_bias"],
+            lower_bound=static["lower_bound"],
+            initial_state=s0,
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu_cpu,
+            out=out,
+            final_state=final,
+            intracard_cp=False,
+        )
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -79,14 +99,33 @@ def test_cuda_graph_replay_matches_eager(varlen):
         final.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        o_eager, s_eager = cula_aot.kda_prefill(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
-                                                A_log=fresh["A_log"], dt_bias=fresh["dt_bias"],
-                                                lower_bound=fresh["lower_bound"], initial_state=s0, cu_seqlens=cu,
-                                                output_final_state=True, intracard_cp=False)
+        o_eager, s_eager = cula_aot.kda_prefill(
+            fresh["q"],
+            fresh["k"],
+            fresh["v"],
+            fresh["g"],
+            fresh["beta"],
+            A_log=fresh["A_log"],
+            dt_bias=fresh["dt_bias"],
+            lower_bound=fresh["lower_bound"],
+            initial_state=s0,
+            cu_seqlens=cu,
+            output_final_state=True,
+            intracard_cp=False,
+        )
         assert torch.equal(out, o_eager) and torch.equal(final, s_eager)
-    ref_o, _ = reference.kda_chunked(fresh["q"], fresh["k"], fresh["v"], fresh["g"], fresh["beta"],
-                                     A_log=fresh["A_log"], dt_bias=fresh["dt_bias"], lower_bound=fresh["lower_bound"],
-                                     initial_state=s0.transpose(-1, -2), cu_seqlens=cu)
+    ref_o, _ = reference.kda_chunked(
+        fresh["q"],
+        fresh["k"],
+        fresh["v"],
+        fresh["g"],
+        fresh["beta"],
+        A_log=fresh["A_log"],
+        dt_bias=fresh["dt_bias"],
+        lower_bound=fresh["lower_bound"],
+        initial_state=s0.transpose(-1, -2),
+        cu_seqlens=cu,
+    )
     assert reference.rel_rmse(out, ref_o) <= 1e-2
 
 
@@ -96,15 +135,32 @@ def test_pool_op_under_opcheck_and_compile():
     cu = cu_seqlens_of([30, 70], "cuda")
     pool = 0.1 * torch.randn(5, heads, 128, 128, device="cuda")
     indices = torch.tensor([3, -1], dtype=torch.int32, device="cuda")
-    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["A_log"], inputs["dt_bias"],
-            inputs["lower_bound"], pool, indices)
+    args = (
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["A_log"],
+        inputs["dt_bias"],
+        inputs["lower_bound"],
+        pool,
+        indices,
+    )
     torch.library.opcheck(torch.ops.cula_aot.kda_prefill_pool.default, args, {"cu_seqlens": cu})
 
     start = pool.clone()
     eager_pool = start.clone()
-    o_eager, _ = cula_aot.kda_prefill(*args[:5], A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                      lower_bound=inputs["lower_bound"], initial_state=eager_pool,
-                                      output_final_state=True, state_indices=indices, cu_seqlens=cu)
+    o_eager, _ = cula_aot.kda_prefill(
+        *args[:5],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=eager_pool,
+        output_final_state=True,
+        state_indices=indices,
+        cu_seqlens=cu,
+    )
     pool.copy_(start)
     compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_prefill_pool(*a, cu_seqlens=cu) * 1, fullgraph=True)
     o = compiled(*args)
@@ -128,9 +184,19 @@ def test_decode_op_under_opcheck_and_compile():
 
     start = pool.clone()
     eager_pool, eager_inter = start.clone(), torch.zeros_like(inter)
-    o_eager = cula_aot.kda_decode(q, k, v, g, beta, A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                  lower_bound=x["lower_bound"], state_pool=eager_pool, state_indices=indices,
-                                  intermediate_states=eager_inter)
+    o_eager = cula_aot.kda_decode(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        state_pool=eager_pool,
+        state_indices=indices,
+        intermediate_states=eager_inter,
+    )
     pool.copy_(start)
     inter.zero_()
     compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_decode(*a) * 1, fullgraph=True)

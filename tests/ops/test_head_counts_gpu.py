@@ -28,8 +28,16 @@ def _prefill_error(heads: int, **options) -> tuple:
     final = torch.full_like(s0, float("nan"))
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
     gate = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"])
-    prefill(*args, **gate, initial_state=s0.transpose(-1, -2).contiguous(), cu_seqlens=cu,
-            cu_seqlens_cpu=cu.cpu(), out=out, final_state=final, **options)
+    prefill(
+        *args,
+        **gate,
+        initial_state=s0.transpose(-1, -2).contiguous(),
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu(),
+        out=out,
+        final_state=final,
+        **options,
+    )
     ref_o, ref_s = reference.kda_chunked(*args, **gate, initial_state=s0, cu_seqlens=cu)
     return reference.rel_rmse(out, ref_o), reference.rel_rmse(final.transpose(-1, -2), ref_s)
 
@@ -38,22 +46,29 @@ def _decode_error(heads: int, tokens: int, bf16: bool, intermediates: bool) -> t
     n, slots = 3, 5
     inputs = standard_inputs(n, tokens, heads, device="cuda")
     gen = torch.Generator(device="cpu").manual_seed(fresh_seed())
-    s0 = (0.1 * torch.randn(n, heads, 128, 128, generator=gen, dtype=torch.float64))
+    s0 = 0.1 * torch.randn(n, heads, 128, 128, generator=gen, dtype=torch.float64)
     dtype = torch.bfloat16 if bf16 else torch.float32
     pool = torch.full((slots, heads, 128, 128), float("nan"), dtype=dtype, device="cuda")
     indices = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
     pool[indices.long()] = to_pool_layout(s0, "vk").to(device="cuda", dtype=dtype)
     start = from_pool_layout(pool[indices.long()].to(torch.float64), "vk").cpu()
-    inter = (torch.full((n, tokens, heads, 128, 128), float("nan"), dtype=dtype, device="cuda")
-             if intermediates else None)
+    inter = (
+        torch.full((n, tokens, heads, 128, 128), float("nan"), dtype=dtype, device="cuda") if intermediates else None
+    )
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
     gate = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"])
     o = cula_aot.kda_decode(*args, **gate, state_pool=pool, state_indices=indices, intermediate_states=inter)
-    ref_o, ref_states = decode_reference(*(x.cpu() for x in args), A_log=inputs["A_log"].cpu(),
-                                         dt_bias=inputs["dt_bias"].cpu(), lower_bound=inputs["lower_bound"],
-                                         initial_state=start)
-    errors = [reference.rel_rmse(o.cpu(), ref_o),
-              reference.rel_rmse(from_pool_layout(pool[indices.long()].float(), "vk").cpu(), ref_states[:, -1])]
+    ref_o, ref_states = decode_reference(
+        *(x.cpu() for x in args),
+        A_log=inputs["A_log"].cpu(),
+        dt_bias=inputs["dt_bias"].cpu(),
+        lower_bound=inputs["lower_bound"],
+        initial_state=start,
+    )
+    errors = [
+        reference.rel_rmse(o.cpu(), ref_o),
+        reference.rel_rmse(from_pool_layout(pool[indices.long()].float(), "vk").cpu(), ref_states[:, -1]),
+    ]
     if intermediates:
         errors.append(reference.rel_rmse(from_pool_layout(inter.float(), "vk").cpu(), ref_states))
     return tuple(errors)
@@ -78,8 +93,10 @@ def test_fused_cp_and_decode_variants_for_shard_head_counts(heads):
         errors = _prefill_error(heads, **options)
         assert max(errors) <= BOUND, f"H={heads} {label}: o, state rel-RMSE {errors}"
         report.append(f"{label} {max(errors):.2e}")
-    for label, tokens, bf16, intermediates in (("decode T=3 bf16 chunk", 3, True, False),
-                                               ("decode T=4 fp32 intermediates", 4, False, True)):
+    for label, tokens, bf16, intermediates in (
+        ("decode T=3 bf16 chunk", 3, True, False),
+        ("decode T=4 fp32 intermediates", 4, False, True),
+    ):
         errors = _decode_error(heads, tokens, bf16, intermediates)
         assert max(errors) <= BOUND, f"H={heads} {label}: rel-RMSE {errors}"
         report.append(f"{label} {max(errors):.2e}")

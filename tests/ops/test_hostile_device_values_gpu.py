@@ -23,7 +23,19 @@ def test_cp_checks_the_host_lengths_it_plans_from_even_with_checks_off():
     cu = cu_seqlens_of([400, 300], "cuda")
     out = torch.full_like(x["v"], 7.0)
     with pytest.raises(KDAInputError, match="non-decreasing"):
-        prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                lower_bound=x["lower_bound"], cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 400, 300]),
-                check_seqlens="off", intracard_cp=2, out=out)
+        prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            cu_seqlens=cu,
+            cu_seqlens_cpu=torch.tensor([0, 400, 300]),
+            check_seqlens="off",
+            intracard_cp=2,
+            out=out,
+        )
     assert bool((out == 7.0).all())

@@ -19,9 +19,17 @@ def _run_k1(inputs, cu_seqlens):
     # Poison the whole arena: every byte 0xFF is NaN in bf16 and fp32.
     device = inputs["q"].device
     ARENA.buffer(device, 1, torch.cuda.current_stream(device).cuda_stream).fill_(0xFF)
-    ws = prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], A_log=inputs["A_log"],
-                 dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"], scale=DEFAULT_SCALE,
-                 cu_seqlens=cu_seqlens)
+    ws = prepare(
+        inputs["q"],
+        inputs["k"],
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        scale=DEFAULT_SCALE,
+        cu_seqlens=cu_seqlens,
+    )
     torch.cuda.synchronize()
     return ws
 
@@ -48,8 +56,13 @@ def _check_close_ulps(name, got, want, floor):
 
 
 def _references(inputs, cu_seqlens, scale=DEFAULT_SCALE, lower_bound=None):
-    kwargs = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], scale=scale, cu_seqlens=cu_seqlens,
-                  lower_bound=inputs["lower_bound"] if lower_bound is None else lower_bound)
+    kwargs = dict(
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        lower_bound=inputs["lower_bound"] if lower_bound is None else lower_bound,
+    )
     return reference.prepare_tiles(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], **kwargs)
 
 
@@ -114,8 +127,17 @@ def test_k1_int64_cu_seqlens_and_runtime_scalars():
     for lower_bound, scale in ((-5.0, DEFAULT_SCALE), (-0.3, 0.25)):
         inputs["lower_bound"] = lower_bound
         ARENA.buffer(inputs["q"].device, 1, torch.cuda.current_stream(inputs["q"].device).cuda_stream).fill_(0xFF)
-        ws = prepare(inputs["q"], inputs["k"], inputs["g"], inputs["beta"], A_log=inputs["A_log"],
-                     dt_bias=inputs["dt_bias"], lower_bound=lower_bound, scale=scale, cu_seqlens=cu)
+        ws = prepare(
+            inputs["q"],
+            inputs["k"],
+            inputs["g"],
+            inputs["beta"],
+            A_log=inputs["A_log"],
+            dt_bias=inputs["dt_bias"],
+            lower_bound=lower_bound,
+            scale=scale,
+            cu_seqlens=cu,
+        )
         exact = _references(inputs, cu, scale=scale, lower_bound=lower_bound)
         got = _gather(ws, tile_slots([100, 7, 193]), 8)
         assert reference.rel_rmse(got["qd"], exact["qd"]) < 5e-3
@@ -127,7 +149,8 @@ def test_k1_is_deterministic():
     cu = cu_seqlens_of(LENGTHS, device="cuda")
     first = {k: v.clone() for k, v in _run_k1(inputs, cu).views.items()}
     second = _run_k1(inputs, cu).views
-    slots = torch.tensor([h * (first["qd"].shape[0] // 8) + s for h in range(8) for s in tile_slots(LENGTHS)],
-                         device="cuda")
+    slots = torch.tensor(
+        [h * (first["qd"].shape[0] // 8) + s for h in range(8) for s in tile_slots(LENGTHS)], device="cuda"
+    )
     for name in first:
         assert torch.equal(first[name][slots].view(torch.uint8), second[name][slots].view(torch.uint8)), name

@@ -33,10 +33,18 @@ def _to_layout(state_kv, layout):
 def _output_error(o, ref_o, inputs, s0, cu_seqlens) -> float:
     """‖o − ref‖ over ‖ref‖, the latter floored at the size of the terms it sums (the reference on
     |q|, |k|, |v| and |S0|) / CANCELLATION."""
-    terms, _ = reference.kda_chunked(inputs["q"].abs(), inputs["k"].abs(), inputs["v"].abs(), inputs["g"],
-                                     inputs["beta"], A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                     lower_bound=inputs["lower_bound"], initial_state=None if s0 is None else s0.abs(),
-                                     cu_seqlens=cu_seqlens)
+    terms, _ = reference.kda_chunked(
+        inputs["q"].abs(),
+        inputs["k"].abs(),
+        inputs["v"].abs(),
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=None if s0 is None else s0.abs(),
+        cu_seqlens=cu_seqlens,
+    )
     norm = max(float(torch.linalg.vector_norm(ref_o.double())), float(torch.linalg.vector_norm(terms)) / CANCELLATION)
     return float(torch.linalg.vector_norm(o.double() - ref_o.double())) / norm
 
@@ -48,9 +56,16 @@ def _run(inputs, *, cu_seqlens=None, init=True, final=True, layout="vk", v_block
     s0 = (0.1 * torch.randn(n, heads, 128, 128, generator=gen)).cuda() if init else None
     out = torch.full_like(inputs["v"], float("nan"))
     final_buf = torch.full((n, heads, 128, 128), float("nan"), device="cuda") if final else None
-    kwargs = dict(A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"],
-                  initial_state=None if s0 is None else _to_layout(s0, layout), cu_seqlens=cu_seqlens,
-                  state_layout=layout, out=out, final_state=final_buf)
+    kwargs = dict(
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=None if s0 is None else _to_layout(s0, layout),
+        cu_seqlens=cu_seqlens,
+        state_layout=layout,
+        out=out,
+        final_state=final_buf,
+    )
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
     if v_block is None and fused is None:
         o, fs = cula_aot.kda_prefill(*args, **kwargs)
@@ -58,8 +73,14 @@ def _run(inputs, *, cu_seqlens=None, init=True, final=True, layout="vk", v_block
         o, fs = prefill(*args, v_block=v_block, fused=fused, **kwargs)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr() and (fs is None) == (not final)
-    ref_o, ref_s = reference.kda_chunked(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                         lower_bound=inputs["lower_bound"], initial_state=s0, cu_seqlens=cu_seqlens)
+    ref_o, ref_s = reference.kda_chunked(
+        *args,
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=s0,
+        cu_seqlens=cu_seqlens,
+    )
     assert torch.isfinite(o).all(), f"{label}: unwritten or non-finite output"
     err_o = reference.rel_rmse(o, ref_o)
     report = f"prefill {label}: o rel-RMSE {err_o:.2e}"
@@ -87,8 +108,13 @@ def test_fixed(heads, case):
     init, final = [(True, True), (False, True), (True, False), (False, False)][(case + heads) % 4]
     layout = ("vk", "kv")[case % 2]
     inputs = standard_inputs(batch, seq_len, heads, device="cuda")
-    _run(inputs, init=init, final=final, layout=layout,
-         label=f"fixed B={batch} T={seq_len} H={heads} init={init} final={final} {layout}")
+    _run(
+        inputs,
+        init=init,
+        final=final,
+        layout=layout,
+        label=f"fixed B={batch} T={seq_len} H={heads} init={init} final={final} {layout}",
+    )
 
 
 VARLEN_LONG = [1, 16383, 17, 100, 1, 15, 16, 33, 16385, 7, 4096]
@@ -98,15 +124,20 @@ VARLEN_LONG = [1, 16383, 17, 100, 1, 15, 16, 33, 16385, 7, 4096]
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 def test_varlen_long(heads, layout):
     inputs = standard_inputs(1, sum(VARLEN_LONG), heads, device="cuda")
-    _run(inputs, cu_seqlens=cu_seqlens_of(VARLEN_LONG, "cuda"), layout=layout,
-         label=f"varlen {len(VARLEN_LONG)} seqs H={heads} {layout}")
+    _run(
+        inputs,
+        cu_seqlens=cu_seqlens_of(VARLEN_LONG, "cuda"),
+        layout=layout,
+        label=f"varlen {len(VARLEN_LONG)} seqs H={heads} {layout}",
+    )
 
 
 def test_varlen_h64_int64_no_initial_state():
     lengths = [1, 300, 17, 16, 2047, 5, 64, 1000, 33, 2]
     inputs = standard_inputs(1, sum(lengths), 64, device="cuda")
-    _run(inputs, cu_seqlens=cu_seqlens_of(lengths, "cuda").long(), init=False,
-         label="varlen 10 seqs H=64 int64 no-init")
+    _run(
+        inputs, cu_seqlens=cu_seqlens_of(lengths, "cuda").long(), init=False, label="varlen 10 seqs H=64 int64 no-init"
+    )
 
 
 @pytest.mark.parametrize("heads", [1, 8, 64])
@@ -130,8 +161,17 @@ def _bits(inputs, cu, v_block, fused=None):
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
     n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
     s0 = 0.1 * torch.ones(n, inputs["q"].shape[2], 128, 128, device="cuda")
-    o, fs = prefill(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=inputs["lower_bound"],
-                    cu_seqlens=cu, initial_state=s0, output_final_state=True, v_block=v_block, fused=fused)
+    o, fs = prefill(
+        *args,
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        cu_seqlens=cu,
+        initial_state=s0,
+        output_final_state=True,
+        v_block=v_block,
+        fused=fused,
+    )
     return o.view(torch.int16).clone(), fs.view(torch.int32).clone()
 
 
@@ -149,8 +189,9 @@ def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
     results = {}
     for multicast in {False, v_block in K2_MULTICAST_V_BLOCKS}:
         for order in (0, FLAG_LONGEST_FIRST):
-            monkeypatch.setattr(prefill_module, "serial_k2_spec",
-                                lambda vl, vb, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m))
+            monkeypatch.setattr(
+                prefill_module, "serial_k2_spec", lambda vl, vb, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m)
+            )
             monkeypatch.setattr(prefill_module, "SERIAL_K2_ORDER", order)
             monkeypatch.setattr(prefill_module, "_PLANS", {})
             results[multicast, order] = _bits(inputs, cu, v_block)
@@ -175,13 +216,19 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
         bits = {}
         for wgmma in (True, False):
             for multicast in (False, True):
-                monkeypatch.setattr(prefill_module, "serial_k2_spec",
-                                    lambda vl, vb, w=wgmma, m=multicast: K2Spec(varlen=vl, v_block=vb,
-                                                                                   multicast=m, wgmma=w))
+                monkeypatch.setattr(
+                    prefill_module,
+                    "serial_k2_spec",
+                    lambda vl, vb, w=wgmma, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m, wgmma=w),
+                )
                 monkeypatch.setattr(prefill_module, "_PLANS", {})
                 if wgmma:
-                    _run(inputs, cu_seqlens=cu, v_block=K2_WGMMA_V_BLOCK,
-                         label=f"wgmma multicast={multicast} slow_decay={slow_decay}")
+                    _run(
+                        inputs,
+                        cu_seqlens=cu,
+                        v_block=K2_WGMMA_V_BLOCK,
+                        label=f"wgmma multicast={multicast} slow_decay={slow_decay}",
+                    )
                 bits[wgmma, multicast] = _bits(inputs, cu, K2_WGMMA_V_BLOCK)
         for key in ((True, True), (False, True)):
             same = bits[(key[0], False)]
@@ -221,8 +268,14 @@ def test_fused_fixed_states_and_layouts(case):
     layout = ("vk", "kv")[case % 2]
     heads = (1, 64)[case % 2]
     inputs = standard_inputs(batch, seq_len, heads, device="cuda")
-    _run(inputs, init=init, final=final, layout=layout, fused=True,
-         label=f"fused fixed B={batch} T={seq_len} H={heads} init={init} final={final} {layout}")
+    _run(
+        inputs,
+        init=init,
+        final=final,
+        layout=layout,
+        fused=True,
+        label=f"fused fixed B={batch} T={seq_len} H={heads} init={init} final={final} {layout}",
+    )
 
 
 @pytest.mark.parametrize("count", [128, 129])
@@ -263,8 +316,10 @@ def test_defaults_and_fwd_in_place():
     assert torch.equal(o, o2)
     out = torch.full_like(o, float("nan"))
     final = torch.full_like(fs2, float("nan"))
-    assert cula_aot.fwd(*args, None, out, inputs["A_log"], inputs["dt_bias"], inputs["lower_bound"],
-                        final_state=final) is None
+    assert (
+        cula_aot.fwd(*args, None, out, inputs["A_log"], inputs["dt_bias"], inputs["lower_bound"], final_state=final)
+        is None
+    )
     assert torch.equal(out, o) and torch.equal(final, fs2)
 
 
@@ -272,8 +327,10 @@ def test_scale_and_lower_bound_are_runtime():
     inputs = standard_inputs(1, 200, 8, device="cuda")
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
     for lower_bound, scale in ((-0.5, 0.3), (-4.0, None)):
-        o, _ = cula_aot.kda_prefill(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                    lower_bound=lower_bound, scale=scale)
-        ref, _ = reference.kda_chunked(*args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"],
-                                       lower_bound=lower_bound, scale=scale)
+        o, _ = cula_aot.kda_prefill(
+            *args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=lower_bound, scale=scale
+        )
+        ref, _ = reference.kda_chunked(
+            *args, A_log=inputs["A_log"], dt_bias=inputs["dt_bias"], lower_bound=lower_bound, scale=scale
+        )
         assert reference.rel_rmse(o, ref) <= BOUND

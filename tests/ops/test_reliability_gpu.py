@@ -13,8 +13,17 @@ pytestmark = pytest.mark.gpu
 
 
 def _call(x, **kw):
-    return cula_aot.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                lower_bound=x["lower_bound"], **kw)
+    return cula_aot.kda_prefill(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        **kw,
+    )
 
 
 def test_mixed_devices_are_refused_before_launch():
@@ -30,8 +39,10 @@ def test_mixed_devices_are_refused_before_launch():
 
 
 def test_concurrent_threads_and_streams_match_serial_runs():
-    cases = [(standard_inputs(1, 700, 8, device="cuda"), cu_seqlens_of([300, 400], "cuda")),
-             (standard_inputs(2, 333, 4, device="cuda"), None)]
+    cases = [
+        (standard_inputs(1, 700, 8, device="cuda"), cu_seqlens_of([300, 400], "cuda")),
+        (standard_inputs(2, 333, 4, device="cuda"), None),
+    ]
     expected = [_call(x, cu_seqlens=cu, output_final_state=True) for x, cu in cases]
     torch.cuda.synchronize()
     results = [[None] * 10 for _ in cases]
@@ -43,8 +54,9 @@ def test_concurrent_threads_and_streams_match_serial_runs():
             with torch.cuda.stream(stream):
                 x, cu = cases[i]
                 for it in range(10):
-                    results[i][it] = _call(x, cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu(),
-                                           output_final_state=True)
+                    results[i][it] = _call(
+                        x, cu_seqlens=cu, cu_seqlens_cpu=None if cu is None else cu.cpu(), output_final_state=True
+                    )
             stream.synchronize()
         except Exception as exc:  # surfaced below: a thread's exception would otherwise vanish
             errors.append(exc)
@@ -83,8 +95,16 @@ def test_inputs_beyond_2_31_elements():
     cu = cu_seqlens_of(lengths, "cuda")
     o, s = _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), output_final_state=True)
     tail = {k: (v[:, filler:].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in x.items()}
-    ref_o, ref_s = reference.kda_chunked(tail["q"], tail["k"], tail["v"], tail["g"], tail["beta"],
-                                         A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"])
+    ref_o, ref_s = reference.kda_chunked(
+        tail["q"],
+        tail["k"],
+        tail["v"],
+        tail["g"],
+        tail["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+    )
     err_o = reference.rel_rmse(o[:, filler:], ref_o)
     err_s = reference.rel_rmse(s[1].transpose(-1, -2), ref_s[0])
     print(f"2^31 spot check: tokens {sum(lengths)}, H {heads}, o rel-RMSE {err_o:.2e}, state {err_s:.2e}")
@@ -97,6 +117,14 @@ def test_inputs_beyond_2_31_elements():
     assert fx["q"].numel() > 2**31
     o, _ = _call(fx)
     head = {k: (v[1:, :2048].contiguous() if k in ("q", "k", "v", "g", "beta") else v) for k, v in fx.items()}
-    ref_o, _ = reference.kda_chunked(head["q"], head["k"], head["v"], head["g"], head["beta"],
-                                     A_log=fx["A_log"], dt_bias=fx["dt_bias"], lower_bound=fx["lower_bound"])
+    ref_o, _ = reference.kda_chunked(
+        head["q"],
+        head["k"],
+        head["v"],
+        head["g"],
+        head["beta"],
+        A_log=fx["A_log"],
+        dt_bias=fx["dt_bias"],
+        lower_bound=fx["lower_bound"],
+    )
     assert reference.rel_rmse(o[1:, :2048], ref_o) <= 1e-2

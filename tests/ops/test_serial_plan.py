@@ -10,9 +10,19 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.layout import (FLAG_BETA_PROBABILITY, FLAG_BF16_FINAL, FLAG_BF16_INIT, FLAG_FINAL_STATE, FLAG_INDEXED_FINAL,
-                             FLAG_INDEXED_INIT, FLAG_INITIAL_STATE, FLAG_LONGEST_FIRST, FLAG_QK_AS_GIVEN, FLAG_STATUS,
-                             FLAG_VARLEN)
+from cula_aot.layout import (
+    FLAG_BETA_PROBABILITY,
+    FLAG_BF16_FINAL,
+    FLAG_BF16_INIT,
+    FLAG_FINAL_STATE,
+    FLAG_INDEXED_FINAL,
+    FLAG_INDEXED_INIT,
+    FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
+    FLAG_QK_AS_GIVEN,
+    FLAG_STATUS,
+    FLAG_VARLEN,
+)
 from cula_aot.ops import cp_plan, prefill_checks, prefill_plans
 from cula_aot.ops import prefill as prefill_module
 from cula_aot.runtime.loader import LoadedKernel
@@ -32,7 +42,8 @@ class _Recorder:
                 name, record = manifest.record(spec)
                 kernel = LoadedKernel(name, record, function=None)
                 kernel.launch_packed = lambda packed, grid, stream, dependent=False: recorder.launches.append(
-                    (kernel, packed, grid, dependent))
+                    (kernel, packed, grid, dependent)
+                )
                 return kernel
 
         return FakeLoader()
@@ -57,8 +68,11 @@ def recorder(monkeypatch, manifest_path):
     # TMA descriptors: a recognisable encoding of (address, dims, strides) instead of the driver's.
     from cula_aot.runtime import tma
 
-    monkeypatch.setattr(tma, "_encode", lambda recipe, base, dims, strides, what:
-                        struct.pack("<QQQQQQ", base, *dims, *strides).ljust(128, b"\0"))
+    monkeypatch.setattr(
+        tma,
+        "_encode",
+        lambda recipe, base, dims, strides, what: struct.pack("<QQQQQQ", base, *dims, *strides).ljust(128, b"\0"),
+    )
     return rec
 
 
@@ -74,12 +88,27 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     pool = torch.zeros(5, heads, 128, 128, dtype=torch.bfloat16)
     idx = torch.tensor([3, -1], dtype=torch.int32)
     # intracard_cp=False: with host lengths, "auto" decides per call from the values (no plan).
-    o1, f1 = _call(x, cu_seqlens=cu, initial_state=pool, state_indices=idx, output_final_state=True, state_layout="kv",
-                   intracard_cp=False)
+    o1, f1 = _call(
+        x,
+        cu_seqlens=cu,
+        initial_state=pool,
+        state_indices=idx,
+        output_final_state=True,
+        state_layout="kv",
+        intracard_cp=False,
+    )
     assert f1 is pool and len(prefill_module._PLANS) == 1
     y = standard_inputs(1, 40, heads, seed=2)  # new tensors, same signature
-    o2, _ = _call(y, cu_seqlens=cu, initial_state=pool, state_indices=idx, output_final_state=True, state_layout="kv",
-                  intracard_cp=False, scale=0.5)
+    o2, _ = _call(
+        y,
+        cu_seqlens=cu,
+        initial_state=pool,
+        state_indices=idx,
+        output_final_state=True,
+        state_layout="kv",
+        intracard_cp=False,
+        scale=0.5,
+    )
     assert len(prefill_module._PLANS) == 1 and len(recorder.launches) == 4
     k1, v1, grid1 = recorder.values(2)
     k2, v2, grid2 = recorder.values(3)
@@ -91,8 +120,16 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
     assert v1["beta_row_stride"] == heads and v1["total_slots"] == total_slots
     assert v2["v"] == y["v"].data_ptr() and v2["out"] == o2.data_ptr() and v2["state_indices"] == idx.data_ptr()
     assert v2["initial_state"] == v2["final_state"] == pool.data_ptr()
-    assert v2["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | FLAG_BF16_INIT | FLAG_BF16_FINAL | FLAG_LONGEST_FIRST
+    assert (
+        v2["flags"]
+        == FLAG_INITIAL_STATE
+        | FLAG_INDEXED_INIT
+        | FLAG_FINAL_STATE
+        | FLAG_INDEXED_FINAL
+        | FLAG_BF16_INIT
+        | FLAG_BF16_FINAL
+        | FLAG_LONGEST_FIRST
+    )
     assert (v2["init_stride_k"], v2["init_stride_v"], v2["init_slot_stride"]) == (128, 1, heads * 128 * 128)
     assert (v2["init_slots"], v2["final_slots"], v2["status"]) == (5, 5, 0)  # the pool bounds its indices
     # Same workspaces on both calls: the arena's cached addresses.
@@ -109,8 +146,18 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     cu = cu_seqlens_of([7, 33])
     pool = torch.zeros(5, heads, 128, 128, dtype=torch.bfloat16)
     idx = torch.tensor([3, -1], dtype=torch.int32)
-    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], cu_seqlens=cu, initial_state=pool,
-              state_indices=idx, output_final_state=True, state_layout="kv", intracard_cp=False, fused=True)
+    kw = dict(
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        cu_seqlens=cu,
+        initial_state=pool,
+        state_indices=idx,
+        output_final_state=True,
+        state_layout="kv",
+        intracard_cp=False,
+        fused=True,
+    )
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     prefill_module.prefill(*args, **kw)
     o, f = prefill_module.prefill(*args, **kw, scale=0.5)
@@ -121,16 +168,38 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     assert struct.unpack("<QQQQQQ", values["tma_g"][:48]) == (x["g"].data_ptr(), 32, 40, heads * 4, heads * 256, 64)
     assert values["beta"] == x["beta"].data_ptr() and values["beta_row_stride"] == heads and values["scale"] == 0.5
     assert values["v"] == x["v"].data_ptr() and values["out"] == o.data_ptr() and values["cu_seqlens"] == cu.data_ptr()
-    assert values["initial_state"] == values["final_state"] == pool.data_ptr() and values["state_indices"] == idx.data_ptr()
-    assert values["flags"] == FLAG_INITIAL_STATE | FLAG_INDEXED_INIT | FLAG_FINAL_STATE | FLAG_INDEXED_FINAL \
-        | FLAG_BF16_INIT | FLAG_BF16_FINAL | FLAG_LONGEST_FIRST | FLAG_VARLEN
+    assert (
+        values["initial_state"] == values["final_state"] == pool.data_ptr()
+        and values["state_indices"] == idx.data_ptr()
+    )
+    assert (
+        values["flags"]
+        == FLAG_INITIAL_STATE
+        | FLAG_INDEXED_INIT
+        | FLAG_FINAL_STATE
+        | FLAG_INDEXED_FINAL
+        | FLAG_BF16_INIT
+        | FLAG_BF16_FINAL
+        | FLAG_LONGEST_FIRST
+        | FLAG_VARLEN
+    )
     assert (values["init_stride_k"], values["init_stride_v"], values["seq_len"], values["num_seqs"]) == (128, 1, 40, 2)
     # No workspaces and no dependent launch: the fused kernel reads only the caller's tensors.
     assert recorder.launches[1][3] is False and "workspace" not in values
     # Fixed-length input runs the same kernel, rows of seq_len tokens: no FLAG_VARLEN.
     y = standard_inputs(2, 32, heads, seed=3)
-    prefill_module.prefill(y["q"], y["k"], y["v"], y["g"], y["beta"], A_log=y["A_log"], dt_bias=y["dt_bias"],
-                           lower_bound=y["lower_bound"], intracard_cp=False, fused=True)
+    prefill_module.prefill(
+        y["q"],
+        y["k"],
+        y["v"],
+        y["g"],
+        y["beta"],
+        A_log=y["A_log"],
+        dt_bias=y["dt_bias"],
+        lower_bound=y["lower_bound"],
+        intracard_cp=False,
+        fused=True,
+    )
     kernel, values, grid = recorder.values(2)
     assert kernel.name == fused_spec().name and grid == (1, heads, 2)
     assert values["flags"] & FLAG_VARLEN == 0 and (values["seq_len"], values["num_seqs"]) == (32, 2)
@@ -155,8 +224,9 @@ def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
 
 
 @pytest.mark.parametrize("intracard_cp", [False, "auto"])
-def test_a_varlen_batch_of_equal_tile_counts_runs_fused_and_each_call_takes_its_lengths_plan(recorder, monkeypatch,
-                                                                                           intracard_cp):
+def test_a_varlen_batch_of_equal_tile_counts_runs_fused_and_each_call_takes_its_lengths_plan(
+    recorder, monkeypatch, intracard_cp
+):
     # 8 sequences x 2 heads on 16 SMs: one wave of 16-tile items, fused only when the lengths say
     # that no item outlasts the rest (a ragged batch of the same shape takes K1 then K2).
     monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 16)
@@ -184,9 +254,11 @@ def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
     heads, T = 2, 33
     x = standard_inputs(1, T, heads, seed=3)
     fused = torch.zeros(1, T, 4 * heads * 128 + 64, dtype=torch.bfloat16)
-    views = {n: fused[..., i * heads * 128:(i + 1) * heads * 128].unflatten(-1, (heads, 128))
-             for i, n in enumerate(("q", "k", "v", "g"))}
-    views["beta"] = fused[..., 4 * heads * 128:4 * heads * 128 + heads]
+    views = {
+        n: fused[..., i * heads * 128 : (i + 1) * heads * 128].unflatten(-1, (heads, 128))
+        for i, n in enumerate(("q", "k", "v", "g"))
+    }
+    views["beta"] = fused[..., 4 * heads * 128 : 4 * heads * 128 + heads]
     _call({**x, **views})
     _call(x)
     assert len(prefill_module._PLANS) == 2
@@ -206,7 +278,7 @@ def test_plan_hit_still_checks_addresses_and_scalars_before_launch(recorder):
         _call(x, out=out, lower_bound=0.5)
     with pytest.raises(KDAInputError, match="out must not alias an input"):
         _call(x, out=x["q"])
-    shifted = torch.zeros(32 * 256 + 8, dtype=torch.bfloat16)[4:4 + 32 * 256].view(1, 32, 2, 128)
+    shifted = torch.zeros(32 * 256 + 8, dtype=torch.bfloat16)[4 : 4 + 32 * 256].view(1, 32, 2, 128)
     shifted.copy_(x["k"])
     with pytest.raises(KDAInputError, match="k must start on a 16-byte boundary"):
         _call({**x, "k": shifted}, out=out)
@@ -240,6 +312,7 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
     monkeypatch.setattr(prefill_module, "validate", lambda *a, **kw: validations.append(1) or real_validate(*a, **kw))
     _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
     assert not validations and len(recorder.launches) == 4  # the cached plan: K1, K2
+
     # Same signature, lengths that the planner splits: the full path plans CP for them (stopped
     # there: the CP launches need a GPU).
     class Planned(Exception):
@@ -305,9 +378,15 @@ def _cp_launches(recorder, first):
     launches = [recorder.values(first + i) for i in range(4)]
     (_, prescan, _), (_, merge, _), (_, recurrence, _) = launches[1:]
     assert prescan["final_state"] == merge["prescan"] and merge["carries"] == recurrence["initial_state"]
-    return [(kernel.name, grid, recorder.launches[first + i][3],
-             {n: value for n, value in values.items() if n not in _SCRATCH[i]})
-            for i, (kernel, values, grid) in enumerate(launches)]
+    return [
+        (
+            kernel.name,
+            grid,
+            recorder.launches[first + i][3],
+            {n: value for n, value in values.items() if n not in _SCRATCH[i]},
+        )
+        for i, (kernel, values, grid) in enumerate(launches)
+    ]
 
 
 _SPLIT, _OTHER_SPLIT, _SERIAL = [16, 4080], [32, 4064], [1024] * 4  # 4096 tokens at H4: s_split 8, 8, 1
@@ -414,17 +493,41 @@ def test_a_status_word_is_passed_and_flagged_on_every_launch(recorder, fused):
     pool = torch.zeros(3, heads, 128, 128)
     idx = torch.tensor([2, 0], dtype=torch.int32)
     status = torch.zeros(4, dtype=torch.int32)[:1]
-    cula_aot.ops.prefill.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                 lower_bound=x["lower_bound"], cu_seqlens=cu_seqlens_of([7, 33]), initial_state=pool,
-                                 state_indices=idx, output_final_state=True, intracard_cp=False, fused=fused,
-                                 status=status)
+    cula_aot.ops.prefill.prefill(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        cu_seqlens=cu_seqlens_of([7, 33]),
+        initial_state=pool,
+        state_indices=idx,
+        output_final_state=True,
+        intracard_cp=False,
+        fused=fused,
+        status=status,
+    )
     _, values, _ = recorder.values(len(recorder.launches) - 1)
     assert values["status"] == status.data_ptr() and values["flags"] & FLAG_STATUS
     assert (values["init_slots"], values["final_slots"]) == (3, 3)
     # Another signature without it: no word, no flag.
-    cula_aot.ops.prefill.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                 lower_bound=x["lower_bound"], cu_seqlens=cu_seqlens_of([7, 33]), output_final_state=True,
-                                 intracard_cp=False, fused=fused)
+    cula_aot.ops.prefill.prefill(
+        x["q"],
+        x["k"],
+        x["v"],
+        x["g"],
+        x["beta"],
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        cu_seqlens=cu_seqlens_of([7, 33]),
+        output_final_state=True,
+        intracard_cp=False,
+        fused=fused,
+    )
     _, values, _ = recorder.values(len(recorder.launches) - 1)
     assert values["status"] == 0 and not values["flags"] & FLAG_STATUS
     assert values["final_slots"] == 2  # the allocated final state: one slot per sequence
@@ -437,8 +540,14 @@ def test_input_conventions_reach_k1_and_key_the_plan(recorder, tables, slow_path
     batch, seq_len, heads = (8, 1024, 16) if path == "auto" else (1, 2048, 4)  # auto: a fused row of the benchmark
     x = standard_inputs(batch, seq_len, heads, seed=5)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kw = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], output_final_state=True,
-              intracard_cp=4 if path == "cp" else False, fused=None if path == "auto" else False)
+    kw = dict(
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"],
+        output_final_state=True,
+        intracard_cp=4 if path == "cp" else False,
+        fused=None if path == "auto" else False,
+    )
     seen = []
     for beta_sigmoid, qk_l2norm in [(True, True), (False, True), (True, False), (False, False), (True, True)]:
         first = len(recorder.launches)
@@ -469,8 +578,15 @@ def test_fp32_gate_and_beta_reach_the_kernels_as_bf16(recorder):
     x = standard_inputs(1, 40, heads, seed=9)
     g = -torch.rand(1, 40, heads, 128) * 3
     beta = torch.rand(1, 40, heads)
-    common = dict(A_log=None, dt_bias=None, lower_bound=None, gate="precomputed", beta_sigmoid=False,
-                  intracard_cp=False, fused=False)
+    common = dict(
+        A_log=None,
+        dt_bias=None,
+        lower_bound=None,
+        gate="precomputed",
+        beta_sigmoid=False,
+        intracard_cp=False,
+        fused=False,
+    )
     prefill_module.prefill(x["q"], x["k"], x["v"], g, beta, **common)
     _, values, _ = recorder.values(0)
     prefill_module.prefill(x["q"], x["k"], x["v"], g.to(torch.bfloat16), beta.to(torch.bfloat16), **common)
@@ -494,14 +610,31 @@ def test_checkpoints_run_the_checkpointing_twin_and_a_call_without_them_the_plai
     pool = torch.zeros(6, heads + 1, 128, 128, dtype=torch.bfloat16)[:, :heads]  # padded slots
     indices = torch.full((2, 3), -1, dtype=torch.int32)
     offsets = torch.tensor([16, 0], dtype=torch.int32)
-    kw = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), state_layout="kv", output_final_state=True,
-              intracard_cp=8 if path == "cp" else False, fused=path == "fused")
-    checkpointed = dict(checkpoint_every=32, checkpoint_pool=pool, checkpoint_indices=indices,
-                        checkpoint_offsets=offsets)
+    kw = dict(
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu.clone(),
+        state_layout="kv",
+        output_final_state=True,
+        intracard_cp=8 if path == "cp" else False,
+        fused=path == "fused",
+    )
+    checkpointed = dict(
+        checkpoint_every=32, checkpoint_pool=pool, checkpoint_indices=indices, checkpoint_offsets=offsets
+    )
     for with_checkpoints in (True, False, True):
         first = len(recorder.launches)
-        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                               lower_bound=x["lower_bound"], **kw, **(checkpointed if with_checkpoints else {}))
+        prefill_module.prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            **kw,
+            **(checkpointed if with_checkpoints else {}),
+        )
         launched = [recorder.values(i) for i in range(first, len(recorder.launches))]
         chain = launched[-1]  # K2, the fused kernel or the CP recurrence: the one that writes them
         assert chain[0].name.endswith(f"checkpointing{int(with_checkpoints)}"), chain[0].name
@@ -514,8 +647,10 @@ def test_checkpoints_run_the_checkpointing_twin_and_a_call_without_them_the_plai
             assert (values["checkpoint_every"], values["checkpoint_columns"], values["checkpoint_slots"]) == (32, 3, 6)
             assert values["checkpoint_slot_stride"] == pool.stride(0) == (heads + 1) * 128 * 128
             assert (values["checkpoint_stride_k"], values["checkpoint_stride_v"]) == (128, 1)  # kv
-            assert values["flags"] & (FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS) == \
-                FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS
+            assert (
+                values["flags"] & (FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS)
+                == FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS
+            )
         else:
             assert values["checkpoints"] == values["checkpoint_indices"] == values["checkpoint_offsets"] == 0
             assert values["checkpoint_every"] == 0
@@ -533,15 +668,33 @@ def test_a_call_whose_sequences_reach_no_checkpoint_runs_the_plain_kernels(recor
     x = standard_inputs(1, sum(short), heads, seed=32)
     pool = torch.zeros(3, heads, 128, 128)
     indices = torch.zeros(2, 1, dtype=torch.int32)
-    kw = dict(output_final_state=True, intracard_cp=8 if path == "cp" else "auto", fused=path == "fused" or None,
-              checkpoint_every=every, checkpoint_pool=pool, checkpoint_indices=indices)
+    kw = dict(
+        output_final_state=True,
+        intracard_cp=8 if path == "cp" else "auto",
+        fused=path == "fused" or None,
+        checkpoint_every=every,
+        checkpoint_pool=pool,
+        checkpoint_indices=indices,
+    )
 
     def chain(lengths, **extra):
         first = len(recorder.launches)
         cu = cu_seqlens_of(lengths)
         host = {} if "check_seqlens" in extra else {"cu_seqlens_cpu": cu.clone()}
-        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                               lower_bound=x["lower_bound"], cu_seqlens=cu, **host, **kw, **extra)
+        prefill_module.prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            cu_seqlens=cu,
+            **host,
+            **kw,
+            **extra,
+        )
         kernel, values, _ = recorder.values(len(recorder.launches) - 1)
         assert first < len(recorder.launches)
         return kernel.name.endswith("checkpointing1"), values["checkpoint_every"]
@@ -551,8 +704,12 @@ def test_a_call_whose_sequences_reach_no_checkpoint_runs_the_plain_kernels(recor
         kw["checkpoint_every"] = 4080
         assert chain(short) == (True, 4080)
         return
-    assert prefill_module.checkpoints_reached(SimpleNamespace(checkpoints=SimpleNamespace(every=64, flags=0)), True,
-                                              [0, 40, 80]) is False
+    assert (
+        prefill_module.checkpoints_reached(
+            SimpleNamespace(checkpoints=SimpleNamespace(every=64, flags=0)), True, [0, 40, 80]
+        )
+        is False
+    )
     assert chain(short) == (False, 0)
     validations = slow_path["validate"]
     assert chain(reaching) == (True, 64)
@@ -570,8 +727,22 @@ def test_a_fixed_length_batch_shorter_than_the_period_runs_the_plain_kernel(reco
     indices = torch.zeros(2, 1, dtype=torch.int32)
     for every, twin in ((64, False), (48, True), (64, False)):
         recorder.launches.clear()
-        prefill_module.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                               lower_bound=x["lower_bound"], intracard_cp=False, fused=False, checkpoint_every=every,
-                               checkpoint_pool=pool, checkpoint_indices=indices)
+        prefill_module.prefill(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            intracard_cp=False,
+            fused=False,
+            checkpoint_every=every,
+            checkpoint_pool=pool,
+            checkpoint_indices=indices,
+        )
         kernel, values, _ = recorder.values(1)
-        assert kernel.name.endswith(f"checkpointing{int(twin)}") and values["checkpoint_every"] == (every if twin else 0)
+        assert kernel.name.endswith(f"checkpointing{int(twin)}") and values["checkpoint_every"] == (
+            every if twin else 0
+        )

@@ -67,22 +67,38 @@ def test_pool_in_place_with_padding_rows(layout, dtype, cp):
     indices = torch.tensor([6, -1, 2, 0], dtype=torch.int32, device="cuda")
     out = torch.full_like(x["v"], float("nan"))
     entry, path = _paths(cp)
-    o, fs = entry(*_args(x), **_gate(x), initial_state=pool, state_indices=indices, output_final_state=True,
-                  cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), state_layout=layout, out=out, **path)
+    o, fs = entry(
+        *_args(x),
+        **_gate(x),
+        initial_state=pool,
+        state_indices=indices,
+        output_final_state=True,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=cu.cpu(),
+        state_layout=layout,
+        out=out,
+        **path,
+    )
     torch.cuda.synchronize()
     assert fs is pool and o is out
     # Reference: padding row (-1) starts from zero; its slot does not exist.
-    start = torch.stack([_as_layout(before[i].float(), layout) if i >= 0 else torch.zeros_like(s0[0])
-                         for i in indices.tolist()])
+    start = torch.stack(
+        [_as_layout(before[i].float(), layout) if i >= 0 else torch.zeros_like(s0[0]) for i in indices.tolist()]
+    )
     ref_o, ref_s = reference.kda_chunked(*_args(x), **_gate(x), initial_state=start, cu_seqlens=cu)
     err_o = reference.rel_rmse(o, ref_o)
-    errs = [reference.rel_rmse(_as_layout(pool[i].float(), layout), ref_s[n])
-            for n, i in enumerate(indices.tolist()) if i >= 0]
+    errs = [
+        reference.rel_rmse(_as_layout(pool[i].float(), layout), ref_s[n])
+        for n, i in enumerate(indices.tolist())
+        if i >= 0
+    ]
     print(f"pool {layout} {dtype} cp={cp}: o {err_o:.2e}, states {max(errs):.2e}")
     assert torch.isfinite(o).all() and err_o <= BOUND and max(errs) <= BOUND
     untouched = [i for i in range(9) if i not in indices.tolist()]
-    assert torch.equal(pool[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                       before[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(
+        pool[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        before[untouched].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
     backing = pool.as_strided((9, heads + 1, 128, 128), pool.stride())
     assert torch.isnan(backing[:, heads].float()).all(), "a write landed in the pool's padding"
 
@@ -111,10 +127,12 @@ def test_bf16_states_against_fp32_states(layout):
     s0 = _random_states(2, heads)
     s0_bf16 = _as_layout(s0, layout).to(torch.bfloat16)
     final_bf16 = torch.full((2, heads, 128, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-    o16, _ = cula_aot.kda_prefill(*_args(x), **_gate(x), initial_state=s0_bf16.contiguous(), final_state=final_bf16,
-                                  state_layout=layout)
-    o32, f32 = cula_aot.kda_prefill(*_args(x), **_gate(x), initial_state=s0_bf16.float().contiguous(),
-                                    output_final_state=True, state_layout=layout)
+    o16, _ = cula_aot.kda_prefill(
+        *_args(x), **_gate(x), initial_state=s0_bf16.contiguous(), final_state=final_bf16, state_layout=layout
+    )
+    o32, f32 = cula_aot.kda_prefill(
+        *_args(x), **_gate(x), initial_state=s0_bf16.float().contiguous(), output_final_state=True, state_layout=layout
+    )
     torch.cuda.synchronize()
     # bf16 in is exact (the same values as fp32 in), so outputs agree bitwise; bf16 out is one rounding.
     assert torch.equal(o16, o32)
@@ -122,8 +140,10 @@ def test_bf16_states_against_fp32_states(layout):
     ref_o, ref_s = reference.kda_chunked(*_args(x), **_gate(x), initial_state=_as_layout(s0_bf16.float(), layout))
     err_s16 = reference.rel_rmse(_as_layout(final_bf16.float(), layout), ref_s)
     err_s32 = reference.rel_rmse(_as_layout(f32, layout), ref_s)
-    print(f"bf16 states {layout}: o {reference.rel_rmse(o16, ref_o):.2e}; final state bf16 {err_s16:.2e} "
-          f"vs fp32 {err_s32:.2e}")
+    print(
+        f"bf16 states {layout}: o {reference.rel_rmse(o16, ref_o):.2e}; final state bf16 {err_s16:.2e} "
+        f"vs fp32 {err_s32:.2e}"
+    )
     assert err_s16 <= BOUND and reference.rel_rmse(o16, ref_o) <= BOUND
 
 
@@ -134,9 +154,9 @@ def _fused(batch, seq_len, heads, x, pad=24):
     fused = torch.empty(batch, seq_len, width, dtype=torch.bfloat16, device="cuda")
     views = {}
     for n, name in enumerate(("q", "k", "v", "g")):
-        views[name] = fused[..., n * heads * 128:(n + 1) * heads * 128].unflatten(-1, (heads, 128))
+        views[name] = fused[..., n * heads * 128 : (n + 1) * heads * 128].unflatten(-1, (heads, 128))
         views[name].copy_(x[name])
-    views["beta"] = fused[..., 4 * heads * 128:4 * heads * 128 + heads]
+    views["beta"] = fused[..., 4 * heads * 128 : 4 * heads * 128 + heads]
     views["beta"].copy_(x["beta"])
     return views
 
@@ -151,13 +171,13 @@ def test_token_strided_views_are_read_in_place(varlen, path):
     views = _fused(batch, seq_len, heads, x)
     assert not views["q"].is_contiguous() and not views["beta"].is_contiguous()
     out_backing = torch.full((batch, seq_len, heads + 2, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
-    out = out_backing[:, :, 1:heads + 1]
+    out = out_backing[:, :, 1 : heads + 1]
     s0 = _random_states(batch if cu is None else len(LENGTHS), heads)
     entry, options = _paths(path)
-    o, fs = entry(*_args(views), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu, out=out,
-                  **options)
-    o_ref, fs_ref = entry(*_args(x), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                          **options)
+    o, fs = entry(
+        *_args(views), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu, out=out, **options
+    )
+    o_ref, fs_ref = entry(*_args(x), **_gate(x), initial_state=s0, output_final_state=True, cu_seqlens=cu, **options)
     torch.cuda.synchronize()
     assert torch.equal(o, o_ref) and torch.equal(fs, fs_ref), "a strided view read other values"
     assert torch.isnan(out_backing[:, :, 0].float()).all() and torch.isnan(out_backing[:, :, -1].float()).all()
@@ -174,10 +194,18 @@ def test_serial_varlen_never_syncs():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cula_aot.kda_prefill(*_args(x), **_gate(x), cu_seqlens=cu, out=out, initial_state=pool,
-                             state_indices=indices, output_final_state=True)
-        cula_aot.fwd(*_args(x), None, out, x["A_log"], x["dt_bias"], x["lower_bound"], pool, pool, cu,
-                     state_indices=indices)
+        cula_aot.kda_prefill(
+            *_args(x),
+            **_gate(x),
+            cu_seqlens=cu,
+            out=out,
+            initial_state=pool,
+            state_indices=indices,
+            output_final_state=True,
+        )
+        cula_aot.fwd(
+            *_args(x), None, out, x["A_log"], x["dt_bias"], x["lower_bound"], pool, pool, cu, state_indices=indices
+        )
         # The detector is live: asking for the host check of a device cu_seqlens is a sync.
         with pytest.raises(RuntimeError, match="synchroniz"):
             cula_aot.kda_prefill(*_args(x), **_gate(x), cu_seqlens=cu, out=out, check_seqlens="host")
@@ -211,11 +239,28 @@ def test_graph_replay_varlen_device_cu_seqlens_with_new_lengths(entry, state_dty
 
     def run():
         if entry == "fwd":
-            cula_aot.fwd(*_args(static), None, out, static["A_log"], static["dt_bias"], static["lower_bound"],
-                         pool, pool, cu, state_indices=indices)
+            cula_aot.fwd(
+                *_args(static),
+                None,
+                out,
+                static["A_log"],
+                static["dt_bias"],
+                static["lower_bound"],
+                pool,
+                pool,
+                cu,
+                state_indices=indices,
+            )
         else:
-            cula_aot.kda_prefill(*_args(static), **_gate(static), initial_state=pool, output_final_state=True,
-                                 state_indices=indices, cu_seqlens=cu, out=out)
+            cula_aot.kda_prefill(
+                *_args(static),
+                **_gate(static),
+                initial_state=pool,
+                output_final_state=True,
+                state_indices=indices,
+                cu_seqlens=cu,
+                out=out,
+            )
 
     graph = _capture(run)
     fresh = standard_inputs(1, total, heads, device="cuda")
@@ -230,11 +275,21 @@ def test_graph_replay_varlen_device_cu_seqlens_with_new_lengths(entry, state_dty
     graph.replay()
     torch.cuda.synchronize()
     eager_pool = start.clone()
-    o_eager, _ = cula_aot.kda_prefill(*_args(fresh), **_gate(fresh), initial_state=eager_pool, output_final_state=True,
-                                      state_indices=indices, cu_seqlens=cu)
+    o_eager, _ = cula_aot.kda_prefill(
+        *_args(fresh),
+        **_gate(fresh),
+        initial_state=eager_pool,
+        output_final_state=True,
+        state_indices=indices,
+        cu_seqlens=cu,
+    )
     torch.cuda.synchronize()
     assert torch.equal(out, o_eager) and torch.equal(pool, eager_pool)
-    init = torch.stack([start[i].float().transpose(-1, -2) if i >= 0 else torch.zeros(heads, 128, 128, device="cuda")
-                        for i in indices.tolist()])
+    init = torch.stack(
+        [
+            start[i].float().transpose(-1, -2) if i >= 0 else torch.zeros(heads, 128, 128, device="cuda")
+            for i in indices.tolist()
+        ]
+    )
     ref_o, _ = reference.kda_chunked(*_args(fresh), **_gate(fresh), initial_state=init, cu_seqlens=cu)
     assert reference.rel_rmse(out, ref_o) <= BOUND

@@ -5,8 +5,17 @@ import importlib.metadata
 
 from cula_aot.compiler.cubin import check_cubin_abi
 from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
-from cula_aot.specs import (ARCH, DecodeChunkSpec, DecodeSpec, FusedSpec, K1Spec, K2Spec, MergeSpec, abi_layout,
-                            default_specs)
+from cula_aot.specs import (
+    ARCH,
+    DecodeChunkSpec,
+    DecodeSpec,
+    FusedSpec,
+    K1Spec,
+    K2Spec,
+    MergeSpec,
+    abi_layout,
+    default_specs,
+)
 
 SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
 
@@ -42,7 +51,9 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
         assert [{**p, "offset": None} for p in record["params"]] == [{**p, "offset": None} for p in declared]
         check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
         descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
-        assert [p["recipe"]["source"] for p in descriptors] == (["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill") else [])
+        assert [p["recipe"]["source"] for p in descriptors] == (
+            ["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill") else []
+        )
         assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
         assert record["grid"] == list(spec.grid) and record["dynamic_smem_bytes"] <= 227 * 1024
 
@@ -52,8 +63,16 @@ def test_manifest_record_lookup(manifest_path):
     name, record = m.record(K1Spec(varlen=True))
     assert name == "k1_prepare_varlen1_gatesafe" and record["args"] == {"varlen": True, "gate": "safe"}
     name, record = m.record(K2Spec(varlen=False, v_block=16))
-    assert record["args"] == {"varlen": False, "v_block": 16, "segmented": False, "prescan": False,
-                              "stages": 3, "multicast": False, "wgmma": False, "checkpointing": False}
+    assert record["args"] == {
+        "varlen": False,
+        "v_block": 16,
+        "segmented": False,
+        "prescan": False,
+        "stages": 3,
+        "multicast": False,
+        "wgmma": False,
+        "checkpointing": False,
+    }
 
 
 def test_decode_launches_ask_for_what_their_token_count_uses(manifest):
