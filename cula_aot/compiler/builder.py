@@ -28,7 +28,12 @@ from .ptx import check_abi, parse_entry, ptx_toolchain
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # Everything that determines the generated code besides the toolchain.
 SOURCE_FILES = sorted(
-    [*(PACKAGE_DIR / "kernels").glob("*.py"), *(PACKAGE_DIR / "specs").glob("*.py"), PACKAGE_DIR / "layout.py"]
+    [
+        *(PACKAGE_DIR / "kernels").glob("*.py"),
+        *(PACKAGE_DIR / "specs").glob("*.py"),
+        PACKAGE_DIR / "layout.py",
+        PACKAGE_DIR / "gates.py",
+    ]
 )
 
 

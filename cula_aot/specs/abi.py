@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from typing import ClassVar
 
+from ..gates import DEFAULT_GATE, GATES
 from ..layout import CHUNK, D, INPUT_BLOCK_COLS
 
 ARCH = "sm_90a"
@@ -98,13 +99,6 @@ def abi_layout(params) -> list[dict]:
     return records
 
 
-# The per-token decay a kernel variant computes (a codegen argument of K1, the fused prefill and
-# decode; K2, the CP kernels and the merge read only the decays K1 wrote): "safe"
-# γ = lower_bound·σ(e^A_log·(g + dt_bias)), "softplus" γ = −e^A_log·softplus(g + dt_bias) and
-# "precomputed" γ = g (the caller's log-decay).  The last two are unbounded.
-GATES = ("safe", "softplus", "precomputed")
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Base of all specializations: subclasses add their codegen fields."""
@@ -124,7 +118,7 @@ class KernelSpec:
     dependent_launch: ClassVar[bool] = False
 
     def __post_init__(self):
-        gate = getattr(self, "gate", "safe")
+        gate = getattr(self, "gate", DEFAULT_GATE)
         if gate not in GATES:
             raise ValueError(f"{type(self).__name__}: gate must be one of {GATES}, got {gate!r}")
 
