@@ -75,7 +75,7 @@ import torch
 
 from benchmarks import peers
 from benchmarks.timing import capture_graph, time_cuda
-from cula_aot.ops.prefill import planned_split
+from cula_aot.ops.paths import planned_split
 from cula_aot.specs import K2_DEFAULT_V_BLOCK, K2_V_BLOCKS, auto_v_block
 from cula_aot.testing import cu_seqlens_of, standard_inputs
 

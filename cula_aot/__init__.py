@@ -3,7 +3,7 @@
 from ._version import __version__  # noqa: F401
 from .api import fwd, kda_decode, kda_prefill, preload
 from .layout import STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE
-from .ops.prefill import KDAInputError
+from .errors import KDAInputError
 from .runtime.driver import CudaError
 from .runtime.manifest import ArtifactError
 from . import torch_op  # noqa: F401  (registers torch.ops.cula_aot.kda_prefill)

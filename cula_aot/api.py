@@ -2,8 +2,10 @@
 
 import torch
 
-from .ops.decode import decode
-from .ops.prefill import KDAInputError, prefill
+from .errors import fail
+from .gates import DEFAULT_GATE
+from .ops import decode, prefill
+from .ops.call import DecodeCall, PrefillCall
 from .runtime.loader import default_loader
 
 
@@ -17,7 +19,7 @@ def kda_prefill(
     A_log=None,
     dt_bias=None,
     lower_bound=None,
-    gate="safe",
+    gate=DEFAULT_GATE,
     scale=None,
     initial_state=None,
     output_final_state=False,
@@ -108,35 +110,7 @@ def kda_prefill(
     state and every other slot of the pool are untouched).  ``cula_aot.layout.checkpoint_tiles``
     lists the (tile, column) pairs a sequence writes.
     """
-    return prefill(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout=state_layout,
-        out=out,
-        final_state=final_state,
-        intracard_cp=intracard_cp,
-        state_indices=state_indices,
-        check_seqlens=check_seqlens,
-        status=status,
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-        checkpoint_every=checkpoint_every,
-        checkpoint_pool=checkpoint_pool,
-        checkpoint_indices=checkpoint_indices,
-        checkpoint_offsets=checkpoint_offsets,
-    )
+    return prefill.run(PrefillCall.build(**locals()))
 
 
 def fwd(
@@ -159,7 +133,7 @@ def fwd(
     state_indices=None,
     check_seqlens="auto",
     status=None,
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
     checkpoint_every=0,
@@ -176,34 +150,8 @@ def fwd(
     Returns None, like FlashKDA.
     """
     if out is None:
-        raise KDAInputError("fwd writes in place: out must be a bf16 tensor shaped like v")
-    prefill(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        out=out,
-        final_state=final_state,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        intracard_cp=intracard_cp,
-        state_indices=state_indices,
-        check_seqlens=check_seqlens,
-        status=status,
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-        checkpoint_every=checkpoint_every,
-        checkpoint_pool=checkpoint_pool,
-        checkpoint_indices=checkpoint_indices,
-        checkpoint_offsets=checkpoint_offsets,
-    )
+        fail("fwd writes in place: out must be a bf16 tensor shaped like v")
+    prefill.run(PrefillCall.build(**locals()))
 
 
 def preload(device=None) -> int:
@@ -223,7 +171,7 @@ def kda_decode(
     A_log=None,
     dt_bias=None,
     lower_bound=None,
-    gate="safe",
+    gate=DEFAULT_GATE,
     scale=None,
     state_pool,
     state_indices,
@@ -262,24 +210,4 @@ def kda_decode(
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
-    return decode(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        state_pool=state_pool,
-        state_indices=state_indices,
-        out=out,
-        num_tokens=num_tokens,
-        state_layout=state_layout,
-        intermediate_states=intermediate_states,
-        status=status,
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-    )
+    return decode.run(DecodeCall.build(**locals()))

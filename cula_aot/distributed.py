@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import api
 from .layout import D
-from .ops.checks import fail
+from .ops.checks import check_slot_indices, check_state, check_state_layout, fail
 
 __all__ = ["kda_prefill_cp", "rank_fragments", "sequence_ranks"]
 
@@ -85,21 +85,9 @@ def _check(lengths, rank_tokens, world: int, local_tokens: int, rank: int):
         fail(f"rank {rank} passes {local_tokens} tokens but rank_tokens[{rank}] = {rank_tokens[rank]}")
 
 
-def _check_state(name, t, num_seqs: int | None, heads: int, device):
-    """A plain state tensor ``[N, H, 128, 128]`` (``num_seqs`` = N) or a pool (``num_seqs`` None)."""
-    if num_seqs is None:
-        what, lead_ok = f"a pool [slots, H, 128, 128] = [slots >= 1, {heads}, {D}, {D}]", lambda lead: lead >= 1
-    else:
-        what, lead_ok = f"[N, H, 128, 128] = {[num_seqs, heads, D, D]}", lambda lead: lead == num_seqs
-    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.bfloat16):
-        fail(f"{name} must be a float32 or bfloat16 tensor, {what}; got {getattr(t, 'dtype', type(t).__name__)}")
-    if t.dim() != 4 or tuple(t.shape[1:]) != (heads, D, D) or not lead_ok(t.shape[0]):
-        fail(f"{name} must be {what}, got shape {list(t.shape)}")
-    if t.device != device:
-        fail(f"{name} is on {t.device} but q is on {device}; keep this rank's states on its device")
-
-
 def _check_states(initial_state, final_state, state_indices, num_seqs, heads, device):
+    """Plain ``[N, H, 128, 128]`` initial states, or pools addressed by ``state_indices`` (the same
+    validators as the local prefill's, so nothing is refused late, after the exchange)."""
     if state_indices is None:
         if final_state is not None:
             fail(
@@ -107,28 +95,14 @@ def _check_states(initial_state, final_state, state_indices, num_seqs, heads, de
                 "sequence), or leave final_state out and take the returned [N, H, 128, 128] rows"
             )
         if initial_state is not None:
-            _check_state("initial_state", initial_state, num_seqs, heads, device)
+            check_state("initial_state", initial_state, heads, device, rows=num_seqs, kernel_read=False)
         return
-    if (
-        not isinstance(state_indices, torch.Tensor)
-        or state_indices.dtype != torch.int32
-        or tuple(state_indices.shape) != (num_seqs,)
-        or state_indices.device != device
-    ):
-        got = (
-            f"{state_indices.dtype} {list(state_indices.shape)} on {state_indices.device}"
-            if isinstance(state_indices, torch.Tensor)
-            else type(state_indices).__name__
-        )
-        fail(
-            f"state_indices must be an int32 tensor [N] = [{num_seqs}] on {device} (one pool slot per global "
-            f"sequence, -1 for none), got {got}"
-        )
+    check_slot_indices("state_indices", state_indices, num_seqs, device)
     if initial_state is None and final_state is None:
         fail("state_indices selects slots of a state pool: pass the pool as initial_state and/or final_state")
     for name, pool in (("initial_state", initial_state), ("final_state", final_state)):
         if pool is not None:
-            _check_state(name, pool, None, heads, device)
+            check_state(name, pool, heads, device, kernel_read=False)
 
 
 def kda_prefill_cp(
@@ -185,8 +159,7 @@ def kda_prefill_cp(
     local_tokens, heads = q.shape[1], q.shape[2]
     lengths, rank_tokens = list(lengths), list(rank_tokens)
     _check(lengths, rank_tokens, world, local_tokens, rank)
-    if state_layout not in ("vk", "kv"):
-        fail(f"state_layout must be 'vk' or 'kv', got {state_layout!r}")
+    check_state_layout(state_layout)
     num_seqs, device = len(lengths), q.device
     _check_states(initial_state, final_state, state_indices, num_seqs, heads, device)
     if state_indices is not None and output_final_state and final_state is None:

@@ -26,7 +26,9 @@ import inspect
 import torch
 
 from .api import kda_prefill
-from .ops.checks import KDAInputError, device_constant, gate_defaults
+from .constants import device_constant
+from .errors import KDAInputError
+from .gates import fla_gate, fla_gate_problem
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "unsupported", "register_backend"]
 
@@ -73,20 +75,6 @@ def unsupported(
     if num_accepted_tokens is not None or (ssm_state_indices is not None and ssm_state_indices.dim() != 1):
         return "cula_aot's recurrent entry has no per-token state indices (speculative decoding): use kda_decode"
     return None
-
-
-def _gate(use_gate_in_kernel, safe, lower_bound, A_log, dt_bias, heads, device):
-    """kda_prefill's gate arguments for fla's flags (fla's defaults for a missing A_log, dt_bias)."""
-    if not use_gate_in_kernel:
-        return {"gate": "precomputed"}
-    zeros_a, zeros_dt = gate_defaults(heads, device)
-    a_log = zeros_a if A_log is None else A_log.float()
-    bias = zeros_dt if dt_bias is None else dt_bias.float().reshape(heads, -1)
-    if safe:
-        if lower_bound is None:
-            raise KDAInputError("safe_gate=True needs a lower_bound (in [-5, 0))")
-        return {"gate": "safe", "A_log": a_log, "dt_bias": bias, "lower_bound": lower_bound}
-    return {"gate": "softplus", "A_log": a_log, "dt_bias": bias}
 
 
 def _check(reason):
@@ -145,7 +133,7 @@ def chunk_kda(
             cp_context=cp_context,
         )
     )
-    gate = _gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
+    gate = fla_gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
     return kda_prefill(
         q,
         k,
@@ -249,7 +237,7 @@ def _recurrent(
             ssm_state_indices=ssm_state_indices,
         )
     )
-    gate = _gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
+    gate = fla_gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
     options = dict(
         scale=scale,
         cu_seqlens=cu_seqlens,
@@ -322,8 +310,9 @@ def register_backend() -> None:
 
         def chunk_kda_verifier(self, *args, **kwargs):
             values = _bind(chunk_kda, args, kwargs)
-            if values["safe_gate"] and values["lower_bound"] is None:
-                return False, "safe_gate=True without a lower_bound"
+            problem = fla_gate_problem(values["use_gate_in_kernel"], values["safe_gate"], values["lower_bound"])
+            if problem:
+                return False, problem
             return _verdict(values)
 
         def chunk_kda(self, *args, **kwargs):

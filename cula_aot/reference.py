@@ -49,6 +49,8 @@ from typing import NamedTuple
 
 import torch
 
+from .gates import DEFAULT_GATE, bounded, log_decay
+
 from .layout import CHUNK
 
 __all__ = [
@@ -70,27 +72,8 @@ def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float64)
 
 
-def gate(g, A_log, dt_bias, lower_bound, kind="safe"):
-    """Per-token log-decay γ, float64 like g ``[B, T, H, K]`` (bf16/fp32), by ``kind``:
-
-    * "safe": ``lower_bound · σ(exp(A_log)[h] · (g + dt_bias[h]))``, A_log ``[H]``, dt_bias ``[H, K]``;
-    * "softplus": ``−exp(A_log)[h] · softplus(g + dt_bias[h])`` (A_log None: exp(A_log) = 1;
-      dt_bias None: 0; lower_bound unused);
-    * "precomputed": ``min(g, 0)`` (g is the log-decay).
-    """
-    x = g.to(torch.float64)
-    if kind == "precomputed":
-        return x.clamp(max=0.0)
-    heads = g.shape[-2]
-    a_log = torch.zeros(heads, dtype=torch.float64, device=g.device) if A_log is None else A_log.to(torch.float64)
-    a = torch.exp(a_log)[:, None]  # [H, 1], broadcast over K
-    if dt_bias is not None:
-        x = x + dt_bias.to(torch.float64)
-    if kind == "softplus":
-        return -a * torch.nn.functional.softplus(x)
-    if kind != "safe":
-        raise ValueError(f"gate kind must be 'safe', 'softplus' or 'precomputed', got {kind!r}")
-    return lower_bound * torch.sigmoid(a * x)
+# The gate's float64 formula lives with the gate (``cula_aot.gates``).
+gate = log_decay
 
 
 def l2norm_bf16(x):
@@ -227,7 +210,7 @@ def prepare_tiles(
     scale=None,
     cu_seqlens=None,
     recipe=False,
-    gate_kind="safe",
+    gate_kind=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
@@ -280,7 +263,7 @@ def prepare_tiles(
         qd, kd, kinv, kr = (_round(x, torch.bfloat16) for x in (qd, kd, kinv, kr))
         gt = _round(gt, torch.float32)
 
-    if gate_kind == "safe":
+    if bounded(gate_kind):
         L = torch.tril(b[..., :, None] * (kd @ kinv.transpose(-1, -2)), diagonal=-1)
         mqk = torch.tril(qd @ kinv.transpose(-1, -2))
     else:
@@ -332,7 +315,7 @@ def kda_chunked(
     initial_state=None,
     cu_seqlens=None,
     recipe=False,
-    gate_kind="safe",
+    gate_kind=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
@@ -404,7 +387,7 @@ def kda_recurrent(
     scale=None,
     initial_state=None,
     cu_seqlens=None,
-    gate_kind="safe",
+    gate_kind=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):

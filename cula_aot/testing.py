@@ -29,6 +29,7 @@ import os
 import torch
 
 from . import reference
+from .gates import DEFAULT_GATE, GATES, bounded
 
 __all__ = ["HEAD_DIM", "cu_seqlens_of", "fresh_seed", "standard_inputs"]
 
@@ -50,7 +51,7 @@ def standard_inputs(
     slow_decay=False,
     n_states=None,
     generator_device=None,
-    gate="safe",
+    gate=DEFAULT_GATE,
     extreme=False,
 ) -> dict:
     """q, k, v, g ~ N(0,1) bf16, β ~ N(0,1) bf16, A_log = log U(1,16), dt_bias ~ 0.1·N(0,1)
@@ -82,7 +83,7 @@ def standard_inputs(
     if n_states is not None:
         inputs["initial_state"] = 0.1 * randn(n_states, heads, HEAD_DIM, HEAD_DIM)
     if extreme:
-        if gate == "safe":
+        if bounded(gate):
             raise ValueError("extreme decay needs an unbounded gate ('softplus' or 'precomputed')")
         pick = torch.randint(0, 3, shape, generator=gen, device=draw)
         fast = 20.0 + 10.0 * torch.rand(*shape, generator=gen, device=draw)
@@ -97,8 +98,8 @@ def standard_inputs(
     if gate == "precomputed":
         log_decay = reference.gate(inputs["g"], inputs.pop("A_log"), inputs.pop("dt_bias"), None, "softplus")
         inputs["g"] = log_decay.to(torch.bfloat16)
-    elif gate != "softplus":
-        raise ValueError(f"gate must be 'safe', 'softplus' or 'precomputed', got {gate!r}")
+    elif gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     inputs["gate"] = gate
     return inputs
 

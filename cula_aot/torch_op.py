@@ -26,15 +26,16 @@ the fake (meta) implementations are registered on them by name.
 
 import torch
 
+from .gates import DEFAULT_GATE
 from .layout import D
-from .ops.decode import decode
-from .ops.prefill import prefill
+from .ops import decode, prefill
+from .ops.call import DecodeCall, PrefillCall
 
 _CP_MODES = {-1: "auto", 0: False}
 # The leading inputs of every op, as ``cula_aot.kda_prefill`` takes them.
 INPUTS = "Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, float? lower_bound"
 # The trailing options of every op: the gate and the input conventions.
-CONVENTIONS = 'str gate="safe", bool beta_sigmoid=True, bool qk_l2norm=True'
+CONVENTIONS = f'str gate="{DEFAULT_GATE}", bool beta_sigmoid=True, bool qk_l2norm=True'
 SCHEMAS = {
     "kda_prefill": f"({INPUTS}, float? scale=None, Tensor? initial_state=None, bool output_final_state=False, "
     f'Tensor? cu_seqlens=None, Tensor? cu_seqlens_cpu=None, str state_layout="vk", '
@@ -67,30 +68,13 @@ def kda_prefill_op(
     cu_seqlens_cpu=None,
     state_layout="vk",
     intracard_cp=0,
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
-    o, final_state = prefill(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout=state_layout,
-        intracard_cp=_CP_MODES.get(intracard_cp, intracard_cp),
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-    )
+    options = locals()
+    options["intracard_cp"] = _CP_MODES.get(intracard_cp, intracard_cp)
+    o, final_state = prefill.run(PrefillCall.build(**options))
     return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
 
 
@@ -111,7 +95,7 @@ def fake_prefill(
     cu_seqlens_cpu=None,
     state_layout="vk",
     intracard_cp=0,
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
@@ -136,7 +120,7 @@ def kda_prefill_pool_op(
     scale=None,
     cu_seqlens=None,
     state_layout="vk",
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
     checkpoint_every=0,
@@ -144,29 +128,16 @@ def kda_prefill_pool_op(
     checkpoint_indices=None,
     checkpoint_offsets=None,
 ):
-    o, _ = prefill(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        initial_state=state_pool,
-        final_state=state_pool,
-        state_indices=state_indices,
-        cu_seqlens=cu_seqlens,
-        state_layout=state_layout,
-        intracard_cp=False,
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-        checkpoint_every=checkpoint_every,
-        checkpoint_pool=checkpoint_pool,
-        checkpoint_indices=checkpoint_indices,
-        checkpoint_offsets=checkpoint_offsets,
+    options = locals()
+    state_pool, state_indices = options.pop("state_pool"), options.pop("state_indices")
+    o, _ = prefill.run(
+        PrefillCall.build(
+            **options,
+            initial_state=state_pool,
+            final_state=state_pool,
+            state_indices=state_indices,
+            intracard_cp=False,
+        )
     )
     return o
 
@@ -186,7 +157,7 @@ def fake_prefill_pool(
     scale=None,
     cu_seqlens=None,
     state_layout="vk",
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
     checkpoint_every=0,
@@ -213,29 +184,11 @@ def kda_decode_op(
     scale=None,
     num_tokens=None,
     state_layout="vk",
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
-    return decode(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        state_pool=state_pool,
-        state_indices=state_indices,
-        num_tokens=num_tokens,
-        state_layout=state_layout,
-        intermediate_states=intermediate_states,
-        gate=gate,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-    )
+    return decode.run(DecodeCall.build(**locals()))
 
 
 @torch.library.register_fake("cula_aot::kda_decode")
@@ -254,7 +207,7 @@ def fake_decode(
     scale=None,
     num_tokens=None,
     state_layout="vk",
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ):

@@ -276,15 +276,27 @@ def test_bad_pools_are_refused_before_any_work(monkeypatch):
             before = pool.clone()
             index = torch.tensor([1], dtype=torch.int32)
             for kwargs, message in [
-                (dict(initial_state=pool, state_indices=index.long()), "state_indices must be an int32 tensor"),
-                (dict(initial_state=pool, state_indices=torch.tensor([1, 2], dtype=torch.int32)), r"\[N\] = \[1\]"),
+                (dict(initial_state=pool, state_indices=index.long()), "state_indices must be torch.int32"),
+                (
+                    dict(initial_state=pool, state_indices=torch.tensor([1, 2], dtype=torch.int32)),
+                    r"state_indices must have shape \[1\]",
+                ),
                 (dict(state_indices=index, output_final_state=True), "pass the pool as initial_state"),
                 (dict(initial_state=pool[:1], final_state=pool), "final_state is a pool written at state_indices"),
-                (dict(initial_state=pool.half(), state_indices=index), "float32 or bfloat16"),
-                (dict(initial_state=pool[:, :1], state_indices=index), "initial_state must be a pool"),
+                (
+                    dict(initial_state=pool.half(), state_indices=index),
+                    "initial_state must be torch.float32 or torch.bfloat16",
+                ),
+                (dict(initial_state=pool[:, :1], state_indices=index), r"initial_state must have shape \[slots >= 1, "),
                 (dict(initial_state=pool[:0], state_indices=index), "slots >= 1"),
-                (dict(initial_state=pool, final_state=pool[0], state_indices=index), "final_state must be a pool"),
-                (dict(initial_state=pool, output_final_state=True), r"initial_state must be \[N, H, 128, 128\]"),
+                (
+                    dict(initial_state=pool, final_state=pool[0], state_indices=index),
+                    r"final_state must have shape \[slots >= 1, ",
+                ),
+                (
+                    dict(initial_state=pool, output_final_state=True),
+                    r"initial_state must have shape \[1, \d+, 128, 128\] \(one state per sequence\)",
+                ),
             ]:
                 with pytest.raises(KDAInputError, match=message):
                     distributed.kda_prefill_cp(*tensors, **split, **kwargs)

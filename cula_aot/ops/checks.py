@@ -1,19 +1,17 @@
-"""Argument checks shared by the prefill and decode entry points (CPU-testable: no launch)."""
+"""The argument rules prefill, decode and the distributed prefill share, one validator per concept
+(CPU-testable: nothing here launches): tensors of a dtype and shape, the scalars, the status word,
+a state (plain rows or a pool), a pool's slot indices, and cu_seqlens (its structure and its host
+values).  Each raises ``KDAInputError`` naming the argument and the fix."""
 
 import torch
 
+from ..errors import KDAInputError, fail  # noqa: F401 (KDAInputError: re-exported)
 from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
-from ..specs import GATES
 
 DEFAULT_SCALE = D**-0.5
-
-
-class KDAInputError(ValueError):
-    """A cula_aot call's argument is invalid; the message names it and the fix."""
-
-
-def fail(message: str):
-    raise KDAInputError(message)
+STATE_LAYOUTS = ("vk", "kv")
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+INT32_MAX = 2**31 - 1
 
 
 def check_dtype_shape(name, t, dtype, shape, device) -> None:
@@ -28,6 +26,13 @@ def check_dtype_shape(name, t, dtype, shape, device) -> None:
         fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
 
 
+def check_contiguous(name, t, dtype, shape, device) -> None:
+    """``check_dtype_shape`` and contiguous."""
+    check_dtype_shape(name, t, dtype, shape, device)
+    if not t.is_contiguous():
+        fail(f"{name} must be contiguous; call {name}.contiguous()")
+
+
 def check_scalars(lower_bound, scale) -> tuple[float, float]:
     """``(lower_bound, scale)`` as floats: lower_bound in [-5, 0), scale finite (None: 128^-0.5)."""
     lower_bound = float(lower_bound)
@@ -37,6 +42,11 @@ def check_scalars(lower_bound, scale) -> tuple[float, float]:
     if not (scale == scale and abs(scale) != float("inf")):
         fail(f"scale must be a finite number, got {scale}")
     return lower_bound, scale
+
+
+def check_state_layout(state_layout) -> None:
+    if state_layout not in STATE_LAYOUTS:
+        fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
 
 
 def check_status(status, device) -> None:
@@ -60,35 +70,110 @@ def check_status(status, device) -> None:
         )
 
 
-# A placeholder lower bound for the unbounded gates: their kernels never read it, and it lets one
-# scalar check serve every gate.
-UNUSED_LOWER_BOUND = -1.0
-_DEVICE_CONSTANTS: dict = {}
+def check_state(name, t, heads: int, device, rows: int | None = None, kernel_read: bool = True) -> int | None:
+    """A state tensor in fp32 or bf16: ``rows`` plain rows ``[N, H, 128, 128]`` (one per
+    sequence), or with ``rows`` None a pool ``[slots >= 1, H, 128, 128]`` whose slots may be
+    padded apart.  Read by a kernel (``kernel_read``): contiguous within a slot, slots 16-byte
+    aligned and not overlapping, and the slot stride in elements is returned (its base address is
+    a per-call rule); otherwise (the distributed prefill moves states with torch) any strides."""
+    if not isinstance(t, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in STATE_DTYPES:
+        fail(f"{name} must be torch.float32 or torch.bfloat16, got {t.dtype}; convert it with {name}.float()")
+    if rows is None:
+        want, ok = f"[slots >= 1, {heads}, {D}, {D}] (a pool)", t.dim() == 4 and t.shape[0] >= 1
+    else:
+        want, ok = f"[{rows}, {heads}, {D}, {D}] (one state per sequence)", t.dim() == 4 and t.shape[0] == rows
+    if not ok or tuple(t.shape[1:]) != (heads, D, D):
+        fail(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        fail(f"{name} is on {t.device} but q is on {device}; move all inputs to one CUDA device")
+    if not kernel_read:
+        return None
+    slot = heads * D * D
+    strides = t.stride()
+    if strides[2:] != (D, 1) or (heads > 1 and strides[1] != D * D):
+        fail(
+            f"{name} must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got strides "
+            f"{list(strides)}: only the slot stride may be padded; call {name}.contiguous()"
+        )
+    stride = strides[0] if t.shape[0] > 1 else slot
+    if stride < slot:
+        fail(f"{name}'s slot stride {stride} is smaller than one slot's {slot} elements (overlapping states)")
+    if stride * t.element_size() % 16:
+        fail(f"{name}'s slot stride {stride} elements must be a multiple of 16 bytes")
+    if stride > INT32_MAX or t.shape[0] > INT32_MAX:
+        fail(f"{name}'s slot stride {stride} and slot count {t.shape[0]} must fit in int32")
+    return stride
 
 
-def device_constant(key: tuple, device, make):
-    """``make()``'s tensors, made once per ``(key, device)`` and reused; not kept while a CUDA
-    graph is being captured (the fill would run only at replay, and the memory is the graph's)."""
-    full_key = (*key, device)
-    if full_key in _DEVICE_CONSTANTS:
-        return _DEVICE_CONSTANTS[full_key]
-    value = make()
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _DEVICE_CONSTANTS[full_key] = value
-    return value
+def check_slot_indices(name, t, num_seqs: int, device) -> None:
+    """A pool's slot per sequence: int32 ``[num_seqs]``, contiguous, on q's device (never read by
+    the host; an entry outside the pool is padding)."""
+    if not isinstance(t, torch.Tensor):
+        fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        fail(f"{name} must be torch.int32, got {t.dtype}; convert it with {name}.to(torch.int32)")
+    if tuple(t.shape) != (num_seqs,):
+        fail(f"{name} must have shape [{num_seqs}] (one pool slot per sequence, -1 for none), got {list(t.shape)}")
+    if num_seqs > 1 and t.stride(0) != 1:
+        fail(f"{name} must be contiguous; call {name}.contiguous()")
+    if t.device != device:
+        fail(f"{name} is on {t.device} but q is on {device}; keep it on the GPU (it is never read on the host)")
 
 
-def gate_defaults(heads: int, device):
-    """fla's defaults for a missing A_log (unit scale: e^0) and dt_bias (0), one pair per device
-    and head count."""
-    return device_constant(
-        ("gate_defaults", heads),
-        device,
-        lambda: (
-            torch.zeros(heads, dtype=torch.float32, device=device),
-            torch.zeros(heads, D, dtype=torch.float32, device=device),
-        ),
-    )
+def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch: int, device) -> int:
+    """cu_seqlens' structure (its values: ``host_cu_seqlens``): int32/int64 ``[N + 1]`` on q's
+    device or the CPU, with B = 1; ``cu_seqlens_cpu`` as many entries.  Returns N."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        fail("cu_seqlens must be an int32 or int64 tensor")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        fail(f"cu_seqlens must be 1-D with N + 1 >= 2 entries, got shape {list(cu_seqlens.shape)}")
+    if cu_seqlens.device not in (device, torch.device("cpu")):
+        fail(f"cu_seqlens is on {cu_seqlens.device}; put it on {device} (or the CPU)")
+    if batch != 1:
+        fail(f"varlen input (cu_seqlens) needs batch size 1, got B = {batch}; flatten to [1, total, H, {D}]")
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.numel() != cu_seqlens.numel():
+        fail(f"cu_seqlens_cpu has {cu_seqlens_cpu.numel()} entries but cu_seqlens has {cu_seqlens.numel()}")
+    return cu_seqlens.numel() - 1
+
+
+def host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens: int) -> list[int]:
+    """cu_seqlens' values read on the host (``cu_seqlens_cpu`` when given, else cu_seqlens: a sync
+    for a device tensor, refused under capture) and checked: from 0, increasing, ending at T."""
+    source = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    if source.is_cuda and torch.cuda.is_current_stream_capturing():
+        fail(
+            "check_seqlens='host' copies a device cu_seqlens to the host, which CUDA-graph capture forbids; "
+            "pass cu_seqlens_cpu, or check_seqlens='off'"
+        )
+    values = [int(x) for x in source.tolist()]
+    if cu_seqlens_cpu is not None and cu_seqlens.numel() != len(values):
+        fail(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {cu_seqlens.numel()}")
+    if values[0] != 0:
+        fail(f"cu_seqlens must start at 0, got {values[0]}")
+    for n, (a, b) in enumerate(zip(values, values[1:])):
+        if b < a:
+            fail(f"cu_seqlens must be non-decreasing: cu_seqlens[{n + 1}] = {b} < cu_seqlens[{n}] = {a}")
+        if b == a:
+            fail(f"cu_seqlens describes an empty sequence {n} ({a}..{b}); drop empty sequences")
+    if values[-1] != total_tokens:
+        fail(f"cu_seqlens must end at T = {total_tokens} (q.shape[1]), got {values[-1]}")
+    return values
+
+
+def read_host_cu(cu_seqlens, cu_seqlens_cpu, checked: bool, total_tokens: int) -> list[int] | None:
+    """The host cu_seqlens values: checked (``host_cu_seqlens``) when ``checked``, else read
+    unchecked from ``cu_seqlens_cpu`` when given (free to read; CP planning uses it), else None."""
+    if checked:
+        return host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, total_tokens)
+    return None if cu_seqlens_cpu is None else [int(x) for x in cu_seqlens_cpu.tolist()]
+
+
+def check_device(device) -> None:
+    """Last of every validation, so that every other rule is checked (and testable) on the CPU."""
+    if device.type != "cuda":
+        fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
 
 
 def input_flags(beta_sigmoid, qk_l2norm) -> int:
@@ -108,33 +193,3 @@ def kernel_dtypes(g, beta) -> tuple:
     return tuple(
         t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in (g, beta)
     )
-
-
-def gate_inputs(gate, A_log, dt_bias, lower_bound, q) -> tuple:
-    """``(A_log, dt_bias, lower_bound)`` the kernels of ``gate`` take (``specs.GATES``):
-    "safe" passes them through (checked with the other inputs); "softplus" takes A_log and dt_bias
-    or fla's defaults for None and refuses a lower_bound; "precomputed" (g is the log-decay)
-    refuses all three."""
-    if gate not in GATES:
-        fail(f"gate must be one of {', '.join(map(repr, GATES))}, got {gate!r}")
-    if gate == "safe":
-        if lower_bound is None:
-            fail("gate='safe' needs lower_bound (in [-5, 0)); for fla's unbounded gate pass gate='softplus'")
-        return A_log, dt_bias, lower_bound
-    if lower_bound is not None:
-        fail(f"lower_bound applies to gate='safe' only; gate={gate!r} is unbounded: pass lower_bound=None")
-    if gate == "precomputed" and (A_log is not None or dt_bias is not None):
-        fail("gate='precomputed' takes g as the log-decay itself: pass A_log=None and dt_bias=None")
-    if not isinstance(q, torch.Tensor) or q.dim() < 2:
-        return A_log, dt_bias, UNUSED_LOWER_BOUND  # validation names the bad q
-    zeros_a, zeros_dt = gate_defaults(q.shape[-2], q.device)
-    return (zeros_a if A_log is None else A_log, zeros_dt if dt_bias is None else dt_bias, UNUSED_LOWER_BOUND)
-
-
-def call_inputs(gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm) -> tuple:
-    """What every entry point resolves before validation: ``(A_log, dt_bias, lower_bound)`` of
-    ``gate`` (``gate_inputs``), g and β in the kernels' dtype (``kernel_dtypes``) and the
-    input-convention bits (``input_flags``), as ``(A_log, dt_bias, lower_bound, g, beta, flags)``."""
-    A_log, dt_bias, lower_bound = gate_inputs(gate, A_log, dt_bias, lower_bound, q)
-    g, beta = kernel_dtypes(g, beta)
-    return A_log, dt_bias, lower_bound, g, beta, input_flags(beta_sigmoid, qk_l2norm)

@@ -10,7 +10,7 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, re-exported)
+from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
     DECODE_FLAG_INTERMEDIATE,
     DECODE_FLAG_STATUS,
@@ -19,12 +19,20 @@ from ..specs import (  # noqa: F401 (chunk_applies, pick_variant: the dispatch, 
     pick_variant,
     variant_spec,
 )
-from .checks import call_inputs, check_dtype_shape, check_scalars, check_status, fail
-from .prefill import STATE_LAYOUTS
+from .call import DecodeCall
+from .checks import (
+    INT32_MAX,
+    check_device,
+    check_dtype_shape,
+    check_scalars,
+    check_slot_indices,
+    check_state,
+    check_state_layout,
+    check_status,
+    fail,
+)
 
-STATE_DTYPES = (torch.float32, torch.bfloat16)
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
-_INT32_MAX = 2**31 - 1
 
 
 def _is_tensor(name, t):
@@ -94,27 +102,10 @@ def _as_4d(name, t, num_tokens):
     return t.unflatten(0, (t.shape[0] // num_tokens, num_tokens))
 
 
-def validate(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    A_log,
-    dt_bias,
-    lower_bound,
-    scale,
-    state_pool,
-    state_indices,
-    out,
-    num_tokens,
-    state_layout,
-    intermediate_states,
-    status=None,
-):
-    """Check every argument; returns the (possibly [N, T]-unflattened) q, k, v, g, beta, out and
-    (num_seqs, num_tokens, heads, scale)."""
+def validate(call: DecodeCall):
+    """Check every argument of ``call``; returns the (possibly [N, T]-unflattened) q, k, v, g,
+    beta, out and (num_seqs, num_tokens, heads, scale)."""
+    q, k, v, g, beta, out, num_tokens = call.q, call.k, call.v, call.g, call.beta, call.out, call.num_tokens
     _is_tensor("q", q)
     if q.dim() not in (3, 4):
         fail(f"q must be [N, T, H, {D}] (or token-major [N·T, H, {D}] with num_tokens), got shape {list(q.shape)}")
@@ -149,54 +140,22 @@ def validate(
     check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
     if heads > 1 and beta.stride(2) != 1:
         fail(f"beta must have unit stride along H, got strides {list(beta.stride())}; call beta.contiguous()")
+    A_log, dt_bias = call.gate.A_log, call.gate.dt_bias
     check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
     check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not t.is_contiguous():
             fail(f"{name} must be contiguous; call {name}.contiguous()")
         _check_base(name, t)
-    lower_bound, scale = check_scalars(lower_bound, scale)
-    if state_layout not in STATE_LAYOUTS:
-        fail(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
+    _, scale = check_scalars(call.gate.lower_bound, call.scale)
+    check_state_layout(call.state_layout)
 
-    _is_tensor("state_pool", state_pool)
-    if state_pool.dtype not in STATE_DTYPES:
-        fail(f"state_pool must be torch.float32 or torch.bfloat16, got {state_pool.dtype}")
-    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (heads, D, D) or state_pool.shape[0] == 0:
-        fail(
-            f"state_pool must be [slots, H, {D}, {D}] = [slots, {heads}, {D}, {D}] with slots >= 1, got "
-            f"{list(state_pool.shape)}"
-        )
-    if state_pool.device != device:
-        fail(f"state_pool is on {state_pool.device} but q is on {device}; move all inputs to one CUDA device")
-    slots = state_pool.shape[0]
-    if tuple(state_pool.stride()[1:]) != (D * D, D, 1) and not (heads == 1 and state_pool.stride()[2:] == (D, 1)):
-        fail(
-            f"state_pool must be contiguous within a slot (strides [*, {D * D}, {D}, 1]), got "
-            f"{list(state_pool.stride())}; only the slot stride may be padded"
-        )
-    slot_stride = state_pool.stride(0) if slots > 1 else heads * D * D
-    if slot_stride < heads * D * D:
-        fail(f"state_pool.stride(0) = {slot_stride} must be >= H·128·128 = {heads * D * D} (slots must not overlap)")
-    if slot_stride * state_pool.element_size() % _ALIGN:
-        fail(f"state_pool.stride(0) = {slot_stride} elements must be a multiple of {_ALIGN} bytes")
-    if slot_stride > _INT32_MAX or slots > _INT32_MAX:
-        fail(f"state_pool slot stride {slot_stride} / slot count {slots} must fit in int32")
+    state_pool = call.state_pool
+    check_state("state_pool", state_pool, heads, device)
     _check_base("state_pool", state_pool)
+    check_slot_indices("state_indices", call.state_indices, num_seqs, device)
 
-    _is_tensor("state_indices", state_indices)
-    if state_indices.dtype != torch.int32:
-        fail(f"state_indices must be torch.int32, got {state_indices.dtype}; convert it with .to(torch.int32)")
-    if tuple(state_indices.shape) != (num_seqs,):
-        fail(f"state_indices must have shape [{num_seqs}] (one slot per sequence), got {list(state_indices.shape)}")
-    if num_seqs > 1 and state_indices.stride(0) != 1:
-        fail("state_indices must be contiguous; call state_indices.contiguous()")
-    if state_indices.device != device:
-        fail(
-            f"state_indices is on {state_indices.device} but q is on {device}; keep it on the GPU "
-            "(it is never read on the host)"
-        )
-
+    intermediate_states = call.intermediate_states
     if intermediate_states is not None:
         check_dtype_shape(
             "intermediate_states", intermediate_states, state_pool.dtype, (num_seqs, tokens, heads, D, D), device
@@ -213,12 +172,11 @@ def validate(
             if _aliases(out, t):
                 fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
-        if t is not None and any(abs(s) > _INT32_MAX for s in t.stride()):
+        if t is not None and any(abs(s) > INT32_MAX for s in t.stride()):
             fail(f"{name} strides {list(t.stride())} must fit in int32")
-    check_status(status, device)
+    check_status(call.status, device)
     # Last, so every rule above is also checked (and testable) on the CPU.
-    if device.type != "cuda":
-        fail(f"inputs are on {device}: cula_aot runs on CUDA (sm_90a) devices only; move them with .cuda()")
+    check_device(device)
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
@@ -229,67 +187,25 @@ def _aligned_down(t) -> tuple[int, int]:
     return base, (ptr - base) // t.element_size()
 
 
-def decode(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    A_log,
-    dt_bias,
-    lower_bound,
-    scale=None,
-    state_pool,
-    state_indices,
-    out=None,
-    num_tokens=None,
-    state_layout="vk",
-    intermediate_states=None,
-    variant=None,
-    status=None,
-    gate="safe",
-    beta_sigmoid=True,
-    qk_l2norm=True,
-):
-    """Validate, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    ``variant``: ``("chunk", warps, items)`` or (v_block, items) of a built kernel (default: ``pick_variant``).
-    ``gate``: the decay; ``beta_sigmoid``, ``qk_l2norm``: the input conventions (``checks.call_inputs``).
+def run(call: DecodeCall):
+    """Validate ``call``, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
-    A_log, dt_bias, lower_bound, g, beta, conventions = call_inputs(
-        gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm
-    )
-    flat = isinstance(q, torch.Tensor) and q.dim() == 3
-    q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        state_pool=state_pool,
-        state_indices=state_indices,
-        out=out,
-        num_tokens=num_tokens,
-        state_layout=state_layout,
-        intermediate_states=intermediate_states,
-        status=status,
-    )
+    flat = isinstance(call.q, torch.Tensor) and call.q.dim() == 3
+    q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(call)
     device = q.device
+    state_pool, state_indices, gate = call.state_pool, call.state_indices, call.gate
     bf16_state = state_pool.dtype == torch.bfloat16
-    intermediates = intermediate_states is not None
+    intermediates = call.intermediate_states is not None
+    variant = call.variant
     if variant is None:
-        variant = pick_variant(num_seqs, heads, tokens, bf16_state, state_layout, intermediates, gate)
-    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, state_layout, intermediates):
+        variant = pick_variant(num_seqs, heads, tokens, bf16_state, call.state_layout, intermediates, gate.name)
+    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, call.state_layout, intermediates):
         fail(
             f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' pool "
-            f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {state_layout!r}, "
+            f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {call.state_layout!r}, "
             f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None"
         )
-    spec = variant_spec(variant, bf16_state, state_layout, gate)
+    spec = variant_spec(variant, bf16_state, call.state_layout, gate.name)
     kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
     if out is None:
         out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)
@@ -304,13 +220,13 @@ def decode(
         "v": v.data_ptr(),
         "g": g.data_ptr(),
         "beta": beta_base,
-        "a_log": A_log.data_ptr(),
-        "dt_bias": dt_bias.data_ptr(),
+        "a_log": gate.A_log.data_ptr(),
+        "dt_bias": gate.dt_bias.data_ptr(),
         "state_indices": index_base,
         "state_pool": state_pool.data_ptr(),
-        "intermediate": 0 if intermediate_states is None else intermediate_states.data_ptr(),
+        "intermediate": 0 if not intermediates else call.intermediate_states.data_ptr(),
         "out": out.data_ptr(),
-        "status": 0 if status is None else status.data_ptr(),
+        "status": 0 if call.status is None else call.status.data_ptr(),
         "num_seqs": num_seqs,
         "num_tokens": tokens,
         "num_slots": state_pool.shape[0],
@@ -320,10 +236,10 @@ def decode(
         "out_stride_n": _stride(out, 0),
         "out_stride_t": _stride(out, 1),
         "scale": scale,
-        "lower_bound": float(lower_bound),
-        "flags": (DECODE_FLAG_INTERMEDIATE if intermediate_states is not None else 0)
-        | (DECODE_FLAG_STATUS if status is not None else 0)
-        | conventions,
+        "lower_bound": float(gate.lower_bound),
+        "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
+        | (DECODE_FLAG_STATUS if call.status is not None else 0)
+        | call.conventions,
         "heads": heads,
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
@@ -331,3 +247,10 @@ def decode(
         values[f"{name}_stride_t"] = _stride(t, 1)
     kernel.launch(values, torch.cuda.current_stream(device).cuda_stream, smem_bytes=spec.launch_smem_bytes(tokens))
     return result
+
+
+def decode(q, k, v, g, beta, **options):
+    """``run`` of the call ``DecodeCall.build`` makes of ``kda_decode``'s arguments, and of the
+    ``variant`` override: ``("chunk", warps, items)`` or (v_block, items) of a built kernel
+    (default: ``specs.pick_variant``)."""
+    return run(DecodeCall.build(q, k, v, g, beta, **options))

@@ -4,6 +4,8 @@ the fused kernel (``_FusedPlan``) and the intracard-CP chain (K1, pre_scan, merg
 merge flag bits, the CP segment tables, and each call's checks, allocations and launches.
 """
 
+import dataclasses
+
 import torch
 
 from ..layout import (
@@ -14,6 +16,7 @@ from ..layout import (
     FLAG_INDEXED_FINAL,
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
     FLAG_STATUS,
     FLAG_VARLEN,
@@ -29,11 +32,29 @@ from ..layout import (
     SEGMENT_FIELDS,
     D,
 )
-from ..specs import WORKSPACE_POINTERS, MergeSpec, k1_grid, merge_v_block, segmented_k2_spec, segmented_v_block
-from .checks import check_scalars, fail
-from .prefill_checks import NO_CHECKPOINTS, CheckpointPlan, Checked, _check_addresses, _host_cu_seqlens
+from ..specs import (
+    WORKSPACE_POINTERS,
+    K1Spec,
+    MergeSpec,
+    fused_spec,
+    k1_grid,
+    merge_v_block,
+    segmented_k2_spec,
+    segmented_v_block,
+    serial_k2_spec,
+)
+from .call import PrefillCall
+from .checks import check_scalars, fail, host_cu_seqlens
+from .paths import Path, checkpoints_reached
+from .prefill_checks import NO_CHECKPOINTS, Checked, CheckpointPlan, check_addresses
+from . import prepare
 from .prepare import input_geometry, plan_slots
 from .workspace import ARENA, SEGMENT_TABLES
+
+# The serial K2's grid order: varlen sequences longest first, so the longest chains start in the
+# first wave (a fixed-length kernel ignores the bit; PERFORMANCE.md, K2 recurrence).  The fused
+# kernel takes the same bit.
+SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 
 
 def _segment_row(seg, seq_first_token, init_index, final_index, flags) -> list[int]:
@@ -96,21 +117,6 @@ def _state_flags(state, which: str, indexed: bool) -> int:
     return present | (pooled if indexed else 0) | (bf16 if state.dtype == torch.bfloat16 else 0)
 
 
-def _state_options(initial_state, final_state, output_final_state, state_indices, status) -> dict:
-    """Every plan's state and status options: ``alloc_final`` (a final state is wanted but not
-    given: each call allocates one) and the flag bits of both states and of the status word."""
-    indexed = state_indices is not None
-    want_final = output_final_state or final_state is not None
-    alloc_final = want_final and final_state is None
-    # An allocated final state is plain fp32; without want_final there is no final_state.
-    return {
-        "alloc_final": alloc_final,
-        "init_flags": _state_flags(initial_state, "init", indexed),
-        "final_flags": FLAG_FINAL_STATE if alloc_final else _state_flags(final_state, "final", indexed),
-        "status_flag": 0 if status is None else FLAG_STATUS,
-    }
-
-
 def _checkpoint_values(checkpoints: CheckpointPlan, state_layout: str) -> dict:
     """The checkpoint parameters' static values (``specs.abi.CHECKPOINT_PARAMS``; the pointers are
     per call): none when ``checkpoints.every`` is 0."""
@@ -135,46 +141,53 @@ _current_raw_stream = getattr(
 )
 
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
-NO_CHECKPOINT_TENSORS = (None, None, None)  # a call's (checkpoint_pool, checkpoint_indices, checkpoint_offsets)
 # Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →
 # pre_scan → merge → segmented K2): its CTAs start while the previous grid drains and wait for
 # its end before reading its output (``griddepcontrol``; see ``LoadedKernel.launch_packed``).
 DEPENDENT_LAUNCH = True
 
 
-class _Plan:
-    """What the serial and the CP plan of one call signature (shapes, strides, dtypes, devices
-    and options) share: the validated facts, K1's launch template (``k1`` and the device's
-    ``sm_count``: None on the fused path), what the plan cache needs to pick a call's plan, and
-    the per-call checks and allocations the signature does not fix (addresses, scalars, host
-    cu_seqlens values)."""
+def make_plan(call: PrefillCall, c: Checked, path: Path, loader, device):
+    """The launch plan of a validated call (``c``) on ``path`` (``paths.choose_path``), every
+    kernel resolved first: a missing cubin fails before anything launches.  A call that reaches
+    no checkpoint (``paths.checkpoints_reached``) runs the plain kernels."""
+    varlen = call.cu_seqlens is not None
+    if checkpoints_reached(c, varlen, c.host_cu) is False:
+        c = dataclasses.replace(c, checkpoints=NO_CHECKPOINTS)  # the checkpoint tensors were checked
+    checkpointing = c.checkpoints.every > 0
+    if path.kind == "fused":
+        return _FusedPlan(call, c, path, loader.get(device, fused_spec(call.gate.name, checkpointing)), device)
+    k1 = loader.get(device, K1Spec(varlen=varlen, gate=call.gate.name))
+    if path.kind == "cp":
+        return _CPPlan(call, c, path, loader, k1, device)
+    k2 = loader.get(device, serial_k2_spec(varlen, path.v_block, checkpointing))
+    return _SerialPlan(call, c, path, k1, k2, device)
 
-    def __init__(
-        self,
-        c: Checked,
-        k1,
-        sm_count,
-        *,
-        cu_seqlens,
-        alloc_final,
-        device,
-        intracard_cp,
-        split,
-        input_flags,
-        lengths_uniform,
-    ):
-        self.c, self.device, self.alloc_final = c, device, alloc_final
-        # A call's s_split: ``split`` when the signature fixes it; None: planned per call from the
-        # call's host lengths (intracard_cp "auto" or True with host cu_seqlens: the signature
-        # does not fix them).  ``lengths_uniform``: None, or (a serial plan whose fused choice
-        # turned on the host lengths' tile counts) whether they were equal.  Both read by the plan
-        # cache (``prefill._plan_for_lengths``).
-        self.intracard_cp, self.split, self.lengths_uniform = intracard_cp, split, lengths_uniform
-        # A varlen serial plan whose checkpoint twin was or was not elided for its host lengths
-        # (``prefill.checkpoints_reached``): (checkpoint_every, reached); None where that is the
-        # signature's alone.  Read by the plan cache like ``lengths_uniform``.
-        self.checkpoint_reach = None
-        total_slots = plan_slots(c.batch, c.seq_len, cu_seqlens)
+
+class _Plan:
+    """A launch recipe for one call signature (shapes, strides, dtypes, devices and options),
+    immutable once built: the validated facts, the state flag bits, K1's launch template (none
+    on the fused path), what the plan cache reads to pick a call's plan (``split``,
+    ``lengths_uniform``, ``checkpoint_reach``: ``paths.Path``), and the per-call checks and
+    allocations the signature does not fix (addresses, scalars, host cu_seqlens values)."""
+
+    serial = True
+
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, k1, device):
+        self.c, self.device = c, device
+        self.split, self.lengths_uniform, self.checkpoint_reach = (
+            path.split,
+            path.lengths_uniform,
+            path.checkpoint_reach,
+        )
+        # A final state is wanted but not given: each call allocates one (plain fp32, N packed slots).
+        indexed = call.state_indices is not None
+        self.alloc_final = (call.output_final_state or call.final_state is not None) and call.final_state is None
+        self.init_flags = _state_flags(call.initial_state, "init", indexed)
+        self.final_flags = FLAG_FINAL_STATE if self.alloc_final else _state_flags(call.final_state, "final", indexed)
+        self.status_flag = 0 if call.status is None else FLAG_STATUS
+        self.state_layout = call.state_layout
+        total_slots = plan_slots(c.batch, c.seq_len, call.cu_seqlens)
         # The fused path (k1 None) has no workspaces.
         self.slots = 0 if k1 is None else c.heads * total_slots
         self.geometry = {"seq_len": c.seq_len, "num_seqs": c.num_seqs, "total_slots": total_slots, "heads": c.heads}
@@ -183,8 +196,8 @@ class _Plan:
                 {
                     **self.geometry,
                     **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
-                    **k1_grid(total_slots, c.heads, sm_count),
-                    "flags": input_flags,
+                    **k1_grid(total_slots, c.heads, prepare.sm_count(device)),
+                    "flags": call.conventions,
                 }
             )
 
@@ -194,62 +207,48 @@ class _Plan:
         lengths, None where it did not."""
         return self.lengths_uniform, None if self.checkpoint_reach is None else self.checkpoint_reach[1]
 
-    def _begin(
-        self,
-        stream,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        scale,
-        initial_state,
-        final_state,
-        out,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        state_indices,
-        status,
-        host_cu,
-        checkpoints,
-    ):
+    def _begin(self, stream, call: PrefillCall, host_cu):
         """One call's checks and allocations, before anything launches: (out, final_state, the
         int32 device cu_seqlens to keep alive until the launches are issued, the call's values by
         parameter name: what every launch of the plan takes per call, ``LoadedKernel.per_call``).
         ``host_cu``: the host cu_seqlens when the caller already read (and, if the signature
-        checks them, checked) them; ``checkpoints``: (pool, indices, offsets), None where absent."""
+        checks them, checked) them."""
         c, device = self.c, self.device
-        lower_bound, scale = check_scalars(lower_bound, scale)
+        q, gate, sink, out, final_state = call.q, call.gate, call.checkpoints, call.out, call.final_state
+        lower_bound, scale = check_scalars(gate.lower_bound, call.scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
         qp, kp, vp, gp, bp, ap, dp = (
             q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            g.data_ptr(),
-            beta.data_ptr(),
-            A_log.data_ptr(),
-            dt_bias.data_ptr(),
+            call.k.data_ptr(),
+            call.v.data_ptr(),
+            call.g.data_ptr(),
+            call.beta.data_ptr(),
+            gate.A_log.data_ptr(),
+            gate.dt_bias.data_ptr(),
         )
-        ip = 0 if initial_state is None else initial_state.data_ptr()
-        fp = 0 if final_state is None else final_state.data_ptr()
-        op = 0 if out is None else out.data_ptr()
-        xp = 0 if state_indices is None else state_indices.data_ptr()
-        sp = 0 if status is None else status.data_ptr()
-        cp, ci, co = (0 if t is None else t.data_ptr() for t in checkpoints)
+        ip, fp, op, xp, sp, cp, ci, co = (
+            0 if t is None else t.data_ptr()
+            for t in (
+                call.initial_state,
+                final_state,
+                out,
+                call.state_indices,
+                call.status,
+                sink.pool,
+                sink.indices,
+                sink.offsets,
+            )
+        )
         if (
             (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp | cp | ci | co) & 15
             or op in (qp, kp, vp, gp)
             or fp in (qp, kp, vp, gp)
             or cp in (qp, kp, vp, gp)
         ):
-            _check_addresses(
-                q, k, v, g, beta, A_log, dt_bias, initial_state, final_state, out, state_indices, status, checkpoints
-            )
+            check_addresses(call)
+        cu_seqlens = call.cu_seqlens
         if c.seqlens_checked and host_cu is None:
-            _host_cu_seqlens(cu_seqlens, cu_seqlens_cpu, c.seq_len)
+            host_cu_seqlens(cu_seqlens, call.cu_seqlens_cpu, c.seq_len)
         if out is None:
             out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
             op = out.data_ptr()
@@ -264,8 +263,7 @@ class _Plan:
                 if cu_seqlens.dtype == torch.int32 and cu_seqlens.device == device
                 else cu_seqlens.to(device=device, dtype=torch.int32)
             )
-        cu_ptr = 0 if cu32 is None else cu32.data_ptr()
-        call = {
+        values = {
             "q": qp,
             "k": kp,
             "g": gp,
@@ -276,7 +274,7 @@ class _Plan:
             "out": op,
             "initial_state": ip,
             "final_state": fp,
-            "cu_seqlens": cu_ptr,
+            "cu_seqlens": 0 if cu32 is None else cu32.data_ptr(),
             "state_indices": xp,
             "status": sp,
             "segments": 0,
@@ -286,56 +284,16 @@ class _Plan:
             "checkpoint_indices": ci,
             "checkpoint_offsets": co,
         }
-        call.update(zip(_WORKSPACES, workspaces))
-        return out, final_state, cu32, call
+        values.update(zip(_WORKSPACES, workspaces))
+        return out, final_state, cu32, values
 
-    def run(
-        self,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        scale,
-        initial_state,
-        final_state,
-        out,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        state_indices,
-        status,
-        host_cu=None,
-        checkpoints=NO_CHECKPOINT_TENSORS,
-    ):
+    def run(self, call: PrefillCall, host_cu=None):
         """One call of a serial plan: its checks and allocations, then its ``launches`` in order
         (the CP plan has its own)."""
         stream = _raw_stream(self.device)
-        out, final_state, _cu32, call = self._begin(
-            stream,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log,
-            dt_bias,
-            lower_bound,
-            scale,
-            initial_state,
-            final_state,
-            out,
-            cu_seqlens,
-            cu_seqlens_cpu,
-            state_indices,
-            status,
-            host_cu,
-            checkpoints,
-        )
+        out, final_state, _cu32, values = self._begin(stream, call, host_cu)
         for template in self.launches:
-            template.launch(call, stream)
+            template.launch(values, stream)
         return out, final_state
 
 
@@ -366,41 +324,11 @@ class _SerialPlan(_Plan):
     """The serial path (K1, K2) for one call signature: launched from templates while the
     call's lengths keep it serial."""
 
-    serial = True
-
-    def __init__(
-        self,
-        c: Checked,
-        k1,
-        k2,
-        *,
-        sm_count,
-        order,
-        cu_seqlens,
-        alloc_final,
-        state_layout,
-        init_flags,
-        final_flags,
-        status_flag,
-        device,
-        intracard_cp,
-        split,
-        input_flags,
-        lengths_uniform,
-    ):
-        super().__init__(
-            c,
-            k1,
-            sm_count,
-            cu_seqlens=cu_seqlens,
-            alloc_final=alloc_final,
-            device=device,
-            intracard_cp=intracard_cp,
-            split=split,
-            input_flags=input_flags,
-            lengths_uniform=lengths_uniform,
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, k1, k2, device):
+        super().__init__(call, c, path, k1, device)
+        chain = _serial_chain_values(
+            c, self.state_layout, self.init_flags, self.final_flags, self.status_flag, SERIAL_K2_ORDER
         )
-        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
         self.k2 = k2.template({**self.geometry, **chain}, dependent=DEPENDENT_LAUNCH)
         self.launches = (self.k1, self.k2)
 
@@ -409,40 +337,12 @@ class _FusedPlan(_Plan):
     """The serial path as one fused kernel (``kernels/fused_prefill.py``: K1's work and K2's
     chain in one CTA per (sequence, head), no workspaces) for one call signature."""
 
-    serial = True
-
-    def __init__(
-        self,
-        c: Checked,
-        fused,
-        *,
-        order,
-        cu_seqlens,
-        alloc_final,
-        state_layout,
-        init_flags,
-        final_flags,
-        status_flag,
-        device,
-        intracard_cp,
-        split,
-        input_flags,
-        lengths_uniform,
-    ):
-        super().__init__(
-            c,
-            None,
-            None,
-            cu_seqlens=cu_seqlens,
-            alloc_final=alloc_final,
-            device=device,
-            intracard_cp=intracard_cp,
-            split=split,
-            input_flags=input_flags,
-            lengths_uniform=lengths_uniform,
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, fused, device):
+        super().__init__(call, c, path, None, device)
+        chain = _serial_chain_values(
+            c, self.state_layout, self.init_flags, self.final_flags, self.status_flag, SERIAL_K2_ORDER
         )
-        chain = _serial_chain_values(c, state_layout, init_flags, final_flags, status_flag, order)
-        if cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
+        if call.cu_seqlens is not None:  # one kernel for both inputs: the grid's rows are then cu_seqlens'
             chain["flags"] |= FLAG_VARLEN
         self.kernel = fused.template(
             {**self.geometry, **input_geometry(c.batch, c.seq_len, c.heads, c.strides), **chain}
@@ -457,62 +357,35 @@ class _CPPlan(_Plan):
 
     serial = False
 
-    def __init__(
-        self,
-        c: Checked,
-        loader,
-        k1,
-        segments,
-        s_split,
-        *,
-        sm_count,
-        cu_seqlens,
-        alloc_final,
-        state_layout,
-        init_flags,
-        final_flags,
-        status_flag,
-        device,
-        intracard_cp,
-        split,
-        input_flags,
-    ):
-        super().__init__(
-            c,
-            k1,
-            sm_count,
-            cu_seqlens=cu_seqlens,
-            alloc_final=alloc_final,
-            device=device,
-            intracard_cp=intracard_cp,
-            split=split,
-            input_flags=input_flags,
-            lengths_uniform=None,
-        )
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, loader, k1, device):
+        super().__init__(call, c, path, k1, device)
+        segments, self.s_split = path.segments, path.s_split
+        sms, state_layout, alloc_final = prepare.sm_count(device), self.state_layout, self.alloc_final
+        init_flags, final_flags, status_flag = self.init_flags, self.final_flags, self.status_flag
         heads = c.heads
         n_prescan = prescan_jobs(segments)
         n_segments = self.n_segments = sum(len(seq) for seq in segments)
         # Each CP launch's kernel by its own grid: the merge's column block, the segmented K2's
         # V block for the pre_scan rows and for the recurrence rows.  Resolved before the first
         # launch: a missing cubin fails before anything runs.
-        merge = loader.get(device, MergeSpec(v_block=merge_v_block(heads, c.num_seqs, sm_count)))
-        prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sm_count), prescan=True))
+        merge = loader.get(device, MergeSpec(v_block=merge_v_block(heads, c.num_seqs, sms)))
+        prescan_k2 = loader.get(device, segmented_k2_spec(segmented_v_block(heads, n_prescan, sms), prescan=True))
         recurrence_k2 = loader.get(
             device,
-            segmented_k2_spec(segmented_v_block(heads, n_segments, sm_count), checkpointing=c.checkpoints.every > 0),
+            segmented_k2_spec(segmented_v_block(heads, n_segments, sms), checkpointing=c.checkpoints.every > 0),
         )
         # One int32 buffer per plan: the pre_scan rows, the recurrence rows, the per-sequence
         # bounds (at a multiple of 32 bytes), then (varlen) the host cu_seqlens the plan was made
         # from (at a multiple of 16 bytes): K1 reads those, so the records always match the
         # table, whatever the device cu_seqlens holds.
-        self.segments, self.init_flags, self.final_flags = segments, init_flags, final_flags
+        self.segments = segments
         self.host_cu = c.host_cu
         self.table_key = (
             device.index,
             c.batch,
             c.seq_len,
             None if c.host_cu is None else tuple(c.host_cu),
-            s_split,
+            self.s_split,
             init_flags,
             final_flags,
         )
@@ -586,51 +459,11 @@ class _CPPlan(_Plan):
             values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
         return values
 
-    def run(
-        self,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        scale,
-        initial_state,
-        final_state,
-        out,
-        cu_seqlens,
-        cu_seqlens_cpu,
-        state_indices,
-        status,
-        host_cu=None,
-        checkpoints=NO_CHECKPOINT_TENSORS,
-    ):
+    def run(self, call: PrefillCall, host_cu=None):
         c, device = self.c, self.device
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
-        out, final_state, _cu32, call = self._begin(
-            stream,
-            q,
-            k,
-            v,
-            g,
-            beta,
-            A_log,
-            dt_bias,
-            lower_bound,
-            scale,
-            initial_state,
-            final_state,
-            out,
-            cu_seqlens,
-            cu_seqlens_cpu,
-            state_indices,
-            status,
-            host_cu,
-            checkpoints,
-        )
+        out, final_state, _cu32, values = self._begin(stream, call, host_cu)
         # The tables before any launch, so nothing on the GPU waits for Python between them.
         # Looked up on every call, not held: the lookup records this call's stream and marks a
         # table a capture uses, which is then never evicted.
@@ -642,14 +475,14 @@ class _CPPlan(_Plan):
             )
         rows = table.data_ptr()
         # K1 places the records by the lengths the table was planned from.
-        k1_call = call if self.host_cu is None else {**call, "cu_seqlens": rows + self.cu_at}
+        k1_values = values if self.host_cu is None else {**values, "cu_seqlens": rows + self.cu_at}
         # Transition pairs (M_i, B_i) and merged start states.
         prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         pp, cp = prescan.data_ptr(), carries.data_ptr()
-        self.k1.launch(k1_call, stream)
+        self.k1.launch(k1_values, stream)
         # The pre_scan writes transition pairs, not the user's states; the merge reports bad slots.
-        self.prescan.launch({**call, "final_state": pp, "status": 0, "segments": rows}, stream)
-        self.merge.launch({**call, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
-        self.recurrence.launch({**call, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
+        self.prescan.launch({**values, "final_state": pp, "status": 0, "segments": rows}, stream)
+        self.merge.launch({**values, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
+        self.recurrence.launch({**values, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
         return out, final_state

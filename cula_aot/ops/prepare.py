@@ -8,7 +8,8 @@ import torch
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
-from .checks import DEFAULT_SCALE, call_inputs
+from ..gates import DEFAULT_GATE, resolve_gate
+from .checks import DEFAULT_SCALE, input_flags, kernel_dtypes
 from .workspace import ARENA
 
 
@@ -84,7 +85,7 @@ def sm_count(device) -> int:
 def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides, flags=0) -> None:
     """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``, the
     inputs' token ``strides`` (elements, see ``contiguous_strides``) and the input-convention
-    ``flags`` (``checks.call_inputs``)."""
+    ``flags`` (``checks.input_flags``)."""
     batch, seq_len, heads, _ = q.shape
     kernel.launch(
         {
@@ -116,7 +117,7 @@ def prepare(
     lower_bound=None,
     scale=None,
     cu_seqlens=None,
-    gate="safe",
+    gate=DEFAULT_GATE,
     beta_sigmoid=True,
     qk_l2norm=True,
 ) -> Workspaces:
@@ -124,9 +125,9 @@ def prepare(
 
     For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
     """
-    A_log, dt_bias, lower_bound, g, beta, flags = call_inputs(
-        gate, A_log, dt_bias, lower_bound, q, g, beta, beta_sigmoid, qk_l2norm
-    )
+    _, A_log, dt_bias, lower_bound = resolve_gate(gate, A_log, dt_bias, lower_bound, q)
+    g, beta = kernel_dtypes(g, beta)
+    flags = input_flags(beta_sigmoid, qk_l2norm)
     batch, seq_len, heads, _ = q.shape
     device = q.device
     kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=gate))

@@ -86,7 +86,10 @@ RULES = [
         lambda x: {"state_pool": torch.zeros(N, H, D, D, dtype=torch.float16)},
         "state_pool must be torch.float32 or torch.bfloat16",
     ),
-    (lambda x: {"state_pool": torch.zeros(N, H + 1, D, D)}, r"state_pool must be \[slots, H, 128, 128\]"),
+    (
+        lambda x: {"state_pool": torch.zeros(N, H + 1, D, D)},
+        r"state_pool must have shape \[slots >= 1, 4, 128, 128\] \(a pool\)",
+    ),
     (lambda x: {"state_pool": torch.zeros(0, H, D, D)}, "slots >= 1"),
     (lambda x: {"state_pool": torch.zeros(N, H, D, D).transpose(2, 3)}, "state_pool must be contiguous within a slot"),
     (lambda x: {"state_pool": torch.zeros(H, N, D, D).transpose(0, 1)}, "state_pool must be contiguous within a slot"),

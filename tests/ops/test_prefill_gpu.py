@@ -10,6 +10,7 @@ import torch
 
 import cula_aot
 from cula_aot import reference
+from cula_aot.ops import plan_cache, prefill_plans
 from cula_aot.ops.prefill import prefill
 from cula_aot.specs import K2_V_BLOCKS
 from tests.helpers import cu_seqlens_of, fresh_seed, standard_inputs
@@ -179,7 +180,6 @@ def _bits(inputs, cu, v_block, fused=None):
 def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
     # The cluster multicast moves the same record bytes, and the longest-first grid order only
     # changes which CTA runs a sequence: every combination is bitwise the plain kernels' result.
-    import cula_aot.ops.prefill as prefill_module
     from cula_aot.layout import FLAG_LONGEST_FIRST
     from cula_aot.specs import K2_MULTICAST_V_BLOCKS, K2Spec
 
@@ -190,10 +190,12 @@ def test_multicast_and_grid_order_change_no_bit(v_block, monkeypatch):
     for multicast in {False, v_block in K2_MULTICAST_V_BLOCKS}:
         for order in (0, FLAG_LONGEST_FIRST):
             monkeypatch.setattr(
-                prefill_module, "serial_k2_spec", lambda vl, vb, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m)
+                prefill_plans,
+                "serial_k2_spec",
+                lambda vl, vb, checkpointing=False, *, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m),
             )
-            monkeypatch.setattr(prefill_module, "SERIAL_K2_ORDER", order)
-            monkeypatch.setattr(prefill_module, "_PLANS", {})
+            monkeypatch.setattr(prefill_plans, "SERIAL_K2_ORDER", order)
+            monkeypatch.setattr(plan_cache, "PLANS", plan_cache.PlanCache())
             results[multicast, order] = _bits(inputs, cu, v_block)
     first = results[False, 0]
     for key, (o, fs) in results.items():
@@ -205,7 +207,6 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
     # (shared-memory descriptors over the record's images): against float64 on standard and
     # slow-decay input, with and without multicast (bitwise the same), and against the warp-MMA
     # kernel of the same V block, which differs only in fp32 accumulation order.
-    import cula_aot.ops.prefill as prefill_module
     from cula_aot.specs import K2_WGMMA_V_BLOCK, K2Spec, serial_k2_spec
 
     assert serial_k2_spec(True, K2_WGMMA_V_BLOCK).wgmma
@@ -217,11 +218,13 @@ def test_wgmma_k2_meets_the_bound_and_matches_the_warp_mma_k2(monkeypatch):
         for wgmma in (True, False):
             for multicast in (False, True):
                 monkeypatch.setattr(
-                    prefill_module,
+                    prefill_plans,
                     "serial_k2_spec",
-                    lambda vl, vb, w=wgmma, m=multicast: K2Spec(varlen=vl, v_block=vb, multicast=m, wgmma=w),
+                    lambda vl, vb, checkpointing=False, *, w=wgmma, m=multicast: K2Spec(
+                        varlen=vl, v_block=vb, multicast=m, wgmma=w
+                    ),
                 )
-                monkeypatch.setattr(prefill_module, "_PLANS", {})
+                monkeypatch.setattr(plan_cache, "PLANS", plan_cache.PlanCache())
                 if wgmma:
                     _run(
                         inputs,

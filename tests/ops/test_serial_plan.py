@@ -23,7 +23,7 @@ from cula_aot.layout import (
     FLAG_STATUS,
     FLAG_VARLEN,
 )
-from cula_aot.ops import cp_plan, prefill_checks, prefill_plans
+from cula_aot.ops import cp_plan, paths, plan_cache, prefill_checks, prefill_plans, prepare
 from cula_aot.ops import prefill as prefill_module
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
@@ -58,13 +58,14 @@ class _Recorder:
 def recorder(monkeypatch, manifest_path):
     rec = _Recorder()
     loader = rec.loader(Manifest(manifest_path) if not hasattr(Manifest, "discover") else Manifest.discover())
-    # Each name patched on the module that looks it up: kernels and sm_count in prefill (the
-    # entry resolves them), the device rule in prefill_checks, the stream in prefill_plans.
+    # Each name patched on the module that looks it up: the loader in prefill (the entry resolves
+    # the kernels), the device rule in prefill_checks, the stream in prefill_plans, the SM count
+    # in prepare; a fresh plan cache.
     monkeypatch.setattr(prefill_module, "default_loader", lambda: loader)
-    monkeypatch.setattr(prefill_checks, "_check_device", lambda device: None)
+    monkeypatch.setattr(prefill_checks, "check_device", lambda device: None)
     monkeypatch.setattr(prefill_plans, "_raw_stream", lambda device: 0)
-    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(prefill_module, "_PLANS", {})
+    monkeypatch.setattr(prepare, "sm_count", lambda device: 132)
+    monkeypatch.setattr(plan_cache, "PLANS", plan_cache.PlanCache())
     # TMA descriptors: a recognisable encoding of (address, dims, strides) instead of the driver's.
     from cula_aot.runtime import tma
 
@@ -97,7 +98,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
         state_layout="kv",
         intracard_cp=False,
     )
-    assert f1 is pool and len(prefill_module._PLANS) == 1
+    assert f1 is pool and len(plan_cache.PLANS) == 1
     y = standard_inputs(1, 40, heads, seed=2)  # new tensors, same signature
     o2, _ = _call(
         y,
@@ -109,7 +110,7 @@ def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
         intracard_cp=False,
         scale=0.5,
     )
-    assert len(prefill_module._PLANS) == 1 and len(recorder.launches) == 4
+    assert len(plan_cache.PLANS) == 1 and len(recorder.launches) == 4
     k1, v1, grid1 = recorder.values(2)
     k2, v2, grid2 = recorder.values(3)
     assert k1.name == "k1_prepare_varlen1_gatesafe" and k2.name.startswith("k2_recurrence_varlen1")
@@ -161,7 +162,7 @@ def test_fused_plan_is_one_launch_with_the_inputs_descriptors_states_and_flags(r
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     prefill_module.prefill(*args, **kw)
     o, f = prefill_module.prefill(*args, **kw, scale=0.5)
-    assert f is pool and len(prefill_module._PLANS) == 1 and len(recorder.launches) == 2
+    assert f is pool and len(plan_cache.PLANS) == 1 and len(recorder.launches) == 2
     kernel, values, grid = recorder.values(1)
     assert kernel.name == fused_spec().name and grid == (1, heads, 2)
     assert kernel.block == (fused_spec().block[0], 1, 1)
@@ -210,8 +211,8 @@ def test_k1_walks_several_tiles_per_cta_on_a_small_gpu(recorder, monkeypatch):
 
     # One SM: 16 resident CTAs in K1_WAVES = 4 waves, so 56 tiles take 4 per CTA (K1 then K2:
     # on one SM the item count alone would pick the fused kernel).
-    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 1)
-    monkeypatch.setattr(prefill_module, "auto_fused", lambda heads, num_seqs, tokens, sm_count, uniform=False: False)
+    monkeypatch.setattr(prepare, "sm_count", lambda device: 1)
+    monkeypatch.setattr(paths, "auto_fused", lambda heads, num_seqs, tokens, sm_count, uniform=False: False)
     heads = 4
     x = standard_inputs(1, 200, heads, seed=9)
     cu = cu_seqlens_of([90, 110])
@@ -229,11 +230,11 @@ def test_a_varlen_batch_of_equal_tile_counts_runs_fused_and_each_call_takes_its_
 ):
     # 8 sequences x 2 heads on 16 SMs: one wave of 16-tile items, fused only when the lengths say
     # that no item outlasts the rest (a ragged batch of the same shape takes K1 then K2).
-    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 16)
+    monkeypatch.setattr(prepare, "sm_count", lambda device: 16)
     x = standard_inputs(1, 8 * 256, 2, seed=11)
     even, ragged = cu_seqlens_of([256] * 8), cu_seqlens_of([128] * 4 + [384] * 4)  # ragged, but not enough to split
-    assert prefill_module.equal_tile_counts(even.tolist()) and not prefill_module.equal_tile_counts(ragged.tolist())
-    assert prefill_module.equal_tile_counts([0, 250, 506])  # 16 tiles each, unequal lengths
+    assert paths.equal_tile_counts(even.tolist()) and not paths.equal_tile_counts(ragged.tolist())
+    assert paths.equal_tile_counts([0, 250, 506])  # 16 tiles each, unequal lengths
     validations = []
     real_validate = prefill_module.validate
     monkeypatch.setattr(prefill_module, "validate", lambda *a, **kw: validations.append(1) or real_validate(*a, **kw))
@@ -261,7 +262,7 @@ def test_strided_views_and_a_new_signature_make_a_new_plan(recorder):
     views["beta"] = fused[..., 4 * heads * 128 : 4 * heads * 128 + heads]
     _call({**x, **views})
     _call(x)
-    assert len(prefill_module._PLANS) == 2
+    assert len(plan_cache.PLANS) == 2
     _, v1, _ = recorder.values(0)
     _, v2, _ = recorder.values(1)
     row = fused.stride(1)
@@ -282,7 +283,7 @@ def test_plan_hit_still_checks_addresses_and_scalars_before_launch(recorder):
     shifted.copy_(x["k"])
     with pytest.raises(KDAInputError, match="k must start on a 16-byte boundary"):
         _call({**x, "k": shifted}, out=out)
-    assert len(recorder.launches) == n and len(prefill_module._PLANS) == 1
+    assert len(recorder.launches) == n and len(plan_cache.PLANS) == 1
 
 
 def test_host_cu_seqlens_values_are_checked_on_every_call(recorder):
@@ -291,9 +292,9 @@ def test_host_cu_seqlens_values_are_checked_on_every_call(recorder):
     _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), intracard_cp=False)
     with pytest.raises(KDAInputError, match="non-decreasing"):
         _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 50, 40], dtype=torch.int32), intracard_cp=False)
-    assert len(prefill_module._PLANS) == 1
+    assert len(plan_cache.PLANS) == 1
     _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone())  # "auto" with host lengths: a plan of its own
-    assert len(prefill_module._PLANS) == 2
+    assert len(plan_cache.PLANS) == 2
     with pytest.raises(KDAInputError, match="non-decreasing"):  # its cached path checks the values too
         _call(x, cu_seqlens=cu, cu_seqlens_cpu=torch.tensor([0, 50, 40], dtype=torch.int32))
 
@@ -302,10 +303,10 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
     # 4096 tokens in all at H4: [1024] * 4 stays serial, [16, 4080] splits.
     x = standard_inputs(1, 4096, 4, seed=6)
     serial_cu, split_cu = cu_seqlens_of([1024] * 4), cu_seqlens_of([16, 4080])
-    assert prefill_module.planned_split([1024] * 4, 4, None) == 1
-    assert prefill_module.planned_split([16, 4080], 4, None) > 1
+    assert paths.planned_split([1024] * 4, 4, None) == 1
+    assert paths.planned_split([16, 4080], 4, None) > 1
     _call(x, cu_seqlens=serial_cu, cu_seqlens_cpu=serial_cu.clone())
-    plan = next(iter(prefill_module._PLANS.values()))
+    plan = plan_cache.PLANS.plans()[0]
     assert plan.split is None and len(recorder.launches) == 2  # re-planned per call
     validations = []
     real_validate = prefill_module.validate
@@ -325,7 +326,7 @@ def test_auto_reuses_its_serial_plan_while_the_lengths_stay_serial(recorder, mon
     with pytest.raises(Planned) as planned:
         _call(x, cu_seqlens=split_cu, cu_seqlens_cpu=split_cu.clone())
     assert validations and planned.value.args[0] > 1
-    assert prefill_module._PLANS[next(iter(prefill_module._PLANS))] is plan
+    assert plan_cache.PLANS.plans()[0] is plan
 
 
 class _Tables:
@@ -472,17 +473,17 @@ def test_auto_switches_between_cached_serial_and_cp_plans(recorder, tables, slow
 
 
 def test_planned_split_searches_each_length_set_once(monkeypatch):
-    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(prepare, "sm_count", lambda device: 132)
     searches = []
     real = cp_plan.auto_split
     monkeypatch.setattr(cp_plan, "auto_split", lambda *a: searches.append(a) or real(*a))
-    prefill_module._cached_split.cache_clear()
-    first = prefill_module.planned_split([16, 4080], 4, None)
-    assert prefill_module.planned_split([16, 4080], 4, None) == first and len(searches) == 1
-    assert prefill_module.planned_split([1024] * 4, 4, None) == 1 and len(searches) == 2
+    paths._cached_split.cache_clear()
+    first = paths.planned_split([16, 4080], 4, None)
+    assert paths.planned_split([16, 4080], 4, None) == first and len(searches) == 1
+    assert paths.planned_split([1024] * 4, 4, None) == 1 and len(searches) == 2
     # A different GPU (SM count) is a different answer, so a different entry.
-    monkeypatch.setattr(prefill_module, "_sm_count", lambda device: 66)
-    prefill_module.planned_split([16, 4080], 4, None)
+    monkeypatch.setattr(prepare, "sm_count", lambda device: 66)
+    paths.planned_split([16, 4080], 4, None)
     assert len(searches) == 3
 
 
@@ -559,7 +560,7 @@ def test_input_conventions_reach_k1_and_key_the_plan(recorder, tables, slow_path
             assert values["flags"] & (FLAG_BETA_PROBABILITY | FLAG_QK_AS_GIVEN) == 0
         else:
             assert kernel.name.startswith("k1_prepare") and values["flags"] == want
-        seen.append(len(prefill_module._PLANS))
+        seen.append(len(plan_cache.PLANS))
     assert seen[3] > seen[0] and seen[4] == seen[3]  # one plan per convention; the first one reused
     with pytest.raises(KDAInputError, match="beta_sigmoid must be True or False"):
         prefill_module.prefill(*args, **kw, beta_sigmoid=1)
@@ -705,9 +706,7 @@ def test_a_call_whose_sequences_reach_no_checkpoint_runs_the_plain_kernels(recor
         assert chain(short) == (True, 4080)
         return
     assert (
-        prefill_module.checkpoints_reached(
-            SimpleNamespace(checkpoints=SimpleNamespace(every=64, flags=0)), True, [0, 40, 80]
-        )
+        paths.checkpoints_reached(SimpleNamespace(checkpoints=SimpleNamespace(every=64, flags=0)), True, [0, 40, 80])
         is False
     )
     assert chain(short) == (False, 0)

@@ -83,7 +83,7 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         ),
         (
             lambda x: {"initial_state": torch.zeros(1, 2, 128, 128).transpose(-1, -2)},
-            "initial_state must be packed within",
+            "initial_state must be contiguous within a slot",
         ),
         (
             lambda x: {
@@ -105,10 +105,13 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
                 "initial_state": torch.zeros(3, 3, 128, 128),
                 "state_indices": torch.zeros(1, dtype=torch.int32),
             },
-            r"initial_state must have shape \['pool slots', 2, 128, 128\]",
+            r"initial_state must have shape \[slots >= 1, 2, 128, 128\] \(a pool\)",
         ),
         (lambda x: {"check_seqlens": "never"}, "check_seqlens must be one of"),
-        (lambda x: {"final_state": torch.zeros(2, 2, 128, 128)}, r"final_state must have shape \[1, 2, 128, 128\]"),
+        (
+            lambda x: {"final_state": torch.zeros(2, 2, 128, 128)},
+            r"final_state must have shape \[1, 2, 128, 128\] \(one state per sequence\)",
+        ),
         (lambda x: {"out": torch.empty(1, 40, 2, 128)}, "out must be torch.bfloat16"),
         (lambda x: {"out": x["q"]}, "out must not alias an input"),
         (lambda x: {"cu_seqlens": torch.tensor([0, 40.0])}, "cu_seqlens must be an int32 or int64 tensor"),
@@ -143,7 +146,7 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
         ),
         (
             lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_pool=torch.zeros(2, 3, 128, 128))},
-            r"checkpoint_pool must have shape \['pool slots', 2, 128, 128\]",
+            r"checkpoint_pool must have shape \[slots >= 1, 2, 128, 128\] \(a pool\)",
         ),
         (
             lambda x: {"checkpoint_every": 16, **_checkpoints(checkpoint_pool=torch.zeros(2, 2, 128, 128).half())},

@@ -1,0 +1,108 @@
+"""The prefill's plan cache: launch plans by call, the cache owning every key.
+
+A call's ``PrefillCall.signature`` (shapes, strides, dtypes, devices and options) finds the plan
+its first call built.  Where that plan's choice turned on the call's host lengths
+(``paths.Path``: a split planned per call, the fused choice's equal tile counts, a checkpoint
+twin's elision), ``find`` reads this call's lengths and looks up the plan they pick under a key
+that adds them; ``keep`` files a new plan under every key that should find it.
+"""
+
+from .call import PrefillCall
+from .checks import read_host_cu
+from .paths import equal_tile_counts, longest, resolve_split
+
+PLAN_LIMIT = 256  # plans kept; cleared when full (a serving loop reuses a few)
+
+
+class PlanCache:
+    def __init__(self, limit: int = PLAN_LIMIT):
+        self.limit = limit
+        self._plans: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def plans(self) -> list:
+        return list(self._plans.values())
+
+    @staticmethod
+    def key(call: PrefillCall):
+        """The signature key of ``call``, or None when an argument is not a tensor (validation
+        names it)."""
+        try:
+            return call.signature()
+        except AttributeError:
+            return None
+
+    def find(self, call: PrefillCall, key) -> tuple:
+        """(the cached plan for ``call``, or None; the host cu_seqlens values read to choose it,
+        checked when the signature checks them, or None)."""
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option: validation names it
+            return None, None
+        if plan is None:
+            return None, None
+        if plan.split == 1 and plan.lengths_uniform is None and plan.checkpoint_reach is None:
+            return plan, None
+        c = plan.c
+        host_cu = read_host_cu(call.cu_seqlens, call.cu_seqlens_cpu, c.seqlens_checked, c.seq_len)
+        if plan.split is None:
+            s_split = resolve_split(
+                call.intracard_cp, c.batch, c.seq_len, c.heads, call.cu_seqlens, host_cu, plan.device
+            )
+        else:
+            s_split = plan.split
+        if s_split > 1:
+            return self._plans.get(_cp_key(key, host_cu, s_split)), host_cu
+        if not plan.serial:
+            return None, host_cu
+        facts = _length_facts(plan, host_cu)
+        if facts != plan.length_facts:
+            return self._plans.get(_serial_key(key, *facts)), host_cu
+        return plan, host_cu
+
+    def keep(self, key, call: PrefillCall, plan) -> None:
+        """File a new ``plan`` built for ``call`` (signature ``key``; None: not cached)."""
+        if key is None:
+            return
+        if not plan.serial:
+            # A CP plan is this signature's, these lengths' and this split's: a varlen call re-plans
+            # its split from its lengths, a fixed-length one has them in the signature.
+            self._remember(_cp_key(key, plan.host_cu, plan.s_split), plan)
+            if key not in self._plans:  # the signature's first plan: it reads later calls' lengths
+                self._remember(key, plan)
+            return
+        # Under "auto" with host lengths (split None) the plan re-plans each call (cheaply) and is
+        # kept while serial; True or an s_split with host lengths keeps no serial plan.
+        if plan.split == 1 or call.intracard_cp == "auto":
+            self._remember(key, plan)
+            if plan.length_facts != (None, None):  # a later call with other kinds of lengths finds its own
+                self._remember(_serial_key(key, *plan.length_facts), plan)
+
+    def _remember(self, key, plan) -> None:
+        if len(self._plans) >= self.limit:
+            self._plans.clear()
+        self._plans[key] = plan
+
+
+def _serial_key(key, lengths_uniform, checkpoints_reached) -> tuple:
+    """The key of a serial plan chosen for host lengths: with (or without) equal tile counts,
+    reaching a checkpoint (or not); None where the plan's choice does not turn on that."""
+    return key, "serial", lengths_uniform, checkpoints_reached
+
+
+def _cp_key(key, host_cu, s_split) -> tuple:
+    """A CP plan's key: the signature, the host cu_seqlens (None: fixed length) and the split."""
+    return key, None if host_cu is None else tuple(host_cu), s_split
+
+
+def _length_facts(plan, host_cu) -> tuple:
+    """What a serial plan's choice turned on, for a call's host lengths: (equal tile counts,
+    checkpoint reached), None where the plan's choice does not turn on it."""
+    uniform = None if plan.lengths_uniform is None else equal_tile_counts(host_cu)
+    reached = None if plan.checkpoint_reach is None else longest(host_cu) >= plan.checkpoint_reach[0]
+    return uniform, reached
+
+
+PLANS = PlanCache()
