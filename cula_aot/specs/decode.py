@@ -40,8 +40,8 @@ DECODE_PARAMS = (
     scalar("index_offset", "i32"),
     scalar("out_stride_n", "i32"),
     scalar("out_stride_t", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     scalar("flags", "i32"),
 )
 

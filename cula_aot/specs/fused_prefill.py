@@ -23,8 +23,8 @@ FUSED_PARAMS = (
     *state_params("init"),
     *state_params("final"),
     scalar("flags", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     *bound_params("init", "final"),
     *CHECKPOINT_PARAMS,
 )

@@ -12,8 +12,8 @@ K1_PARAMS = (
     *SEQUENCE_SCALARS,
     scalar("beta_row_stride", "i32"),
     scalar("tiles_per_cta", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     scalar("flags", "i32"),  # the input conventions (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
 )
 
