@@ -118,6 +118,14 @@ def abi_layout(params) -> list[dict]:
     return records
 
 
+def gate_field():
+    """The ``gate`` codegen field of a spec whose kernel computes the per-token decay (K1, the
+    fused prefill, decode): one of ``gates.GATES``, default ``gates.DEFAULT_GATE``, validated with
+    every other field that declares its choices (``KernelSpec.__post_init__``).  The kernel asks
+    it through ``kernels.gate.Gate``."""
+    return dataclasses.field(default=DEFAULT_GATE, metadata={"choices": GATES})
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Base of all specializations: subclasses add their codegen fields."""
@@ -137,9 +145,11 @@ class KernelSpec:
     dependent_launch: ClassVar[bool] = False
 
     def __post_init__(self):
-        gate = getattr(self, "gate", DEFAULT_GATE)
-        if gate not in GATES:
-            raise ValueError(f"{type(self).__name__}: gate must be one of {GATES}, got {gate!r}")
+        for field in dataclasses.fields(self):
+            choices = field.metadata.get("choices")
+            value = getattr(self, field.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{type(self).__name__}: {field.name} must be one of {choices}, got {value!r}")
 
     @property
     def args(self) -> dict:

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import ClassVar
 
-from .abi import K1_INPUTS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, pointer, scalar
+from .abi import K1_INPUTS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, gate_field, pointer, scalar
 
 K1_PARAMS = (
     *K1_INPUTS,
@@ -28,7 +28,7 @@ class K1Spec(KernelSpec):
     grid: ClassVar[tuple] = ("k1_ctas", "heads", 1)
 
     varlen: bool
-    gate: str = "safe"
+    gate: str = gate_field()
 
 
 # K1 CTAs resident per SM (registers), and the most tile slots one CTA walks: each CTA loads its
