@@ -7,7 +7,9 @@ import os
 from ..specs import KernelSpec, Param
 from . import cp_merge, decode, decode_chunk, fused_prefill, k1_prepare, k2_recurrence
 
-# kernel name → (host launch function, device kernel, dynamic shared memory bytes of a spec)
+# kernel name → (host launch function or kernel class, device kernel, dynamic shared memory bytes of a
+# spec).  A kernel class (docs/DESIGN.md, Kernels as classes) takes the codegen arguments in
+# ``__init__`` and launches in ``__call__``; its ``kernel`` is the device method.
 _KERNELS = {
     "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, lambda spec: k1_prepare.SMEM_BYTES),
     "k2_recurrence": (
@@ -20,7 +22,7 @@ _KERNELS = {
         fused_prefill.fused_prefill_kernel,
         lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers),
     ),
-    "cp_merge": (cp_merge.cp_merge_launch, cp_merge.cp_merge_kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
+    "cp_merge": (cp_merge.CpMerge, cp_merge.CpMerge.kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "kda_decode": (
         decode.kda_decode_launch,
         decode.kda_decode_kernel,
@@ -59,7 +61,15 @@ def declared_names_match(spec: KernelSpec) -> None:
     the stream and the codegen arguments by keyword; and it passes the kernel the descriptors,
     ``*params``, the static arguments and the codegen arguments, in the kernel's order."""
     launch, kernel, _ = _KERNELS[spec.kernel]
+    as_class = inspect.isclass(launch)
     kernel_params = list(inspect.signature(inspect.unwrap(kernel)).parameters)
+    if as_class:
+        kernel_params = kernel_params[1:]  # self
+        init = list(inspect.signature(launch.__init__).parameters)[1:]
+        if init != list(spec.args):
+            raise ValueError(
+                f"{spec.name}: {launch.__name__}.__init__ takes {init}, the spec's codegen arguments are {list(spec.args)}"
+            )
     runtime = [n for n in kernel_params if n not in spec.args and n not in spec.static_args]
     declared = [p.name for p in spec.params]
     if runtime != declared:
@@ -68,16 +78,17 @@ def declared_names_match(spec: KernelSpec) -> None:
     if spec.params[: len(descriptors)] != tuple(descriptors):
         raise ValueError(f"{spec.name}: the TMA descriptors must lead the parameter list")
     sources = [dict(p.recipe)["source"] for p in descriptors]
-    signature = inspect.signature(inspect.unwrap(launch)).parameters.values()
-    shape = [(p.name, p.kind) for p in signature]
+    host = inspect.unwrap(launch.__call__ if as_class else launch)
+    shape = [(p.name, p.kind) for p in inspect.signature(host).parameters.values()]
     expected = (
-        [(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
+        [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] * as_class
+        + [(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
         + [("params", inspect.Parameter.VAR_POSITIONAL)]
-        + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *spec.args)]
+        + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *([] if as_class else spec.args))]
     )
     if shape != expected:
         raise ValueError(f"{spec.name}: launch parameters {shape} != {expected}")
-    passed = _kernel_call_arguments(inspect.unwrap(launch), kernel.__name__)
+    passed = _kernel_call_arguments(host, "self.kernel" if as_class else kernel.__name__)
     wanted = [p.name for p in descriptors] + ["*params"] + list(spec.static_args) + list(spec.args)
     if passed != wanted:
         raise ValueError(f"{spec.name}: the launch passes {passed} to its kernel, expected {wanted}")
@@ -85,7 +96,8 @@ def declared_names_match(spec: KernelSpec) -> None:
 
 def _kernel_call_arguments(launch, kernel_name: str) -> list:
     """The names the launch function passes, positionally, to its kernel (from its source);
-    a starred name as ``*name``."""
+    a starred name as ``*name``, an attribute ``self.name`` (a kernel class's configuration) as
+    ``name``.  ``kernel_name``: a function's name, or ``self.kernel`` for a kernel class."""
     import ast
     import textwrap
 
@@ -93,7 +105,9 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
     calls = [
         node
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == kernel_name
+        if isinstance(node, ast.Call)
+        and ast.unparse(node.func) == kernel_name
+        and isinstance(node.func, (ast.Name, ast.Attribute))
     ]
     if len(calls) != 1 or calls[0].keywords:
         raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, *params, name, ...)")
@@ -103,6 +117,8 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
             names.append("*" + arg.value.id)
         elif isinstance(arg, ast.Name):
             names.append(arg.id)
+        elif isinstance(arg, ast.Attribute) and ast.unparse(arg.value) == "self":
+            names.append(arg.attr)
         else:
             raise ValueError(f"{launch.__name__}: the kernel call passes {ast.dump(arg)}, not a name")
     return names
@@ -116,11 +132,14 @@ def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
     declared_names_match(spec)
     launch, _, _ = _KERNELS[spec.kernel]
     args = [_fake_argument(p) for p in spec.params]
+    codegen = spec.args
+    if inspect.isclass(launch):  # a kernel class: configured by the codegen arguments
+        launch, codegen = launch(**spec.args), {}
     cute.compile(
         launch,
         *args,
         stream=cuda.CUstream(0),
-        **spec.args,
+        **codegen,
         options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
     )
     ptx = glob.glob(os.path.join(dump_dir, "*.ptx"))

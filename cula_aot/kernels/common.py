@@ -42,37 +42,15 @@ def exp2_fast(x):
     return cute.math.exp2(x, approx=True, ftz=True)
 
 
-# Per-token log2-decay floor of the unbounded gates: a token that decays by 2^-256 (or more) has
-# forgotten everything to fp32 resolution either way, and the floor keeps every cumsum of a tile
-# within 16·256, so differences of it stay exact to ~2^-11 and finite inputs stay finite.
-UNBOUNDED_GAMMA_FLOOR = -256.0
-
-
 def log2_fast(x):
     """log2(x) with the hardware approximation (lg2.approx.ftz: absolute error ~2^-22)."""
     return cute.math.log2(x, approx=True, ftz=True)
 
 
-def softplus_log2(y):
-    """log2(1 + 2^y), accurate to a few fp32 ulp for every y: a short log1p series where
-    2^y < 1/16 (lg2.approx's absolute error would dominate a small result), lg2(1 + 2^y) up to
-    y = 24, y beyond (1 + 2^y rounds to 2^y)."""
-    u = exp2_fast(y)
-    series = u * (1.0 - u * (0.5 - u * (1.0 / 3.0 - u * (0.25 - u * (0.2 - u * (1.0 / 6.0))))))
-    small = cutlass.Float32(series * cutlass.Float32(LOG2E))
-    mid = log2_fast(cutlass.Float32(1.0) + u)
-    return cutlass.Float32(cutlass.select_(y > 24.0, y, cutlass.select_(u < 0.0625, small, mid)))
-
-
-def unbounded_gamma(g, gate: str, gate_scale, gate_bias, rate):
-    """γ in log2 units of an unbounded gate, floored at ``UNBOUNDED_GAMMA_FLOOR``: "softplus"
-    −rate·log2(1 + 2^(g·gate_scale + gate_bias)) (gate_scale = log2 e, gate_bias = dt_bias·log2 e,
-    rate = e^A_log), "precomputed" min(g, 0)·log2 e (g the natural log-decay itself)."""
-    if gate == "softplus":
-        gamma = -rate * softplus_log2(g * gate_scale + gate_bias)
-    else:
-        gamma = cutlass.Float32(cutlass.min(g, cutlass.Float32(0.0)) * cutlass.Float32(LOG2E))
-    return cutlass.Float32(cutlass.max(gamma, cutlass.Float32(UNBOUNDED_GAMMA_FLOOR)))
+def vector(base: cute.Pointer, offset, count: int) -> cute.Tensor:
+    """``count`` consecutive elements at ``base + offset`` (``offset`` a multiple of ``count``),
+    so that loads and stores of the whole view are single vector accesses."""
+    return cute.make_tensor(base + cute.assume(offset, divby=count), cute.make_layout(count))
 
 
 @cute.jit

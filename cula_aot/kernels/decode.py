@@ -66,6 +66,7 @@ from ..specs import (
 )
 from .common import TRACE_HEADS, butterfly_reduce_scatter, grid_heads, kept_start, report_status
 from .warp_mma import cp_async_16
+from .gate import Gate
 from .token_step import bf16_row8, defer_decay, direct_decay, smem_run, token_loads, token_prepare
 
 WARP = 32
@@ -293,10 +294,10 @@ def _token_step(
                 state[vi * tile.kt + ki0 + c] = state[vi * tile.kt + ki0 + c] + u[vi] * kinvs[c]
 
 
-def _step_decay(gate: str, s_decay):
+def _step_decay(gate: Gate, s_decay):
     """``_token_step``'s per-token decay array: the unbounded gates decay the state token by
     token (``token_step.direct_decay``), the safe gate defers it (None)."""
-    return None if gate == "safe" else s_decay
+    return None if gate.defers_decay else s_decay
 
 
 def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n_threads: int):
@@ -362,6 +363,7 @@ def kda_decode_kernel(
     gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
+    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
     vblk, head, seq = cute.arch.block_idx()
     warp = tid // WARP
     lane = tid % WARP
@@ -488,7 +490,7 @@ def kda_decode_kernel(
             _tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound, flags, gate
         )
     cute.arch.sync_threads()
-    if cutlass.const_expr(gate == "safe"):
+    if cutlass.const_expr(gate.defers_decay):
         defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     else:
         direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
@@ -547,7 +549,7 @@ def kda_decode_kernel(
                     inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
                     inter_head = intermediate + cute.assume(inter_at, divby=D * D)
                     _store_state(
-                        state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j, gate != "safe"
+                        state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j, not gate.defers_decay
                     )
             else:
                 for t in cutlass.range(num_tokens, unroll=1):
@@ -570,7 +572,14 @@ def kda_decode_kernel(
                         _step_decay(gate, s_decay),
                     )
             _store_state(
-                state, pool_head, _tile(kv_layout, bf16_state), item_off, s_decay, num_tokens - 1, j, gate != "safe"
+                state,
+                pool_head,
+                _tile(kv_layout, bf16_state),
+                item_off,
+                s_decay,
+                num_tokens - 1,
+                j,
+                not gate.defers_decay,
             )
         cute.arch.sync_threads()
         for r in cutlass.range_constexpr(rounds):

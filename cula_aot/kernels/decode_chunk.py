@@ -52,6 +52,7 @@ import cutlass.cute as cute
 from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
 from ..specs import DECODE_CHUNK_MAX_TOKENS, DECODE_FLAG_STATUS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
 from .common import TRACE_HEADS, butterfly_reduce_scatter, kept_start, report_status
+from .gate import Gate
 from .token_step import defer_decay, smem_run, token_loads, token_prepare
 from .warp_mma import (
     bf16_as_f32,
@@ -416,6 +417,7 @@ def kda_decode_chunk_kernel(
     gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
+    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
     vblk, head, seq = cute.arch.block_idx()
     warp = tid // WARP
     lane = tid % WARP
@@ -495,7 +497,7 @@ def kda_decode_chunk_kernel(
         )
         token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate)
     cute.arch.sync_threads()
-    deferred = gate == "safe"  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
+    deferred = gate.defers_decay  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
     if cutlass.const_expr(deferred):
         defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
     else:

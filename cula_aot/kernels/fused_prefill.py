@@ -61,6 +61,7 @@ from ..layout import (
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
+from .gate import Gate
 from .prepare_tile import (
     gate_constants,
     decayed_partials,
@@ -342,6 +343,7 @@ def fused_prefill_kernel(
     checkpointing: cutlass.Constexpr[bool],
 ):
     tid, _, _ = cute.arch.thread_idx()
+    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
     _, head, seq = cute.arch.block_idx()
     warp = tid // WARP
     lane = tid % WARP
@@ -423,7 +425,7 @@ def fused_prefill_kernel(
         # them hoisted: recomputed, they spill instead.
         constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
         for mine in cutlass.range(my_tiles, unroll=1):
-            if cutlass.const_expr(gate == "softplus"):
+            if cutlass.const_expr(gate.recomputes_constants):
                 constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
             gate_scale, gate_bias, gamma_scale, has_source = constants
             i = producer + mine * producers

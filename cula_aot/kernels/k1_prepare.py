@@ -77,6 +77,7 @@ from .common import (
 from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, WORKSPACE_RECORD_BYTES
 from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
+from .gate import Gate
 from .prepare_tile import (
     gate_constants,
     decayed_partials,
@@ -182,6 +183,7 @@ def k1_prepare_kernel(
     gate: cutlass.Constexpr[str],
 ):
     tid, _, _ = cute.arch.thread_idx()
+    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
     cta, head, _ = cute.arch.block_idx()
     warp = tid // 32
     lane = tid % 32

@@ -11,14 +11,14 @@ from cutlass.cute.nvgpu import cpasync
 from .common import (
     CHUNK,
     D,
-    LOG2E,
     THREADS,
     exp2_fast,
     INPUT_BLOCKS,
     input_tile_layout,
     input_element_offset,
-    unbounded_gamma,
+    vector,
 )
+from .gate import Gate
 from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
 WARPS = THREADS // 32
@@ -74,12 +74,6 @@ def store_fragment_bf16(matrix: cute.Pointer, acc: cute.Tensor, n_tile, lane):
         words[(i * CHUNK + j) // 2] = pack_bf16x2(acc[2 * pair], acc[2 * pair + 1])
 
 
-def vector(base: cute.Pointer, offset, count: int) -> cute.Tensor:
-    """``count`` consecutive elements at ``base + offset`` (``offset`` a multiple of ``count``),
-    so that loads and stores of the whole view are single vector accesses."""
-    return cute.make_tensor(base + cute.assume(offset, divby=count), cute.make_layout(count))
-
-
 @cute.jit
 def lane_row_values(tile: cute.Pointer, row, col0, valid):
     """The 8 bf16 elements of input tile ``tile`` at (row, col0 .. col0 + 7) as fp32 (one 16-byte
@@ -121,29 +115,11 @@ def store_row_norms(vq: list, vk: list, s_norm: cute.Tensor, my_rows: tuple, war
             s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
 
 
-def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane, gate: str = "safe"):
+def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane, gate: Gate):
     """Phase B's per-CTA constants for the lane's columns, as (gate_scale, gate_bias per column,
-    gamma_scale, ``row_scan``'s has_source factors); γ in log2 units, so every decay is one ex2.
-    "safe": σ(e^A_log·(g + dt_bias)) = 1 / (1 + 2^(g·c + dt_bias·c)), c = −e^A_log·log2 e (one
-    FFMA and two MUFU ops per element), gamma_scale = lower_bound·log2 e.  "softplus": the
-    argument in log2 units (c = log2 e, dt_bias·log2 e) and gamma_scale = e^A_log.
-    "precomputed": no constants (γ = min(g, 0)·log2 e)."""
-    if gate == "precomputed":
-        gate_scale = cutlass.Float32(LOG2E)
-        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        gate_bias.fill(0.0)
-        gamma_scale = cutlass.Float32(1.0)
-    else:
-        a_value = cute.make_tensor(a_log + head, cute.make_layout(1))[0]
-        if gate == "softplus":
-            gate_scale = cutlass.Float32(LOG2E)
-        else:
-            gate_scale = -cute.math.exp(a_value) * cutlass.Float32(LOG2E)
-        bias = vector(dt_bias, head * D + col0, LANE_COLS).load()
-        gate_bias = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        for j in range(LANE_COLS):
-            gate_bias[j] = bias[j] * gate_scale
-        gamma_scale = cute.math.exp(a_value) if gate == "softplus" else lower_bound * cutlass.Float32(LOG2E)
+    gamma_scale, ``row_scan``'s has_source factors): the gate's (``Gate.tile_constants``; γ in
+    log2 units, so every decay is one ex2) and the scan's."""
+    gate_scale, gate_bias, gamma_scale = gate.tile_constants(a_log, dt_bias, head, col0, lower_bound, LANE_COLS)
     has_source = [
         cutlass.Float32(cutlass.select_(lane >= 4 << b, cutlass.Float32(1.0), cutlass.Float32(0.0))) for b in range(3)
     ]
@@ -161,7 +137,7 @@ def normalised_and_gates(
     gate_scale,
     gate_bias: cute.Tensor,
     gamma_scale,
-    gate: cutlass.Constexpr[str] = "safe",
+    gate: cutlass.Constexpr[str],  # a Gate
     qk_as_given=None,
 ):
     """Phase B: q̂ and k̂ (L2-normalised, or as given where the runtime flag ``qk_as_given`` is set;
@@ -178,13 +154,7 @@ def normalised_and_gates(
         for j in cutlass.range_constexpr(LANE_COLS):
             qhat[half][j] = (vq[half][j] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
             khat[half][j] = (vk[half][j] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-            if cutlass.const_expr(gate == "safe"):
-                logistic = cute.arch.rcp_approx(
-                    cutlass.Float32(1.0) + exp2_fast(vg[half][j] * gate_scale + gate_bias[j])
-                )
-                decay = gamma_scale * logistic
-            else:
-                decay = unbounded_gamma(vg[half][j], gate, gate_scale, gate_bias[j], gamma_scale)
+            decay = gate.tile_gamma(vg[half][j], gate_scale, gate_bias, j, gamma_scale)
             gamma[half][j] = cutlass.Float32(cutlass.select_(valid[half], decay, cutlass.Float32(0.0)))
     return qhat, khat, gamma
 
@@ -262,14 +232,14 @@ def decayed_partials(
     s_part: cute.Tensor,
     warp,
     lane,
-    gate: str,
+    gate: Gate,
     kr_from_kinv: bool = False,
 ):
     """Phases B and C after the cumsum, by ``gate``: the decayed images to ``store_images`` and
     the warp's partial products into the exchange (the safe gate: ``decayed_operands``, kr as
     ``kr_from_kinv`` says, then ``store_product_partials``; the unbounded ones:
     ``unbounded_operands``)."""
-    if gate == "safe":
+    if gate.bounded:
         kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, gtot, store_images, kr_from_kinv)
         store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
     else:

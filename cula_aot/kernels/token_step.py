@@ -6,7 +6,8 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
-from .common import LOG2E, beta_weight, exp2_fast, sigmoid, unbounded_gamma
+from .common import LOG2E, beta_weight, exp2_fast
+from .gate import Gate
 
 
 def bf16_row8(base: cute.Pointer, offset):
@@ -66,7 +67,7 @@ def token_prepare(
     hl,
     lower_bound,
     flags,
-    gate: str = "safe",
+    gate: Gate,
 ):
     """q̂, k̂ (l2norm over the half-warp, or as given under ``FLAG_QK_AS_GIVEN``; rounded to bf16),
     α = e^γ (γ by ``gate``, as in K1), k̂·q̂ and b = σ(β) (β under ``FLAG_BETA_PROBABILITY``; bits of
@@ -94,13 +95,7 @@ def token_prepare(
         fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
         fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
         kq = kq + fq[e] * fk[e]
-        if gate == "safe":
-            gamma = lower_bound * sigmoid(decay_rate * (vg[e] + bias[e]))
-            fa[e] = exp2_fast(gamma * cutlass.Float32(LOG2E))
-        else:
-            fa[e] = exp2_fast(
-                unbounded_gamma(vg[e], gate, cutlass.Float32(LOG2E), bias[e] * cutlass.Float32(LOG2E), decay_rate)
-            )
+        fa[e] = exp2_fast(gate.token_log2_gamma(vg[e], bias, e, decay_rate, lower_bound))
     for b in range(4):
         kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
     for run in range(2):  # keys col + 4·run .. + 3

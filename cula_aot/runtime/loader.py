@@ -44,13 +44,13 @@ class LoadedKernel:
             for p in record["params"]
             if p["kind"] == "tma_descriptor"
         ]
-        # What a call supplies, in ABI order: every pointer, the tensor behind every descriptor
-        # and every f32 scalar (scale, lower_bound); the i32 scalars (lengths, strides, slot
-        # counts, flags) are fixed by a launch template's call signature.
+        # What a call supplies, in ABI order: the parameters the spec declares ``per_call``
+        # (``specs.abi.Param``), a descriptor by the tensor it is encoded from; the others are
+        # fixed by a launch template's call signature.
         self.per_call = tuple(
             p["recipe"]["source"] if p["kind"] == "tma_descriptor" else p["name"]
             for p in record["params"]
-            if p["kind"] != "scalar" or p["dtype"] == "f32"
+            if p["per_call"]
         )
         self.dependent_launch = record.get("dependent_launch", False)
         # Cluster shape set at launch (the PTX of a CuTeDSL kernel does not fix it).
@@ -165,8 +165,8 @@ class LoadedKernel:
 
 
 class LaunchTemplate:
-    """A launch of one kernel whose parameters are fixed except its ``per_call`` ones (pointers,
-    descriptor sources, f32 scalars: ``launch`` takes them by name from a call's values): the
+    """A launch of one kernel whose parameters are fixed except its ``per_call`` ones (those the
+    manifest records as per call: ``launch`` takes them by name from a call's values): the
     grid, the packing order, the static values (checked once) and the TMA descriptor shapes are
     worked out at construction, so a call only fills the per-call slots, packs and launches
     (the serving fast path)."""

@@ -12,7 +12,8 @@ import json
 import os
 from pathlib import Path
 
-SCHEMA_VERSION = 2
+# 3: every parameter record says whether a call supplies it (``per_call``).
+SCHEMA_VERSION = 3
 MANIFEST_NAME = "manifest.json"
 ENV_ARTIFACTS = "CULA_AOT_ARTIFACTS"
 BUILD_HINT = "python build_kernels.py"

@@ -28,6 +28,7 @@ from .abi import (  # noqa: F401
     STATUS_POINTER,
     bound_params,
     GATES,
+    gate_field,
 )
 from .k1_prepare import (  # noqa: F401
     K1_PARAMS,

@@ -19,6 +19,10 @@ CUTEDSL_VERSION = "4.8.1"
 # Parameter kinds: a global pointer (element dtype, address alignment the kernel assumes), a
 # scalar passed by value, or a TMA descriptor (a CUtensorMap passed by value, with the recipe
 # the runtime encodes it from).  Sizes and alignments are those of the PTX ``.param`` space.
+# Each parameter also declares whether a call supplies it (``per_call``): a launch template
+# (``runtime.loader.LaunchTemplate``) packs the others once, from its call signature, and fills
+# only these per launch.  Pointers and descriptor sources are per call; scalars are static
+# unless declared otherwise (``scale`` and ``lower_bound`` are).
 POINTER_ALIGN = 16
 SCALAR_TYPES = {"i32": (4, ".u32"), "f32": (4, ".f32")}
 TMA_DESCRIPTOR_BYTES = 128
@@ -31,6 +35,9 @@ class Param:
     kind: str  # "pointer", "scalar" or "tma_descriptor"
     dtype: str  # element dtype of a pointer or descriptor, value dtype of a scalar
     recipe: tuple = ()  # tma_descriptor only: sorted (key, value) pairs, see token_tma_recipe
+    # A call supplies the value (a descriptor: the tensor it is encoded from); otherwise it is
+    # fixed by a launch template's call signature.
+    per_call: bool = False
 
     @property
     def size(self) -> int:
@@ -44,11 +51,14 @@ class Param:
 
 
 def pointer(name: str, dtype: str) -> Param:
-    return Param(name, "pointer", dtype)
+    """A global pointer: an address of this call's tensors, so always per call."""
+    return Param(name, "pointer", dtype, per_call=True)
 
 
-def scalar(name: str, dtype: str) -> Param:
-    return Param(name, "scalar", dtype)
+def scalar(name: str, dtype: str, *, per_call: bool = False) -> Param:
+    """A scalar passed by value; ``per_call``: supplied by each launch (else fixed by the launch
+    template's call signature: lengths, strides, slot counts, flags)."""
+    return Param(name, "scalar", dtype, per_call=per_call)
 
 
 def token_tma(name: str, source: str) -> Param:
@@ -80,6 +90,7 @@ def token_tma(name: str, source: str) -> Param:
         "tma_descriptor",
         "bf16",
         tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in recipe.items())),
+        per_call=True,  # the descriptor's address is the source tensor's, a call's
     )
 
 
@@ -89,7 +100,15 @@ def abi_layout(params) -> list[dict]:
     records, offset = [], 0
     for p in params:
         offset = -(-offset // p.align) * p.align
-        record = {"name": p.name, "kind": p.kind, "dtype": p.dtype, "size": p.size, "align": p.align, "offset": offset}
+        record = {
+            "name": p.name,
+            "kind": p.kind,
+            "dtype": p.dtype,
+            "size": p.size,
+            "align": p.align,
+            "offset": offset,
+            "per_call": p.per_call,
+        }
         if p.kind == "pointer":
             record["address_align"] = POINTER_ALIGN
         if p.kind == "tma_descriptor":
@@ -97,6 +116,14 @@ def abi_layout(params) -> list[dict]:
         records.append(record)
         offset += p.size
     return records
+
+
+def gate_field():
+    """The ``gate`` codegen field of a spec whose kernel computes the per-token decay (K1, the
+    fused prefill, decode): one of ``gates.GATES``, default ``gates.DEFAULT_GATE``, validated with
+    every other field that declares its choices (``KernelSpec.__post_init__``).  The kernel asks
+    it through ``kernels.gate.Gate``."""
+    return dataclasses.field(default=DEFAULT_GATE, metadata={"choices": GATES})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +145,11 @@ class KernelSpec:
     dependent_launch: ClassVar[bool] = False
 
     def __post_init__(self):
-        gate = getattr(self, "gate", DEFAULT_GATE)
-        if gate not in GATES:
-            raise ValueError(f"{type(self).__name__}: gate must be one of {GATES}, got {gate!r}")
+        for field in dataclasses.fields(self):
+            choices = field.metadata.get("choices")
+            value = getattr(self, field.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{type(self).__name__}: {field.name} must be one of {choices}, got {value!r}")
 
     @property
     def args(self) -> dict:

@@ -5,7 +5,8 @@ that picks one per call from N·H, T and the pool."""
 import dataclasses
 from typing import ClassVar
 
-from .abi import GATES, STATUS_POINTER, KernelSpec, pointer, scalar
+from ..gates import DEFAULT_GATE
+from .abi import GATES, STATUS_POINTER, KernelSpec, gate_field, pointer, scalar
 
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
@@ -40,8 +41,8 @@ DECODE_PARAMS = (
     scalar("index_offset", "i32"),
     scalar("out_stride_n", "i32"),
     scalar("out_stride_t", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     scalar("flags", "i32"),
 )
 
@@ -93,7 +94,7 @@ class DecodeSpec(KernelSpec):
     bf16_state: bool
     v_block: int
     items: int = 1
-    gate: str = "safe"
+    gate: str = gate_field()
 
     @property
     def params(self) -> tuple:
@@ -149,7 +150,7 @@ class DecodeChunkSpec(KernelSpec):
 
     warps: int
     items: int = 1
-    gate: str = "safe"
+    gate: str = gate_field()
 
     @property
     def params(self) -> tuple:
@@ -202,7 +203,7 @@ def pick_variant(
     bf16_state: bool,
     state_layout: str = "vk",
     intermediates: bool = False,
-    gate: str = "safe",
+    gate: str = DEFAULT_GATE,
 ) -> tuple:
     """The kernel to launch: ``("chunk", warps, items)`` for the tensor-core chunk kernel, else the
     token kernel's (v_block, items); chosen from every variant timed per row on an H200
@@ -232,7 +233,7 @@ def pick_variant(
     return (32, 2) if tokens == 1 and nh >= DECODE_LARGE_HEADS else (32, 1)
 
 
-def variant_spec(variant: tuple, bf16_state: bool, state_layout: str, gate: str = "safe"):
+def variant_spec(variant: tuple, bf16_state: bool, state_layout: str, gate: str = DEFAULT_GATE):
     """The spec of a ``pick_variant`` result for ``gate``."""
     if variant[0] == "chunk":
         return DecodeChunkSpec(warps=variant[1], items=variant[2], gate=gate)

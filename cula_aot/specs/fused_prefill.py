@@ -5,7 +5,8 @@ register split and the rule that picks it over K1 then K2."""
 import dataclasses
 from typing import ClassVar
 
-from .abi import CHECKPOINT_PARAMS, K1_INPUTS, KernelSpec, bound_params, pointer, scalar, state_params
+from ..gates import DEFAULT_GATE
+from .abi import CHECKPOINT_PARAMS, K1_INPUTS, KernelSpec, gate_field, bound_params, pointer, scalar, state_params
 
 FUSED_PARAMS = (
     *K1_INPUTS,
@@ -23,8 +24,8 @@ FUSED_PARAMS = (
     *state_params("init"),
     *state_params("final"),
     scalar("flags", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     *bound_params("init", "final"),
     *CHECKPOINT_PARAMS,
 )
@@ -56,7 +57,7 @@ class FusedSpec(KernelSpec):
 
     stages: int = FUSED_STAGES
     producers: int = FUSED_PRODUCERS
-    gate: str = "safe"
+    gate: str = gate_field()
     checkpointing: bool = False  # prefix-cache checkpoint writes, as ``K2Spec.checkpointing``
 
     @property
@@ -81,7 +82,7 @@ FUSED_LONG_MIN_WAVES = 0.7
 FUSED_LONG_MIN_MEAN_TILES = 512
 
 
-def fused_spec(gate: str = "safe", checkpointing: bool = False) -> FusedSpec:
+def fused_spec(gate: str = DEFAULT_GATE, checkpointing: bool = False) -> FusedSpec:
     """The fused prefill the runtime launches for ``gate`` (fixed and varlen input alike:
     ``FLAG_VARLEN``), with or without checkpoint writes."""
     return FusedSpec(gate=gate, checkpointing=checkpointing)

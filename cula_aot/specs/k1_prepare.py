@@ -3,7 +3,7 @@
 import dataclasses
 from typing import ClassVar
 
-from .abi import K1_INPUTS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, pointer, scalar
+from .abi import K1_INPUTS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, gate_field, pointer, scalar
 
 K1_PARAMS = (
     *K1_INPUTS,
@@ -12,8 +12,8 @@ K1_PARAMS = (
     *SEQUENCE_SCALARS,
     scalar("beta_row_stride", "i32"),
     scalar("tiles_per_cta", "i32"),
-    scalar("scale", "f32"),
-    scalar("lower_bound", "f32"),
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
     scalar("flags", "i32"),  # the input conventions (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
 )
 
@@ -28,7 +28,7 @@ class K1Spec(KernelSpec):
     grid: ClassVar[tuple] = ("k1_ctas", "heads", 1)
 
     varlen: bool
-    gate: str = "safe"
+    gate: str = gate_field()
 
 
 # K1 CTAs resident per SM (registers), and the most tile slots one CTA walks: each CTA loads its

@@ -202,3 +202,15 @@ def test_auto_fused_takes_many_long_items_only():
         spec.grid == (1, "heads", "num_seqs")
         and spec.name == "fused_prefill_stages4_producers2_gatesafe_checkpointing0"
     )
+
+
+def test_per_call_parameters_are_declared_as_the_launches_supply_them():
+    """Every pointer and descriptor source is per call, and of the scalars exactly ``scale`` and
+    ``lower_bound`` (the i32 lengths, strides, slot counts and flags are fixed by a launch
+    template's call signature); the manifest records it per parameter."""
+    from cula_aot.specs import abi_layout, default_specs
+
+    for spec in default_specs():
+        for param, record in zip(spec.params, abi_layout(spec.params)):
+            expected = param.kind != "scalar" or param.name in ("scale", "lower_bound")
+            assert param.per_call is expected and record["per_call"] is expected, (spec.name, param.name)

@@ -35,7 +35,7 @@ def test_a_reordered_kernel_call_is_caught(monkeypatch):
 def test_a_kernel_signature_off_the_spec_is_caught(monkeypatch):
     from cula_aot.kernels import cp_merge
 
-    kernel = inspect.unwrap(cp_merge.cp_merge_kernel)
+    kernel = inspect.unwrap(cp_merge.CpMerge.kernel)
     names = list(inspect.signature(kernel).parameters.values())
     i = [p.name for p in names].index("num_seqs")
     names[i], names[i + 1] = names[i + 1], names[i]

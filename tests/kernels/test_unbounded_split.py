@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("cutlass")
 
 from cula_aot.kernels import prepare_tile as k1  # noqa: E402
-from cula_aot.kernels.common import UNBOUNDED_GAMMA_FLOOR  # noqa: E402
+from cula_aot.kernels.gate import UNBOUNDED_GAMMA_FLOOR  # noqa: E402
 from cula_aot.layout import CHUNK, D  # noqa: E402
 from tests.kernels.test_k1_fragments import LANES, _lane_values, _mma_m16n8k8  # noqa: E402
 

@@ -286,3 +286,63 @@ def test_cluster_kernel_launches_with_its_cluster_shape(manifest_path):
     assert alone.numAttrs == 1 and alone.attrs[0].id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     with pytest.raises(ValueError, match="clusters"):
         kernel._ex_config((3, 4, 3), 4096, 0, dependent=False)
+
+
+def _fake_record(params) -> dict:
+    records = abi_layout(params)
+    return {
+        "block": [128, 1, 1],
+        "dynamic_smem_bytes": 0,
+        "grid": [1, "heads", 1],
+        "params": records,
+        "param_bytes": records[-1]["offset"] + records[-1]["size"],
+    }
+
+
+def test_per_call_is_read_from_the_record_not_the_dtype():
+    from cula_aot.specs import pointer, scalar
+
+    params = (
+        pointer("x", "f32"),
+        scalar("length", "i32"),  # static: fixed by the template
+        scalar("offset", "i32", per_call=True),  # a per-call integer
+        scalar("scale", "f32", per_call=True),
+        scalar("damping", "f32"),  # a static float
+    )
+    record = _fake_record(params)
+    assert [r["per_call"] for r in record["params"]] == [True, False, True, True, False]
+    kernel = LoadedKernel("fake", record, function=None)
+    assert kernel.per_call == ("x", "offset", "scale")
+
+
+def test_a_cached_template_takes_declared_per_call_integers_per_call(monkeypatch):
+    """A per-call i32 changes between two launches of one cached template; a static one keeps
+    the value the template was built with, whatever a call's values say."""
+    import struct
+
+    from cula_aot.specs import pointer, scalar
+
+    params = (
+        pointer("x", "f32"),
+        scalar("length", "i32"),
+        scalar("offset", "i32", per_call=True),
+        scalar("scale", "f32", per_call=True),
+    )
+    kernel = LoadedKernel("fake", _fake_record(params), function=None)
+    launched = []
+    monkeypatch.setattr(kernel, "launch_packed", lambda packed, grid, stream, dependent=False: launched.append(packed))
+    template = kernel.template({"heads": 2, "length": 7})
+    offsets = {r["name"]: r["offset"] for r in kernel.record["params"]}
+
+    def unpacked(blob):
+        return (
+            int.from_bytes(blob[offsets["x"] :][:8], "little"),
+            struct.unpack_from("<i", blob, offsets["length"])[0],
+            struct.unpack_from("<i", blob, offsets["offset"])[0],
+            struct.unpack_from("<f", blob, offsets["scale"])[0],
+        )
+
+    template.launch({"x": 0x1000, "offset": 3, "scale": 0.5, "length": 99}, stream=0)
+    template.launch({"x": 0x2000, "offset": -4, "scale": 2.0, "length": 99}, stream=0)
+    assert [unpacked(b) for b in launched] == [(0x1000, 7, 3, 0.5), (0x2000, 7, -4, 2.0)]
+    assert template.grid == (1, 2, 1)
