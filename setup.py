@@ -8,6 +8,7 @@ Metadata lives in pyproject.toml; the version is read from ``cula_aot/_version.p
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -21,10 +22,11 @@ class BuildPyWithCubins(build_py):
         super().run()
         manifest_path = ROOT / "manifest.json"
         if not manifest_path.is_file():
+            # This tree's kernels, not an installed (e.g. editable) cula_aot elsewhere.
+            sys.path.insert(0, str(ROOT))
             from cula_aot.compiler.builder import build
-            from cula_aot.specs import DEFAULT_HEADS
 
-            build(ROOT, DEFAULT_HEADS)
+            build(ROOT)  # every specialization, all cores; writes ROOT/manifest.json last
         manifest = json.loads(manifest_path.read_text())
         target = Path(self.build_lib) / "cula_aot" / "_prebuilt"
         if target.exists():

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Refit the intracard-CP planner's constants (``cula_aot.ops.cp_plan``) to measured splits:
 
-    python3 -m benchmarks.fit_cp_plan docs/bench/2026-12-01_cp_sweep.json new_run.json [--top 8]
+    python3 -m benchmarks.fit_cp_plan docs/bench/cp_sweep.json new_run.json [--top 8]
 
 Reads every row of the ``cp_sweep`` and ``cp_long`` sections (graph ms of serial and of each
 forced split) and the forced splits of the ``gates`` rows, then searches CTAS_PER_SM, MERGE_STEP

@@ -21,7 +21,9 @@ def _info(manifest: Manifest) -> int:
         f"CuTeDSL       {data['cutedsl_version']} ({', '.join(f'{k} {v}' for k, v in data['distributions'].items())})"
     )
     print(f"ptxas         {data.get('ptxas_version')}")
-    print("head counts   any: H is the launch grid's, no kernel is built per head count")
+    gates = sorted({r["args"]["gate"] for r in manifest.kernels.values() if "gate" in r.get("args", {})})
+    print(f"gates         {', '.join(gates)}")
+    print("heads         every kernel runs any H >= 1 (H is a launch value, not a build argument)")
     print(f"kernels       {len(manifest.kernels)} cubins, {sizes / 1e6:.1f} MB")
     by_kernel: dict[str, list] = {}
     for name, rec in manifest.kernels.items():
@@ -55,7 +57,7 @@ def _verify(manifest: Manifest) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cula_aot", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="package, toolchain, arch, head counts, kernels and sizes")
+    sub.add_parser("info", help="package, toolchain, arch, gates, kernels and sizes")
     sub.add_parser("verify", help="sha256 of every artifact; exit 1 on any mismatch")
     bench = sub.add_parser("bench", help="run the prefill benchmark (needs an sm_90a GPU)")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to python -m benchmarks.bench_prefill")

@@ -192,7 +192,7 @@ def test_gates_table_shows_the_best_forced_split(bench):
 
 def test_cp_fit_reads_the_planner_data_and_restores_the_constants():
     fit = _load_script(ROOT / "benchmarks" / "fit_cp_plan.py")
-    sweep = json.loads((ROOT / "docs" / "bench" / "2026-12-01_cp_sweep.json").read_text())
+    sweep = json.loads((ROOT / "docs" / "bench" / "cp_sweep.json").read_text())
     gates = {
         "gates": [
             {"H": 12, "lengths": [2048], "ours_graph_ms": 0.09, "cp_2_graph_ms": 0.08, "cp_4_graph_ms": 0.06},

@@ -22,8 +22,11 @@ def _cli(*args, env=None):
 def test_info_lists_toolchain_and_kernels():
     result = _cli("info")
     assert result.returncode == 0, result.stderr
-    for word in ("sm_90a", "CuTeDSL", "ptxas", "head counts", "k1_prepare", "k2_recurrence", "cp_merge"):
+    for word in ("sm_90a", "CuTeDSL", "ptxas", "k1_prepare", "k2_recurrence", "cp_merge", "any H >= 1"):
         assert word in result.stdout
+    assert "head counts" not in result.stdout  # no kernel is built per head count
+    gates = next(line for line in result.stdout.splitlines() if line.startswith("gates"))
+    assert all(gate in gates for gate in ("safe", "softplus", "precomputed"))
 
 
 def test_verify_passes_then_fails_on_a_tampered_copy(artifact_copy):
