@@ -77,14 +77,31 @@ def unsupported(
     return None
 
 
-def _check(reason):
+def _kda_options(fla_args: dict, safe_gate: bool) -> dict:
+    """``kda_prefill``'s options for an fla entry's arguments (``fla_args``, by fla's names): the call
+    refused first when ``unsupported``; the gate (``gates.fla_gate``), the input conventions, the
+    state layout, scale and cu_seqlens."""
+    reason = unsupported(**fla_args)
     if reason is not None:
         raise KDAInputError(reason)
-
-
-def _conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel) -> dict:
-    """kda_prefill's input conventions for fla's flags."""
-    return {"qk_l2norm": bool(use_qk_l2norm_in_kernel), "beta_sigmoid": bool(use_beta_sigmoid_in_kernel)}
+    q = fla_args["q"]
+    gate = fla_gate(
+        fla_args["use_gate_in_kernel"],
+        safe_gate,
+        fla_args["lower_bound"],
+        fla_args["A_log"],
+        fla_args["dt_bias"],
+        q.shape[2],
+        q.device,
+    )
+    return {
+        **gate,
+        "qk_l2norm": bool(fla_args["use_qk_l2norm_in_kernel"]),
+        "beta_sigmoid": bool(fla_args["use_beta_sigmoid_in_kernel"]),
+        "state_layout": "vk" if fla_args["state_v_first"] else "kv",
+        "scale": fla_args["scale"],
+        "cu_seqlens": fla_args["cu_seqlens"],
+    }
 
 
 def chunk_kda(
@@ -119,35 +136,17 @@ def chunk_kda(
     ``[N, H, K, V]`` (fla's default) or ``[N, H, V, K]`` with ``state_v_first``, fp32 or bf16;
     ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` (fla's own execution options) are
     accepted and have nothing to change here.  Raises ``KDAInputError`` for what is ``unsupported``."""
-    _check(
-        unsupported(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-            return_intermediate_states=return_intermediate_states,
-            cp_context=cp_context,
-        )
-    )
-    gate = fla_gate(use_gate_in_kernel, safe_gate, lower_bound, A_log, dt_bias, q.shape[2], q.device)
+    options = _kda_options(locals(), safe_gate)
     return kda_prefill(
         q,
         k,
         v,
         g,
         beta,
-        scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
-        state_layout="vk" if state_v_first else "kv",
-        **gate,
-        **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel),
+        **options,
     )
 
 
@@ -223,30 +222,8 @@ def _recurrent(
     """fla's ``fused_recurrent_kda_fwd`` (argument order and defaults as there): in place into
     ``initial_state`` (slot ``ssm_state_indices[n]`` for sequence n, when given) or into a new
     fp32 final state; ``out`` written when given."""
-    _check(
-        unsupported(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=allow_neg_eigval,
-            num_accepted_tokens=num_accepted_tokens,
-            ssm_state_indices=ssm_state_indices,
-        )
-    )
-    gate = fla_gate(use_gate_in_kernel, lower_bound is not None, lower_bound, A_log, dt_bias, q.shape[2], q.device)
-    options = dict(
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        state_layout="vk" if state_v_first else "kv",
-        out=out,
-        intracard_cp=False,
-        **gate,
-        **_conventions(use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel),
-    )
+    options = _kda_options(locals(), lower_bound is not None)
+    options.update(out=out, intracard_cp=False)
     if inplace_final_state:
         if initial_state is None:
             raise KDAInputError("inplace_final_state=True needs an initial_state to update")

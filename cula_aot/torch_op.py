@@ -20,8 +20,10 @@ updated in place (``state_pool`` and, when given, ``intermediate_states`` are de
 returns a new output shaped like ``v``.  ``intermediate_states`` is positional and required
 (pass None).  Sync-free and capturable like the eager entry.
 
-The three schemas share their leading inputs (``INPUTS``, written once); the CUDA kernels and
-the fake (meta) implementations are registered on them by name.
+The three schemas share their leading inputs (``INPUTS``, written once), and the schemas are the
+one spelling of the ops' arguments: the CUDA kernels and the fake (meta) implementations take
+them by name as the schema binds them (``_bind``) and map them onto ``PrefillCall.build`` /
+``DecodeCall.build``.
 """
 
 import torch
@@ -50,169 +52,64 @@ SCHEMAS = {
 for _name, _schema in SCHEMAS.items():
     torch.library.define(f"cula_aot::{_name}", _schema)
 
+# Each op's arguments by position, with the schema's defaults.
+_ARGUMENTS = {
+    name: [
+        (a.name, a.default_value if a.has_default_value() else None) for a in torch._C.parse_schema(f"x{s}").arguments
+    ]
+    for name, s in SCHEMAS.items()
+}
 
-@torch.library.impl("cula_aot::kda_prefill", "cuda")
-def kda_prefill_op(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    cu_seqlens_cpu=None,
-    state_layout="vk",
-    intracard_cp=0,
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-):
-    options = locals()
-    options["intracard_cp"] = _CP_MODES.get(intracard_cp, intracard_cp)
+
+def _bind(op: str, args: tuple, kwargs: dict) -> dict:
+    """``op``'s arguments by name, as its schema binds ``args`` and ``kwargs`` (defaults filled)."""
+    names = _ARGUMENTS[op]
+    bound = {name: default for name, default in names[len(args) :]}
+    bound.update(zip((name for name, _ in names), args))
+    bound.update(kwargs)
+    return bound
+
+
+def kda_prefill_op(*args, **kwargs):
+    options = _bind("kda_prefill", args, kwargs)
+    options["intracard_cp"] = _CP_MODES.get(options["intracard_cp"], options["intracard_cp"])
     o, final_state = prefill.run(PrefillCall.build(**options))
-    return o, (final_state if final_state is not None else q.new_empty(0, dtype=torch.float32))
+    return o, (final_state if final_state is not None else options["q"].new_empty(0, dtype=torch.float32))
 
 
-@torch.library.register_fake("cula_aot::kda_prefill")
-def fake_prefill(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    scale=None,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    cu_seqlens_cpu=None,
-    state_layout="vk",
-    intracard_cp=0,
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-):
-    heads = q.shape[2]
+def fake_prefill(*args, **kwargs):
+    a = _bind("kda_prefill", args, kwargs)
+    q, cu_seqlens = a["q"], a["cu_seqlens"]
     num_seqs = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    final_shape = (num_seqs, heads, D, D) if output_final_state else (0,)
-    return torch.empty_like(v), q.new_empty(final_shape, dtype=torch.float32)
+    final_shape = (num_seqs, q.shape[2], D, D) if a["output_final_state"] else (0,)
+    return torch.empty_like(a["v"]), q.new_empty(final_shape, dtype=torch.float32)
 
 
-@torch.library.impl("cula_aot::kda_prefill_pool", "cuda")
-def kda_prefill_pool_op(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    state_pool,
-    state_indices,
-    scale=None,
-    cu_seqlens=None,
-    state_layout="vk",
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-    checkpoint_every=0,
-    checkpoint_pool=None,
-    checkpoint_indices=None,
-    checkpoint_offsets=None,
-):
-    options = locals()
-    state_pool, state_indices = options.pop("state_pool"), options.pop("state_indices")
-    o, _ = prefill.run(
-        PrefillCall.build(
-            **options,
-            initial_state=state_pool,
-            final_state=state_pool,
-            state_indices=state_indices,
-            intracard_cp=False,
-        )
-    )
+def kda_prefill_pool_op(*args, **kwargs):
+    options = _bind("kda_prefill_pool", args, kwargs)
+    pool = options.pop("state_pool")
+    o, _ = prefill.run(PrefillCall.build(**options, initial_state=pool, final_state=pool, intracard_cp=False))
     return o
 
 
-@torch.library.register_fake("cula_aot::kda_prefill_pool")
-def fake_prefill_pool(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    state_pool,
-    state_indices,
-    scale=None,
-    cu_seqlens=None,
-    state_layout="vk",
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-    checkpoint_every=0,
-    checkpoint_pool=None,
-    checkpoint_indices=None,
-    checkpoint_offsets=None,
-):
+def fake_prefill_pool(*args, **kwargs):
+    q = _bind("kda_prefill_pool", args, kwargs)["q"]
     return torch.empty(q.shape, dtype=torch.bfloat16, device=q.device)
 
 
-@torch.library.impl("cula_aot::kda_decode", "cuda")
-def kda_decode_op(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    state_pool,
-    state_indices,
-    intermediate_states,
-    scale=None,
-    num_tokens=None,
-    state_layout="vk",
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-):
-    return decode.run(DecodeCall.build(**locals()))
+def kda_decode_op(*args, **kwargs):
+    return decode.run(DecodeCall.build(**_bind("kda_decode", args, kwargs)))
 
 
-@torch.library.register_fake("cula_aot::kda_decode")
-def fake_decode(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    A_log,
-    dt_bias,
-    lower_bound,
-    state_pool,
-    state_indices,
-    intermediate_states,
-    scale=None,
-    num_tokens=None,
-    state_layout="vk",
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-):
+def fake_decode(*args, **kwargs):
+    v = _bind("kda_decode", args, kwargs)["v"]
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
 
 
-# Each op's shape-only implementation, by name (a CPU test checks the schemas with them).
+# Each op's CUDA implementation and shape-only implementation, by name (a CPU test checks the
+# schemas with the fakes, and the implementations' calls against the eager entry points').
+IMPLS = {"kda_prefill": kda_prefill_op, "kda_prefill_pool": kda_prefill_pool_op, "kda_decode": kda_decode_op}
 FAKES = {"kda_prefill": fake_prefill, "kda_prefill_pool": fake_prefill_pool, "kda_decode": fake_decode}
+for _name in SCHEMAS:
+    torch.library.impl(f"cula_aot::{_name}", "cuda")(IMPLS[_name])
+    torch.library.register_fake(f"cula_aot::{_name}")(FAKES[_name])

@@ -16,6 +16,77 @@ from ..gates import DEFAULT_GATE, GateArgs, resolve_gate
 from .checks import input_flags, kernel_dtypes
 
 
+# The keyword arguments of ``kda_prefill`` (``fwd`` and the ops take the same names) with their
+# defaults, and the path overrides ``v_block`` / ``fused`` (``paths.choose_path``).  The public
+# signatures spell the same defaults for their readers; tests/ops/test_call.py holds them equal.
+PREFILL_OPTIONS = {
+    "A_log": None,
+    "dt_bias": None,
+    "lower_bound": None,
+    "gate": DEFAULT_GATE,
+    "scale": None,
+    "initial_state": None,
+    "output_final_state": False,
+    "cu_seqlens": None,
+    "cu_seqlens_cpu": None,
+    "state_layout": "vk",
+    "intracard_cp": "auto",
+    "out": None,
+    "final_state": None,
+    "state_indices": None,
+    "check_seqlens": "auto",
+    "status": None,
+    "beta_sigmoid": True,
+    "qk_l2norm": True,
+    "checkpoint_every": 0,
+    "checkpoint_pool": None,
+    "checkpoint_indices": None,
+    "checkpoint_offsets": None,
+    "v_block": None,
+    "fused": None,
+}
+REQUIRED = object()  # an option without a default
+# ``kda_decode``'s keyword arguments, likewise, and the ``variant`` override.
+DECODE_OPTIONS = {
+    "A_log": None,
+    "dt_bias": None,
+    "lower_bound": None,
+    "gate": DEFAULT_GATE,
+    "scale": None,
+    "state_pool": REQUIRED,
+    "state_indices": REQUIRED,
+    "out": None,
+    "num_tokens": None,
+    "state_layout": "vk",
+    "intermediate_states": None,
+    "status": None,
+    "beta_sigmoid": True,
+    "qk_l2norm": True,
+    "variant": None,
+}
+
+
+def _options(defaults: dict, given: dict, entry: str) -> dict:
+    """``given`` over ``defaults``; an unknown or a missing required name is a TypeError, as a
+    signature would raise."""
+    options = {**defaults, **given}
+    if len(options) != len(defaults):
+        unknown = ", ".join(sorted(given.keys() - defaults.keys()))
+        raise TypeError(f"{entry}() got unexpected keyword argument(s): {unknown}")
+    missing = [name for name, value in options.items() if value is REQUIRED]
+    if missing:
+        raise TypeError(f"{entry}() missing required keyword argument(s): {', '.join(missing)}")
+    return options
+
+
+def _inputs(q, k, v, g, beta, options: dict) -> tuple:
+    """The fields every call starts with: the five inputs (g and β in the kernels' dtype), the
+    resolved gate, scale and the input-convention bits."""
+    g, beta = kernel_dtypes(g, beta)
+    gate = resolve_gate(options["gate"], options["A_log"], options["dt_bias"], options["lower_bound"], q)
+    return q, k, v, g, beta, gate, options["scale"], input_flags(options["beta_sigmoid"], options["qk_l2norm"])
+
+
 class CheckpointSink(NamedTuple):
     """Where a prefill writes its prefix-cache checkpoints (``kda_prefill``'s ``checkpoint_*``):
     the period in tokens (0: none), the pool, the slot map ``[N, M]`` and the optional per-sequence
@@ -64,68 +135,31 @@ class PrefillCall(NamedTuple):
     fused: bool | None = None
 
     @classmethod
-    def build(
-        cls,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        *,
-        A_log=None,
-        dt_bias=None,
-        lower_bound=None,
-        gate=DEFAULT_GATE,
-        scale=None,
-        initial_state=None,
-        output_final_state=False,
-        cu_seqlens=None,
-        cu_seqlens_cpu=None,
-        state_layout="vk",
-        intracard_cp="auto",
-        out=None,
-        final_state=None,
-        state_indices=None,
-        check_seqlens="auto",
-        status=None,
-        beta_sigmoid=True,
-        qk_l2norm=True,
-        checkpoint_every=0,
-        checkpoint_pool=None,
-        checkpoint_indices=None,
-        checkpoint_offsets=None,
-        v_block=None,
-        fused=None,
-    ) -> "PrefillCall":
-        """The call of ``kda_prefill``'s arguments (and the two path overrides)."""
-        gate_args = resolve_gate(gate, A_log, dt_bias, lower_bound, q)
-        g, beta = kernel_dtypes(g, beta)
-        if state_indices is not None and output_final_state and final_state is None:
-            final_state = initial_state  # a pool's final states go back where they came from
-        sink = CheckpointSink(checkpoint_every, checkpoint_pool, checkpoint_indices, checkpoint_offsets)
+    def build(cls, q, k, v, g, beta, **options) -> "PrefillCall":
+        """The call of ``kda_prefill``'s keyword arguments (``PREFILL_OPTIONS``; and the two path
+        overrides)."""
+        o = _options(PREFILL_OPTIONS, options, "kda_prefill")
+        final_state = o["final_state"]
+        if o["state_indices"] is not None and o["output_final_state"] and final_state is None:
+            final_state = o["initial_state"]  # a pool's final states go back where they came from
         return cls(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            gate_args,
-            scale,
-            input_flags(beta_sigmoid, qk_l2norm),
-            initial_state,
+            *_inputs(q, k, v, g, beta, o),
+            o["initial_state"],
             final_state,
-            output_final_state,
-            state_indices,
-            state_layout,
-            out,
-            cu_seqlens,
-            cu_seqlens_cpu,
-            check_seqlens,
-            intracard_cp,
-            status,
-            sink,
-            v_block,
-            fused,
+            o["output_final_state"],
+            o["state_indices"],
+            o["state_layout"],
+            o["out"],
+            o["cu_seqlens"],
+            o["cu_seqlens_cpu"],
+            o["check_seqlens"],
+            o["intracard_cp"],
+            o["status"],
+            CheckpointSink(
+                o["checkpoint_every"], o["checkpoint_pool"], o["checkpoint_indices"], o["checkpoint_offsets"]
+            ),
+            o["v_block"],
+            o["fused"],
         )
 
     def signature(self) -> tuple:
@@ -192,48 +226,18 @@ class DecodeCall(NamedTuple):
     variant: tuple | None = None
 
     @classmethod
-    def build(
-        cls,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        *,
-        A_log=None,
-        dt_bias=None,
-        lower_bound=None,
-        gate=DEFAULT_GATE,
-        scale=None,
-        state_pool,
-        state_indices,
-        out=None,
-        num_tokens=None,
-        state_layout="vk",
-        intermediate_states=None,
-        status=None,
-        beta_sigmoid=True,
-        qk_l2norm=True,
-        variant=None,
-    ) -> "DecodeCall":
-        """The call of ``kda_decode``'s arguments (and the variant override)."""
-        gate_args = resolve_gate(gate, A_log, dt_bias, lower_bound, q)
-        g, beta = kernel_dtypes(g, beta)
+    def build(cls, q, k, v, g, beta, **options) -> "DecodeCall":
+        """The call of ``kda_decode``'s keyword arguments (``DECODE_OPTIONS``; and the variant
+        override)."""
+        o = _options(DECODE_OPTIONS, options, "kda_decode")
         return cls(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            gate_args,
-            scale,
-            input_flags(beta_sigmoid, qk_l2norm),
-            state_pool,
-            state_indices,
-            out,
-            num_tokens,
-            state_layout,
-            intermediate_states,
-            status,
-            variant,
+            *_inputs(q, k, v, g, beta, o),
+            o["state_pool"],
+            o["state_indices"],
+            o["out"],
+            o["num_tokens"],
+            o["state_layout"],
+            o["intermediate_states"],
+            o["status"],
+            o["variant"],
         )
