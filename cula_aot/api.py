@@ -110,7 +110,7 @@ def kda_prefill(
     state and every other slot of the pool are untouched).  ``cula_aot.layout.checkpoint_tiles``
     lists the (tile, column) pairs a sequence writes.
     """
-    return prefill.run(PrefillCall.build(**locals()))
+    return prefill.run(PrefillCall.of(locals()))
 
 
 def fwd(
@@ -151,7 +151,7 @@ def fwd(
     """
     if out is None:
         fail("fwd writes in place: out must be a bf16 tensor shaped like v")
-    prefill.run(PrefillCall.build(**locals()))
+    prefill.run(PrefillCall.of(locals()))
 
 
 def preload(device=None) -> int:
@@ -210,4 +210,4 @@ def kda_decode(
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
-    return decode.run(DecodeCall.build(**locals()))
+    return decode.run(DecodeCall.of(locals()))

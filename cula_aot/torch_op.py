@@ -73,7 +73,7 @@ def _bind(op: str, args: tuple, kwargs: dict) -> dict:
 def kda_prefill_op(*args, **kwargs):
     options = _bind("kda_prefill", args, kwargs)
     options["intracard_cp"] = _CP_MODES.get(options["intracard_cp"], options["intracard_cp"])
-    o, final_state = prefill.run(PrefillCall.build(**options))
+    o, final_state = prefill.run(PrefillCall.of(options))
     return o, (final_state if final_state is not None else options["q"].new_empty(0, dtype=torch.float32))
 
 
@@ -98,7 +98,7 @@ def fake_prefill_pool(*args, **kwargs):
 
 
 def kda_decode_op(*args, **kwargs):
-    return decode.run(DecodeCall.build(**_bind("kda_decode", args, kwargs)))
+    return decode.run(DecodeCall.of(_bind("kda_decode", args, kwargs)))
 
 
 def fake_decode(*args, **kwargs):

@@ -17,8 +17,8 @@ from .checks import input_flags, kernel_dtypes
 
 
 # The keyword arguments of ``kda_prefill`` (``fwd`` and the ops take the same names) with their
-# defaults, and the path overrides ``v_block`` / ``fused`` (``paths.choose_path``).  The public
-# signatures spell the same defaults for their readers; tests/ops/test_call.py holds them equal.
+# defaults.  The public signatures spell the same defaults for their readers;
+# tests/ops/test_call.py holds them equal.
 PREFILL_OPTIONS = {
     "A_log": None,
     "dt_bias": None,
@@ -42,11 +42,9 @@ PREFILL_OPTIONS = {
     "checkpoint_pool": None,
     "checkpoint_indices": None,
     "checkpoint_offsets": None,
-    "v_block": None,
-    "fused": None,
 }
 REQUIRED = object()  # an option without a default
-# ``kda_decode``'s keyword arguments, likewise, and the ``variant`` override.
+# ``kda_decode``'s keyword arguments, likewise.
 DECODE_OPTIONS = {
     "A_log": None,
     "dt_bias": None,
@@ -62,29 +60,44 @@ DECODE_OPTIONS = {
     "status": None,
     "beta_sigmoid": True,
     "qk_l2norm": True,
-    "variant": None,
 }
 
 
-def _options(defaults: dict, given: dict, entry: str) -> dict:
-    """``given`` over ``defaults``; an unknown or a missing required name is a TypeError, as a
-    signature would raise."""
-    options = {**defaults, **given}
-    if len(options) != len(defaults):
-        unknown = ", ".join(sorted(given.keys() - defaults.keys()))
-        raise TypeError(f"{entry}() got unexpected keyword argument(s): {unknown}")
-    missing = [name for name, value in options.items() if value is REQUIRED]
-    if missing:
-        raise TypeError(f"{entry}() missing required keyword argument(s): {', '.join(missing)}")
-    return options
+class _Arguments:
+    """One entry's arguments: the five inputs, its options with their defaults, and the overrides
+    that tests and benchmarks may add (``None`` unless given)."""
+
+    def __init__(self, entry: str, defaults: dict, overrides: tuple):
+        self.entry, self.defaults = entry, defaults
+        self.names = frozenset(("q", "k", "v", "g", "beta", *defaults, *overrides))
+        self.required = tuple(name for name, value in defaults.items() if value is REQUIRED)
+
+    def __call__(self, given: dict) -> dict:
+        """``given`` (by name) over the defaults; an unknown or a missing name is a TypeError, as
+        a signature would raise.  An entry's own ``locals()`` have every option: no copy then."""
+        if not given.keys() <= self.names:
+            unknown = ", ".join(sorted(given.keys() - self.names))
+            raise TypeError(f"{self.entry}() got unexpected keyword argument(s): {unknown}")
+        if not self.defaults.keys() <= given.keys():
+            given = {**self.defaults, **given}
+        if self.required:  # the inputs come positionally or from a signature's locals()
+            missing = [name for name in self.required if given.get(name, REQUIRED) is REQUIRED]
+            if missing:
+                raise TypeError(f"{self.entry}() missing required argument(s): {', '.join(missing)}")
+        return given
 
 
-def _inputs(q, k, v, g, beta, options: dict) -> tuple:
+_PREFILL_ARGUMENTS = _Arguments("kda_prefill", PREFILL_OPTIONS, ("v_block", "fused"))
+_DECODE_ARGUMENTS = _Arguments("kda_decode", DECODE_OPTIONS, ("variant",))
+
+
+def _inputs(o: dict) -> tuple:
     """The fields every call starts with: the five inputs (g and β in the kernels' dtype), the
     resolved gate, scale and the input-convention bits."""
-    g, beta = kernel_dtypes(g, beta)
-    gate = resolve_gate(options["gate"], options["A_log"], options["dt_bias"], options["lower_bound"], q)
-    return q, k, v, g, beta, gate, options["scale"], input_flags(options["beta_sigmoid"], options["qk_l2norm"])
+    q = o["q"]
+    g, beta = kernel_dtypes(o["g"], o["beta"])
+    gate = resolve_gate(o["gate"], o["A_log"], o["dt_bias"], o["lower_bound"], q)
+    return q, o["k"], o["v"], g, beta, gate, o["scale"], input_flags(o["beta_sigmoid"], o["qk_l2norm"])
 
 
 class CheckpointSink(NamedTuple):
@@ -99,11 +112,6 @@ class CheckpointSink(NamedTuple):
 
 
 NO_CHECKPOINT_SINK = CheckpointSink()
-
-
-def _layout(t) -> tuple | None:
-    """What a cached plan fixes of a tensor argument: shape, strides, dtype and device."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 class PrefillCall(NamedTuple):
@@ -136,14 +144,19 @@ class PrefillCall(NamedTuple):
 
     @classmethod
     def build(cls, q, k, v, g, beta, **options) -> "PrefillCall":
-        """The call of ``kda_prefill``'s keyword arguments (``PREFILL_OPTIONS``; and the two path
-        overrides)."""
-        o = _options(PREFILL_OPTIONS, options, "kda_prefill")
+        """The call of ``kda_prefill``'s arguments (``PREFILL_OPTIONS``; and the path overrides
+        ``v_block`` and ``fused``)."""
+        return cls.of({"q": q, "k": k, "v": v, "g": g, "beta": beta, **options})
+
+    @classmethod
+    def of(cls, arguments: dict) -> "PrefillCall":
+        """``build`` from the arguments by name (an entry point's ``locals()``)."""
+        o = _PREFILL_ARGUMENTS(arguments)
         final_state = o["final_state"]
         if o["state_indices"] is not None and o["output_final_state"] and final_state is None:
             final_state = o["initial_state"]  # a pool's final states go back where they came from
         return cls(
-            *_inputs(q, k, v, g, beta, o),
+            *_inputs(o),
             o["initial_state"],
             final_state,
             o["output_final_state"],
@@ -158,8 +171,8 @@ class PrefillCall(NamedTuple):
             CheckpointSink(
                 o["checkpoint_every"], o["checkpoint_pool"], o["checkpoint_indices"], o["checkpoint_offsets"]
             ),
-            o["v_block"],
-            o["fused"],
+            o.get("v_block"),
+            o.get("fused"),
         )
 
     def signature(self) -> tuple:
@@ -168,27 +181,30 @@ class PrefillCall(NamedTuple):
         non-tensor; an unhashable option raises TypeError where it is looked up (validation then
         names either)."""
         c, gate = self.checkpoints, self.gate
-        tensors = (
-            self.q,
-            self.k,
-            self.v,
-            self.g,
-            self.beta,
-            gate.A_log,
-            gate.dt_bias,
-            self.initial_state,
-            self.final_state,
-            self.out,
-            self.cu_seqlens,
-            self.cu_seqlens_cpu,
-            self.state_indices,
-            self.status,
-            c.pool,
-            c.indices,
-            c.offsets,
+        layouts = tuple(
+            None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+            for t in (
+                self.q,
+                self.k,
+                self.v,
+                self.g,
+                self.beta,
+                gate.A_log,
+                gate.dt_bias,
+                self.initial_state,
+                self.final_state,
+                self.out,
+                self.cu_seqlens,
+                self.cu_seqlens_cpu,
+                self.state_indices,
+                self.status,
+                c.pool,
+                c.indices,
+                c.offsets,
+            )
         )
-        key = (
-            tuple(map(_layout, tensors)),
+        return (
+            layouts,
             self.state_layout,
             type(self.intracard_cp),
             self.intracard_cp,
@@ -201,7 +217,6 @@ class PrefillCall(NamedTuple):
             type(c.every),
             c.every,
         )
-        return key
 
 
 class DecodeCall(NamedTuple):
@@ -227,11 +242,16 @@ class DecodeCall(NamedTuple):
 
     @classmethod
     def build(cls, q, k, v, g, beta, **options) -> "DecodeCall":
-        """The call of ``kda_decode``'s keyword arguments (``DECODE_OPTIONS``; and the variant
+        """The call of ``kda_decode``'s arguments (``DECODE_OPTIONS``; and the ``variant``
         override)."""
-        o = _options(DECODE_OPTIONS, options, "kda_decode")
+        return cls.of({"q": q, "k": k, "v": v, "g": g, "beta": beta, **options})
+
+    @classmethod
+    def of(cls, arguments: dict) -> "DecodeCall":
+        """``build`` from the arguments by name (an entry point's ``locals()``)."""
+        o = _DECODE_ARGUMENTS(arguments)
         return cls(
-            *_inputs(q, k, v, g, beta, o),
+            *_inputs(o),
             o["state_pool"],
             o["state_indices"],
             o["out"],
@@ -239,5 +259,5 @@ class DecodeCall(NamedTuple):
             o["state_layout"],
             o["intermediate_states"],
             o["status"],
-            o["variant"],
+            o.get("variant"),
         )

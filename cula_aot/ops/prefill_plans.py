@@ -226,19 +226,15 @@ class _Plan:
             gate.A_log.data_ptr(),
             gate.dt_bias.data_ptr(),
         )
-        ip, fp, op, xp, sp, cp, ci, co = (
-            0 if t is None else t.data_ptr()
-            for t in (
-                call.initial_state,
-                final_state,
-                out,
-                call.state_indices,
-                call.status,
-                sink.pool,
-                sink.indices,
-                sink.offsets,
-            )
-        )
+        # Explicit rather than a loop: this is the eager call's hot path.
+        ip = 0 if call.initial_state is None else call.initial_state.data_ptr()
+        fp = 0 if final_state is None else final_state.data_ptr()
+        op = 0 if out is None else out.data_ptr()
+        xp = 0 if call.state_indices is None else call.state_indices.data_ptr()
+        sp = 0 if call.status is None else call.status.data_ptr()
+        cp = 0 if sink.pool is None else sink.pool.data_ptr()
+        ci = 0 if sink.indices is None else sink.indices.data_ptr()
+        co = 0 if sink.offsets is None else sink.offsets.data_ptr()
         if (
             (qp | kp | vp | gp | bp | ap | dp | ip | fp | op | xp | sp | cp | ci | co) & 15
             or op in (qp, kp, vp, gp)
