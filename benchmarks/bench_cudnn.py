@@ -59,6 +59,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -281,15 +282,26 @@ def _header_tree_report(root: Path) -> list:
     return missing
 
 
-def find_cuda_headers(extra=()) -> dict:
+def _tree_cuda_version(root: Path):
+    """``CUDA_VERSION`` of the tree at ``root`` (13000 for 13.0) from include/cuda.h, or None."""
+    try:
+        text = (root / "include" / "cuda.h").read_text(errors="replace")
+    except OSError:
+        return None
+    match = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", text)
+    return int(match.group(1)) if match else None
+
+
+def find_cuda_headers(extra=(), nvrtc_major=None) -> dict:
     """Pick a CUDA header tree NVRTC can compile cuDNN's kernel with and export it as ``CUDA_HOME``
     (cuDNN's compiler reads ``CUDA_HOME`` first, then pip ``nvidia/cu13`` trees, which may lack
     crt/, then /usr/local/cuda).  Candidates, in order: ``$CUDA_HOME``, ``$CUDA_PATH``,
-    /usr/local/cuda, ``extra`` (``--cuda-headers``), every ``sys.path`` entry's nvidia/cu13."""
+    /usr/local/cuda, ``extra`` (``--cuda-headers``), every ``sys.path`` entry's nvidia/cu13; the
+    first complete one whose CUDA major version is NVRTC's wins, else the first complete one."""
     candidates = [os.environ.get(var) for var in ("CUDA_HOME", "CUDA_PATH")]
     candidates += ["/usr/local/cuda", *extra]
     candidates += [str(Path(base) / "nvidia" / "cu13") for base in sys.path if base]
-    seen, tried, chosen = set(), [], None
+    seen, tried = set(), []
     for cand in candidates:
         if not cand or cand in seen:
             continue
@@ -297,13 +309,13 @@ def find_cuda_headers(extra=()) -> dict:
         root = Path(cand)
         if not (root / "include").is_dir():
             continue
-        missing = _header_tree_report(root)
-        tried.append({"root": str(root), "missing": missing})
-        if not missing and chosen is None:
-            chosen = str(root)
+        tried.append({"root": str(root), "missing": _header_tree_report(root), "cuda": _tree_cuda_version(root)})
+    complete = [t for t in tried if not t["missing"]]
+    matching = [t for t in complete if nvrtc_major is not None and t["cuda"] and t["cuda"] // 1000 == nvrtc_major]
+    chosen = (matching or complete or [None])[0]
     if chosen is not None:
-        os.environ["CUDA_HOME"] = chosen
-    return {"chosen": chosen, "tried": tried}
+        os.environ["CUDA_HOME"] = chosen["root"]
+    return {"chosen": chosen and chosen["root"], "chosen_cuda": chosen and chosen["cuda"], "tried": tried}
 
 
 def load_cudnn(path):
@@ -411,10 +423,14 @@ class Bench:
 
     def setup(self):
         args = self.args
-        headers = find_cuda_headers(args.cuda_headers)
-        print(f"[env] CUDA headers for NVRTC: {headers['chosen'] or 'NONE COMPLETE FOUND'}")
+        nvrtc = nvrtc_info()
+        major = nvrtc.get("version", "").split(".")[0]
+        headers = find_cuda_headers(args.cuda_headers, int(major) if major.isdigit() else None)
+        print(f"[env] NVRTC {nvrtc.get('version')} ({nvrtc.get('library')}); CUDA headers for it: ", end="")
+        print(f"{headers['chosen'] or 'NONE COMPLETE FOUND'} (CUDA_VERSION {headers['chosen_cuda']})")
         for t in headers["tried"]:
-            print(f"[env]   {t['root']}: {'complete' if not t['missing'] else 'lacks ' + ', '.join(t['missing'])}")
+            state = "complete" if not t["missing"] else "lacks " + ", ".join(t["missing"])
+            print(f"[env]   {t['root']}: CUDA_VERSION {t['cuda']}, {state}")
         self.cudnn, self.cudnn_reason = load_cudnn(args.cudnn_path)
         meta = self.results["meta"]
         props = torch.cuda.get_device_properties(self.device)
@@ -432,7 +448,7 @@ class Bench:
             iters=self.iters,
             cudnn_plan=args.cudnn_plan,
             cuda_headers=headers,
-            nvrtc=nvrtc_info(),
+            nvrtc=nvrtc,
             cudnn_compiles=self.compiles,
         )
         try:
@@ -461,8 +477,7 @@ class Bench:
                 self.error(f"cannot watch cuDNN's NVRTC compiles: {type(exc).__name__}: {exc}")
         print(
             f"[env] {props.name}, torch {torch.__version__}, cula_aot {cula_aot.__version__}, cuDNN frontend "
-            f"{meta['cudnn_frontend'] or 'absent'} (backend {meta.get('cudnn_backend', '–')}), "
-            f"NVRTC {meta['nvrtc'].get('version')} from {meta['nvrtc'].get('library')}",
+            f"{meta['cudnn_frontend'] or 'absent'} (backend {meta.get('cudnn_backend', '–')})",
             flush=True,
         )
 
@@ -508,29 +523,37 @@ class Bench:
         for regime in regimes:
             for heads, lengths in CHECK_ROWS:
                 row = {"regime": regime, "H": heads, "lengths": lengths}
-                x = draw_inputs(heads, lengths, regime, self.device, seed=7)
-                ref_o, ref_s = reference_outputs(x)
-                o, s = ours_runner(x)()
-                row["ours_o"], row["ours_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
-                row["ours_ok"] = max(row["ours_o"], row["ours_state"]) <= CHECK_BOUND
-                if self.cudnn is not None:
-                    _, out, seconds, variant, reason = self.cudnn_call(x, f"check {regime} H{heads} {lengths}")
-                    if out is None:
-                        row["cudnn_error"] = reason
-                        row["cudnn_ok"] = False
-                    else:
-                        o, s = out
-                        row["cudnn_variant"], row["cudnn_first_call_s"] = variant, seconds
-                        row["cudnn_o"], row["cudnn_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
-                        # Read as [K, V]: small here and large above means a state layout mismatch.
-                        row["cudnn_state_as_kv"] = reference.rel_rmse(s.transpose(-1, -2), ref_s)
-                        row["cudnn_ok"] = max(row["cudnn_o"], row["cudnn_state"]) <= CHECK_BOUND
+                try:
+                    self.check(row, draw_inputs(heads, lengths, regime, self.device, seed=7))
+                except Exception as exc:  # noqa: BLE001 - keep the rest of the run
+                    torch.cuda.synchronize()
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                    self.error(f"check {regime} H{heads} {lengths}: {row['error']}")
+                if "cudnn_ok" in row:
                     self.cudnn_ok[regime] = self.cudnn_ok.get(regime, True) and row["cudnn_ok"]
                 self.results["checks"].append(row)
                 print(f"[{self.elapsed():6.1f}s] check {_check_line(row)}", flush=True)
-                del x, ref_o, ref_s, o, s
                 torch.cuda.empty_cache()
                 self.save()
+
+    def check(self, row, x):
+        """Relative RMSE of ours and of cuDNN against the float64 reference on ``x``."""
+        ref_o, ref_s = reference_outputs(x)
+        o, s = ours_runner(x)()
+        row["ours_o"], row["ours_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
+        row["ours_ok"] = max(row["ours_o"], row["ours_state"]) <= CHECK_BOUND
+        if self.cudnn is None:
+            return
+        _, out, seconds, variant, reason = self.cudnn_call(x, f"check {x['regime']} H{row['H']} {row['lengths']}")
+        if out is None:
+            row["cudnn_error"], row["cudnn_ok"] = reason, False
+            return
+        o, s = out
+        row["cudnn_variant"], row["cudnn_first_call_s"] = variant, seconds
+        row["cudnn_o"], row["cudnn_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
+        # Read as [K, V]: small here and large above means a state layout mismatch.
+        row["cudnn_state_as_kv"] = reference.rel_rmse(s.transpose(-1, -2), ref_s)
+        row["cudnn_ok"] = max(row["cudnn_o"], row["cudnn_state"]) <= CHECK_BOUND
 
     def run_rows(self, rows, regimes):
         for name in rows:
@@ -644,9 +667,10 @@ def geomean(values):
 
 
 def _check_line(r):
-    line = (
-        f"{r['regime']} H{r['H']} {lengths_label(r['lengths'])}: ours o {_e(r['ours_o'])} state {_e(r['ours_state'])}"
-    )
+    line = f"{r['regime']} H{r['H']} {lengths_label(r['lengths'])}: "
+    line += f"ours o {_e(r.get('ours_o'))} state {_e(r.get('ours_state'))}"
+    if r.get("error"):
+        line += f"; error: {r['error'][:200]}"
     if "cudnn_o" in r:
         line += f"; cuDNN o {_e(r['cudnn_o'])} state {_e(r['cudnn_state'])} (as [K,V] {_e(r['cudnn_state_as_kv'])})"
     elif r.get("cudnn_error"):
@@ -726,7 +750,7 @@ def render_markdown(res) -> str:
         body = []
         for r in checks:
             cudnn_ok = r.get("cudnn_ok")
-            verdict = "ok" if r.get("ours_ok") else "ours FAILS"
+            verdict = "ok" if r.get("ours_ok") else "ours FAILS" if "ours_ok" in r else f"error: {r.get('error')}"
             if cudnn_ok is not None:
                 verdict += ", cuDNN ok" if cudnn_ok else ", cuDNN FAILS"
             as_kv = r.get("cudnn_state_as_kv")
