@@ -22,8 +22,12 @@ of its time here); "cuDNN fp32 gate" hands it g and β already in fp32, the kern
 
 Decay regimes (all with the safe gate, ``draw_inputs``): *standard* (CONTRACT §8: A_log = log U(1,16),
 dt_bias ~ 0.1·N(0,1), lower_bound -5); *mixed* (standard, but 4 of the 128 key channels of every
-head get dt_bias = -12: long-memory channels beside fast ones, γ ≈ -1e-4 per token there);
-*slow* (A_log = -4, lower_bound -0.05).
+head get dt_bias = -12: long-memory channels beside fast ones, |γ| < 1e-4 per token there);
+*slow* (A_log = -4, lower_bound -0.05).  They matter for cuDNN's kernel in particular: it cuts each
+sequence into pieces to fill the GPU (about 264 CTAs) and starts a piece from a zero state after
+re-reading earlier chunks' gates until the state they carry is bounded below 2^-20 on every key
+channel; one slow channel makes that walk reach back to the sequence start (exact, but the pieces
+then redo the prefix).
 
 Before anything is timed both implementations are checked against the float64 reference
 (``cula_aot.reference.kda_chunked``) on small rows of every regime (relative RMSE of o and of the
@@ -51,7 +55,7 @@ nvidia-cutlass-dsl and apache-tvm-ffi are not used by this engine; the nvidia-cu
     pip install --no-deps --target /tmp/cudnn nvidia_cudnn_frontend-1.32.0-cp312-*.whl
     pip install --no-deps --target /tmp/cuda_hdr nvidia_cuda_{runtime,cccl,crt}-13.0.*.whl
     python3 -m benchmarks.bench_cudnn --cudnn-path /tmp/cudnn --cuda-headers /tmp/cuda_hdr/nvidia/cu13 \
-        --budget-s 220 --json OUT/prefill_vs_cudnn.json
+        --budget-s 200 --json OUT/prefill_vs_cudnn.json
 """
 
 import argparse
