@@ -24,10 +24,10 @@ Decay regimes (all with the safe gate, ``draw_inputs``): *standard* (CONTRACT §
 dt_bias ~ 0.1·N(0,1), lower_bound -5); *mixed* (standard, but 4 of the 128 key channels of every
 head get dt_bias = -12: long-memory channels beside fast ones, |γ| < 1e-4 per token there);
 *slow* (A_log = -4, lower_bound -0.05).  They matter for cuDNN's kernel in particular: it cuts each
-sequence into pieces to fill the GPU (about 264 CTAs) and starts a piece from a zero state after
-re-reading earlier chunks' gates until the state they carry is bounded below 2^-20 on every key
-channel; one slow channel makes that walk reach back to the sequence start (exact, but the pieces
-then redo the prefix).
+sequence into pieces to fill the GPU (about 264 CTAs) and runs each piece from a zero state started
+as many chunks before it as its gates need to bound the dropped state below 2^-20 on every key
+channel; one slow channel makes that warm-up reach back to the sequence start (exact, but each
+piece then recomputes the whole prefix).
 
 Before anything is timed both implementations are checked against the float64 reference
 (``cula_aot.reference.kda_chunked``) on small rows of every regime (relative RMSE of o and of the
