@@ -62,7 +62,7 @@ def declared_names_match(spec: KernelSpec) -> None:
     ``*params``, the static arguments and the codegen arguments, in the kernel's order."""
     launch, kernel, _ = _KERNELS[spec.kernel]
     as_class = inspect.isclass(launch)
-    kernel_params = list(inspect.signature(inspect.unwrap(kernel)).parameters)
+    kernel_params = _flat_parameter_names(kernel)
     if as_class:
         kernel_params = kernel_params[1:]  # self
         init = list(inspect.signature(launch.__init__).parameters)[1:]
@@ -94,10 +94,32 @@ def declared_names_match(spec: KernelSpec) -> None:
         raise ValueError(f"{spec.name}: the launch passes {passed} to its kernel, expected {wanted}")
 
 
+def _flat_parameter_names(kernel) -> list:
+    """The kernel's parameter names with each parameter group (``kernels.params``) replaced by
+    the names its ``specs`` declaration gives its fields, checked against the field count."""
+    from .params import is_group, leaf_count
+
+    names = []
+    for parameter in inspect.signature(inspect.unwrap(kernel)).parameters.values():
+        group = parameter.annotation
+        if not is_group(group):
+            names.append(parameter.name)
+            continue
+        declared = [p.name for p in group.abi(parameter.name)]
+        if len(declared) != leaf_count(group):
+            raise ValueError(
+                f"{kernel.__name__}: {parameter.name}: {group.__name__} has {leaf_count(group)} fields, "
+                f"its declaration {declared}"
+            )
+        names += declared
+    return names
+
+
 def _kernel_call_arguments(launch, kernel_name: str) -> list:
     """The names the launch function passes, positionally, to its kernel (from its source);
     a starred name as ``*name``, an attribute ``self.name`` (a kernel class's configuration) as
-    ``name``.  ``kernel_name``: a function's name, or ``self.kernel`` for a kernel class."""
+    ``name``, and ``*grouped(kernel, a, *params)`` (``kernels.params``) as the arguments it groups.
+    ``kernel_name``: a function's name, or ``self.kernel`` for a kernel class."""
     import ast
     import textwrap
 
@@ -112,8 +134,19 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
     if len(calls) != 1 or calls[0].keywords:
         raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, *params, name, ...)")
     names = []
-    for arg in calls[0].args:
-        if isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
+    args = list(calls[0].args)
+    while args:
+        arg = args.pop(0)
+        if (
+            isinstance(arg, ast.Starred)
+            and isinstance(arg.value, ast.Call)
+            and ast.unparse(arg.value.func) == "grouped"
+            and arg.value.args
+            and ast.unparse(arg.value.args[0]) == kernel_name
+            and not arg.value.keywords
+        ):
+            args[:0] = arg.value.args[1:]
+        elif isinstance(arg, ast.Starred) and isinstance(arg.value, ast.Name):
             names.append("*" + arg.value.id)
         elif isinstance(arg, ast.Name):
             names.append(arg.id)

@@ -61,6 +61,7 @@ from ..layout import (
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
+from .params import Checkpoints, PoolBounds, StateStrides, grouped
 from .gate import Gate
 from .prepare_tile import (
     gate_constants,
@@ -315,27 +316,13 @@ def fused_prefill_kernel(
     beta_row_stride: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
-    init_slot_stride: cutlass.Int32,
-    init_stride_k: cutlass.Int32,
-    init_stride_v: cutlass.Int32,
-    final_slot_stride: cutlass.Int32,
-    final_stride_k: cutlass.Int32,
-    final_stride_v: cutlass.Int32,
+    init: StateStrides,
+    final: StateStrides,
     flags: cutlass.Int32,
     scale: cutlass.Float32,
     lower_bound: cutlass.Float32,
-    status: cute.Pointer,
-    init_slots: cutlass.Int32,
-    final_slots: cutlass.Int32,
-    checkpoints: cute.Pointer,
-    checkpoint_indices: cute.Pointer,
-    checkpoint_offsets: cute.Pointer,
-    checkpoint_every: cutlass.Int32,
-    checkpoint_columns: cutlass.Int32,
-    checkpoint_slots: cutlass.Int32,
-    checkpoint_slot_stride: cutlass.Int32,
-    checkpoint_stride_k: cutlass.Int32,
-    checkpoint_stride_v: cutlass.Int32,
+    bounds: PoolBounds,
+    checkpoint: Checkpoints,
     token_coords: cute.Tensor,
     stages: cutlass.Constexpr[int],
     producers: cutlass.Constexpr[int],
@@ -517,20 +504,20 @@ def fused_prefill_kernel(
         init_index = seq
         final_index = seq
         init_index, read_init, final_index, write_final, bad_slot = state_slots(
-            state_indices, flags, init_index, init_slots, final_index, final_slots
+            state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
         )
         checkpoint_tile = cutlass.Int32(-1)
         checkpoint_misaligned = cutlass.Boolean(False)
         if cutlass.const_expr(checkpointing):
             checkpoint_tile, checkpoint_column, checkpoint_misaligned = checkpoint_schedule(
-                checkpoint_offsets, flags, seq, checkpoint_every, cutlass.Int32(0)
+                checkpoint.offsets, flags, seq, checkpoint.every, cutlass.Int32(0)
             )
             # What the writes need, derived here: nothing both roles read stays live to them.
-            checkpoint_row = seq * checkpoint_columns
+            checkpoint_row = seq * checkpoint.columns
             whole_tiles = length // CHUNK
         if (cw == 0) & (lane == 0):
             report_status(
-                status,
+                bounds.status,
                 (flags & FLAG_STATUS) != 0,
                 cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
                 | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
@@ -539,9 +526,7 @@ def fused_prefill_kernel(
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
-            read_state(
-                state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags
-            )
+            read_state(state, initial_state, init_index, init, head, t, v_col, flags)
         v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
         v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
         for s in cutlass.range_constexpr(stages - 1):
@@ -596,22 +581,17 @@ def fused_prefill_kernel(
                 if run_end - 1 == checkpoint_tile:
                     store_checkpoint(
                         state,
-                        (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint_columns),
+                        (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint.columns),
                         checkpoint_row + checkpoint_column,
-                        checkpoints,
-                        checkpoint_indices,
-                        checkpoint_slots,
-                        checkpoint_slot_stride,
+                        checkpoint,
                         head,
                         t,
                         v_col,
-                        checkpoint_stride_k,
-                        checkpoint_stride_v,
                         flags,
-                        status,
+                        bounds.status,
                         (cw == 0) & (lane == 0),
                     )
-                    checkpoint_tile = checkpoint_tile + checkpoint_every // CHUNK
+                    checkpoint_tile = checkpoint_tile + checkpoint.every // CHUNK
                     checkpoint_column = checkpoint_column + 1
                 run_start = run_end
         else:
@@ -623,12 +603,10 @@ def fused_prefill_kernel(
                 state,
                 final_state,
                 final_index,
-                final_slot_stride,
+                final,
                 head,
                 t,
                 v_col,
-                final_stride_k,
-                final_stride_v,
                 flags,
             )
 
@@ -650,7 +628,14 @@ def fused_prefill_launch(
     tma_q, token_coords = make_token_tma(q)
     tma_k, _ = make_token_tma(k)
     tma_g, _ = make_token_tma(g)
-    fused_prefill_kernel(tma_q, tma_k, tma_g, *params, token_coords, stages, producers, gate, checkpointing).launch(
+    fused_prefill_kernel(
+        *grouped(fused_prefill_kernel, tma_q, tma_k, tma_g, *params),
+        token_coords,
+        stages,
+        producers,
+        gate,
+        checkpointing,
+    ).launch(
         grid=[1, TRACE_HEADS, 1],
         block=[fused_threads(producers), 1, 1],
         smem=smem_bytes(stages, producers),

@@ -106,6 +106,7 @@ from ..layout import (
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
 from .common import CHUNK, D, TRACE_HEADS, record_part, report_status, varlen_sequence
+from .params import Checkpoints, PoolBounds, StateStrides, grouped
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 from .warp_mma import (
     accumulators_as_a,
@@ -515,25 +516,11 @@ def k2_recurrence_kernel(
     total_slots: cutlass.Int32,
     v_row_stride: cutlass.Int32,
     out_row_stride: cutlass.Int32,
-    init_slot_stride: cutlass.Int32,
-    init_stride_k: cutlass.Int32,
-    init_stride_v: cutlass.Int32,
-    final_slot_stride: cutlass.Int32,
-    final_stride_k: cutlass.Int32,
-    final_stride_v: cutlass.Int32,
+    init: StateStrides,
+    final: StateStrides,
     flags: cutlass.Int32,
-    status: cute.Pointer,
-    init_slots: cutlass.Int32,
-    final_slots: cutlass.Int32,
-    checkpoints: cute.Pointer,
-    checkpoint_indices: cute.Pointer,
-    checkpoint_offsets: cute.Pointer,
-    checkpoint_every: cutlass.Int32,
-    checkpoint_columns: cutlass.Int32,
-    checkpoint_slots: cutlass.Int32,
-    checkpoint_slot_stride: cutlass.Int32,
-    checkpoint_stride_k: cutlass.Int32,
-    checkpoint_stride_v: cutlass.Int32,
+    bounds: PoolBounds,
+    checkpoint: Checkpoints,
     varlen: cutlass.Constexpr[bool],
     v_block: cutlass.Constexpr[int],
     segmented: cutlass.Constexpr[bool],
@@ -609,18 +596,18 @@ def k2_recurrence_kernel(
     # State pools: the row's index is a sequence number and the slot is state_indices[n]
     # (outside the pool: a zero start and no write).
     init_index, read_init, final_index, write_final, bad_slot = state_slots(
-        state_indices, flags, init_index, init_slots, final_index, final_slots
+        state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
     )
     # Prefix-cache checkpoints.
     checkpoint_tile = cutlass.Int32(-1)
     checkpoint_misaligned = cutlass.Boolean(False)
     if cutlass.const_expr(checkpointing):
         checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
-            checkpoint_offsets, flags, checkpoint_row, checkpoint_every, tokens_before
+            checkpoint.offsets, flags, checkpoint_row, checkpoint.every, tokens_before
         )
     if tid == 0:
         report_status(
-            status,
+            bounds.status,
             (flags & FLAG_STATUS) != 0,
             cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
             | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
@@ -633,9 +620,7 @@ def k2_recurrence_kernel(
     state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
     state.fill(0.0)
     if read_init != 0:
-        read_state(
-            state, initial_state, init_index, init_slot_stride, head, t, v_col, init_stride_k, init_stride_v, flags
-        )
+        read_state(state, initial_state, init_index, init, head, t, v_col, flags)
     if (flags & FLAG_IDENTITY_INIT) != 0:
         for i in cutlass.range_constexpr(4 * N_TILES):
             key, column = state_entry(t, v_col, i)
@@ -747,22 +732,14 @@ def k2_recurrence_kernel(
                     state,
                     checkpoint_tile,
                     length,
-                    checkpoints,
-                    checkpoint_indices,
-                    checkpoint_offsets,
+                    checkpoint,
                     checkpoint_row,
                     tokens_before,
-                    checkpoint_every,
-                    checkpoint_columns,
-                    checkpoint_slots,
-                    checkpoint_slot_stride,
                     head,
                     t,
                     v_col,
-                    checkpoint_stride_k,
-                    checkpoint_stride_v,
                     flags,
-                    status,
+                    bounds.status,
                     tid == 0,
                 )
             run_start = run_end
@@ -775,9 +752,7 @@ def k2_recurrence_kernel(
             cute.arch.cluster_wait()
 
     if write_final != 0:
-        write_state(
-            state, final_state, final_index, final_slot_stride, head, t, v_col, final_stride_k, final_stride_v, flags
-        )
+        write_state(state, final_state, final_index, final, head, t, v_col, flags)
 
 
 @cute.jit
@@ -796,7 +771,7 @@ def k2_recurrence_launch(
     # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
     # placeholder: the runtime launches the cubin with the spec's grid.
     k2_recurrence_kernel(
-        *params,
+        *grouped(k2_recurrence_kernel, *params),
         varlen,
         v_block,
         segmented,

@@ -21,6 +21,7 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
+from .params import Checkpoints, StateStrides
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16, opaque_i32
 
@@ -97,9 +98,7 @@ def state_slots(state_indices: cute.Pointer, flags, init_index, init_slots, fina
 
 
 @cute.jit
-def read_state(
-    state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v, flags
-):
+def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, strides: StateStrides, head, t, v_col, flags):
     """This thread's Sᵀ accumulator values (``state_entry``) from state ``index`` of
     ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
     layout puts them side by side (``paired``)."""
@@ -109,20 +108,18 @@ def read_state(
         state,
         initial_state,
         index,
-        slot_stride,
+        strides.slot_stride,
         head,
         t,
         v_col,
-        stride_k,
-        stride_v,
+        strides.stride_k,
+        strides.stride_v,
         (flags & FLAG_BF16_INIT) != 0,
     )
 
 
 @cute.jit
-def write_state(
-    state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, stride_k, stride_v, flags
-):
+def write_state(state: cute.Tensor, final_state: cute.Pointer, index, strides: StateStrides, head, t, v_col, flags):
     """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
     ``FLAG_BF16_FINAL``; paired as ``read_state``."""
     state_io(
@@ -131,12 +128,12 @@ def write_state(
         state,
         final_state,
         index,
-        slot_stride,
+        strides.slot_stride,
         head,
         t,
         v_col,
-        stride_k,
-        stride_v,
+        strides.stride_k,
+        strides.stride_v,
         (flags & FLAG_BF16_FINAL) != 0,
     )
 
@@ -173,20 +170,12 @@ def write_checkpoint(
     state: cute.Tensor,
     tile,
     length,
-    checkpoints: cute.Pointer,
-    checkpoint_indices: cute.Pointer,
-    checkpoint_offsets: cute.Pointer,
+    checkpoint: Checkpoints,
     row,
     tokens_before,
-    every,
-    columns,
-    slots,
-    slot_stride,
     head,
     t,
     v_col,
-    stride_k,
-    stride_v,
     flags,
     status: cute.Pointer,
     reporter,
@@ -195,22 +184,17 @@ def write_checkpoint(
     ``checkpoint_indices[row, column]`` when the tile is whole (``store_checkpoint``).  Returns
     the next checkpoint tile.  The column is recomputed from the schedule here, so the tile loop
     keeps one register for checkpoints: the next tile."""
-    first_tile, column, _ = checkpoint_schedule(checkpoint_offsets, flags, row, every, tokens_before)
-    every_tiles = every // CHUNK
+    first_tile, column, _ = checkpoint_schedule(checkpoint.offsets, flags, row, checkpoint.every, tokens_before)
+    every_tiles = checkpoint.every // CHUNK
     column = column + (tile - first_tile) // every_tiles
     store_checkpoint(
         state,
-        ((tile + 1) * CHUNK <= length) & (column < columns),
-        row * columns + column,
-        checkpoints,
-        checkpoint_indices,
-        slots,
-        slot_stride,
+        ((tile + 1) * CHUNK <= length) & (column < checkpoint.columns),
+        row * checkpoint.columns + column,
+        checkpoint,
         head,
         t,
         v_col,
-        stride_k,
-        stride_v,
         flags,
         status,
         reporter,
@@ -223,15 +207,10 @@ def store_checkpoint(
     state: cute.Tensor,
     wanted,
     index,
-    checkpoints: cute.Pointer,
-    checkpoint_indices: cute.Pointer,
-    slots,
-    slot_stride,
+    checkpoint: Checkpoints,
     head,
     t,
     v_col,
-    stride_k,
-    stride_v,
     flags,
     status: cute.Pointer,
     reporter,
@@ -240,20 +219,20 @@ def store_checkpoint(
     slot ``checkpoint_indices[index]`` (fp32 or bf16 by ``FLAG_BF16_CHECKPOINT``; a slot outside
     the pool is padding, reported by ``reporter`` when out of range)."""
     if wanted:
-        slot, usable, out_of_range = pool_slot(checkpoint_indices, index, slots)
+        slot, usable, out_of_range = pool_slot(checkpoint.indices, index, checkpoint.slots)
         if usable:
             state_io(
                 write_pairs,
                 write_elements,
                 state,
-                checkpoints,
+                checkpoint.pool,
                 slot,
-                opaque_i32(slot_stride),
+                opaque_i32(checkpoint.strides.slot_stride),
                 opaque_i32(head),
                 opaque_i32(t),
                 opaque_i32(v_col),
-                opaque_i32(stride_k),
-                opaque_i32(stride_v),
+                opaque_i32(checkpoint.strides.stride_k),
+                opaque_i32(checkpoint.strides.stride_v),
                 (flags & FLAG_BF16_CHECKPOINT) != 0,
             )
         if reporter:

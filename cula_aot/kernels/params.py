@@ -1,0 +1,118 @@
+"""Device-side parameter groups: the runtime parameters several kernels share, each spelled once.
+
+A kernel takes a group as one argument (``checkpoint: Checkpoints``) and its helpers take the same
+bundle, where the flat list would repeat a dozen names in every kernel and helper.  The groups are
+``typing.NamedTuple`` classes made with ``param_group``, each tied to the ``specs`` declaration of
+its parameters (``abi``), and launch functions build them from their flat ``*params`` with
+``grouped`` (docs/DESIGN.md, Parameter groups).
+
+What CuTeDSL 4.8.1 does with a NamedTuple argument of a ``@cute.kernel`` (checked by compiling the
+kernels and comparing the cubins): it flattens the fields, depth first, into the ``.entry``'s
+parameter list in field order, exactly as the same values passed flat; and it names the entry from
+``str`` of every positional argument (``kernel_cutlass_<name>_<one component per argument>_<n>``,
+cut at 180 characters), where a NamedTuple's own ``str`` would put
+``Checkpoints(pool=ptr<...>, ...)`` in the symbol.  ``param_group`` gives each group the ``str`` of
+its fields joined by ``_``, the components they contribute as flat arguments, so grouping changes
+neither the parameter list, nor the symbol, nor a byte of the cubin.
+"""
+
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+
+from ..specs.abi import CHECKPOINT_PARAMS, bound_params, state_params
+
+
+def _flat_str(group) -> str:
+    return "_".join(map(str, group))
+
+
+def param_group(abi):
+    """Class decorator for a NamedTuple of kernel parameters: ``abi(name)`` is the ``specs``
+    declaration of the parameters a kernel argument ``name`` of this group stands for (checked
+    against the fields by ``kernels.declared_names_match``)."""
+
+    def make(cls):
+        cls.__str__ = _flat_str
+        cls.abi = staticmethod(abi)
+        return cls
+
+    return make
+
+
+def is_group(annotation) -> bool:
+    return isinstance(annotation, type) and hasattr(annotation, "abi") and hasattr(annotation, "_fields")
+
+
+def leaf_count(group: type) -> int:
+    """The flat parameters a group stands for (nested groups counted by their fields)."""
+    return sum(leaf_count(a) if is_group(a) else 1 for a in group.__annotations__.values())
+
+
+def _build(group: type, values: list):
+    fields = []
+    for annotation in group.__annotations__.values():
+        if is_group(annotation):
+            n = leaf_count(annotation)
+            fields.append(_build(annotation, values[:n]))
+            values = values[n:]
+        else:
+            fields.append(values[0])
+            values = values[1:]
+    return group(*fields)
+
+
+def grouped(kernel, *params) -> list:
+    """``params``, the flat runtime arguments of ``kernel`` in its order, with each run a group
+    parameter stands for built into that group (launch functions: ``kernel(*grouped(kernel,
+    ..., *params), static and codegen arguments)``)."""
+    import inspect
+
+    values, out = list(params), []
+    for parameter in inspect.signature(inspect.unwrap(kernel)).parameters.values():
+        if parameter.name == "self":
+            continue
+        if not values:
+            break
+        if is_group(parameter.annotation):
+            n = leaf_count(parameter.annotation)
+            out.append(_build(parameter.annotation, values[:n]))
+            values = values[n:]
+        else:
+            out.append(values.pop(0))
+    return out + values
+
+
+@param_group(state_params)
+class StateStrides(NamedTuple):
+    """A state tensor's element strides (``specs.state_params``): state ``index`` of head h at
+    ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v``."""
+
+    slot_stride: cutlass.Int32
+    stride_k: cutlass.Int32
+    stride_v: cutlass.Int32
+
+
+@param_group(lambda name: bound_params("init", "final"))
+class PoolBounds(NamedTuple):
+    """The caller's status word and the initial and final state pools' leading sizes
+    (``specs.bound_params``): a pool index outside them is padding."""
+
+    status: cute.Pointer
+    init_slots: cutlass.Int32
+    final_slots: cutlass.Int32
+
+
+@param_group(lambda name: CHECKPOINT_PARAMS)
+class Checkpoints(NamedTuple):
+    """Prefix-cache checkpoints (``specs.CHECKPOINT_PARAMS``): the pool of ``slots`` states, its
+    int32 [N, columns] slot map, the optional int32 [N] token offsets, the period in tokens."""
+
+    pool: cute.Pointer
+    indices: cute.Pointer
+    offsets: cute.Pointer
+    every: cutlass.Int32
+    columns: cutlass.Int32
+    slots: cutlass.Int32
+    strides: StateStrides
