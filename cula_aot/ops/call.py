@@ -91,13 +91,27 @@ _PREFILL_ARGUMENTS = _Arguments("kda_prefill", PREFILL_OPTIONS, ("v_block", "fus
 _DECODE_ARGUMENTS = _Arguments("kda_decode", DECODE_OPTIONS, ("variant",))
 
 
-def _inputs(o: dict) -> tuple:
-    """The fields every call starts with: the five inputs (g and β in the kernels' dtype), the
-    resolved gate, scale and the input-convention bits."""
-    q = o["q"]
-    g, beta = kernel_dtypes(o["g"], o["beta"])
-    gate = resolve_gate(o["gate"], o["A_log"], o["dt_bias"], o["lower_bound"], q)
-    return q, o["k"], o["v"], g, beta, gate, o["scale"], input_flags(o["beta_sigmoid"], o["qk_l2norm"])
+class Inputs(NamedTuple):
+    """What every KDA call starts from: q, k, v, g and β (g and β in the kernels' dtype), the
+    resolved gate, the scale (None: 128^-0.5) and the input-convention bits
+    (``checks.input_flags``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    gate: GateArgs
+    scale: object
+    conventions: int
+
+    @classmethod
+    def of(cls, o: dict) -> "Inputs":
+        """From a call's arguments by name."""
+        q = o["q"]
+        g, beta = kernel_dtypes(o["g"], o["beta"])
+        gate = resolve_gate(o["gate"], o["A_log"], o["dt_bias"], o["lower_bound"], q)
+        return cls(q, o["k"], o["v"], g, beta, gate, o["scale"], input_flags(o["beta_sigmoid"], o["qk_l2norm"]))
 
 
 class CheckpointSink(NamedTuple):
@@ -119,14 +133,7 @@ class PrefillCall(NamedTuple):
     ``cula_aot.kda_prefill`` for each).  ``v_block`` / ``fused``: path overrides for tests and
     benchmarks (``paths.choose_path``)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    gate: GateArgs
-    scale: object
-    conventions: int
+    inputs: Inputs
     initial_state: torch.Tensor | None
     final_state: torch.Tensor | None
     output_final_state: bool
@@ -156,7 +163,7 @@ class PrefillCall(NamedTuple):
         if o["state_indices"] is not None and o["output_final_state"] and final_state is None:
             final_state = o["initial_state"]  # a pool's final states go back where they came from
         return cls(
-            *_inputs(o),
+            Inputs.of(o),
             o["initial_state"],
             final_state,
             o["output_final_state"],
@@ -180,15 +187,16 @@ class PrefillCall(NamedTuple):
         addresses, scale or lower_bound, which each call supplies).  Raises AttributeError for a
         non-tensor; an unhashable option raises TypeError where it is looked up (validation then
         names either)."""
-        c, gate = self.checkpoints, self.gate
+        c, x = self.checkpoints, self.inputs
+        gate = x.gate
         layouts = tuple(
             None if t is None else (t.shape, t.stride(), t.dtype, t.device)
             for t in (
-                self.q,
-                self.k,
-                self.v,
-                self.g,
-                self.beta,
+                x.q,
+                x.k,
+                x.v,
+                x.g,
+                x.beta,
                 gate.A_log,
                 gate.dt_bias,
                 self.initial_state,
@@ -213,7 +221,7 @@ class PrefillCall(NamedTuple):
             self.v_block,
             self.fused,
             gate.name,
-            self.conventions,
+            x.conventions,
             type(c.every),
             c.every,
         )
@@ -223,14 +231,7 @@ class DecodeCall(NamedTuple):
     """One decode call's arguments (see ``cula_aot.kda_decode``).  ``variant``: a built kernel
     variant to run instead of ``specs.pick_variant``'s (tests and benchmarks)."""
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
-    gate: GateArgs
-    scale: object
-    conventions: int
+    inputs: Inputs
     state_pool: torch.Tensor
     state_indices: torch.Tensor
     out: torch.Tensor | None
@@ -251,7 +252,7 @@ class DecodeCall(NamedTuple):
         """``build`` from the arguments by name (an entry point's ``locals()``)."""
         o = _DECODE_ARGUMENTS(arguments)
         return cls(
-            *_inputs(o),
+            Inputs.of(o),
             o["state_pool"],
             o["state_indices"],
             o["out"],

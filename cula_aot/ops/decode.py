@@ -105,7 +105,8 @@ def _as_4d(name, t, num_tokens):
 def validate(call: DecodeCall):
     """Check every argument of ``call``; returns the (possibly [N, T]-unflattened) q, k, v, g,
     beta, out and (num_seqs, num_tokens, heads, scale)."""
-    q, k, v, g, beta, out, num_tokens = call.q, call.k, call.v, call.g, call.beta, call.out, call.num_tokens
+    q, k, v, g, beta = call.inputs[:5]
+    out, num_tokens = call.out, call.num_tokens
     _is_tensor("q", q)
     if q.dim() not in (3, 4):
         fail(f"q must be [N, T, H, {D}] (or token-major [N·T, H, {D}] with num_tokens), got shape {list(q.shape)}")
@@ -140,14 +141,15 @@ def validate(call: DecodeCall):
     check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
     if heads > 1 and beta.stride(2) != 1:
         fail(f"beta must have unit stride along H, got strides {list(beta.stride())}; call beta.contiguous()")
-    A_log, dt_bias = call.gate.A_log, call.gate.dt_bias
+    gate = call.inputs.gate
+    A_log, dt_bias = gate.A_log, gate.dt_bias
     check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
     check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not t.is_contiguous():
             fail(f"{name} must be contiguous; call {name}.contiguous()")
         _check_base(name, t)
-    _, scale = check_scalars(call.gate.lower_bound, call.scale)
+    _, scale = check_scalars(gate.lower_bound, call.inputs.scale)
     check_state_layout(call.state_layout)
 
     state_pool = call.state_pool
@@ -190,10 +192,10 @@ def _aligned_down(t) -> tuple[int, int]:
 def run(call: DecodeCall):
     """Validate ``call``, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
     Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
-    flat = isinstance(call.q, torch.Tensor) and call.q.dim() == 3
+    flat = isinstance(call.inputs.q, torch.Tensor) and call.inputs.q.dim() == 3
     q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(call)
     device = q.device
-    state_pool, state_indices, gate = call.state_pool, call.state_indices, call.gate
+    state_pool, state_indices, gate = call.state_pool, call.state_indices, call.inputs.gate
     bf16_state = state_pool.dtype == torch.bfloat16
     intermediates = call.intermediate_states is not None
     variant = call.variant
@@ -239,7 +241,7 @@ def run(call: DecodeCall):
         "lower_bound": float(gate.lower_bound),
         "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
         | (DECODE_FLAG_STATUS if call.status is not None else 0)
-        | call.conventions,
+        | call.inputs.conventions,
         "heads": heads,
     }
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

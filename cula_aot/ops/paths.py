@@ -93,7 +93,12 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
        elision (``checkpoints_reached``), turns on the host lengths, so that a later call with
        other lengths takes the plan its own lengths pick.
     """
-    cu_seqlens, intracard_cp, fused, conventions = call.cu_seqlens, call.intracard_cp, call.fused, call.conventions
+    cu_seqlens, intracard_cp, fused, conventions = (
+        call.cu_seqlens,
+        call.intracard_cp,
+        call.fused,
+        call.inputs.conventions,
+    )
     varlen = cu_seqlens is not None
     s_split = resolve_split(intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, c.host_cu, device)
     if s_split > 1 and c.host_cu is not None and not c.seqlens_checked:

@@ -27,7 +27,7 @@ def run(call: PrefillCall):
     plan, host_cu = cache.find(call, key)
     if plan is None:
         c = validate(call)
-        device = call.q.device
+        device = call.inputs.q.device
         plan = make_plan(call, c, choose_path(call, c, device), default_loader(), device)
         cache.keep(key, call, plan)
         host_cu = c.host_cu

@@ -122,15 +122,15 @@ def check_checkpoints(sink: CheckpointSink, num_seqs: int, heads: int, device) -
 def check_addresses(call: PrefillCall) -> None:
     """Per-call rules on addresses: 16-byte aligned bases (the kernels' pointer and TMA
     assumption) and outputs that do not alias an input."""
-    sink = call.checkpoints
+    sink, x = call.checkpoints, call.inputs
     named = {
-        "q": call.q,
-        "k": call.k,
-        "v": call.v,
-        "g": call.g,
-        "beta": call.beta,
-        "A_log": call.gate.A_log,
-        "dt_bias": call.gate.dt_bias,
+        "q": x.q,
+        "k": x.k,
+        "v": x.v,
+        "g": x.g,
+        "beta": x.beta,
+        "A_log": x.gate.A_log,
+        "dt_bias": x.gate.dt_bias,
         "initial_state": call.initial_state,
         "final_state": call.final_state,
         "out": call.out,
@@ -143,7 +143,7 @@ def check_addresses(call: PrefillCall) -> None:
     for name, t in named.items():
         if t is not None and t.data_ptr() % 16:
             fail(f"{name} must start on a 16-byte boundary (its storage offset breaks it); call {name}.clone()")
-    inputs = (call.q.data_ptr(), call.k.data_ptr(), call.v.data_ptr(), call.g.data_ptr())
+    inputs = (x.q.data_ptr(), x.k.data_ptr(), x.v.data_ptr(), x.g.data_ptr())
     for name, t in (("out", call.out), ("final_state", call.final_state), ("checkpoint_pool", sink.pool)):
         if t is not None and t.data_ptr() in inputs:
             fail(f"{name} must not alias an input tensor")
@@ -180,7 +180,8 @@ def _check_seqlens_choice(check_seqlens, cu_seqlens, cu_seqlens_cpu) -> bool:
 def validate(call: PrefillCall) -> Checked:
     """Check every argument of ``call`` before anything launches (the device rule last, so every
     other rule is testable on the CPU)."""
-    q = call.q
+    x = call.inputs
+    q = x.q
     if not isinstance(q, torch.Tensor):
         fail(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4:
@@ -194,14 +195,14 @@ def validate(call: PrefillCall) -> Checked:
     token_shape = (batch, seq_len, heads, D)
     strides = {
         name: check_token_tensor(name, t, torch.bfloat16, token_shape, device, (D, 1))
-        for name, t in (("q", q), ("k", call.k), ("v", call.v), ("g", call.g))
+        for name, t in (("q", q), ("k", x.k), ("v", x.v), ("g", x.g))
     }
     beta_stride = check_token_tensor(
-        "beta", call.beta, torch.bfloat16, (batch, seq_len, heads), device, (1,), aligned_rows=False
+        "beta", x.beta, torch.bfloat16, (batch, seq_len, heads), device, (1,), aligned_rows=False
     )
-    check_contiguous("A_log", call.gate.A_log, torch.float32, (heads,), device)
-    check_contiguous("dt_bias", call.gate.dt_bias, torch.float32, (heads, D), device)
-    _, scale = check_scalars(call.gate.lower_bound, call.scale)
+    check_contiguous("A_log", x.gate.A_log, torch.float32, (heads,), device)
+    check_contiguous("dt_bias", x.gate.dt_bias, torch.float32, (heads, D), device)
+    _, scale = check_scalars(x.gate.lower_bound, x.scale)
     check_state_layout(call.state_layout)
     if call.check_seqlens not in SEQLEN_CHECKS:
         fail(f"check_seqlens must be one of {SEQLEN_CHECKS}, got {call.check_seqlens!r}")

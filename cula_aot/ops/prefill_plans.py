@@ -156,8 +156,8 @@ def make_plan(call: PrefillCall, c: Checked, path: Path, loader, device):
         c = dataclasses.replace(c, checkpoints=NO_CHECKPOINTS)  # the checkpoint tensors were checked
     checkpointing = c.checkpoints.every > 0
     if path.kind == "fused":
-        return _FusedPlan(call, c, path, loader.get(device, fused_spec(call.gate.name, checkpointing)), device)
-    k1 = loader.get(device, K1Spec(varlen=varlen, gate=call.gate.name))
+        return _FusedPlan(call, c, path, loader.get(device, fused_spec(call.inputs.gate.name, checkpointing)), device)
+    k1 = loader.get(device, K1Spec(varlen=varlen, gate=call.inputs.gate.name))
     if path.kind == "cp":
         return _CPPlan(call, c, path, loader, k1, device)
     k2 = loader.get(device, serial_k2_spec(varlen, path.v_block, checkpointing))
@@ -197,7 +197,7 @@ class _Plan:
                     **self.geometry,
                     **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
                     **k1_grid(total_slots, c.heads, prepare.sm_count(device)),
-                    "flags": call.conventions,
+                    "flags": call.inputs.conventions,
                 }
             )
 
@@ -214,15 +214,16 @@ class _Plan:
         ``host_cu``: the host cu_seqlens when the caller already read (and, if the signature
         checks them, checked) them."""
         c, device = self.c, self.device
-        q, gate, sink, out, final_state = call.q, call.gate, call.checkpoints, call.out, call.final_state
-        lower_bound, scale = check_scalars(gate.lower_bound, call.scale)
+        x, sink, out, final_state = call.inputs, call.checkpoints, call.out, call.final_state
+        q, gate = x.q, x.gate
+        lower_bound, scale = check_scalars(gate.lower_bound, x.scale)
         # Every address once: the per-call checks (alignment, aliasing) and the launches use them.
         qp, kp, vp, gp, bp, ap, dp = (
             q.data_ptr(),
-            call.k.data_ptr(),
-            call.v.data_ptr(),
-            call.g.data_ptr(),
-            call.beta.data_ptr(),
+            x.k.data_ptr(),
+            x.v.data_ptr(),
+            x.g.data_ptr(),
+            x.beta.data_ptr(),
             gate.A_log.data_ptr(),
             gate.dt_bias.data_ptr(),
         )

@@ -53,8 +53,8 @@ def test_an_unknown_or_missing_option_is_a_type_error():
 @pytest.fixture
 def captured(monkeypatch):
     calls = []
-    monkeypatch.setattr(prefill, "run", lambda call: calls.append(call) or (call.v, None))
-    monkeypatch.setattr(decode, "run", lambda call: calls.append(call) or call.v)
+    monkeypatch.setattr(prefill, "run", lambda call: calls.append(call) or (call.inputs.v, None))
+    monkeypatch.setattr(decode, "run", lambda call: calls.append(call) or call.inputs.v)
     return calls
 
 
@@ -80,7 +80,10 @@ def test_every_prefill_entry_builds_the_same_call(captured):
     cula_aot.fwd(*tensors, None, out, x["A_log"], x["dt_bias"], x["lower_bound"], pool, pool, cu, state_indices=slots)
     first, pool_op, fwd = captured
     assert _same(first, pool_op)
-    assert _same(first._replace(out=out, state_layout="vk", conventions=fwd.conventions), fwd)
+    assert _same(
+        first._replace(out=out, state_layout="vk", inputs=first.inputs._replace(conventions=fwd.inputs.conventions)),
+        fwd,
+    )
     # The functional op: intracard_cp -1 is "auto", 0 off; the final state is always returned.
     captured.clear()
     cula_aot.kda_prefill(*tensors, **common, output_final_state=True)
