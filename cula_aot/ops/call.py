@@ -1,8 +1,8 @@
 """A call as one typed object, built once at the boundary: ``PrefillCall`` and ``DecodeCall``.
 
 Every entry point (``kda_prefill``, ``fwd``, ``kda_decode``, the ``torch.library`` ops, and through
-them ``cula_aot.fla`` and ``cula_aot.distributed``) maps its arguments onto ``build``, which
-resolves what does not depend on validation: the gate's arguments (``gates.resolve_gate``), g and
+them ``cula_aot.fla`` and ``cula_aot.distributed``) hands its arguments by name to ``of`` (or
+positionally to ``build``), which resolves what does not depend on validation: the gate's arguments (``gates.resolve_gate``), g and
 β in the kernels' dtype, the input-convention bits, a pool's in-place final state.  Validation
 takes the call and returns the checked facts; the plan cache keys on ``PrefillCall.signature``;
 plans run from the call.  Immutable (a tuple): nothing downstream rewrites an argument.
@@ -74,7 +74,8 @@ class _Arguments:
 
     def __call__(self, given: dict) -> dict:
         """``given`` (by name) over the defaults; an unknown or a missing name is a TypeError, as
-        a signature would raise.  An entry's own ``locals()`` have every option: no copy then."""
+        a signature would raise.  ``kda_prefill``'s and ``kda_decode``'s own ``locals()`` hold every
+        option: no copy then."""
         if not given.keys() <= self.names:
             unknown = ", ".join(sorted(given.keys() - self.names))
             raise TypeError(f"{self.entry}() got unexpected keyword argument(s): {unknown}")
@@ -119,13 +120,10 @@ class CheckpointSink(NamedTuple):
     the period in tokens (0: none), the pool, the slot map ``[N, M]`` and the optional per-sequence
     token offsets."""
 
-    every: object = 0
-    pool: torch.Tensor | None = None
-    indices: torch.Tensor | None = None
-    offsets: torch.Tensor | None = None
-
-
-NO_CHECKPOINT_SINK = CheckpointSink()
+    every: object
+    pool: torch.Tensor | None
+    indices: torch.Tensor | None
+    offsets: torch.Tensor | None
 
 
 class PrefillCall(NamedTuple):

@@ -61,8 +61,10 @@ class Path:
     v_block: int | None = None  # "serial": V columns per K2 CTA
     s_split: int = 1  # "cp": the split and its segment plan (``cp_plan.plan``)
     segments: list | None = None
-    # Serial varlen paths whose checkpoint twin was or was not elided for these host lengths
-    # (``checkpoints_reached``): (checkpoint_every, reached); None where that is the signature's alone.
+    # Whether a checkpoint falls inside the call's sequences (``checkpoints_reached``; False: the
+    # plain kernels run), and for a serial varlen path that knew it from host lengths
+    # (checkpoint_every, reached), so that a later call's lengths pick their own plan.
+    reached: bool | None = None
     checkpoint_reach: tuple | None = None
 
 
@@ -100,6 +102,7 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
         call.inputs.conventions,
     )
     varlen = cu_seqlens is not None
+    reached = checkpoints_reached(c, varlen, c.host_cu)
     s_split = resolve_split(intracard_cp, c.batch, c.seq_len, c.heads, cu_seqlens, c.host_cu, device)
     if s_split > 1 and c.host_cu is not None and not c.seqlens_checked:
         # A CP table is built from these host values, so they are checked whatever check_seqlens says.
@@ -107,7 +110,7 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
     if s_split > 1:
         segments = cp_plan.plan(cp_plan.sequences(c.batch, c.seq_len, c.host_cu), s_split)
         if not all(len(s) == 1 for s in segments):
-            return Path("cp", None if varlen else s_split, s_split=s_split, segments=segments)
+            return Path("cp", None if varlen else s_split, s_split=s_split, segments=segments, reached=reached)
         # Nothing long enough to split: the serial path is the same work, faster.
     # The serial decision is the signature's alone unless CP was planned from host lengths.
     split = 1 if intracard_cp is False or c.host_cu is None or not varlen else None
@@ -129,14 +132,15 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
             fused = pick(uniform)
             if lengths_known and pick(not uniform) != fused:
                 lengths_uniform = uniform
-    reached = checkpoints_reached(c, varlen, c.host_cu)
     reach = (c.checkpoints.every, reached) if varlen and reached is not None else None
     if fused:
-        return Path("fused", split, lengths_uniform=lengths_uniform, checkpoint_reach=reach)
+        return Path("fused", split, lengths_uniform=lengths_uniform, reached=reached, checkpoint_reach=reach)
     v_block = call.v_block
     if v_block is None:
         v_block = auto_v_block(c.heads, c.num_seqs, prepare.sm_count(device))
-    return Path("serial", split, v_block=v_block, lengths_uniform=lengths_uniform, checkpoint_reach=reach)
+    return Path(
+        "serial", split, v_block=v_block, lengths_uniform=lengths_uniform, reached=reached, checkpoint_reach=reach
+    )
 
 
 def checkpoints_reached(c, varlen: bool, host_cu):

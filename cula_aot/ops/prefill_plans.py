@@ -45,7 +45,7 @@ from ..specs import (
 )
 from .call import PrefillCall
 from .checks import check_scalars, fail, host_cu_seqlens
-from .paths import Path, checkpoints_reached
+from .paths import Path
 from .prefill_checks import NO_CHECKPOINTS, Checked, CheckpointPlan, check_addresses
 from . import prepare
 from .prepare import input_geometry, plan_slots
@@ -150,9 +150,9 @@ DEPENDENT_LAUNCH = True
 def make_plan(call: PrefillCall, c: Checked, path: Path, loader, device):
     """The launch plan of a validated call (``c``) on ``path`` (``paths.choose_path``), every
     kernel resolved first: a missing cubin fails before anything launches.  A call that reaches
-    no checkpoint (``paths.checkpoints_reached``) runs the plain kernels."""
+    no checkpoint (``Path.reached``) runs the plain kernels."""
     varlen = call.cu_seqlens is not None
-    if checkpoints_reached(c, varlen, c.host_cu) is False:
+    if path.reached is False:
         c = dataclasses.replace(c, checkpoints=NO_CHECKPOINTS)  # the checkpoint tensors were checked
     checkpointing = c.checkpoints.every > 0
     if path.kind == "fused":
