@@ -71,6 +71,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_prefill import lengths_label, rel_rmse
 from benchmarks.timing import capture_graph, time_cuda
 from cula_aot import reference
 from cula_aot.testing import HEAD_DIM, cu_seqlens_of, standard_inputs
@@ -261,14 +262,6 @@ def reference_outputs(x):
         cu_seqlens=x["cu"],
     )
     return ref_o, ref_s.transpose(-1, -2)
-
-
-def rel_rmse32(a, b) -> float:
-    """‖a − b‖ / ‖b‖ in fp32 (inf when ``a`` holds a NaN or Inf): the big rows' cross-check."""
-    a, b = a.float(), b.float()
-    if not bool(torch.isfinite(a).all()):
-        return math.inf
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
 # -- environment -------------------------------------------------------------------------------
@@ -598,8 +591,8 @@ class Bench:
             row["cudnn_error"] = reason
             return
         row["cudnn_variant"], row["cudnn_first_call_s"] = variant, seconds
-        row["agree_o"] = rel_rmse32(out[0], o_ours)
-        row["agree_state"] = rel_rmse32(out[1], s_ours)
+        row["agree_o"] = rel_rmse(out[0], o_ours)
+        row["agree_state"] = rel_rmse(out[1], s_ours)
         del out, o_ours, s_ours
         key = "cudnn" if variant == "op" else "cudnn_direct"
         if not self.args.no_eager and variant == "op":
@@ -652,17 +645,6 @@ def ratio(num, den):
 
 def _x(v):
     return "–" if v is None else f"{v:.2f}×"
-
-
-def lengths_label(lengths):
-    """[2048, 2048, 2048, 64] → "3×2048 + 64"."""
-    runs = []
-    for n in lengths:
-        if runs and runs[-1][0] == n:
-            runs[-1][1] += 1
-        else:
-            runs.append([n, 1])
-    return " + ".join(str(n) if count == 1 else f"{count}×{n}" for n, count in runs)
 
 
 def geomean(values):

@@ -697,7 +697,7 @@ def _peer_cells(r):
     ]
 
 
-def _lengths_label(lengths):
+def lengths_label(lengths):
     """Run-length form of a batch's lengths: [131072, 1024 × 5] → "131072 + 5×1024"."""
     runs = []
     for n in lengths:
@@ -717,7 +717,7 @@ def _split_graph_table(rows, splits, bw):
     )
     out = []
     for r in rows:
-        label = _lengths_label(r["lengths"])
+        label = lengths_label(r["lengths"])
         if r.get("skipped"):
             out.append([r["H"], label, f"skipped ({r['skipped']})"] + [""] * (len(header) - 3))
             continue
@@ -1072,7 +1072,7 @@ def dry_run(sections, shards_only=False):
             )
     if "cp_sweep" in sections:
         for heads, lengths in CP_SWEEP_WORKLOADS:
-            print(f"cp_sweep: H={heads} lengths={_lengths_label(lengths)} splits {list(CP_SWEEP_SPLITS)}")
+            print(f"cp_sweep: H={heads} lengths={lengths_label(lengths)} splits {list(CP_SWEEP_SPLITS)}")
     if "checkpoints" in sections:
         for source, heads, label, lengths, seq_len in CHECKPOINT_WORKLOADS:
             print(f"checkpoints: {source} H={heads} {label}: without, every {list(CHECKPOINT_PERIODS)} tokens")

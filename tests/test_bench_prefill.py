@@ -26,9 +26,9 @@ def bench():
 
 
 def test_lengths_label_run_length_encodes(bench):
-    assert bench._lengths_label([8192]) == "8192"
-    assert bench._lengths_label([131072] + [1024] * 5) == "131072 + 5×1024"
-    assert bench._lengths_label([2048] * 4 + [128] * 16) == "4×2048 + 16×128"
+    assert bench.lengths_label([8192]) == "8192"
+    assert bench.lengths_label([131072] + [1024] * 5) == "131072 + 5×1024"
+    assert bench.lengths_label([2048] * 4 + [128] * 16) == "4×2048 + 16×128"
 
 
 def test_every_section_is_runnable_and_listed(bench, capsys):
