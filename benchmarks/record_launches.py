@@ -251,7 +251,7 @@ def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat
         q, k, v, g, beta = (t.flatten(0, 1) for t in (q, k, v, g, beta))
         kw["out"] = out.flatten(0, 1)
         kw["num_tokens"] = T
-    return lambda: cula_aot.kda_decode(q, k, v, g, beta, **kw)
+    return lambda: [cula_aot.kda_decode(q, k, v, g, beta, **kw) for _ in range(2)]
 
 
 case("decode T1 fp32", decode_case(32, 1, 12))

@@ -260,3 +260,34 @@ class DecodeCall(NamedTuple):
             o["status"],
             o.get("variant"),
         )
+
+    def signature(self) -> tuple:
+        """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
+        plan fixes, as ``PrefillCall.signature``."""
+        x, gate = self.inputs, self.inputs.gate
+        layouts = tuple(
+            None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+            for t in (
+                x.q,
+                x.k,
+                x.v,
+                x.g,
+                x.beta,
+                gate.A_log,
+                gate.dt_bias,
+                self.state_pool,
+                self.state_indices,
+                self.out,
+                self.intermediate_states,
+                self.status,
+            )
+        )
+        return (
+            layouts,
+            type(self.num_tokens),
+            self.num_tokens,
+            self.state_layout,
+            gate.name,
+            x.conventions,
+            self.variant,
+        )

@@ -189,66 +189,159 @@ def _aligned_down(t) -> tuple[int, int]:
     return base, (ptr - base) // t.element_size()
 
 
+_PLANS: dict = {}  # DecodeCall.signature() → _DecodePlan
+_PLAN_LIMIT = 256  # plans kept; cleared when full (a serving loop reuses a few)
+
+
 def run(call: DecodeCall):
-    """Validate ``call``, then one launch of the decode kernel on ``torch.cuda.current_stream(q.device)``.
-    Returns ``out`` shaped like ``v`` as given (token-major 3-D input gives 3-D output)."""
-    flat = isinstance(call.inputs.q, torch.Tensor) and call.inputs.q.dim() == 3
-    q, k, v, g, beta, out, (num_seqs, tokens, heads, scale) = validate(call)
-    device = q.device
-    state_pool, state_indices, gate = call.state_pool, call.state_indices, call.inputs.gate
-    bf16_state = state_pool.dtype == torch.bfloat16
-    intermediates = call.intermediate_states is not None
-    variant = call.variant
-    if variant is None:
-        variant = pick_variant(num_seqs, heads, tokens, bf16_state, call.state_layout, intermediates, gate.name)
-    elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, call.state_layout, intermediates):
-        fail(
-            f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' pool "
-            f"without intermediate_states; got T = {tokens}, {state_pool.dtype}, {call.state_layout!r}, "
-            f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None"
+    """One decode launch on ``torch.cuda.current_stream(q.device)``, from the plan of the call's
+    signature (validated and built at its first call).  Returns ``out`` shaped like ``v`` as
+    given (token-major 3-D input gives 3-D output)."""
+    try:
+        key = call.signature()
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
+        key = plan = None
+    if plan is None:
+        plan = _DecodePlan(call)
+        if key is not None:
+            if len(_PLANS) >= _PLAN_LIMIT:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan.run(call)
+
+
+def _span_bytes(t) -> int:
+    """The bytes from a strided tensor's first element to past its last one (``_extent``)."""
+    first, last = _extent(t)
+    return last - first
+
+
+class _DecodePlan:
+    """One decode call signature's launch: validated once, the kernel variant picked and its
+    template packed with the signature's static values; a call supplies its addresses, scale and
+    lower_bound, and the rules that depend on them are checked again (16-byte bases, ``out`` and
+    ``intermediate_states`` aliasing nothing, by the extents the signature fixes)."""
+
+    def __init__(self, call: DecodeCall):
+        x = call.inputs
+        self.flat = isinstance(x.q, torch.Tensor) and x.q.dim() == 3
+        q, k, v, g, beta, out, (num_seqs, tokens, heads, _scale) = validate(call)
+        self.device = device = q.device
+        state_pool, gate = call.state_pool, x.gate
+        bf16_state = state_pool.dtype == torch.bfloat16
+        intermediates = call.intermediate_states is not None
+        variant = call.variant
+        if variant is None:
+            variant = pick_variant(num_seqs, heads, tokens, bf16_state, call.state_layout, intermediates, gate.name)
+        elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, call.state_layout, intermediates):
+            fail(
+                f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' "
+                f"pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {call.state_layout!r}, "
+                f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None"
+            )
+        spec = variant_spec(variant, bf16_state, call.state_layout, gate.name)
+        kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
+        self.out_shape = (num_seqs, tokens, heads, D)
+        if out is None:  # each call allocates a contiguous one
+            out_stride_n, out_stride_t = (tokens * heads * D if num_seqs > 1 else 0), (heads * D if tokens > 1 else 0)
+        else:
+            out_stride_n, out_stride_t = _stride(out, 0), _stride(out, 1)
+        static = {
+            "num_seqs": num_seqs,
+            "num_tokens": tokens,
+            "num_slots": state_pool.shape[0],
+            "slot_stride": state_pool.stride(0) if state_pool.shape[0] > 1 else heads * D * D,
+            "out_stride_n": out_stride_n,
+            "out_stride_t": out_stride_t,
+            "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
+            | (DECODE_FLAG_STATUS if call.status is not None else 0)
+            | x.conventions,
+            "heads": heads,
+        }
+        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+            static[f"{name}_stride_n"] = _stride(t, 0)
+            static[f"{name}_stride_t"] = _stride(t, 1)
+        self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
+        self.num_seqs = num_seqs
+        # Aliasing by address (``_aliases``, ``_overlaps``): each tensor's byte span and density
+        # are the signature's; only where it starts is the call's.
+        self.out_span = None if out is None else (out.numel() > 0, out.is_contiguous(), _span_bytes(out))
+        self.input_spans = [
+            (name, t.numel() > 0, t.is_contiguous(), _span_bytes(t))
+            for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool))
+        ]
+        inter = call.intermediate_states
+        self.inter_span = None if inter is None else (_span_bytes(inter), _span_bytes(state_pool))
+
+    def run(self, call: DecodeCall):
+        x, state_pool, out, inter, status = (
+            call.inputs,
+            call.state_pool,
+            call.out,
+            call.intermediate_states,
+            call.status,
         )
-    spec = variant_spec(variant, bf16_state, call.state_layout, gate.name)
-    kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
-    if out is None:
-        out = torch.empty(num_seqs, tokens, heads, D, dtype=torch.bfloat16, device=device)
-    result = out.flatten(0, 1) if flat else out
-    if num_seqs == 0:
+        lower_bound, scale = check_scalars(x.gate.lower_bound, x.scale)
+        qp, kp, vp, gp, ap, dp = (
+            x.q.data_ptr(),
+            x.k.data_ptr(),
+            x.v.data_ptr(),
+            x.g.data_ptr(),
+            x.gate.A_log.data_ptr(),
+            x.gate.dt_bias.data_ptr(),
+        )
+        pp = state_pool.data_ptr()
+        ip = 0 if inter is None else inter.data_ptr()
+        op = 0 if out is None else out.data_ptr()
+        sp = 0 if status is None else status.data_ptr()
+        if (qp | kp | vp | gp | ap | dp | pp | ip | op | sp) & (_ALIGN - 1):
+            validate(call)  # names the misaligned argument
+        if self.inter_span is not None:
+            inter_span, pool_span = self.inter_span
+            if ip < pp + pool_span and pp < ip + inter_span:
+                fail("intermediate_states must not overlap state_pool")
+        if self.out_span is not None:
+            out_nonempty, out_dense, out_span = self.out_span
+            for (name, nonempty, dense, span), tp in zip(self.input_spans, (qp, kp, vp, gp, x.beta.data_ptr(), pp)):
+                if (
+                    out_nonempty
+                    and nonempty
+                    and (op == tp or ((out_dense or dense) and op < tp + span and tp < op + out_span))
+                ):
+                    fail(f"out must not alias {name}")
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
+            op = out.data_ptr()
+        result = out.flatten(0, 1) if self.flat else out
+        if self.num_seqs == 0:
+            return result
+        beta_base, beta_offset = _aligned_down(x.beta)
+        index_base, index_offset = _aligned_down(call.state_indices)
+        values = {
+            "q": qp,
+            "k": kp,
+            "v": vp,
+            "g": gp,
+            "beta": beta_base,
+            "a_log": ap,
+            "dt_bias": dp,
+            "state_indices": index_base,
+            "state_pool": pp,
+            "intermediate": ip,
+            "out": op,
+            "status": sp,
+            "beta_offset": beta_offset,
+            "index_offset": index_offset,
+            "scale": scale,
+            "lower_bound": lower_bound,
+        }
+        self.template.launch(values, _current_stream(self.device))
         return result
-    beta_base, beta_offset = _aligned_down(beta)
-    index_base, index_offset = _aligned_down(state_indices)
-    values = {
-        "q": q.data_ptr(),
-        "k": k.data_ptr(),
-        "v": v.data_ptr(),
-        "g": g.data_ptr(),
-        "beta": beta_base,
-        "a_log": gate.A_log.data_ptr(),
-        "dt_bias": gate.dt_bias.data_ptr(),
-        "state_indices": index_base,
-        "state_pool": state_pool.data_ptr(),
-        "intermediate": 0 if not intermediates else call.intermediate_states.data_ptr(),
-        "out": out.data_ptr(),
-        "status": 0 if call.status is None else call.status.data_ptr(),
-        "num_seqs": num_seqs,
-        "num_tokens": tokens,
-        "num_slots": state_pool.shape[0],
-        "slot_stride": state_pool.stride(0) if state_pool.shape[0] > 1 else heads * D * D,
-        "beta_offset": beta_offset,
-        "index_offset": index_offset,
-        "out_stride_n": _stride(out, 0),
-        "out_stride_t": _stride(out, 1),
-        "scale": scale,
-        "lower_bound": float(gate.lower_bound),
-        "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
-        | (DECODE_FLAG_STATUS if call.status is not None else 0)
-        | call.inputs.conventions,
-        "heads": heads,
-    }
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        values[f"{name}_stride_n"] = _stride(t, 0)
-        values[f"{name}_stride_t"] = _stride(t, 1)
-    kernel.launch(values, torch.cuda.current_stream(device).cuda_stream, smem_bytes=spec.launch_smem_bytes(tokens))
-    return result
+
+
+def _current_stream(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def decode(q, k, v, g, beta, **options):

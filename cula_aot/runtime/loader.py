@@ -160,8 +160,8 @@ class LoadedKernel:
             config.numAttrs = len(attributes)
         return config
 
-    def template(self, static: dict, dependent: bool = False) -> "LaunchTemplate":
-        return LaunchTemplate(self, static, dependent)
+    def template(self, static: dict, dependent: bool = False, smem_bytes: int | None = None) -> "LaunchTemplate":
+        return LaunchTemplate(self, static, dependent, smem_bytes)
 
 
 class LaunchTemplate:
@@ -169,13 +169,15 @@ class LaunchTemplate:
     manifest records as per call: ``launch`` takes them by name from a call's values): the
     grid, the packing order, the static values (checked once) and the TMA descriptor shapes are
     worked out at construction, so a call only fills the per-call slots, packs and launches
-    (the serving fast path)."""
+    (the serving fast path).  ``smem_bytes``: this launch's dynamic shared memory where it depends
+    on a static value (``LoadedKernel.launch``; None: the built size)."""
 
-    def __init__(self, kernel: LoadedKernel, static: dict, dependent: bool = False):
+    def __init__(self, kernel: LoadedKernel, static: dict, dependent: bool = False, smem_bytes: int | None = None):
         if dependent:
             kernel.check_dependent()
         self.kernel = kernel
         self.dependent = dependent
+        self.smem_bytes = smem_bytes
         self.grid = kernel.grid(static)
         names = kernel.packer.names
         dynamic = self.per_call = kernel.per_call
@@ -228,7 +230,9 @@ class LaunchTemplate:
             values[at:end] = dynamic[first:stop]
         for at, i, encode in self._descriptors:
             values[at] = encode(dynamic[i])
-        self.kernel.launch_packed(self._struct.pack(*values), self.grid, stream, dependent=self.dependent)
+        self.kernel.launch_packed(
+            self._struct.pack(*values), self.grid, stream, smem_bytes=self.smem_bytes, dependent=self.dependent
+        )
 
 
 class KernelLoader:

@@ -37,8 +37,8 @@ DECODE_PARAMS = (
     scalar("num_slots", "i32"),
     scalar("slot_stride", "i32"),
     *(scalar(f"{name}_stride_{axis}", "i32") for name in ("q", "k", "v", "g", "beta") for axis in ("n", "t")),
-    scalar("beta_offset", "i32"),
-    scalar("index_offset", "i32"),
+    scalar("beta_offset", "i32", per_call=True),  # where beta and state_indices start: the call's addresses
+    scalar("index_offset", "i32", per_call=True),
     scalar("out_stride_n", "i32"),
     scalar("out_stride_t", "i32"),
     scalar("scale", "f32", per_call=True),

@@ -41,8 +41,8 @@ class _Recorder:
             def get(self, device, spec):
                 name, record = manifest.record(spec)
                 kernel = LoadedKernel(name, record, function=None)
-                kernel.launch_packed = lambda packed, grid, stream, dependent=False: recorder.launches.append(
-                    (kernel, packed, grid, dependent)
+                kernel.launch_packed = lambda packed, grid, stream, smem_bytes=None, dependent=False: (
+                    recorder.launches.append((kernel, packed, grid, dependent))
                 )
                 return kernel
 

@@ -330,7 +330,9 @@ def test_a_cached_template_takes_declared_per_call_integers_per_call(monkeypatch
     )
     kernel = LoadedKernel("fake", _fake_record(params), function=None)
     launched = []
-    monkeypatch.setattr(kernel, "launch_packed", lambda packed, grid, stream, dependent=False: launched.append(packed))
+    monkeypatch.setattr(
+        kernel, "launch_packed", lambda packed, grid, stream, smem_bytes=None, dependent=False: launched.append(packed)
+    )
     template = kernel.template({"heads": 2, "length": 7})
     offsets = {r["name"]: r["offset"] for r in kernel.record["params"]}
 
