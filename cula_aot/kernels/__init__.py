@@ -13,8 +13,8 @@ from . import cp_merge, decode, decode_chunk, fused_prefill, k1_prepare, k2_recu
 _KERNELS = {
     "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, lambda spec: k1_prepare.SMEM_BYTES),
     "k2_recurrence": (
-        k2_recurrence.k2_recurrence_launch,
-        k2_recurrence.k2_recurrence_kernel,
+        k2_recurrence.K2Recurrence,
+        k2_recurrence.K2Recurrence.kernel,
         lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
     "fused_prefill": (

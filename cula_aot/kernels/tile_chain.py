@@ -18,6 +18,8 @@ from ..layout import (
     FLAG_STATUS,
     ORDER_MAX_SEQS,
     STATUS_SLOT_OUT_OF_RANGE,
+    STATUS_CHECKPOINT_MISALIGNED,
+    STATUS_CU_SEQLENS_MALFORMED,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
@@ -95,6 +97,18 @@ def state_slots(state_indices: cute.Pointer, flags, init_index, init_slots, fina
         bad_slot = bad_slot | out_of_range
         write_final = cutlass.select_(usable, write_final, 0)
     return init_index, read_init, final_index, write_final, bad_slot
+
+
+def report_item_status(status: cute.Pointer, flags, malformed, bad_slot, checkpoint_misaligned):
+    """A prefill work item's findings (K2, the fused prefill's consumers) into the caller's status
+    word: a malformed cu_seqlens, a pool slot out of range, a misaligned checkpoint offset."""
+    report_status(
+        status,
+        (flags & FLAG_STATUS) != 0,
+        cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+        | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+        | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
+    )
 
 
 @cute.jit
