@@ -467,37 +467,51 @@ class KdaDecode(DecodeKernel):
                         )
                         cute.arch.cp_async_commit_group()
 
-                def token_step(t):  # token t on this item's rows (both loops below)
-                    _token_step(
-                        self.tile,
-                        state,
-                        s_alpha,
-                        s_khat,
-                        s_qhat,
-                        s_kq,
-                        s_b,
-                        s_v,
-                        s_o,
-                        t,
-                        group,
-                        j,
-                        item * v_block + row_local,
-                        scalars.scale,
-                        rows,
-                        _step_decay(gate, s_decay),
-                    )
-
                 # Two loops, not one with the store under `if`: ptxas predicates a store inside the
                 # loop, so its ~110 instructions would issue on every token of every call.
                 if write_inter:
                     for t in cutlass.range(num_tokens, unroll=1):
-                        token_step(t)
+                        _token_step(
+                            self.tile,
+                            state,
+                            s_alpha,
+                            s_khat,
+                            s_qhat,
+                            s_kq,
+                            s_b,
+                            s_v,
+                            s_o,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                        )
                         inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
                         inter_head = tensors.intermediate + cute.assume(inter_at, divby=D * D)
                         _store_state(state, inter_head, self.tile, item_off, s_decay, t, j, not gate.defers_decay)
                 else:
                     for t in cutlass.range(num_tokens, unroll=1):
-                        token_step(t)
+                        _token_step(
+                            self.tile,
+                            state,
+                            s_alpha,
+                            s_khat,
+                            s_qhat,
+                            s_kq,
+                            s_b,
+                            s_v,
+                            s_o,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                        )
                 _store_state(state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay)
             cute.arch.sync_threads()
             for r in cutlass.range_constexpr(rounds):
