@@ -13,8 +13,8 @@ from . import cp_merge, decode, decode_chunk, fused_prefill, k1_prepare, k2_recu
 _KERNELS = {
     "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, lambda spec: k1_prepare.SMEM_BYTES),
     "k2_recurrence": (
-        k2_recurrence.k2_recurrence_launch,
-        k2_recurrence.k2_recurrence_kernel,
+        k2_recurrence.K2Recurrence,
+        k2_recurrence.K2Recurrence.kernel,
         lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
     "fused_prefill": (
@@ -24,13 +24,13 @@ _KERNELS = {
     ),
     "cp_merge": (cp_merge.CpMerge, cp_merge.CpMerge.kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "kda_decode": (
-        decode.kda_decode_launch,
-        decode.kda_decode_kernel,
+        decode.KdaDecode,
+        decode.KdaDecode.kernel,
         lambda spec: decode.smem_bytes(spec.v_block, spec.items, spec.bf16_state),
     ),
     "kda_decode_chunk": (
-        decode_chunk.kda_decode_chunk_launch,
-        decode_chunk.kda_decode_chunk_kernel,
+        decode_chunk.KdaDecodeChunk,
+        decode_chunk.KdaDecodeChunk.kernel,
         lambda spec: decode_chunk.smem_bytes(spec.warps, spec.items),
     ),
 }
@@ -89,7 +89,9 @@ def declared_names_match(spec: KernelSpec) -> None:
     if shape != expected:
         raise ValueError(f"{spec.name}: launch parameters {shape} != {expected}")
     passed = _kernel_call_arguments(host, "self.kernel" if as_class else kernel.__name__)
-    wanted = [p.name for p in descriptors] + ["*params"] + list(spec.static_args) + list(spec.args)
+    # A kernel class passes the codegen arguments its device method takes (a function: all of them).
+    codegen = [name for name in spec.args if name in kernel_params] if as_class else list(spec.args)
+    wanted = [p.name for p in descriptors] + ["*params"] + list(spec.static_args) + codegen
     if passed != wanted:
         raise ValueError(f"{spec.name}: the launch passes {passed} to its kernel, expected {wanted}")
 

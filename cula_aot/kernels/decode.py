@@ -55,19 +55,19 @@ import functools
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
+from ..layout import D
 from ..specs import (
     DECODE_FLAG_INTERMEDIATE,
-    DECODE_FLAG_STATUS,
     DECODE_MAX_TOKENS,
     decode_smem_bytes,
     decode_stage_bytes,
     decode_token_bytes,
 )
-from .common import TRACE_HEADS, butterfly_reduce_scatter, grid_heads, kept_start, report_status
-from .warp_mma import cp_async_16
+from .common import butterfly_reduce_scatter, grid_heads, kept_start
 from .gate import Gate
-from .token_step import bf16_row8, defer_decay, direct_decay, smem_run, token_loads, token_prepare
+from .params import DecodeGeometry, DecodeTensors, TokenScalars
+from .token_step import DecodeKernel, bf16_row8, defer_decay, direct_decay, smem_run, token_offset, token_prepare
+from .warp_mma import cp_async_16
 
 WARP = 32
 ROWS_PER_WARP = 16
@@ -321,309 +321,219 @@ def _unstage_state(tile: Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_th
             state[regs[e]] = vec[e]
 
 
-@cute.kernel
-def kda_decode_kernel(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    v: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    state_indices: cute.Pointer,
-    state_pool: cute.Pointer,
-    intermediate: cute.Pointer,
-    out: cute.Pointer,
-    status: cute.Pointer,
-    num_seqs: cutlass.Int32,
-    num_tokens: cutlass.Int32,
-    num_slots: cutlass.Int32,
-    slot_stride: cutlass.Int32,
-    q_stride_n: cutlass.Int32,
-    q_stride_t: cutlass.Int32,
-    k_stride_n: cutlass.Int32,
-    k_stride_t: cutlass.Int32,
-    v_stride_n: cutlass.Int32,
-    v_stride_t: cutlass.Int32,
-    g_stride_n: cutlass.Int32,
-    g_stride_t: cutlass.Int32,
-    beta_stride_n: cutlass.Int32,
-    beta_stride_t: cutlass.Int32,
-    beta_offset: cutlass.Int32,
-    index_offset: cutlass.Int32,
-    out_stride_n: cutlass.Int32,
-    out_stride_t: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    flags: cutlass.Int32,
-    kv_layout: cutlass.Constexpr[bool],
-    bf16_state: cutlass.Constexpr[bool],
-    v_block: cutlass.Constexpr[int],
-    items: cutlass.Constexpr[int],
-    gate: cutlass.Constexpr[str],
-):
-    tid, _, _ = cute.arch.thread_idx()
-    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
-    vblk, head, seq = cute.arch.block_idx()
-    warp = tid // WARP
-    lane = tid % WARP
-    rows = items * v_block  # V rows of this CTA: items blocks of v_block, one after the other
-    n_threads = threads(v_block)
-    v0 = vblk * rows
-    n64 = cutlass.Int64(seq)
-    head_elems = cutlass.Int64(head) * (D * D)
+class KdaDecode(DecodeKernel):
+    """The token kernel of one variant (``specs.DecodeSpec``): the codegen arguments and what
+    follows from them here, the device code in ``kernel`` (``token_step.DecodeKernel``)."""
 
-    smem = cutlass.utils.SmemAllocator()
-    # One item, refilled with item i + 1 as soon as item i is in registers (a placeholder for single
-    # items); a bf16 pool stages half the bytes, which lets more CTAs share an SM.
-    stage_bytes = decode_stage_bytes(v_block, items, bf16_state)
-    item_stage = _item_stage_bytes(v_block, bf16_state)
-    s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
-    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-    # Per-token arrays last, packed for this call's T (the launch asks for only what T uses:
-    # specs.decode_smem_bytes): four fp32 [T, 128] key vectors, then v and o staged as bf16
-    # [T, rows] (exact for v; o is rounded once, where it is rounded anyway).
-    per_token_floats = decode_token_bytes(v_block, items) // 4
-    region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
-    token_layout = cute.make_layout(MAX_TOKENS * D)
-    token_floats = num_tokens * D
-    s_alpha = cute.make_tensor(region.iterator, token_layout)
-    s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
-    s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
-    s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
-    staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
-    s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
-    s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
+    def __init__(self, kv_layout: bool, bf16_state: bool, v_block: int, items: int, gate: str):
+        self.kv_layout = kv_layout
+        self.bf16_state = bf16_state
+        self.v_block = v_block
+        self.items = items
+        self.gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
+        self.tile = _tile(kv_layout, bf16_state)
+        self.threads = threads(v_block)
+        self.smem_bytes = smem_bytes(v_block, items, bf16_state)
+        self.rows = items * v_block  # V rows of a CTA: items blocks of v_block, one after the other
 
-    slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
-    # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens
-    # per round) of this CTA's rows (one round up to 64 rows, two for 128); threads past the last
-    # token repeat it (identical values: a benign duplicate store).
-    chunks = rows // 8
-    rounds = io_rounds(v_block, items)
-    io_col = (tid % chunks) * 8
-    hl = tid % HALF
-    half_id = tid // HALF
-    n_half = n_threads // HALF
+    @cute.kernel
+    def kda_decode(self, tensors: DecodeTensors, geometry: DecodeGeometry, scalars: TokenScalars):
+        tid, warp, lane, vblk, head, seq = self.coordinates()
+        v_block, items, gate, rows, n_threads = self.v_block, self.items, self.gate, self.rows, self.threads
+        num_tokens, num_slots, flags = geometry.num_tokens, geometry.num_slots, scalars.flags
+        v0 = vblk * rows
+        n64 = cutlass.Int64(seq)
+        head_elems = cutlass.Int64(head) * (D * D)
 
-    # ---- issued before the slot is known: the first round of token inputs (token half_id,
-    # clamped) and the v rows; the state loads then wait only for the index ------------------
-    t0 = cutlass.min(half_id, num_tokens - 1)
-    inputs0 = token_loads(
-        q,
-        k,
-        g,
-        beta,
-        a_log,
-        dt_bias,
-        hl,
-        n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
-        n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
-        n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
-        cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t + head,
-        head,
-    )
-    v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
-    for r in cutlass.range_constexpr(rounds):
-        io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-        v_row = bf16_row8(v, n64 * v_stride_n + cutlass.Int64(io_tc) * v_stride_t + head * D + v0 + io_col)
-        for e in cutlass.range_constexpr(8):
-            v_rows[8 * r + e] = v_row[e]
+        smem = cutlass.utils.SmemAllocator()
+        # One item, refilled with item i + 1 as soon as item i is in registers (a placeholder for
+        # single items); a bf16 pool stages half the bytes, which lets more CTAs share an SM.
+        stage_bytes = decode_stage_bytes(v_block, items, self.bf16_state)
+        item_stage = _item_stage_bytes(v_block, self.bf16_state)
+        s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
+        s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        # Per-token arrays last, packed for this call's T (the launch asks for only what T uses:
+        # specs.decode_smem_bytes): four fp32 [T, 128] key vectors, then v and o staged as bf16
+        # [T, rows] (exact for v; o is rounded once, where it is rounded anyway).
+        per_token_floats = decode_token_bytes(v_block, items) // 4
+        region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
+        token_layout = cute.make_layout(MAX_TOKENS * D)
+        token_floats = num_tokens * D
+        s_alpha = cute.make_tensor(region.iterator, token_layout)
+        s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
+        s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
+        s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
+        staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
+        s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
+        s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
 
-    # The Tile is a trace-time object: it is never bound to a local name here, since a Python
-    # object live across a dynamic `if`/`for` cannot be staged.
-    group, j = _tile(kv_layout, bf16_state).lane_parts(lane)
-    # First of this thread's VT rows within a v_block item.
-    row_local = warp * ROWS_PER_WARP + group * _tile(kv_layout, bf16_state).vt
-    lane_off = _tile(kv_layout, bf16_state).lane_offset(v0 + row_local, j)
-    state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
-    if seq < num_seqs and slot >= 0 and slot < num_slots:
-        # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
-        pool_head = state_pool + cute.assume(
-            cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems, divby=_tile(kv_layout, bf16_state).ce
-        )
-        _load_state(state, pool_head, _tile(kv_layout, bf16_state), lane_off)
-        # The next item's state streams into shared memory while the first item computes.
-        if cutlass.const_expr(items > 1):
-            _stage_state(
-                _tile(kv_layout, bf16_state),
-                pool_head,
-                lane_off + _tile(kv_layout, bf16_state).row_offset(v_block),
-                s_stage.iterator.toint(),
-                tid,
-                n_threads,
+        slot = self.slot(tensors, geometry, seq)
+        # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens
+        # per round) of this CTA's rows (one round up to 64 rows, two for 128); threads past the
+        # last token repeat it (identical values: a benign duplicate store).
+        chunks = rows // 8
+        rounds = io_rounds(v_block, items)
+        io_col = (tid % chunks) * 8
+        hl = tid % HALF
+        half_id = tid // HALF
+        n_half = n_threads // HALF
+
+        # ---- issued before the slot is known: the first round of token inputs (token half_id,
+        # clamped) and the v rows; the state loads then wait only for the index ----------------
+        t0 = cutlass.min(half_id, num_tokens - 1)
+        inputs0 = self.token_loads(tensors, geometry, n64, t0, head, hl)
+        v_rows = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
+        for r in cutlass.range_constexpr(rounds):
+            io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+            v_at = token_offset(n64, geometry.v_stride_n, geometry.v_stride_t, io_tc, head)
+            v_row = bf16_row8(tensors.v, v_at + v0 + io_col)
+            for e in cutlass.range_constexpr(8):
+                v_rows[8 * r + e] = v_row[e]
+
+        group, j = self.tile.lane_parts(lane)
+        # First of this thread's VT rows within a v_block item.
+        row_local = warp * ROWS_PER_WARP + group * self.tile.vt
+        lane_off = self.tile.lane_offset(v0 + row_local, j)
+        state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
+        if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
+            # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
+            pool_head = tensors.state_pool + cute.assume(
+                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
             )
-        cute.arch.cp_async_commit_group()
-
-    # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -------
-    token_prepare(
-        _tile(kv_layout, bf16_state), inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate
-    )
-    for r in cutlass.range_constexpr(rounds):
-        io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-        _store8(
-            s_v,
-            io_tc * rows + io_col,
-            cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16),
-        )
-    # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
-    # the whole warp), with the token clamped like round 0.
-    for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
-        t = cutlass.min(base + half_id, num_tokens - 1)
-        t64 = cutlass.Int64(t)
-        inputs = token_loads(
-            q,
-            k,
-            g,
-            beta,
-            a_log,
-            dt_bias,
-            hl,
-            n64 * q_stride_n + t64 * q_stride_t + head * D,
-            n64 * k_stride_n + t64 * k_stride_t + head * D,
-            n64 * g_stride_n + t64 * g_stride_t + head * D,
-            cutlass.Int64(beta_offset) + n64 * beta_stride_n + t64 * beta_stride_t + head,
-            head,
-        )
-        token_prepare(
-            _tile(kv_layout, bf16_state), inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, lower_bound, flags, gate
-        )
-    cute.arch.sync_threads()
-    if cutlass.const_expr(gate.defers_decay):
-        defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
-    else:
-        direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
-    cute.arch.sync_threads()
-
-    if seq < num_seqs and slot >= 0 and slot < num_slots:
-        pool_head = state_pool + cute.assume(
-            cutlass.Int64(slot) * cutlass.Int64(slot_stride) + head_elems, divby=_tile(kv_layout, bf16_state).ce
-        )
-        write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
-        for item in cutlass.range_constexpr(items):
-            item_off = lane_off + _tile(kv_layout, bf16_state).row_offset(item * v_block)
-            if cutlass.const_expr(item > 0):
-                cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
-                _unstage_state(
-                    _tile(kv_layout, bf16_state),
-                    state,
-                    cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
+            _load_state(state, pool_head, self.tile, lane_off)
+            # The next item's state streams into shared memory while the first item computes.
+            if cutlass.const_expr(items > 1):
+                _stage_state(
+                    self.tile,
+                    pool_head,
+                    lane_off + self.tile.row_offset(v_block),
+                    s_stage.iterator.toint(),
                     tid,
                     n_threads,
-                    _tile(kv_layout, bf16_state).dtype,
                 )
-                if cutlass.const_expr(item + 1 < items):
-                    # Each thread refills only its own vectors: no barrier between unstage and refill.
-                    _stage_state(
-                        _tile(kv_layout, bf16_state),
-                        pool_head,
-                        lane_off + _tile(kv_layout, bf16_state).row_offset((item + 1) * v_block),
-                        s_stage.iterator.toint(),
-                        tid,
-                        n_threads,
-                    )
-                    cute.arch.cp_async_commit_group()
-            # Two loops, not one with the store under `if`: ptxas predicates a store inside the
-            # loop, so its ~110 instructions would issue on every token of every call.
-            if write_inter:
-                for t in cutlass.range(num_tokens, unroll=1):
-                    _token_step(
-                        _tile(kv_layout, bf16_state),
-                        state,
-                        s_alpha,
-                        s_khat,
-                        s_qhat,
-                        s_kq,
-                        s_b,
-                        s_v,
-                        s_o,
-                        t,
-                        group,
-                        j,
-                        item * v_block + row_local,
-                        scale,
-                        rows,
-                        _step_decay(gate, s_decay),
-                    )
-                    inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
-                    inter_head = intermediate + cute.assume(inter_at, divby=D * D)
-                    _store_state(
-                        state, inter_head, _tile(kv_layout, bf16_state), item_off, s_decay, t, j, not gate.defers_decay
-                    )
-            else:
-                for t in cutlass.range(num_tokens, unroll=1):
-                    _token_step(
-                        _tile(kv_layout, bf16_state),
-                        state,
-                        s_alpha,
-                        s_khat,
-                        s_qhat,
-                        s_kq,
-                        s_b,
-                        s_v,
-                        s_o,
-                        t,
-                        group,
-                        j,
-                        item * v_block + row_local,
-                        scale,
-                        rows,
-                        _step_decay(gate, s_decay),
-                    )
-            _store_state(
-                state,
-                pool_head,
-                _tile(kv_layout, bf16_state),
-                item_off,
-                s_decay,
-                num_tokens - 1,
-                j,
-                not gate.defers_decay,
+            cute.arch.cp_async_commit_group()
+
+        # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -----
+        token_prepare(self.tile, inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, scalars.lower_bound, flags, gate)
+        for r in cutlass.range_constexpr(rounds):
+            io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+            _store8(
+                s_v,
+                io_tc * rows + io_col,
+                cute.make_tensor(v_rows.iterator + 8 * r, cute.make_layout(8)).load().to(cutlass.BFloat16),
+            )
+        # Tokens past the first round (T > n_half): every lane runs every round (the shuffles need
+        # the whole warp), with the token clamped like round 0.
+        for base in cutlass.range(n_half, num_tokens, n_half, unroll=1):
+            t = cutlass.min(base + half_id, num_tokens - 1)
+            inputs = self.token_loads(tensors, geometry, n64, cutlass.Int64(t), head, hl)
+            token_prepare(
+                self.tile, inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, scalars.lower_bound, flags, gate
             )
         cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(rounds):
-            io_t = _io_token(tid, chunks, n_threads, r)
-            if io_t < num_tokens:
-                o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
-                staged = cute.make_tensor(
-                    s_o.iterator + cute.assume(io_t * rows + io_col, divby=8), cute.make_layout(8)
-                )
-                cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(staged.load())
-    else:
-        # Padding row: zeros out, nothing else; a slot other than -1 is reported.
-        if tid == 0:
-            report_status(
-                status,
-                (flags & DECODE_FLAG_STATUS) != 0,
-                cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
+        if cutlass.const_expr(gate.defers_decay):
+            defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+        else:
+            direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
+        cute.arch.sync_threads()
+
+        if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
+            pool_head = tensors.state_pool + cute.assume(
+                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
             )
-        for r in cutlass.range_constexpr(rounds):
-            io_t = _io_token(tid, chunks, n_threads, r)
-            if seq < num_seqs and io_t < num_tokens:
-                o_at = n64 * out_stride_n + cutlass.Int64(io_t) * out_stride_t + head * D + v0 + io_col
-                frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                frag.fill(0.0)
-                cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                    frag.load().to(cutlass.BFloat16)
-                )
+            write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
+            for item in cutlass.range_constexpr(items):
+                item_off = lane_off + self.tile.row_offset(item * v_block)
+                if cutlass.const_expr(item > 0):
+                    cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
+                    _unstage_state(
+                        self.tile,
+                        state,
+                        cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
+                        tid,
+                        n_threads,
+                        self.tile.dtype,
+                    )
+                    if cutlass.const_expr(item + 1 < items):
+                        # Each thread refills only its own vectors: no barrier between unstage and refill.
+                        _stage_state(
+                            self.tile,
+                            pool_head,
+                            lane_off + self.tile.row_offset((item + 1) * v_block),
+                            s_stage.iterator.toint(),
+                            tid,
+                            n_threads,
+                        )
+                        cute.arch.cp_async_commit_group()
 
+                # Two loops, not one with the store under `if`: ptxas predicates a store inside the
+                # loop, so its ~110 instructions would issue on every token of every call.
+                if write_inter:
+                    for t in cutlass.range(num_tokens, unroll=1):
+                        _token_step(
+                            self.tile,
+                            state,
+                            s_alpha,
+                            s_khat,
+                            s_qhat,
+                            s_kq,
+                            s_b,
+                            s_v,
+                            s_o,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                        )
+                        inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
+                        inter_head = tensors.intermediate + cute.assume(inter_at, divby=D * D)
+                        _store_state(state, inter_head, self.tile, item_off, s_decay, t, j, not gate.defers_decay)
+                else:
+                    for t in cutlass.range(num_tokens, unroll=1):
+                        _token_step(
+                            self.tile,
+                            state,
+                            s_alpha,
+                            s_khat,
+                            s_qhat,
+                            s_kq,
+                            s_b,
+                            s_v,
+                            s_o,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                        )
+                _store_state(state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay)
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(rounds):
+                io_t = _io_token(tid, chunks, n_threads, r)
+                if io_t < num_tokens:
+                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
+                    staged = cute.make_tensor(
+                        s_o.iterator + cute.assume(io_t * rows + io_col, divby=8), cute.make_layout(8)
+                    )
+                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(staged.load())
+        else:
+            # Padding row: zeros out, nothing else; a slot other than -1 is reported.
+            if tid == 0:
+                self.report_padding(tensors, flags, slot, num_slots)
+            for r in cutlass.range_constexpr(rounds):
+                io_t = _io_token(tid, chunks, n_threads, r)
+                if seq < geometry.num_seqs and io_t < num_tokens:
+                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
+                    frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                    frag.fill(0.0)
+                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                        frag.load().to(cutlass.BFloat16)
+                    )
 
-@cute.jit
-def kda_decode_launch(
-    *params,
-    stream,
-    kv_layout: cutlass.Constexpr[bool],
-    bf16_state: cutlass.Constexpr[bool],
-    v_block: cutlass.Constexpr[int],
-    items: cutlass.Constexpr[int],
-    gate: cutlass.Constexpr[str],
-):
-    # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
-    # placeholder (the runtime launches the spec's).
-    kda_decode_kernel(*params, kv_layout, bf16_state, v_block, items, gate).launch(
-        grid=[D // (items * v_block), TRACE_HEADS, 1],
-        block=[threads(v_block), 1, 1],
-        smem=smem_bytes(v_block, items, bf16_state),
-        stream=stream,
-    )
+    kernel = kda_decode

@@ -49,11 +49,12 @@ dynamic shared memory.  Compile-time: H, warps, items.  Runtime: ``decode.py``'s
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import STATUS_SLOT_OUT_OF_RANGE, D
-from ..specs import DECODE_CHUNK_MAX_TOKENS, DECODE_FLAG_STATUS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
-from .common import TRACE_HEADS, butterfly_reduce_scatter, kept_start, report_status
+from ..layout import D
+from ..specs import DECODE_CHUNK_MAX_TOKENS, decode_chunk_smem_bytes, decode_chunk_stage_bytes
+from .common import butterfly_reduce_scatter, kept_start
 from .gate import Gate
-from .token_step import defer_decay, smem_run, token_loads, token_prepare
+from .params import DecodeGeometry, DecodeTensors, TokenScalars
+from .token_step import DecodeKernel, defer_decay, smem_run, token_offset, token_prepare
 from .warp_mma import (
     bf16_as_f32,
     cp_async_16,
@@ -377,209 +378,171 @@ def _compute_item(
             state[PAIRS + j] = pack_bf16x2(new[2], new[3])
 
 
-@cute.kernel
-def kda_decode_chunk_kernel(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    v: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    state_indices: cute.Pointer,
-    state_pool: cute.Pointer,
-    intermediate: cute.Pointer,
-    out: cute.Pointer,
-    status: cute.Pointer,
-    num_seqs: cutlass.Int32,
-    num_tokens: cutlass.Int32,
-    num_slots: cutlass.Int32,
-    slot_stride: cutlass.Int32,
-    q_stride_n: cutlass.Int32,
-    q_stride_t: cutlass.Int32,
-    k_stride_n: cutlass.Int32,
-    k_stride_t: cutlass.Int32,
-    v_stride_n: cutlass.Int32,
-    v_stride_t: cutlass.Int32,
-    g_stride_n: cutlass.Int32,
-    g_stride_t: cutlass.Int32,
-    beta_stride_n: cutlass.Int32,
-    beta_stride_t: cutlass.Int32,
-    beta_offset: cutlass.Int32,
-    index_offset: cutlass.Int32,
-    out_stride_n: cutlass.Int32,
-    out_stride_t: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    flags: cutlass.Int32,
-    warps: cutlass.Constexpr[int],
-    items: cutlass.Constexpr[int],
-    gate: cutlass.Constexpr[str],
-):
-    tid, _, _ = cute.arch.thread_idx()
-    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
-    vblk, head, seq = cute.arch.block_idx()
-    warp = tid // WARP
-    lane = tid % WARP
-    gl = lane // 4  # fragment row group
-    cl = lane % 4  # fragment column (thread in group)
-    n_threads = threads(warps)
-    cta_row0 = vblk * (ROWS * warps * items) + warp * ROWS  # this warp's first V row (item 0)
-    n64 = cutlass.Int64(seq)
+class KdaDecodeChunk(DecodeKernel):
+    """The chunk kernel of one variant (``specs.DecodeChunkSpec``): the codegen arguments and what
+    follows from them here, the device code in ``kernel`` (``token_step.DecodeKernel``)."""
 
-    smem = cutlass.utils.SmemAllocator()
-    # decode.py's per-token arrays in natural key order: α (then ki), k̂ and q̂ (then kd, qd:
-    # one [2, T, 128] array), A.
-    s_kinv = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
-    s_kdqd = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * TOKENS * D), 16)
-    s_decay = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
-    s_pb = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * P_COLUMNS * D), 16)
-    s_kt = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
-    s_g = smem.allocate_tensor(cutlass.Float32, cute.make_layout(64 + 8 * TOKENS), 16)
-    s_dots = smem.allocate_tensor(cutlass.Float32, cute.make_layout(DOT_SLOTS), 16)
-    s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
-    s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
-    s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(warps * TOKENS * ROWS), 16)
-    # The next item's state (items > 1), refilled item by item (a placeholder for single items).
-    s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(decode_chunk_stage_bytes(warps, items)), 128)
-    s_khat = cute.make_tensor(s_kdqd.iterator, cute.make_layout(TOKENS * D))
-    s_qhat = cute.make_tensor(s_kdqd.iterator + TOKENS * D, cute.make_layout(TOKENS * D))
+    def __init__(self, warps: int, items: int, gate: str):
+        self.warps = warps
+        self.items = items
+        self.gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
+        self.threads = threads(warps)
+        self.smem_bytes = smem_bytes(warps, items)
+        self.rows = ROWS * warps * items  # V rows of a CTA
 
-    slot = cute.make_tensor(state_indices + index_offset + seq, cute.make_layout(1))[0]
-    hl = tid % HALF
-    # v of token c (this lane's u / o column) for rows g, g + 8; zero past the last token.
-    v_token = cutlass.min(cl, num_tokens - 1)
-    v_at = n64 * v_stride_n + cutlass.Int64(v_token) * v_stride_t + head * D + cta_row0 + gl
-    v_rows = cute.make_rmem_tensor(cute.make_layout(2 * items), cutlass.Float32)
-    for item in cutlass.range_constexpr(items):
-        for r in cutlass.range_constexpr(2):
-            at = v_at + item * ROWS * warps + 8 * r
-            v_rows[2 * item + r] = cute.make_tensor(v + at, cute.make_layout(1))[0].to(cutlass.Float32)
+    @cute.kernel
+    def kda_decode_chunk(self, tensors: DecodeTensors, geometry: DecodeGeometry, scalars: TokenScalars):
+        tid, warp, lane, vblk, head, seq = self.coordinates()
+        warps, items, gate, n_threads = self.warps, self.items, self.gate, self.threads
+        num_tokens, num_slots, flags = geometry.num_tokens, geometry.num_slots, scalars.flags
+        gl = lane // 4  # fragment row group
+        cl = lane % 4  # fragment column (thread in group)
+        cta_row0 = vblk * (ROWS * warps * items) + warp * ROWS  # this warp's first V row (item 0)
+        n64 = cutlass.Int64(seq)
 
-    state = cute.make_rmem_tensor(cute.make_layout(2 * PAIRS), cutlass.Int32)  # [row g pairs, row g + 8 pairs]
-    if seq < num_seqs and slot >= 0 and slot < num_slots:
-        # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
-        head_at = cutlass.Int64(slot) * cutlass.Int64(slot_stride) + cutlass.Int64(head) * (D * D)
-        pool_words = cute.recast_ptr(state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
-        for r in cutlass.range_constexpr(2):
-            for m in cutlass.range_constexpr(4):
-                words = _load_pairs(pool_words, _state_word(cta_row0 + gl, r, m, cl), 4)
-                for e in cutlass.range_constexpr(4):
-                    state[r * PAIRS + 4 * m + e] = words[e]
-        if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
-            _stage_item(
-                state_pool + cute.assume(head_at, divby=8),
-                cta_row0 + ROWS * warps + gl,
-                cl,
-                s_stage.iterator.toint(),
-                tid,
-                n_threads,
-            )
-            cute.arch.cp_async_commit_group()
+        smem = cutlass.utils.SmemAllocator()
+        # decode.py's per-token arrays in natural key order: α (then ki), k̂ and q̂ (then kd, qd:
+        # one [2, T, 128] array), A.
+        s_kinv = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+        s_kdqd = smem.allocate_tensor(cutlass.Float32, cute.make_layout(2 * TOKENS * D), 16)
+        s_decay = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+        s_pb = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * P_COLUMNS * D), 16)
+        s_kt = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS * D), 16)
+        s_g = smem.allocate_tensor(cutlass.Float32, cute.make_layout(64 + 8 * TOKENS), 16)
+        s_dots = smem.allocate_tensor(cutlass.Float32, cute.make_layout(DOT_SLOTS), 16)
+        s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
+        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOKENS), 16)
+        s_o = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(warps * TOKENS * ROWS), 16)
+        # The next item's state (items > 1), refilled item by item (a placeholder for single items).
+        s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(decode_chunk_stage_bytes(warps, items)), 128)
+        s_khat = cute.make_tensor(s_kdqd.iterator, cute.make_layout(TOKENS * D))
+        s_qhat = cute.make_tensor(s_kdqd.iterator + TOKENS * D, cute.make_layout(TOKENS * D))
 
-    # ---- prologue, overlapping the state loads: half-warp t prepares token t (whole warps, since
-    # the norms shuffle over the warp; the last token is repeated past T: identical values) ------
-    if warp * 2 < num_tokens:
-        t0 = cutlass.min(tid // HALF, num_tokens - 1)
-        inputs = token_loads(
-            q,
-            k,
-            g,
-            beta,
-            a_log,
-            dt_bias,
-            hl,
-            n64 * q_stride_n + cutlass.Int64(t0) * q_stride_t + head * D,
-            n64 * k_stride_n + cutlass.Int64(t0) * k_stride_t + head * D,
-            n64 * g_stride_n + cutlass.Int64(t0) * g_stride_t + head * D,
-            cutlass.Int64(beta_offset) + n64 * beta_stride_n + cutlass.Int64(t0) * beta_stride_t + head,
-            head,
-        )
-        token_prepare(_NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, lower_bound, flags, gate)
-    cute.arch.sync_threads()
-    deferred = gate.defers_decay  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
-    if cutlass.const_expr(deferred):
-        defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
-    else:
-        _prefix_decay(s_kinv, s_decay, num_tokens, tid, n_threads)
-    cute.arch.sync_threads()
-    _build_p_operands(s_kdqd, s_decay, s_pb, num_tokens, tid, n_threads, deferred)
-    for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):
-        if tid + i * n_threads < KT_WORK:
-            _build_update_operands(s_kinv, s_khat, s_decay, s_kt, num_tokens, tid + i * n_threads, deferred)
-    if warp == 0:
-        total = _reduce_dots(s_kinv, s_kdqd, lane, deferred)
-        if lane < DOT_SLOTS:
-            s_dots[kept_start(lane, DOT_SLOTS, 5)] = total
-        cute.arch.sync_warp()
-        if lane < TOKENS:
-            _solve_g(s_kq, s_b, s_dots, s_g, num_tokens, lane, scale)
-    cute.arch.sync_threads()
-
-    out_lane_token = lane // 2  # lanes 0 .. 2T − 1 store the warp's outputs: token, 8-row half
-    out_base = n64 * out_stride_n + cutlass.Int64(out_lane_token) * out_stride_t + head * D + 8 * (lane % 2)
-    if seq < num_seqs and slot >= 0 and slot < num_slots:
-        head_at = cutlass.Int64(slot) * cutlass.Int64(slot_stride) + cutlass.Int64(head) * (D * D)
-        pool_head = state_pool + cute.assume(head_at, divby=8)
-        pool_words = cute.recast_ptr(pool_head, dtype=cutlass.Int32)
+        slot = self.slot(tensors, geometry, seq)
+        hl = tid % HALF
+        # v of token c (this lane's u / o column) for rows g, g + 8; zero past the last token.
+        v_token = cutlass.min(cl, num_tokens - 1)
+        v_at = token_offset(n64, geometry.v_stride_n, geometry.v_stride_t, v_token, head) + cta_row0 + gl
+        v_rows = cute.make_rmem_tensor(cute.make_layout(2 * items), cutlass.Float32)
         for item in cutlass.range_constexpr(items):
-            row0 = cta_row0 + item * ROWS * warps
-            if cutlass.const_expr(item > 0):
-                cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
-                stage_words = cute.recast_ptr(s_stage.iterator, dtype=cutlass.Int32)
-                for i in cutlass.range_constexpr(8):
-                    words = _load_pairs(stage_words, (i * n_threads + tid) * 4, 4)
-                    for e in cutlass.range_constexpr(4):
-                        state[(i // 4) * PAIRS + 4 * (i % 4) + e] = words[e]
-                if cutlass.const_expr(item + 1 < items):
-                    # Each thread refills only its own vectors: no barrier between unstage and refill.
-                    _stage_item(pool_head, row0 + ROWS * warps + gl, cl, s_stage.iterator.toint(), tid, n_threads)
-                    cute.arch.cp_async_commit_group()
-            _compute_item(
-                state, s_pb, s_g, s_decay, s_kt, s_o, v_rows[2 * item], v_rows[2 * item + 1], num_tokens, warp, gl, cl
-            )
+            for r in cutlass.range_constexpr(2):
+                at = v_at + item * ROWS * warps + 8 * r
+                v_rows[2 * item + r] = cute.make_tensor(tensors.v + at, cute.make_layout(1))[0].to(cutlass.Float32)
+
+        state = cute.make_rmem_tensor(cute.make_layout(2 * PAIRS), cutlass.Int32)  # [row g pairs, row g + 8 pairs]
+        if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
+            # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
+            head_at = cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + cutlass.Int64(head) * (D * D)
+            pool_words = cute.recast_ptr(tensors.state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
             for r in cutlass.range_constexpr(2):
                 for m in cutlass.range_constexpr(4):
-                    _store_words(
-                        pool_words, _state_word(row0 + gl, r, m, cl), [state[r * PAIRS + 4 * m + e] for e in range(4)]
-                    )
-            cute.arch.sync_warp()
-            if lane < 2 * num_tokens:
-                staged = cute.make_tensor(
-                    s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS + 8 * (lane % 2), divby=8),
-                    cute.make_layout(8),
+                    words = _load_pairs(pool_words, _state_word(cta_row0 + gl, r, m, cl), 4)
+                    for e in cutlass.range_constexpr(4):
+                        state[r * PAIRS + 4 * m + e] = words[e]
+            if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
+                _stage_item(
+                    tensors.state_pool + cute.assume(head_at, divby=8),
+                    cta_row0 + ROWS * warps + gl,
+                    cl,
+                    s_stage.iterator.toint(),
+                    tid,
+                    n_threads,
                 )
-                out_at = out_base + row0
-                cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(staged.load())
-            if cutlass.const_expr(item + 1 < items):
-                cute.arch.sync_warp()  # the next item's o overwrites this one's staging
-    else:
-        # Padding row: zeros out, nothing else; a slot other than -1 is reported.
-        if tid == 0:
-            report_status(
-                status,
-                (flags & DECODE_FLAG_STATUS) != 0,
-                cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
+                cute.arch.cp_async_commit_group()
+
+        # ---- prologue, overlapping the state loads: half-warp t prepares token t (whole warps, since
+        # the norms shuffle over the warp; the last token is repeated past T: identical values) ------
+        if warp * 2 < num_tokens:
+            t0 = cutlass.min(tid // HALF, num_tokens - 1)
+            inputs = self.token_loads(tensors, geometry, n64, t0, head, hl)
+            token_prepare(
+                _NaturalKeys, inputs, s_kinv, s_khat, s_qhat, s_kq, s_b, t0, hl, scalars.lower_bound, flags, gate
             )
-        if seq < num_seqs and lane < 2 * num_tokens:
-            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-            frag.fill(0.0)
+        cute.arch.sync_threads()
+        deferred = gate.defers_decay  # the safe gate's A_t ≥ e^(−5·4) keeps k̂/A_t finite
+        if cutlass.const_expr(deferred):
+            defer_decay(s_kinv, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+        else:
+            _prefix_decay(s_kinv, s_decay, num_tokens, tid, n_threads)
+        cute.arch.sync_threads()
+        _build_p_operands(s_kdqd, s_decay, s_pb, num_tokens, tid, n_threads, deferred)
+        for i in cutlass.range_constexpr(-(-KT_WORK // n_threads)):
+            if tid + i * n_threads < KT_WORK:
+                _build_update_operands(s_kinv, s_khat, s_decay, s_kt, num_tokens, tid + i * n_threads, deferred)
+        if warp == 0:
+            total = _reduce_dots(s_kinv, s_kdqd, lane, deferred)
+            if lane < DOT_SLOTS:
+                s_dots[kept_start(lane, DOT_SLOTS, 5)] = total
+            cute.arch.sync_warp()
+            if lane < TOKENS:
+                _solve_g(s_kq, s_b, s_dots, s_g, num_tokens, lane, scalars.scale)
+        cute.arch.sync_threads()
+
+        out_lane_token = lane // 2  # lanes 0 .. 2T − 1 store the warp's outputs: token, 8-row half
+        out_base = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, out_lane_token, head) + 8 * (
+            lane % 2
+        )
+        if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
+            head_at = cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + cutlass.Int64(head) * (D * D)
+            pool_head = tensors.state_pool + cute.assume(head_at, divby=8)
+            pool_words = cute.recast_ptr(pool_head, dtype=cutlass.Int32)
             for item in cutlass.range_constexpr(items):
-                out_at = out_base + cta_row0 + item * ROWS * warps
-                cute.make_tensor(out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
-                    frag.load().to(cutlass.BFloat16)
+                row0 = cta_row0 + item * ROWS * warps
+                if cutlass.const_expr(item > 0):
+                    cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
+                    stage_words = cute.recast_ptr(s_stage.iterator, dtype=cutlass.Int32)
+                    for i in cutlass.range_constexpr(8):
+                        words = _load_pairs(stage_words, (i * n_threads + tid) * 4, 4)
+                        for e in cutlass.range_constexpr(4):
+                            state[(i // 4) * PAIRS + 4 * (i % 4) + e] = words[e]
+                    if cutlass.const_expr(item + 1 < items):
+                        # Each thread refills only its own vectors: no barrier between unstage and refill.
+                        _stage_item(pool_head, row0 + ROWS * warps + gl, cl, s_stage.iterator.toint(), tid, n_threads)
+                        cute.arch.cp_async_commit_group()
+                _compute_item(
+                    state,
+                    s_pb,
+                    s_g,
+                    s_decay,
+                    s_kt,
+                    s_o,
+                    v_rows[2 * item],
+                    v_rows[2 * item + 1],
+                    num_tokens,
+                    warp,
+                    gl,
+                    cl,
                 )
+                for r in cutlass.range_constexpr(2):
+                    for m in cutlass.range_constexpr(4):
+                        _store_words(
+                            pool_words,
+                            _state_word(row0 + gl, r, m, cl),
+                            [state[r * PAIRS + 4 * m + e] for e in range(4)],
+                        )
+                cute.arch.sync_warp()
+                if lane < 2 * num_tokens:
+                    staged = cute.make_tensor(
+                        s_o.iterator + cute.assume((warp * TOKENS + out_lane_token) * ROWS + 8 * (lane % 2), divby=8),
+                        cute.make_layout(8),
+                    )
+                    out_at = out_base + row0
+                    cute.make_tensor(tensors.out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
+                        staged.load()
+                    )
+                if cutlass.const_expr(item + 1 < items):
+                    cute.arch.sync_warp()  # the next item's o overwrites this one's staging
+        else:
+            # Padding row: zeros out, nothing else; a slot other than -1 is reported.
+            if tid == 0:
+                self.report_padding(tensors, flags, slot, num_slots)
+            if seq < geometry.num_seqs and lane < 2 * num_tokens:
+                frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                frag.fill(0.0)
+                for item in cutlass.range_constexpr(items):
+                    out_at = out_base + cta_row0 + item * ROWS * warps
+                    cute.make_tensor(tensors.out + cute.assume(out_at, divby=8), cute.make_layout(8)).store(
+                        frag.load().to(cutlass.BFloat16)
+                    )
 
-
-@cute.jit
-def kda_decode_chunk_launch(
-    *params, stream, warps: cutlass.Constexpr[int], items: cutlass.Constexpr[int], gate: cutlass.Constexpr[str]
-):
-    # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
-    # placeholder (the runtime launches the spec's).
-    kda_decode_chunk_kernel(*params, warps, items, gate).launch(
-        grid=[D // (ROWS * warps * items), TRACE_HEADS, 1],
-        block=[threads(warps), 1, 1],
-        smem=smem_bytes(warps, items),
-        stream=stream,
-    )
+    kernel = kda_decode_chunk

@@ -51,16 +51,12 @@ import cutlass.cute as cute
 
 from ..layout import (
     FLAG_LONGEST_FIRST,
-    FLAG_STATUS,
     FLAG_VARLEN,
     IMAGE_BYTES,
     ORDER_MAX_SEQS,
-    STATUS_CHECKPOINT_MISALIGNED,
-    STATUS_CU_SEQLENS_MALFORMED,
-    STATUS_SLOT_OUT_OF_RANGE,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, TRACE_HEADS, make_token_tma, report_status, sigmoid, varlen_sequence
+from .common import CHUNK, D, TRACE_HEADS, make_token_tma, sigmoid, varlen_sequence
 from .params import Checkpoints, PoolBounds, StateStrides, grouped
 from .gate import Gate
 from .prepare_tile import (
@@ -85,6 +81,7 @@ from .prepare_tile import (
     lane_rows,
 )
 from .tile_chain import (
+    report_item_status,
     checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
@@ -297,6 +294,15 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     cute.arch.mbarrier_arrive(ctx.empty + stage)
 
 
+@cute.jit
+def _load_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, barriers, buffer, token0, head, lane):
+    """A producer's warp 0: lane 0 arms load buffer ``buffer``'s barrier for the q, k, g tiles of
+    rows [token0, token0 + 16), and the warp issues them (``copy_tiles``)."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(barriers + buffer, 3 * IMAGE_BYTES)
+    copy_tiles(atoms, token_coords, inputs, buffer, barriers + buffer, token0, head)
+
+
 @cute.kernel
 def fused_prefill_kernel(
     tma_q: cute.CopyAtom,
@@ -394,17 +400,8 @@ def fused_prefill_kernel(
         if pw == 0:
             for b in cutlass.range_constexpr(2):
                 if b < my_tiles:
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + b, 3 * IMAGE_BYTES)
-                    copy_tiles(
-                        atoms,
-                        token_coords,
-                        s_inputs,
-                        b,
-                        load_barriers + b,
-                        seq_start + (producer + b * producers) * CHUNK,
-                        head,
-                    )
+                    first = seq_start + (producer + b * producers) * CHUNK
+                    _load_tiles(atoms, token_coords, s_inputs, load_barriers, b, first, head, lane)
         col0 = lane_columns(pw, lane)
         my_rows = lane_rows(lane)
         # The softplus producers recompute their gate constants every tile (L1 hits): held across
@@ -441,17 +438,8 @@ def fused_prefill_kernel(
             # Every thread of this producer has read the buffer: refill it with its tile after next.
             if pw == 0:
                 if mine + 2 < my_tiles:
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(load_barriers + buffer, 3 * IMAGE_BYTES)
-                    copy_tiles(
-                        atoms,
-                        token_coords,
-                        s_inputs,
-                        buffer,
-                        load_barriers + buffer,
-                        token0 + 2 * producers * CHUNK,
-                        head,
-                    )
+                    ahead = token0 + 2 * producers * CHUNK
+                    _load_tiles(atoms, token_coords, s_inputs, load_barriers, buffer, ahead, head, lane)
             # The stage is free once both consumer warpgroups are done with tile i − stages.
             if i >= stages:
                 cute.arch.mbarrier_wait(empty + stage, ((i // stages) + 1) % 2)
@@ -516,13 +504,7 @@ def fused_prefill_kernel(
             checkpoint_row = seq * checkpoint.columns
             whole_tiles = length // CHUNK
         if (cw == 0) & (lane == 0):
-            report_status(
-                bounds.status,
-                (flags & FLAG_STATUS) != 0,
-                cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-                | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
-                | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
-            )
+            report_item_status(bounds.status, flags, malformed, bad_slot, checkpoint_misaligned)
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:

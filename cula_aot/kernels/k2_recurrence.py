@@ -96,16 +96,13 @@ from ..layout import (
     SEGMENT_FIELDS,
     ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
-    STATUS_CHECKPOINT_MISALIGNED,
-    STATUS_CU_SEQLENS_MALFORMED,
-    STATUS_SLOT_OUT_OF_RANGE,
     WORKSPACE_PART_OFFSETS,
     WORKSPACE_RECORD_BYTES,
     WORKSPACE_SLOT_BYTES,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, TRACE_HEADS, record_part, report_status, varlen_sequence
+from .common import CHUNK, D, TRACE_HEADS, record_part, varlen_sequence
 from .params import Checkpoints, PoolBounds, StateStrides, grouped
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 from .warp_mma import (
@@ -118,6 +115,7 @@ from .warp_mma import (
     stmatrix_x4_trans,
 )
 from .tile_chain import (
+    report_item_status,
     checkpoint_run_end,
     checkpoint_schedule,
     state_slots,
@@ -501,289 +499,295 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         cute.arch.sync_threads()
 
 
-@cute.kernel
-def k2_recurrence_kernel(
-    v: cute.Pointer,
-    out: cute.Pointer,
-    initial_state: cute.Pointer,
-    final_state: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    segments: cute.Pointer,
-    state_indices: cute.Pointer,
-    workspace: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    total_slots: cutlass.Int32,
-    v_row_stride: cutlass.Int32,
-    out_row_stride: cutlass.Int32,
-    init: StateStrides,
-    final: StateStrides,
-    flags: cutlass.Int32,
-    bounds: PoolBounds,
-    checkpoint: Checkpoints,
-    varlen: cutlass.Constexpr[bool],
-    v_block: cutlass.Constexpr[int],
-    segmented: cutlass.Constexpr[bool],
-    prescan: cutlass.Constexpr[bool],
-    stages: cutlass.Constexpr[int],
-    multicast: cutlass.Constexpr[bool],
-    wgmma: cutlass.Constexpr[bool],
-    checkpointing: cutlass.Constexpr[bool],
-):
-    tid, _, _ = cute.arch.thread_idx()
-    vblk, head, seq = cute.arch.block_idx()
-    lane = tid % WARP
-    g = lane // 4
-    t = lane % 4
-    # This thread's V columns: v_col and v_col + 8 (accumulator rows g and g + 8).
-    warp = tid // WARP
-    warp_col0 = vblk * v_block + warp * WARP_COLUMNS
-    # Multicast: the V blocks of one (sequence, head) are one cluster, and each CTA loads a
-    # slice of every tile's record for all of them (one L2 read per record, not one per CTA).
-    cluster_ctas = D // v_block if multicast else 1
-    rank = cute.arch.block_idx_in_cluster() if multicast else cutlass.Int32(0)
-    v_col = warp_col0 + g
+class K2Recurrence:
+    """K2 of one variant (``specs.K2Spec``): the codegen arguments here, the launch in
+    ``__call__``, the device code in ``kernel`` (docs/DESIGN.md, Kernels as classes).  The entry
+    symbol is the former function's, ``kernel_cutlass_k2_recurrence_kernel_<the parameters' types,
+    cut at 180 characters>_0``: the device function is defined as ``k2_recurrence`` and
+    ``str(self)`` is ``"kernel"``; the codegen arguments, once trailing Constexpr arguments, never
+    reached the cut symbol."""
 
-    smem = cutlass.utils.SmemAllocator()
-    stage_nbytes = stage_bytes(prescan)
-    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * stage_nbytes), 128)
-    warps = v_block // WARP_COLUMNS
-    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * warps * V_WARP_BYTES), 128)
-    full = smem.allocate_array(cutlass.Int64, stages)
+    def __init__(
+        self,
+        varlen: bool,
+        v_block: int,
+        segmented: bool,
+        prescan: bool,
+        stages: int,
+        multicast: bool,
+        wgmma: bool,
+        checkpointing: bool,
+    ):
+        self.varlen = varlen
+        self.v_block = v_block
+        self.segmented = segmented
+        self.prescan = prescan
+        self.stages = stages
+        self.multicast = multicast
+        self.wgmma = wgmma
+        self.checkpointing = checkpointing
 
-    # ---- this work item: first token, first tile slot, length, state rows, flags ----------
-    if cutlass.const_expr(varlen and not segmented):
-        if (flags & FLAG_LONGEST_FIRST) != 0:
-            if num_seqs <= ORDER_MAX_SEQS:
-                # The stages are free until the barriers below are initialised and synced.
-                seq = longest_first(
-                    cu_seqlens,
-                    num_seqs,
-                    seq,
-                    cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
-                    tid,
-                    k2_threads(v_block),
-                    seq_len,
-                )
-    seq_start = cutlass.Int64(0)
-    first_slot = cutlass.Int32(0)
-    length = seq_len
-    init_index = seq
-    final_index = seq
-    checkpoint_row = seq  # the row of checkpoint_indices (a sequence number)
-    tokens_before = cutlass.Int32(0)  # of the item's sequence, before the item (CP segments)
-    malformed = cutlass.Boolean(False)
-    if cutlass.const_expr(segmented):
-        seg_row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
-        checkpoint_row = seg_row[SEG_SEQ]
-        tokens_before = seg_row[SEG_SEQ_OFFSET]
-        seq_start = cutlass.Int64(seg_row[SEG_FIRST_TOKEN])
-        first_slot = seg_row[SEG_FIRST_SLOT]
-        length = seg_row[SEG_TOKENS]
-        init_index = seg_row[SEG_INIT_INDEX]
-        final_index = seg_row[SEG_FINAL_INDEX]
-        # The row's flags; the launch's status word and checkpoint bits.
-        flags = seg_row[SEG_FLAGS] | (flags & (FLAG_STATUS | FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS))
-    elif cutlass.const_expr(varlen):
-        seq_start, first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
-    else:
-        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
-        first_slot = seq * ((seq_len + (CHUNK - 1)) // CHUNK)
-    num_tiles = (length + (CHUNK - 1)) // CHUNK
+    def __str__(self) -> str:
+        return "kernel"  # the entry symbol's component for ``self`` (see the class docstring)
 
-    # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
-    # key 8j + 2t + c % 2) -------------------------------------------------------------------
-    # State pools: the row's index is a sequence number and the slot is state_indices[n]
-    # (outside the pool: a zero start and no write).
-    init_index, read_init, final_index, write_final, bad_slot = state_slots(
-        state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
-    )
-    # Prefix-cache checkpoints.
-    checkpoint_tile = cutlass.Int32(-1)
-    checkpoint_misaligned = cutlass.Boolean(False)
-    if cutlass.const_expr(checkpointing):
-        checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
-            checkpoint.offsets, flags, checkpoint_row, checkpoint.every, tokens_before
+    @cute.jit
+    def __call__(self, *params, stream):
+        # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
+        # placeholder: the runtime launches the cubin with the spec's grid.
+        v_block = self.v_block
+        self.kernel(*grouped(self.kernel, *params)).launch(
+            grid=[D // v_block, TRACE_HEADS, 1],
+            block=[k2_threads(v_block), 1, 1],
+            smem=smem_bytes(v_block, self.stages, self.prescan),
+            stream=stream,
+            **({"cluster": [D // v_block, 1, 1]} if self.multicast else {}),
         )
-    if tid == 0:
-        report_status(
-            bounds.status,
-            (flags & FLAG_STATUS) != 0,
-            cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
-            | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
-            | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
+
+    @cute.kernel
+    def k2_recurrence(
+        self,
+        v: cute.Pointer,
+        out: cute.Pointer,
+        initial_state: cute.Pointer,
+        final_state: cute.Pointer,
+        cu_seqlens: cute.Pointer,
+        segments: cute.Pointer,
+        state_indices: cute.Pointer,
+        workspace: cute.Pointer,
+        seq_len: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        total_slots: cutlass.Int32,
+        v_row_stride: cutlass.Int32,
+        out_row_stride: cutlass.Int32,
+        init: StateStrides,
+        final: StateStrides,
+        flags: cutlass.Int32,
+        bounds: PoolBounds,
+        checkpoint: Checkpoints,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        vblk, head, seq = cute.arch.block_idx()
+        lane = tid % WARP
+        g = lane // 4
+        t = lane % 4
+        # This thread's V columns: v_col and v_col + 8 (accumulator rows g and g + 8).
+        warp = tid // WARP
+        warp_col0 = vblk * self.v_block + warp * WARP_COLUMNS
+        # Multicast: the V blocks of one (sequence, head) are one cluster, and each CTA loads a
+        # slice of every tile's record for all of them (one L2 read per record, not one per CTA).
+        cluster_ctas = D // self.v_block if self.multicast else 1
+        rank = cute.arch.block_idx_in_cluster() if self.multicast else cutlass.Int32(0)
+        v_col = warp_col0 + g
+
+        smem = cutlass.utils.SmemAllocator()
+        stage_nbytes = stage_bytes(self.prescan)
+        s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * stage_nbytes), 128)
+        warps = self.v_block // WARP_COLUMNS
+        s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * warps * V_WARP_BYTES), 128)
+        full = smem.allocate_array(cutlass.Int64, self.stages)
+
+        # ---- this work item: first token, first tile slot, length, state rows, flags ----------
+        if cutlass.const_expr(self.varlen and not self.segmented):
+            if (flags & FLAG_LONGEST_FIRST) != 0:
+                if num_seqs <= ORDER_MAX_SEQS:
+                    # The self.stages are free until the barriers below are initialised and synced.
+                    seq = longest_first(
+                        cu_seqlens,
+                        num_seqs,
+                        seq,
+                        cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
+                        tid,
+                        k2_threads(self.v_block),
+                        seq_len,
+                    )
+        seq_start = cutlass.Int64(0)
+        first_slot = cutlass.Int32(0)
+        length = seq_len
+        init_index = seq
+        final_index = seq
+        checkpoint_row = seq  # the row of checkpoint_indices (a sequence number)
+        tokens_before = cutlass.Int32(0)  # of the item's sequence, before the item (CP segments)
+        malformed = cutlass.Boolean(False)
+        if cutlass.const_expr(self.segmented):
+            seg_row = cute.make_tensor(segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
+            checkpoint_row = seg_row[SEG_SEQ]
+            tokens_before = seg_row[SEG_SEQ_OFFSET]
+            seq_start = cutlass.Int64(seg_row[SEG_FIRST_TOKEN])
+            first_slot = seg_row[SEG_FIRST_SLOT]
+            length = seg_row[SEG_TOKENS]
+            init_index = seg_row[SEG_INIT_INDEX]
+            final_index = seg_row[SEG_FINAL_INDEX]
+            # The row's flags; the launch's status word and checkpoint bits.
+            flags = seg_row[SEG_FLAGS] | (flags & (FLAG_STATUS | FLAG_BF16_CHECKPOINT | FLAG_CHECKPOINT_OFFSETS))
+        elif cutlass.const_expr(self.varlen):
+            seq_start, first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
+        else:
+            seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+            first_slot = seq * ((seq_len + (CHUNK - 1)) // CHUNK)
+        num_tiles = (length + (CHUNK - 1)) // CHUNK
+
+        # ---- Sᵀ slice into accumulator fragments: value 4j + c is (V row g + 8·(c // 2),
+        # key 8j + 2t + c % 2) -------------------------------------------------------------------
+        # State pools: the row's index is a sequence number and the slot is state_indices[n]
+        # (outside the pool: a zero start and no write).
+        init_index, read_init, final_index, write_final, bad_slot = state_slots(
+            state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
         )
-    if cutlass.const_expr(segmented):
-        # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
-        # is the merge's output, so nothing of the predecessor's is read before its grid is done.
-        cute.arch.griddepcontrol_wait()
-    state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
-    state.fill(0.0)
-    if read_init != 0:
-        read_state(state, initial_state, init_index, init, head, t, v_col, flags)
-    if (flags & FLAG_IDENTITY_INIT) != 0:
-        for i in cutlass.range_constexpr(4 * N_TILES):
-            key, column = state_entry(t, v_col, i)
-            state[i] = cutlass.Float32(1.0) if key == column else cutlass.Float32(0.0)
-    load_v = (flags & FLAG_ZERO_V) == 0
-    write_out = (flags & FLAG_NO_OUTPUT) == 0
-
-    slot0 = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
-    if tid == 0:
-        for s in cutlass.range_constexpr(stages):
-            cute.arch.mbarrier_init(full + s, 1)
-        cute.arch.mbarrier_init_fence()
-    if cutlass.const_expr(multicast):
-        # Every CTA's barriers are initialised before any slice lands in it.
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-    else:
-        cute.arch.sync_threads()
-    if cutlass.const_expr(not segmented):
-        # Serial K2 is K1's programmatic dependent: everything above reads the caller's tensors
-        # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
-        # records are K1's and come after its grid is done.
-        cute.arch.griddepcontrol_wait()
-    # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
-    v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
-    v_stage_bytes = warps * V_WARP_BYTES
-    for s in cutlass.range_constexpr(stages - 1):
-        if tid == 0:
-            if s < num_tiles:
-                _issue_stage_loads(
-                    workspace,
-                    stage_pointer(s_stages, s, stage_nbytes),
-                    full + s,
-                    (slot0 + cutlass.Int64(s)) * WORKSPACE_RECORD_BYTES,
-                    stage_nbytes,
-                    cluster_ctas,
-                    rank,
-                )
-        stage_v_rows(
-            v,
-            v_row_stride,
-            v_base + s * v_stage_bytes,
-            seq_start + cutlass.Int64(s * CHUNK),
-            length - s * CHUNK,
-            head,
-            warp_col0,
-            lane,
-            load_v,
-        )
-        cute.arch.cp_async_commit_group()
-
-    image_lane = _image_lane_offset(lane)
-    image_trans_lane = _image_trans_lane_offset(lane)
-    square_lane = square_lane_offset(lane)
-    out_stride = cutlass.Int64(out_row_stride)
-
-    ctx = _ChainContext(
-        cluster_ctas=cluster_ctas,
-        full=full,
-        head=head,
-        image_lane=image_lane,
-        image_trans_lane=image_trans_lane,
-        lane=lane,
-        length=length,
-        load_v=load_v,
-        multicast=multicast,
-        num_tiles=num_tiles,
-        out=out,
-        out_stride=out_stride,
-        prescan=prescan,
-        rank=rank,
-        s_stages=s_stages,
-        seq_start=seq_start,
-        slot0=slot0,
-        square_lane=square_lane,
-        stage_nbytes=stage_nbytes,
-        stages=stages,
-        state=state,
-        t=t,
-        tid=tid,
-        v=v,
-        v_base=v_base,
-        v_row_stride=v_row_stride,
-        v_stage_bytes=v_stage_bytes,
-        warp=warp,
-        warp_col0=warp_col0,
-        wgmma=wgmma,
-        workspace=workspace,
-        write_out=write_out,
-    )
-    if cutlass.const_expr(checkpointing):
-        # The tiles run up to each checkpoint (one run without any), the write between runs; a
-        # run carries its tiles' addresses and stages (``TileCursor``).
-        run_start = cutlass.Int32(0)
-        while run_start < num_tiles:
-            run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
-            token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = run_cursor(
-                run_start, seq_start, length, out_stride, slot0, stages
+        # Prefix-cache checkpoints.
+        checkpoint_tile = cutlass.Int32(-1)
+        checkpoint_misaligned = cutlass.Boolean(False)
+        if cutlass.const_expr(self.checkpointing):
+            checkpoint_tile, _, checkpoint_misaligned = checkpoint_schedule(
+                checkpoint.offsets, flags, checkpoint_row, checkpoint.every, tokens_before
             )
-            for tile in cutlass.range(run_start, run_end, unroll=1):
-                _chain_tile(
-                    ctx, tile, stage, ahead_stage, phase, cursor=TileCursor(token0, rows_left, out_row0, ahead_record)
-                )
-                token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = next_tile(
-                    token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, stages
-                )
-            if run_end - 1 == checkpoint_tile:
-                checkpoint_tile = write_checkpoint(
-                    state,
-                    checkpoint_tile,
-                    length,
-                    checkpoint,
-                    checkpoint_row,
-                    tokens_before,
-                    head,
-                    t,
-                    v_col,
-                    flags,
-                    bounds.status,
-                    tid == 0,
-                )
-            run_start = run_end
-    else:
-        for tile in cutlass.range(num_tiles, unroll=1):
-            _chain_tile(ctx, tile, tile % stages, (tile + (stages - 1)) % stages, (tile // stages) % 2)
-    if cutlass.const_expr(multicast):
-        # The last tile's barrier: no CTA leaves while a peer may still multicast into it.
-        if num_tiles > 0:
+        if tid == 0:
+            report_item_status(bounds.status, flags, malformed, bad_slot, checkpoint_misaligned)
+        if cutlass.const_expr(self.segmented):
+            # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
+            # is the merge's output, so nothing of the predecessor's is read before its grid is done.
+            cute.arch.griddepcontrol_wait()
+        state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
+        state.fill(0.0)
+        if read_init != 0:
+            read_state(state, initial_state, init_index, init, head, t, v_col, flags)
+        if (flags & FLAG_IDENTITY_INIT) != 0:
+            for i in cutlass.range_constexpr(4 * N_TILES):
+                key, column = state_entry(t, v_col, i)
+                state[i] = cutlass.Float32(1.0) if key == column else cutlass.Float32(0.0)
+        load_v = (flags & FLAG_ZERO_V) == 0
+        write_out = (flags & FLAG_NO_OUTPUT) == 0
+
+        slot0 = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
+        if tid == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, 1)
+            cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.multicast):
+            # Every CTA's barriers are initialised before any slice lands in it.
+            cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        if cutlass.const_expr(not self.segmented):
+            # Serial K2 is K1's programmatic dependent: everything above reads the caller's tensors
+            # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
+            # records are K1's and come after its grid is done.
+            cute.arch.griddepcontrol_wait()
+        # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
+        v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
+        v_stage_bytes = warps * V_WARP_BYTES
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if tid == 0:
+                if s < num_tiles:
+                    _issue_stage_loads(
+                        workspace,
+                        stage_pointer(s_stages, s, stage_nbytes),
+                        full + s,
+                        (slot0 + cutlass.Int64(s)) * WORKSPACE_RECORD_BYTES,
+                        stage_nbytes,
+                        cluster_ctas,
+                        rank,
+                    )
+            stage_v_rows(
+                v,
+                v_row_stride,
+                v_base + s * v_stage_bytes,
+                seq_start + cutlass.Int64(s * CHUNK),
+                length - s * CHUNK,
+                head,
+                warp_col0,
+                lane,
+                load_v,
+            )
+            cute.arch.cp_async_commit_group()
 
-    if write_final != 0:
-        write_state(state, final_state, final_index, final, head, t, v_col, flags)
+        image_lane = _image_lane_offset(lane)
+        image_trans_lane = _image_trans_lane_offset(lane)
+        square_lane = square_lane_offset(lane)
+        out_stride = cutlass.Int64(out_row_stride)
 
+        ctx = _ChainContext(
+            cluster_ctas=cluster_ctas,
+            full=full,
+            head=head,
+            image_lane=image_lane,
+            image_trans_lane=image_trans_lane,
+            lane=lane,
+            length=length,
+            load_v=load_v,
+            multicast=self.multicast,
+            num_tiles=num_tiles,
+            out=out,
+            out_stride=out_stride,
+            prescan=self.prescan,
+            rank=rank,
+            s_stages=s_stages,
+            seq_start=seq_start,
+            slot0=slot0,
+            square_lane=square_lane,
+            stage_nbytes=stage_nbytes,
+            stages=self.stages,
+            state=state,
+            t=t,
+            tid=tid,
+            v=v,
+            v_base=v_base,
+            v_row_stride=v_row_stride,
+            v_stage_bytes=v_stage_bytes,
+            warp=warp,
+            warp_col0=warp_col0,
+            wgmma=self.wgmma,
+            workspace=workspace,
+            write_out=write_out,
+        )
+        if cutlass.const_expr(self.checkpointing):
+            # The tiles run up to each checkpoint (one run without any), the write between runs; a
+            # run carries its tiles' addresses and self.stages (``TileCursor``).
+            run_start = cutlass.Int32(0)
+            while run_start < num_tiles:
+                run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
+                token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = run_cursor(
+                    run_start, seq_start, length, out_stride, slot0, self.stages
+                )
+                for tile in cutlass.range(run_start, run_end, unroll=1):
+                    _chain_tile(
+                        ctx,
+                        tile,
+                        stage,
+                        ahead_stage,
+                        phase,
+                        cursor=TileCursor(token0, rows_left, out_row0, ahead_record),
+                    )
+                    token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record = next_tile(
+                        token0, rows_left, out_row0, stage, ahead_stage, phase, ahead_record, out_stride, self.stages
+                    )
+                if run_end - 1 == checkpoint_tile:
+                    checkpoint_tile = write_checkpoint(
+                        state,
+                        checkpoint_tile,
+                        length,
+                        checkpoint,
+                        checkpoint_row,
+                        tokens_before,
+                        head,
+                        t,
+                        v_col,
+                        flags,
+                        bounds.status,
+                        tid == 0,
+                    )
+                run_start = run_end
+        else:
+            for tile in cutlass.range(num_tiles, unroll=1):
+                _chain_tile(
+                    ctx, tile, tile % self.stages, (tile + (self.stages - 1)) % self.stages, (tile // self.stages) % 2
+                )
+        if cutlass.const_expr(self.multicast):
+            # The last tile's barrier: no CTA leaves while a peer may still self.multicast into it.
+            if num_tiles > 0:
+                cute.arch.cluster_wait()
 
-@cute.jit
-def k2_recurrence_launch(
-    *params,
-    stream,
-    varlen: cutlass.Constexpr[bool],
-    v_block: cutlass.Constexpr[int],
-    segmented: cutlass.Constexpr[bool],
-    prescan: cutlass.Constexpr[bool],
-    stages: cutlass.Constexpr[int],
-    multicast: cutlass.Constexpr[bool],
-    wgmma: cutlass.Constexpr[bool],
-    checkpointing: cutlass.Constexpr[bool],
-):
-    # ``params``: the kernel's runtime parameters (``specs.K2_PARAMS``).  The grid here is a
-    # placeholder: the runtime launches the cubin with the spec's grid.
-    k2_recurrence_kernel(
-        *grouped(k2_recurrence_kernel, *params),
-        varlen,
-        v_block,
-        segmented,
-        prescan,
-        stages,
-        multicast,
-        wgmma,
-        checkpointing,
-    ).launch(
-        grid=[D // v_block, TRACE_HEADS, 1],
-        block=[k2_threads(v_block), 1, 1],
-        smem=smem_bytes(v_block, stages, prescan),
-        stream=stream,
-        **({"cluster": [D // v_block, 1, 1]} if multicast else {}),
-    )
+        if write_final != 0:
+            write_state(state, final_state, final_index, final, head, t, v_col, flags)
+
+    kernel = k2_recurrence

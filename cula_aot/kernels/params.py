@@ -21,7 +21,8 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 
-from ..specs.abi import CHECKPOINT_PARAMS, bound_params, state_params
+from ..specs.abi import CHECKPOINT_PARAMS, TOKEN_SCALARS, bound_params, state_params
+from ..specs.decode import DECODE_GEOMETRY, DECODE_TENSORS
 
 
 def _flat_str(group) -> str:
@@ -116,3 +117,59 @@ class Checkpoints(NamedTuple):
     columns: cutlass.Int32
     slots: cutlass.Int32
     strides: StateStrides
+
+
+@param_group(lambda name: TOKEN_SCALARS)
+class TokenScalars(NamedTuple):
+    """The per-call scale and gate lower bound, and the flags (``specs.TOKEN_SCALARS``): K1's and
+    the decode kernels' last parameters."""
+
+    scale: cutlass.Float32
+    lower_bound: cutlass.Float32
+    flags: cutlass.Int32
+
+
+@param_group(lambda name: DECODE_TENSORS)
+class DecodeTensors(NamedTuple):
+    """The decode kernels' tensors (``specs.DECODE_TENSORS``): the token inputs, the gate
+    parameters, the state pool and its slot indices, the intermediate states, the outputs and the
+    status word."""
+
+    q: cute.Pointer
+    k: cute.Pointer
+    v: cute.Pointer
+    g: cute.Pointer
+    beta: cute.Pointer
+    a_log: cute.Pointer
+    dt_bias: cute.Pointer
+    state_indices: cute.Pointer
+    state_pool: cute.Pointer
+    intermediate: cute.Pointer
+    out: cute.Pointer
+    status: cute.Pointer
+
+
+@param_group(lambda name: DECODE_GEOMETRY)
+class DecodeGeometry(NamedTuple):
+    """Sizes, strides and offsets of ``DecodeTensors`` (``specs.DECODE_GEOMETRY``): N, T, the pool's
+    slot count and slot stride, each input's sequence and token strides, the element offsets of β
+    and state_indices, the output's strides."""
+
+    num_seqs: cutlass.Int32
+    num_tokens: cutlass.Int32
+    num_slots: cutlass.Int32
+    slot_stride: cutlass.Int32
+    q_stride_n: cutlass.Int32
+    q_stride_t: cutlass.Int32
+    k_stride_n: cutlass.Int32
+    k_stride_t: cutlass.Int32
+    v_stride_n: cutlass.Int32
+    v_stride_t: cutlass.Int32
+    g_stride_n: cutlass.Int32
+    g_stride_t: cutlass.Int32
+    beta_stride_n: cutlass.Int32
+    beta_stride_t: cutlass.Int32
+    beta_offset: cutlass.Int32
+    index_offset: cutlass.Int32
+    out_stride_n: cutlass.Int32
+    out_stride_t: cutlass.Int32

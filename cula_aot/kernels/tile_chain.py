@@ -18,6 +18,8 @@ from ..layout import (
     FLAG_STATUS,
     ORDER_MAX_SEQS,
     STATUS_SLOT_OUT_OF_RANGE,
+    STATUS_CHECKPOINT_MISALIGNED,
+    STATUS_CU_SEQLENS_MALFORMED,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
@@ -97,36 +99,50 @@ def state_slots(state_indices: cute.Pointer, flags, init_index, init_slots, fina
     return init_index, read_init, final_index, write_final, bad_slot
 
 
+def report_item_status(status: cute.Pointer, flags, malformed, bad_slot, checkpoint_misaligned):
+    """A prefill work item's findings (K2, the fused prefill's consumers) into the caller's status
+    word: a malformed cu_seqlens, a pool slot out of range, a misaligned checkpoint offset."""
+    report_status(
+        status,
+        (flags & FLAG_STATUS) != 0,
+        cutlass.select_(malformed, STATUS_CU_SEQLENS_MALFORMED, 0)
+        | cutlass.select_(bad_slot, STATUS_SLOT_OUT_OF_RANGE, 0)
+        | cutlass.select_(checkpoint_misaligned, STATUS_CHECKPOINT_MISALIGNED, 0),
+    )
+
+
 @cute.jit
 def read_state(state: cute.Tensor, initial_state: cute.Pointer, index, strides: StateStrides, head, t, v_col, flags):
     """This thread's Sᵀ accumulator values (``state_entry``) from state ``index`` of
     ``initial_state``, fp32 or bf16 by ``FLAG_BF16_INIT``; keys k, k + 1 in one access where the
     layout puts them side by side (``paired``)."""
-    state_io(
-        read_pairs,
-        read_elements,
-        state,
-        initial_state,
-        index,
-        strides.slot_stride,
-        head,
-        t,
-        v_col,
-        strides.stride_k,
-        strides.stride_v,
-        (flags & FLAG_BF16_INIT) != 0,
-    )
+    strided_io(False, state, initial_state, index, strides, head, t, v_col, (flags & FLAG_BF16_INIT) != 0)
 
 
 @cute.jit
 def write_state(state: cute.Tensor, final_state: cute.Pointer, index, strides: StateStrides, head, t, v_col, flags):
     """This thread's Sᵀ accumulator values into state ``index`` of ``final_state``, fp32 or bf16 by
     ``FLAG_BF16_FINAL``; paired as ``read_state``."""
+    strided_io(True, state, final_state, index, strides, head, t, v_col, (flags & FLAG_BF16_FINAL) != 0)
+
+
+@cute.jit
+def strided_io(
+    write: cutlass.Constexpr[bool],
+    state: cute.Tensor,
+    base: cute.Pointer,
+    index,
+    strides: StateStrides,
+    head,
+    t,
+    v_col,
+    dtype_is_bf16,
+):
+    """``state_io`` of a state tensor with strides ``strides``."""
     state_io(
-        write_pairs,
-        write_elements,
+        write,
         state,
-        final_state,
+        base,
         index,
         strides.slot_stride,
         head,
@@ -134,7 +150,7 @@ def write_state(state: cute.Tensor, final_state: cute.Pointer, index, strides: S
         v_col,
         strides.stride_k,
         strides.stride_v,
-        (flags & FLAG_BF16_FINAL) != 0,
+        dtype_is_bf16,
     )
 
 
@@ -222,8 +238,7 @@ def store_checkpoint(
         slot, usable, out_of_range = pool_slot(checkpoint.indices, index, checkpoint.slots)
         if usable:
             state_io(
-                write_pairs,
-                write_elements,
+                True,
                 state,
                 checkpoint.pool,
                 slot,
@@ -243,8 +258,7 @@ def store_checkpoint(
 
 @cute.jit
 def state_io(
-    pairs_io,
-    elements_io,
+    write: cutlass.Constexpr[bool],
     state: cute.Tensor,
     base: cute.Pointer,
     index,
@@ -256,26 +270,26 @@ def state_io(
     stride_v,
     dtype_is_bf16,
 ):
-    """The case split ``read_state`` and ``write_state`` share: layout and dtype are runtime
-    values ([.., V, K]: ``stride_k`` 1, ``stride_v`` 128; [.., K, V]: 128, 1), but an access's
-    width, element type and offsets are fixed when it is traced, so each case is its own branch:
-    ``pairs_io`` (``read_pairs`` / ``write_pairs``) on a ``paired`` layout, else ``elements_io``
-    (``read_elements`` / ``write_elements``) with the layout's strides, each bf16 or fp32."""
+    """The case split ``read_state`` and ``write_state`` share (``write``: ``state`` into state
+    ``index`` of ``base``, else from it): layout and dtype are runtime values ([.., V, K]:
+    ``stride_k`` 1, ``stride_v`` 128; [.., K, V]: 128, 1), but an access's width, element type and
+    offsets are fixed when it is traced, so each case is its own branch: ``pairs_io`` on a
+    ``paired`` layout, else ``elements_io`` with the layout's strides, each bf16 or fp32."""
     if paired(stride_k, slot_stride):
         if dtype_is_bf16:
-            pairs_io(state, base, index, slot_stride, head, t, v_col, cutlass.BFloat16)
+            pairs_io(write, state, base, index, slot_stride, head, t, v_col, cutlass.BFloat16)
         else:
-            pairs_io(state, base, index, slot_stride, head, t, v_col, cutlass.Float32)
+            pairs_io(write, state, base, index, slot_stride, head, t, v_col, cutlass.Float32)
     elif stride_k == 1:
         if dtype_is_bf16:
-            elements_io(state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.BFloat16)
+            elements_io(write, state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.BFloat16)
         else:
-            elements_io(state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.Float32)
+            elements_io(write, state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.Float32)
     else:
         if dtype_is_bf16:
-            elements_io(state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.BFloat16)
+            elements_io(write, state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.BFloat16)
         else:
-            elements_io(state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.Float32)
+            elements_io(write, state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.Float32)
 
 
 def paired(stride_k, slot_stride):
@@ -306,31 +320,29 @@ def _value_offset(i: int, stride_k: int, stride_v: int) -> int:
 
 
 @cute.jit
-def read_pairs(state: cute.Tensor, initial_state: cute.Pointer, index, slot_stride, head, t, v_col, dtype):
-    """``read_state`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
-    origin = _thread_origin(initial_state, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
+def pairs_io(
+    write: cutlass.Constexpr[bool], state: cute.Tensor, base: cute.Pointer, index, slot_stride, head, t, v_col, dtype
+):
+    """``state_io`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
+    origin = _thread_origin(base, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        pair = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2)).load().to(cutlass.Float32)
-        state[i] = pair[0]
-        state[i + 1] = pair[1]
+        if cutlass.const_expr(write):
+            pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+            pair[0] = state[i]
+            pair[1] = state[i + 1]
+            element = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2))
+            element.store(pair.load().to(dtype))
+        else:
+            pair = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2)).load().to(cutlass.Float32)
+            state[i] = pair[0]
+            state[i + 1] = pair[1]
 
 
 @cute.jit
-def write_pairs(state: cute.Tensor, final_state: cute.Pointer, index, slot_stride, head, t, v_col, dtype):
-    """``write_state`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
-    origin = _thread_origin(final_state, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
-    for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
-        pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
-        pair[0] = state[i]
-        pair[1] = state[i + 1]
-        element = cute.make_tensor(origin + _value_offset(i, 1, D), cute.make_layout(2))
-        element.store(pair.load().to(dtype))
-
-
-@cute.jit
-def read_elements(
+def elements_io(
+    write: cutlass.Constexpr[bool],
     state: cute.Tensor,
-    initial_state: cute.Pointer,
+    base: cute.Pointer,
     index,
     slot_stride,
     head,
@@ -340,31 +352,14 @@ def read_elements(
     stride_v: int,
     dtype,
 ):
-    """``read_state`` on either layout: one value per access."""
-    origin = _thread_origin(initial_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
+    """``state_io`` on either layout: one value per access."""
+    origin = _thread_origin(base, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
         element = cute.make_tensor(origin + _value_offset(i, stride_k, stride_v), cute.make_layout(1))
-        state[i] = element[0].to(cutlass.Float32)
-
-
-@cute.jit
-def write_elements(
-    state: cute.Tensor,
-    final_state: cute.Pointer,
-    index,
-    slot_stride,
-    head,
-    t,
-    v_col,
-    stride_k: int,
-    stride_v: int,
-    dtype,
-):
-    """``write_state`` on either layout: one value per access."""
-    origin = _thread_origin(final_state, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
-    for i in cutlass.range_constexpr(4 * N_TILES):
-        element = cute.make_tensor(origin + _value_offset(i, stride_k, stride_v), cute.make_layout(1))
-        element[0] = state[i].to(dtype)
+        if cutlass.const_expr(write):
+            element[0] = state[i].to(dtype)
+        else:
+            state[i] = element[0].to(cutlass.Float32)
 
 
 @cute.jit

@@ -1,13 +1,86 @@
 """A decode token's preparation, shared by the token kernel (``decode.py``) and the chunk kernel
-(``decode_chunk.py``): the token loads (q, k, g, β and the gate parameters), q̂, k̂, α = e^γ, k̂·q̂ and
+(``decode_chunk.py``), and their common base class (``DecodeKernel``): the token loads (q, k, g, β and the gate parameters), q̂, k̂, α = e^γ, k̂·q̂ and
 b into shared memory by half-warps, and the deferred decay (A_t, k̂/A_t, A_t⊙k̂, A_t⊙q̂)."""
 
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
-from .common import LOG2E, beta_weight, exp2_fast
+from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, STATUS_SLOT_OUT_OF_RANGE, D
+from ..specs import DECODE_FLAG_STATUS
+from .common import LOG2E, TRACE_HEADS, beta_weight, exp2_fast, report_status
 from .gate import Gate
+from .params import DecodeGeometry, DecodeTensors, grouped
+
+
+class DecodeKernel:
+    """What the two decode kernel classes (``decode.KdaDecode``, ``decode_chunk.KdaDecodeChunk``)
+    share (docs/DESIGN.md, Kernels as classes): the launch, ``str(self)``, and the device helpers
+    that read their parameter groups.  A subclass sets ``rows`` (V rows per CTA), ``threads`` and
+    ``smem_bytes`` (the built maximum) and defines the device method ``kernel``, which takes the
+    runtime parameters as ``(DecodeTensors, DecodeGeometry, TokenScalars)``
+    (``specs.DECODE_PARAMS``) and reads the codegen arguments from ``self``.
+
+    The device method is defined under the former kernel function's name less ``_kernel``
+    (``kda_decode``) and ``str(self)`` is ``"kernel"``, so the entry symbol is the function's,
+    ``kernel_cutlass_kda_decode_kernel_<the pointers' types, cut at 180 characters>_0``: the
+    codegen arguments, once trailing Constexpr arguments, never reached the cut symbol."""
+
+    rows: int
+    threads: int
+    smem_bytes: int
+
+    def __str__(self) -> str:
+        return "kernel"  # the entry symbol's component for ``self`` (see the class docstring)
+
+    @cute.jit
+    def __call__(self, *params, stream):
+        # ``params``: the kernel's runtime parameters (``specs.DECODE_PARAMS``); the grid is a
+        # placeholder (the runtime launches the spec's).
+        self.kernel(*grouped(self.kernel, *params)).launch(
+            grid=[D // self.rows, TRACE_HEADS, 1], block=[self.threads, 1, 1], smem=self.smem_bytes, stream=stream
+        )
+
+    def coordinates(self):
+        """(thread, warp, lane, V block, head, sequence) of this thread: the CTA's grid coordinates
+        are (V block, head, sequence)."""
+        tid, _, _ = cute.arch.thread_idx()
+        vblk, head, seq = cute.arch.block_idx()
+        return tid, tid // 32, tid % 32, vblk, head, seq
+
+    def token_loads(self, tensors: DecodeTensors, geometry: DecodeGeometry, n64, t, head, hl):
+        """Issue one half-warp lane's loads for token ``t`` of sequence ``n64`` (columns
+        8·hl .. 8·hl + 7 of q, k, g and dt_bias, β, A_log); the values are consumed by
+        ``token_prepare``."""
+        q_at = token_offset(n64, geometry.q_stride_n, geometry.q_stride_t, t, head)
+        k_at = token_offset(n64, geometry.k_stride_n, geometry.k_stride_t, t, head)
+        g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
+        beta_at = (
+            cutlass.Int64(geometry.beta_offset)
+            + n64 * geometry.beta_stride_n
+            + cutlass.Int64(t) * geometry.beta_stride_t
+            + head
+        )
+        col = hl * 8
+        return (
+            bf16_row8(tensors.q, q_at + col),
+            bf16_row8(tensors.k, k_at + col),
+            bf16_row8(tensors.g, g_at + col),
+            f32x8(tensors.dt_bias, head * D + col),
+            cute.make_tensor(tensors.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(tensors.a_log + head, cute.make_layout(1))[0],
+        )
+
+    def slot(self, tensors: DecodeTensors, geometry: DecodeGeometry, seq):
+        """Sequence ``seq``'s state pool slot, ``state_indices[index_offset + seq]``."""
+        return cute.make_tensor(tensors.state_indices + geometry.index_offset + seq, cute.make_layout(1))[0]
+
+    def report_padding(self, tensors: DecodeTensors, flags, slot, num_slots):
+        """A padding row's report: a slot other than -1 (outside the pool) into the status word."""
+        report_status(
+            tensors.status,
+            (flags & DECODE_FLAG_STATUS) != 0,
+            cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
+        )
 
 
 def bf16_row8(base: cute.Pointer, offset):
@@ -28,31 +101,10 @@ def smem_run(array: cute.Tensor, at, count: int):
     return [vec[e] for e in range(count)]
 
 
-def token_loads(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    hl,
-    q_at,
-    k_at,
-    g_at,
-    beta_at,
-    head,
-):
-    """Issue one half-warp lane's loads for one token (columns 8·hl .. 8·hl + 7 of q, k, g and
-    dt_bias, β, A_log); the values are consumed by ``token_prepare``."""
-    col = hl * 8
-    return (
-        bf16_row8(q, q_at + col),
-        bf16_row8(k, k_at + col),
-        bf16_row8(g, g_at + col),
-        f32x8(dt_bias, head * D + col),
-        cute.make_tensor(beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
-        cute.make_tensor(a_log + head, cute.make_layout(1))[0],
-    )
+def token_offset(n64, stride_n, stride_t, t, head):
+    """Element offset of head ``head``'s row of token ``t`` of sequence ``n64`` (Int64) in a
+    ``[N, T, H, 128]`` tensor with sequence and token strides ``stride_n``, ``stride_t``."""
+    return n64 * stride_n + cutlass.Int64(t) * stride_t + head * D
 
 
 def token_prepare(

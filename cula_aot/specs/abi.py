@@ -180,6 +180,16 @@ K1_INPUTS = (
 )
 
 
+# The per-call scale and gate lower bound, then the flags (the input conventions,
+# ``layout.FLAG_BETA_PROBABILITY`` and ``FLAG_QK_AS_GIVEN``, and the kernel's own bits): the tail of
+# K1's and both decode kernels' lists (``kernels.params.TokenScalars``).
+TOKEN_SCALARS = (
+    scalar("scale", "f32", per_call=True),
+    scalar("lower_bound", "f32", per_call=True),
+    scalar("flags", "i32"),
+)
+
+
 # State tensors: S[k, v] of state ``index`` and head h at element
 # ``index·slot_stride + h·128·128 + k·stride_k + v·stride_v`` (in elements of the state's dtype,
 # fp32 or bf16 by ``flags``); pointers are declared f32 and recast in the kernel.

@@ -6,7 +6,7 @@ import dataclasses
 from typing import ClassVar
 
 from ..gates import DEFAULT_GATE
-from .abi import GATES, STATUS_POINTER, KernelSpec, gate_field, pointer, scalar
+from .abi import GATES, STATUS_POINTER, TOKEN_SCALARS, KernelSpec, gate_field, pointer, scalar
 
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
@@ -19,7 +19,10 @@ DECODE_FLAG_STATUS = 2  # ``flags`` bit: a status word is given (``layout.STATUS
 # on a later sweep (docs/PERFORMANCE.md, Decode).
 DECODE_VARIANTS = ((32, 1), (32, 2), (32, 4))
 
-DECODE_PARAMS = (
+# Both decode kernels' parameters, in three runs that they take as parameter groups
+# (``kernels.params``): the tensors (``DecodeTensors``), their sizes, strides and offsets
+# (``DecodeGeometry``), and ``TOKEN_SCALARS`` (``TokenScalars``).
+DECODE_TENSORS = (
     pointer("q", "bf16"),
     pointer("k", "bf16"),
     pointer("v", "bf16"),
@@ -32,6 +35,8 @@ DECODE_PARAMS = (
     pointer("intermediate", "state"),
     pointer("out", "bf16"),
     STATUS_POINTER,
+)
+DECODE_GEOMETRY = (
     scalar("num_seqs", "i32"),
     scalar("num_tokens", "i32"),
     scalar("num_slots", "i32"),
@@ -41,10 +46,8 @@ DECODE_PARAMS = (
     scalar("index_offset", "i32", per_call=True),
     scalar("out_stride_n", "i32"),
     scalar("out_stride_t", "i32"),
-    scalar("scale", "f32", per_call=True),
-    scalar("lower_bound", "f32", per_call=True),
-    scalar("flags", "i32"),
 )
+DECODE_PARAMS = (*DECODE_TENSORS, *DECODE_GEOMETRY, *TOKEN_SCALARS)
 
 
 def decode_params(state_dtype: str) -> tuple:

@@ -3,7 +3,7 @@
 import dataclasses
 from typing import ClassVar
 
-from .abi import K1_INPUTS, SEQUENCE_SCALARS, WORKSPACE_POINTERS, KernelSpec, gate_field, pointer, scalar
+from .abi import K1_INPUTS, SEQUENCE_SCALARS, TOKEN_SCALARS, WORKSPACE_POINTERS, KernelSpec, gate_field, pointer, scalar
 
 K1_PARAMS = (
     *K1_INPUTS,
@@ -12,9 +12,7 @@ K1_PARAMS = (
     *SEQUENCE_SCALARS,
     scalar("beta_row_stride", "i32"),
     scalar("tiles_per_cta", "i32"),
-    scalar("scale", "f32", per_call=True),
-    scalar("lower_bound", "f32", per_call=True),
-    scalar("flags", "i32"),  # the input conventions (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
+    *TOKEN_SCALARS,  # flags: the input conventions only
 )
 
 
