@@ -118,6 +118,9 @@ from cula_aot.ops import workspace  # noqa: E402
 
 
 class Arena:
+    def carve(self, device, slots, stream):
+        return {}
+
     def pointers(self, device, slots, stream):
         t = torch.zeros(max(slots, 1) * 64, dtype=torch.uint8)
         TENSORS["workspace"] = t
@@ -254,6 +257,22 @@ def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat
     return lambda: [cula_aot.kda_decode(q, k, v, g, beta, **kw) for _ in range(2)]
 
 
+def k1_case(lengths, gate, conventions):
+    x = standard_inputs(1, sum(lengths), 4, seed=2, gate=gate)
+    q, k, g, beta = (x.pop(n) for n in ("q", "k", "g", "beta"))
+    x.pop("v")
+    TENSORS.clear()
+    TENSORS.update(q=q, k=k, g=g, beta=beta, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"))
+    from cula_aot.ops.prepare import prepare
+
+    cu = cu_seqlens_of(lengths)
+    TENSORS["cu"] = cu
+    options = dict(beta_sigmoid=False, qk_l2norm=False) if conventions else {}
+    return lambda: prepare(q, k, g, beta, **x, cu_seqlens=cu, **options)
+
+
+case("k1 alone softplus", k1_case([40, 60], "softplus", False))
+case("k1 alone safe conventions", k1_case([100], "safe", True))
 case("decode T1 fp32", decode_case(32, 1, 12))
 case("decode T4 bf16 chunk", decode_case(8, 4, 12, bf16=True))
 case("decode T3 kv inter status", decode_case(4, 3, 4, layout="kv", inter=True, status=True))

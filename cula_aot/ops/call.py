@@ -115,6 +115,12 @@ class Inputs(NamedTuple):
         return cls(q, o["k"], o["v"], g, beta, gate, o["scale"], input_flags(o["beta_sigmoid"], o["qk_l2norm"]))
 
 
+def _layouts(tensors: tuple) -> tuple:
+    """What a cached plan fixes of its tensor arguments: each one's shape, strides, dtype and
+    device (None for an absent one).  Raises AttributeError for a non-tensor."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
 class CheckpointSink(NamedTuple):
     """Where a prefill writes its prefix-cache checkpoints (``kda_prefill``'s ``checkpoint_*``):
     the period in tokens (0: none), the pool, the slot map ``[N, M]`` and the optional per-sequence
@@ -187,9 +193,8 @@ class PrefillCall(NamedTuple):
         names either)."""
         c, x = self.checkpoints, self.inputs
         gate = x.gate
-        layouts = tuple(
-            None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-            for t in (
+        layouts = _layouts(
+            (
                 x.q,
                 x.k,
                 x.v,
@@ -265,9 +270,8 @@ class DecodeCall(NamedTuple):
         """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
         plan fixes, as ``PrefillCall.signature``."""
         x, gate = self.inputs, self.inputs.gate
-        layouts = tuple(
-            None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-            for t in (
+        layouts = _layouts(
+            (
                 x.q,
                 x.k,
                 x.v,

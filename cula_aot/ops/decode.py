@@ -20,17 +20,8 @@ from ..specs import (
     variant_spec,
 )
 from .call import DecodeCall
-from .checks import (
-    INT32_MAX,
-    check_device,
-    check_dtype_shape,
-    check_scalars,
-    check_slot_indices,
-    check_state,
-    check_state_layout,
-    check_status,
-    fail,
-)
+from . import checks
+from .checks import fail
 
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
 
@@ -136,30 +127,30 @@ def validate(call: DecodeCall):
         fail(f"q must have H > 0, got shape {list(q.shape)}")
     device = q.device
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g)):
-        check_dtype_shape(name, t, torch.bfloat16, (num_seqs, tokens, heads, D), device)
+        checks.check_dtype_shape(name, t, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows(name, t)
-    check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
+    checks.check_dtype_shape("beta", beta, torch.bfloat16, (num_seqs, tokens, heads), device)
     if heads > 1 and beta.stride(2) != 1:
         fail(f"beta must have unit stride along H, got strides {list(beta.stride())}; call beta.contiguous()")
     gate = call.inputs.gate
     A_log, dt_bias = gate.A_log, gate.dt_bias
-    check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
-    check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
+    checks.check_dtype_shape("A_log", A_log, torch.float32, (heads,), device)
+    checks.check_dtype_shape("dt_bias", dt_bias, torch.float32, (heads, D), device)
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not t.is_contiguous():
             fail(f"{name} must be contiguous; call {name}.contiguous()")
         _check_base(name, t)
-    _, scale = check_scalars(gate.lower_bound, call.inputs.scale)
-    check_state_layout(call.state_layout)
+    _, scale = checks.check_scalars(gate.lower_bound, call.inputs.scale)
+    checks.check_state_layout(call.state_layout)
 
     state_pool = call.state_pool
-    check_state("state_pool", state_pool, heads, device)
+    checks.check_state("state_pool", state_pool, heads, device)
     _check_base("state_pool", state_pool)
-    check_slot_indices("state_indices", call.state_indices, num_seqs, device)
+    checks.check_slot_indices("state_indices", call.state_indices, num_seqs, device)
 
     intermediate_states = call.intermediate_states
     if intermediate_states is not None:
-        check_dtype_shape(
+        checks.check_dtype_shape(
             "intermediate_states", intermediate_states, state_pool.dtype, (num_seqs, tokens, heads, D, D), device
         )
         if not intermediate_states.is_contiguous():
@@ -168,17 +159,17 @@ def validate(call: DecodeCall):
         if _overlaps(intermediate_states, state_pool):
             fail("intermediate_states must not overlap state_pool")
     if out is not None:
-        check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
+        checks.check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows("out", out)
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool)):
             if _aliases(out, t):
                 fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
-        if t is not None and any(abs(s) > INT32_MAX for s in t.stride()):
+        if t is not None and any(abs(s) > checks.INT32_MAX for s in t.stride()):
             fail(f"{name} strides {list(t.stride())} must fit in int32")
-    check_status(call.status, device)
+    checks.check_status(call.status, device)
     # Last, so every rule above is also checked (and testable) on the CPU.
-    check_device(device)
+    checks.check_device(device)
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
@@ -282,7 +273,7 @@ class _DecodePlan:
             call.intermediate_states,
             call.status,
         )
-        lower_bound, scale = check_scalars(x.gate.lower_bound, x.scale)
+        lower_bound, scale = checks.check_scalars(x.gate.lower_bound, x.scale)
         qp, kp, vp, gp, ap, dp = (
             x.q.data_ptr(),
             x.k.data_ptr(),

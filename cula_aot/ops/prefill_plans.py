@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from .. import layout
 from ..layout import (
     FLAG_BF16_FINAL,
     FLAG_BF16_INIT,
@@ -21,14 +22,6 @@ from ..layout import (
     FLAG_STATUS,
     FLAG_VARLEN,
     FLAG_ZERO_V,
-    SEG_FINAL_INDEX,
-    SEG_FIRST_SLOT,
-    SEG_FIRST_TOKEN,
-    SEG_FLAGS,
-    SEG_INIT_INDEX,
-    SEG_SEQ,
-    SEG_SEQ_OFFSET,
-    SEG_TOKENS,
     SEGMENT_FIELDS,
     D,
 )
@@ -58,15 +51,18 @@ SERIAL_K2_ORDER = FLAG_LONGEST_FIRST
 
 
 def _segment_row(seg, seq_first_token, init_index, final_index, flags) -> list[int]:
-    row = [0] * SEGMENT_FIELDS
-    row[SEG_SEQ], row[SEG_FIRST_TOKEN], row[SEG_FIRST_SLOT] = seg.seq, seg.first_token, seg.first_slot
-    row[SEG_TOKENS], row[SEG_INIT_INDEX], row[SEG_FINAL_INDEX], row[SEG_FLAGS] = (
+    row = [0] * layout.SEGMENT_FIELDS
+    row[layout.SEG_SEQ], row[layout.SEG_FIRST_TOKEN], row[layout.SEG_FIRST_SLOT] = (
+        seg.seq,
+        seg.first_token,
+        seg.first_slot,
+    )
+    row[layout.SEG_TOKENS], row[layout.SEG_INIT_INDEX], row[layout.SEG_FINAL_INDEX] = (
         seg.num_tokens,
         init_index,
         final_index,
-        flags,
     )
-    row[SEG_SEQ_OFFSET] = seg.first_token - seq_first_token
+    row[layout.SEG_FLAGS], row[layout.SEG_SEQ_OFFSET] = flags, seg.first_token - seq_first_token
     return row
 
 

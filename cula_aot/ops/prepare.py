@@ -8,8 +8,8 @@ import torch
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
 from ..specs import K1Spec, k1_grid
-from ..gates import DEFAULT_GATE, resolve_gate
-from .checks import DEFAULT_SCALE, input_flags, kernel_dtypes
+from .call import PrefillCall
+from .checks import DEFAULT_SCALE
 from .workspace import ARENA
 
 
@@ -82,71 +82,34 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch_prepare(kernel, q, k, g, beta, A_log, dt_bias, lower_bound, scale, common, stream, strides, flags=0) -> None:
-    """Launch a loaded K1 on ``stream`` (raw) with the workspace/sequence values in ``common``, the
-    inputs' token ``strides`` (elements, see ``contiguous_strides``) and the input-convention
-    ``flags`` (``checks.input_flags``)."""
+def prepare(q, k, g, beta, **options) -> Workspaces:
+    """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
+    ``options``: ``kda_prefill``'s gate, ``scale``, ``cu_seqlens`` and input conventions, resolved
+    as a prefill call resolves them (``PrefillCall``).  For tests and diagnostics:
+    ``kda_prefill`` validates its inputs and runs K1 then K2."""
+    call = PrefillCall.build(q, k, None, g, beta, **options)
+    x, cu_seqlens = call.inputs, call.cu_seqlens
     batch, seq_len, heads, _ = q.shape
+    device = q.device
+    kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=x.gate.name))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
     kernel.launch(
         {
             **common,
-            **input_geometry(batch, seq_len, heads, strides),
-            **k1_grid(common["total_slots"], heads, sm_count(q.device)),
+            **input_geometry(batch, seq_len, heads, contiguous_strides(heads)),
+            **k1_grid(common["total_slots"], heads, sm_count(device)),
             "q": q.data_ptr(),
             "k": k.data_ptr(),
-            "g": g.data_ptr(),
-            "beta": beta.data_ptr(),
-            "a_log": A_log.data_ptr(),
-            "dt_bias": dt_bias.data_ptr(),
-            "scale": float(scale),
-            "lower_bound": float(lower_bound),
-            "flags": flags,
+            "g": x.g.data_ptr(),
+            "beta": x.beta.data_ptr(),
+            "a_log": x.gate.A_log.data_ptr(),
+            "dt_bias": x.gate.dt_bias.data_ptr(),
+            "scale": DEFAULT_SCALE if x.scale is None else float(x.scale),
+            "lower_bound": float(x.gate.lower_bound),
+            "flags": x.conventions,
         },
         stream,
-    )
-
-
-def prepare(
-    q,
-    k,
-    g,
-    beta,
-    *,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    scale=None,
-    cu_seqlens=None,
-    gate=DEFAULT_GATE,
-    beta_sigmoid=True,
-    qk_l2norm=True,
-) -> Workspaces:
-    """Run K1 alone on the current stream; returns its workspaces (views into the stream's arena).
-
-    For tests and diagnostics; ``kda_prefill`` validates its inputs and runs K1 then K2.
-    """
-    _, A_log, dt_bias, lower_bound = resolve_gate(gate, A_log, dt_bias, lower_bound, q)
-    g, beta = kernel_dtypes(g, beta)
-    flags = input_flags(beta_sigmoid, qk_l2norm)
-    batch, seq_len, heads, _ = q.shape
-    device = q.device
-    kernel = default_loader().get(device, K1Spec(varlen=cu_seqlens is not None, gate=gate))
-    stream = torch.cuda.current_stream(device).cuda_stream
-    workspaces, common, _cu32 = workspace_values(device, batch, seq_len, heads, cu_seqlens, stream)
-    launch_prepare(
-        kernel,
-        q,
-        k,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        DEFAULT_SCALE if scale is None else scale,
-        common,
-        stream,
-        contiguous_strides(heads),
-        flags,
     )
     return workspaces
 
@@ -156,7 +119,6 @@ __all__ = [
     "Workspaces",
     "contiguous_strides",
     "input_geometry",
-    "launch_prepare",
     "plan_slots",
     "prepare",
     "sm_count",

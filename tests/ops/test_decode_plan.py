@@ -7,7 +7,7 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.ops import decode
+from cula_aot.ops import checks, decode
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
 from tests.decode_helpers import fused_inputs
@@ -32,7 +32,7 @@ def launches(monkeypatch):
 
     loader = FakeLoader()
     monkeypatch.setattr(decode, "default_loader", lambda: loader)
-    monkeypatch.setattr(decode, "check_device", lambda device: None)
+    monkeypatch.setattr(checks, "check_device", lambda device: None)
     monkeypatch.setattr(decode, "_current_stream", lambda device: 0)
     monkeypatch.setattr(decode, "_PLANS", {})
     return recorded
