@@ -7,18 +7,25 @@ GPU the same launches, so a host-side refactor can be checked without a GPU:
     python benchmarks/record_launches.py /tmp/base /tmp/base.json
     python benchmarks/record_launches.py . /tmp/head.json && cmp /tmp/base.json /tmp/head.json
 
+``--host-us`` times the Python part of two eager calls instead (launches stubbed, median of 15
+bursts of 500): a cached pool prefill (H12 1×2048) and a decode step (N32 H12 T1), e.g. a tree
+beside its base on one machine.
+
 (A tree older than the current manifest schema needs its own build, or CULA_AOT_ARTIFACTS.)  The
 module names patched below include those of earlier trees, so a refactor compares with its base.
 """
 
 import importlib
 import json
+import statistics
 import struct
 import sys
+import time
 
 import torch
 
 tree = sys.argv[1]
+HOST_US = sys.argv[2] == "--host-us"
 sys.path.insert(0, tree)
 import cula_aot  # noqa: E402  (from ``tree``)
 from cula_aot.runtime import tma  # noqa: E402
@@ -48,6 +55,8 @@ class FakeLoader:
         kern = LoadedKernel(name, record, function=None)
 
         def launch_packed(packed, grid, stream, smem_bytes=None, dependent=False, kern=kern):
+            if HOST_US:
+                return
             vals = dict(zip(kern.packer.names, kern.packer.struct.unpack(packed)))
             out = {}
             for p in record["params"]:
@@ -134,8 +143,10 @@ results = {}
 
 
 def case(name, fn):
+    """Record ``fn``'s launches on its first call and on a repeat (a cached plan's)."""
     LAUNCHES.clear()
     try:
+        fn()
         fn()
         results[name] = list(LAUNCHES)
     except Exception as e:
@@ -198,37 +209,10 @@ def prefill_case(
     if not fwd:
         kw["state_layout"] = layout
         kw["intracard_cp"] = 2 if cp else False
-        return lambda: [cula_aot.kda_prefill(q, k, v, g, beta, **kw) for _ in range(2)]
-    return lambda: cula_aot.fwd(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        kw.pop("scale", None),
-        kw.pop("out"),
-        kw.pop("A_log", None),
-        kw.pop("dt_bias", None),
-        kw.pop("lower_bound", None),
-        kw.pop("initial_state"),
-        kw.pop("final_state"),
-        kw.pop("cu_seqlens", None),
-        **kw,
-    )
-
-
-case("fixed serial safe", prefill_case(2, 80, 4))
-case("fixed fused H64", prefill_case(2, 1024, 64))
-case("varlen pool fp32 kv", prefill_case(1, 120, 4, lengths=[7, 33, 80], layout="kv", pool_dtype=torch.float32))
-case("varlen pool bf16 status", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.bfloat16, status=True))
-case("softplus varlen", prefill_case(1, 120, 4, lengths=[40, 80], gate="softplus"))
-case("precomputed fixed", prefill_case(1, 64, 4, gate="precomputed"))
-case("conventions", prefill_case(1, 64, 4, conv=True))
-case("checkpoints varlen", prefill_case(1, 160, 4, lengths=[64, 96], ckpt=True))
-case("checkpoints fixed fused", prefill_case(2, 1024, 64, ckpt=True))
-case("cp varlen", prefill_case(1, 4096, 4, lengths=[1024, 3072], cp=True))
-case("cp fixed ckpt", prefill_case(1, 4096, 4, cp=True, ckpt=True))
-case("fwd pool", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.float32, fwd=True))
+        return lambda: cula_aot.kda_prefill(q, k, v, g, beta, **kw)
+    names = ("scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state", "final_state", "cu_seqlens")
+    positional = [kw.pop(name, None) for name in names]
+    return lambda: cula_aot.fwd(q, k, v, g, beta, *positional, **kw)
 
 
 def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat=False, status=False):
@@ -254,7 +238,7 @@ def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat
         q, k, v, g, beta = (t.flatten(0, 1) for t in (q, k, v, g, beta))
         kw["out"] = out.flatten(0, 1)
         kw["num_tokens"] = T
-    return lambda: [cula_aot.kda_decode(q, k, v, g, beta, **kw) for _ in range(2)]
+    return lambda: cula_aot.kda_decode(q, k, v, g, beta, **kw)
 
 
 def k1_case(lengths, gate, conventions):
@@ -271,13 +255,51 @@ def k1_case(lengths, gate, conventions):
     return lambda: prepare(q, k, g, beta, **x, cu_seqlens=cu, **options)
 
 
-case("k1 alone softplus", k1_case([40, 60], "softplus", False))
-case("k1 alone safe conventions", k1_case([100], "safe", True))
-case("decode T1 fp32", decode_case(32, 1, 12))
-case("decode T4 bf16 chunk", decode_case(8, 4, 12, bf16=True))
-case("decode T3 kv inter status", decode_case(4, 3, 4, layout="kv", inter=True, status=True))
-case("decode softplus flat", decode_case(6, 2, 8, gate="softplus", flat=True))
-case("decode precomputed H96", decode_case(64, 1, 96, gate="precomputed"))
-with open(sys.argv[2], "w") as f:
-    json.dump(results, f, indent=0, default=str)
-print({k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
+def run_cases():
+    case("fixed serial safe", prefill_case(2, 80, 4))
+    case("fixed fused H64", prefill_case(2, 1024, 64))
+    case("varlen pool fp32 kv", prefill_case(1, 120, 4, lengths=[7, 33, 80], layout="kv", pool_dtype=torch.float32))
+    case(
+        "varlen pool bf16 status", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.bfloat16, status=True)
+    )
+    case("softplus varlen", prefill_case(1, 120, 4, lengths=[40, 80], gate="softplus"))
+    case("precomputed fixed", prefill_case(1, 64, 4, gate="precomputed"))
+    case("conventions", prefill_case(1, 64, 4, conv=True))
+    case("checkpoints varlen", prefill_case(1, 160, 4, lengths=[64, 96], ckpt=True))
+    case("checkpoints fixed fused", prefill_case(2, 1024, 64, ckpt=True))
+    case("cp varlen", prefill_case(1, 4096, 4, lengths=[1024, 3072], cp=True))
+    case("cp fixed ckpt", prefill_case(1, 4096, 4, cp=True, ckpt=True))
+    case("fwd pool", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.float32, fwd=True))
+    case("k1 alone softplus", k1_case([40, 60], "softplus", False))
+    case("k1 alone safe conventions", k1_case([100], "safe", True))
+    case("decode T1 fp32", decode_case(32, 1, 12))
+    case("decode T4 bf16 chunk", decode_case(8, 4, 12, bf16=True))
+    case("decode T3 kv inter status", decode_case(4, 3, 4, layout="kv", inter=True, status=True))
+    case("decode softplus flat", decode_case(6, 2, 8, gate="softplus", flat=True))
+    case("decode precomputed H96", decode_case(64, 1, 96, gate="precomputed"))
+
+
+def host_us(fn) -> float:
+    """Median over 15 bursts of 500 calls of the host µs per call (after 200 warm-up calls)."""
+    for _ in range(200):
+        fn()
+    samples = []
+    for _ in range(15):
+        start = time.perf_counter()
+        for _ in range(500):
+            fn()
+        samples.append((time.perf_counter() - start) / 500 * 1e6)
+    return statistics.median(samples)
+
+
+if HOST_US:
+    for name, make in (
+        ("prefill pool H12 1x2048 (cached plan)", lambda: prefill_case(1, 2048, 12, pool_dtype=torch.float32)),
+        ("decode N32 H12 T1", lambda: decode_case(32, 1, 12)),
+    ):
+        print(f"{name}: {host_us(make()):.1f} us")
+else:
+    run_cases()
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f, indent=0, default=str)
+    print({k: (len(v) if isinstance(v, list) else v) for k, v in results.items()})
