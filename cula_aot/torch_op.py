@@ -22,8 +22,8 @@ returns a new output shaped like ``v``.  ``intermediate_states`` is positional a
 
 The three schemas share their leading inputs (``INPUTS``, written once), and the schemas are the
 one spelling of the ops' arguments: the CUDA kernels and the fake (meta) implementations take
-them by name as the schema binds them (``_bind``) and map them onto ``PrefillCall.build`` /
-``DecodeCall.build``.
+them by name as the schema binds them (``_bind``) and hand them to ``PrefillCall.of`` /
+``DecodeCall.of``.
 """
 
 import torch
@@ -88,7 +88,7 @@ def fake_prefill(*args, **kwargs):
 def kda_prefill_pool_op(*args, **kwargs):
     options = _bind("kda_prefill_pool", args, kwargs)
     pool = options.pop("state_pool")
-    o, _ = prefill.run(PrefillCall.build(**options, initial_state=pool, final_state=pool, intracard_cp=False))
+    o, _ = prefill.run(PrefillCall.of({**options, "initial_state": pool, "final_state": pool, "intracard_cp": False}))
     return o
 
 
