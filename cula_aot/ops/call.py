@@ -117,8 +117,9 @@ class Inputs(NamedTuple):
 
 def _layouts(tensors: tuple) -> tuple:
     """What a cached plan fixes of its tensor arguments: each one's shape, strides, dtype and
-    device (None for an absent one).  Raises AttributeError for a non-tensor."""
-    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    device index (None for an absent one; -1 for a host tensor, and only CUDA calls make plans).
+    Raises AttributeError for a non-tensor."""
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors])
 
 
 class CheckpointSink(NamedTuple):
