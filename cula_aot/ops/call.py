@@ -106,6 +106,10 @@ class Inputs(NamedTuple):
     scale: object
     conventions: int
 
+    def tensors(self) -> tuple:
+        """The tensors a cached plan fixes the layout of: q, k, v, g, β, A_log, dt_bias."""
+        return (*self[:5], self.gate.A_log, self.gate.dt_bias)
+
     @classmethod
     def of(cls, o: dict) -> "Inputs":
         """From a call's arguments by name."""
@@ -193,16 +197,9 @@ class PrefillCall(NamedTuple):
         non-tensor; an unhashable option raises TypeError where it is looked up (validation then
         names either)."""
         c, x = self.checkpoints, self.inputs
-        gate = x.gate
         layouts = _layouts(
             (
-                x.q,
-                x.k,
-                x.v,
-                x.g,
-                x.beta,
-                gate.A_log,
-                gate.dt_bias,
+                *x.tensors(),
                 self.initial_state,
                 self.final_state,
                 self.out,
@@ -224,7 +221,7 @@ class PrefillCall(NamedTuple):
             self.check_seqlens,
             self.v_block,
             self.fused,
-            gate.name,
+            x.gate.name,
             x.conventions,
             type(c.every),
             c.every,
@@ -270,16 +267,10 @@ class DecodeCall(NamedTuple):
     def signature(self) -> tuple:
         """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
         plan fixes, as ``PrefillCall.signature``."""
-        x, gate = self.inputs, self.inputs.gate
+        x = self.inputs
         layouts = _layouts(
             (
-                x.q,
-                x.k,
-                x.v,
-                x.g,
-                x.beta,
-                gate.A_log,
-                gate.dt_bias,
+                *x.tensors(),
                 self.state_pool,
                 self.state_indices,
                 self.out,
@@ -292,7 +283,7 @@ class DecodeCall(NamedTuple):
             type(self.num_tokens),
             self.num_tokens,
             self.state_layout,
-            gate.name,
+            x.gate.name,
             x.conventions,
             self.variant,
         )

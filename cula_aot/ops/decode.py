@@ -6,6 +6,8 @@ here reads a device tensor on the host (``state_indices`` stays on the device): 
 sync-free and CUDA-graph capturable, and it allocates only ``out`` when it is not given.
 """
 
+from typing import NamedTuple
+
 import torch
 
 from ..layout import D
@@ -63,27 +65,33 @@ def _stride(t, axis):
     return t.stride(axis) if t.shape[axis] > 1 else 0
 
 
-def _extent(t) -> tuple[int, int]:
-    """[first, last) byte range a strided tensor can touch."""
+class _Extent(NamedTuple):
+    """What the address rules read of a tensor, fixed by its layout: whether it is empty, dense,
+    and how many bytes its first to past its last element span."""
+
+    nonempty: bool
+    dense: bool
+    span: int
+
+
+def _extent(t) -> _Extent:
     if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
+        return _Extent(False, t.is_contiguous(), 0)
     span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+    return _Extent(True, t.is_contiguous(), span * t.element_size())
 
 
-def _overlaps(a, b) -> bool:
-    (a0, a1), (b0, b1) = _extent(a), _extent(b)
-    return a0 < b1 and b0 < a1
+def _overlaps_at(a: int, a_extent: _Extent, b: int, b_extent: _Extent) -> bool:
+    """Whether the byte ranges starting at addresses ``a`` and ``b`` intersect."""
+    return a < b + b_extent.span and b < a + a_extent.span
 
 
-def _aliases(a, b) -> bool:
+def _aliases_at(a: int, a_extent: _Extent, b: int, b_extent: _Extent) -> bool:
     """Same first element, or intersecting extents where one of them is dense (interleaved
     views of one fused buffer, e.g. q and g columns of a projection, do not alias)."""
-    if a.numel() == 0 or b.numel() == 0:
+    if not (a_extent.nonempty and b_extent.nonempty):
         return False
-    if a.data_ptr() == b.data_ptr():
-        return True
-    return (a.is_contiguous() or b.is_contiguous()) and _overlaps(a, b)
+    return a == b or ((a_extent.dense or b_extent.dense) and _overlaps_at(a, a_extent, b, b_extent))
 
 
 def _as_4d(name, t, num_tokens):
@@ -156,13 +164,15 @@ def validate(call: DecodeCall):
         if not intermediate_states.is_contiguous():
             fail("intermediate_states must be contiguous")
         _check_base("intermediate_states", intermediate_states)
-        if _overlaps(intermediate_states, state_pool):
+        if _overlaps_at(
+            intermediate_states.data_ptr(), _extent(intermediate_states), state_pool.data_ptr(), _extent(state_pool)
+        ):
             fail("intermediate_states must not overlap state_pool")
     if out is not None:
         checks.check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows("out", out)
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool)):
-            if _aliases(out, t):
+            if _aliases_at(out.data_ptr(), _extent(out), t.data_ptr(), _extent(t)):
                 fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
         if t is not None and any(abs(s) > checks.INT32_MAX for s in t.stride()):
@@ -200,12 +210,6 @@ def run(call: DecodeCall):
                 _PLANS.clear()
             _PLANS[key] = plan
     return plan.run(call)
-
-
-def _span_bytes(t) -> int:
-    """The bytes from a strided tensor's first element to past its last one (``_extent``)."""
-    first, last = _extent(t)
-    return last - first
 
 
 class _DecodePlan:
@@ -255,15 +259,15 @@ class _DecodePlan:
             static[f"{name}_stride_t"] = _stride(t, 1)
         self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
         self.num_seqs = num_seqs
-        # Aliasing by address (``_aliases``, ``_overlaps``): each tensor's byte span and density
-        # are the signature's; only where it starts is the call's.
-        self.out_span = None if out is None else (out.numel() > 0, out.is_contiguous(), _span_bytes(out))
-        self.input_spans = [
-            (name, t.numel() > 0, t.is_contiguous(), _span_bytes(t))
+        # The address rules (``_aliases_at``, ``_overlaps_at``) read each tensor's extent, which
+        # the signature fixes; only where it starts is the call's.
+        self.out_extent = None if out is None else _extent(out)
+        self.input_extents = [
+            (name, _extent(t))
             for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool))
         ]
         inter = call.intermediate_states
-        self.inter_span = None if inter is None else (_span_bytes(inter), _span_bytes(state_pool))
+        self.inter_extents = None if inter is None else (_extent(inter), _extent(state_pool))
 
     def run(self, call: DecodeCall):
         x, state_pool, out, inter, status = (
@@ -288,18 +292,11 @@ class _DecodePlan:
         sp = 0 if status is None else status.data_ptr()
         if (qp | kp | vp | gp | ap | dp | pp | ip | op | sp) & (_ALIGN - 1):
             validate(call)  # names the misaligned argument
-        if self.inter_span is not None:
-            inter_span, pool_span = self.inter_span
-            if ip < pp + pool_span and pp < ip + inter_span:
-                fail("intermediate_states must not overlap state_pool")
-        if self.out_span is not None:
-            out_nonempty, out_dense, out_span = self.out_span
-            for (name, nonempty, dense, span), tp in zip(self.input_spans, (qp, kp, vp, gp, x.beta.data_ptr(), pp)):
-                if (
-                    out_nonempty
-                    and nonempty
-                    and (op == tp or ((out_dense or dense) and op < tp + span and tp < op + out_span))
-                ):
+        if self.inter_extents is not None and _overlaps_at(ip, self.inter_extents[0], pp, self.inter_extents[1]):
+            fail("intermediate_states must not overlap state_pool")
+        if self.out_extent is not None:
+            for (name, extent), tp in zip(self.input_extents, (qp, kp, vp, gp, x.beta.data_ptr(), pp)):
+                if _aliases_at(op, self.out_extent, tp, extent):
                     fail(f"out must not alias {name}")
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)

@@ -87,7 +87,7 @@ def prepare(q, k, g, beta, **options) -> Workspaces:
     ``options``: ``kda_prefill``'s gate, ``scale``, ``cu_seqlens`` and input conventions, resolved
     as a prefill call resolves them (``PrefillCall``).  For tests and diagnostics:
     ``kda_prefill`` validates its inputs and runs K1 then K2."""
-    call = PrefillCall.build(q, k, None, g, beta, **options)
+    call = PrefillCall.build(q, k, None, g, beta, **options)  # K1 reads no v
     x, cu_seqlens = call.inputs, call.cu_seqlens
     batch, seq_len, heads, _ = q.shape
     device = q.device
