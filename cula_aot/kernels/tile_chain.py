@@ -22,7 +22,7 @@ from ..layout import (
     STATUS_CU_SEQLENS_MALFORMED,
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
-from .common import CHUNK, D, pool_slot, report_status, sequence_bounds, state_element
+from .common import CHUNK, D, pool_slot, report_status, sequence_bounds
 from .params import Checkpoints, StateStrides
 from .warpgroup_mma import smem_descriptor, wgmma_bf16, wgmma_commit, wgmma_fence
 from .warp_mma import accumulators_as_a, bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16, opaque_i32
