@@ -40,6 +40,9 @@ float64 tensors (holding the rounded values), so the two modes compare directly.
 Sequence layout: without ``cu_seqlens`` each of the B batch rows is one sequence of length T; with
 ``cu_seqlens`` (B must be 1) the sequences are the slices ``[cu[n], cu[n+1])`` of the T axis.
 States are ``[N, H, K, V]`` (S itself, not the transposed public ``[N, H, V, K]`` layout).
+
+:func:`kda_decode_layer` is the step of a fused decode-layer kernel: the token recurrence with fla's KDA
+layer around it (short convolution before, gated RMSNorm after), states in the "vk" layout.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ __all__ = [
     "prepare_tiles",
     "kda_chunked",
     "kda_recurrent",
+    "kda_decode_layer",
     "rel_rmse",
 ]
 
@@ -420,6 +424,90 @@ def kda_recurrent(
         o[tok] = scale * torch.einsum("nhkv,nhk->nhv", s, qn[tok])
         S[seqs] = s
     return o.view(B, T, H, Vd), S
+
+
+def _short_conv(x, weight, bias, state):
+    """Causal depthwise convolution of T new tokens, then SiLU -> ``(y [N, T, H, D], new state)``.
+
+    x ``[N, T, H, D]`` (channel ``c = h·D + d``), weight ``[C, W]``, bias ``[C]`` or None, state
+    ``[N, C, W−1]`` (the previous W−1 inputs, oldest first). On the window
+    ``[state; x_0 .. x_{T−1}]``, token t sees ``window[t : t + W]``, so ``weight[:, W−1]`` takes the
+    token itself (fla's ``causal_conv1d_update``, whose ``[N, C, W]`` cache is ``state`` with one
+    dropped column in front). The new state is the window's last W−1 entries.
+    """
+    n, t = x.shape[:2]
+    width = weight.shape[-1]
+    window = torch.cat([state.to(torch.float64), x.reshape(n, t, -1).transpose(1, 2).to(torch.float64)], dim=-1)
+    y = (window.unfold(-1, width, 1) * weight.to(torch.float64)[:, None, :]).sum(-1)  # [N, C, T]
+    if bias is not None:
+        y = y + bias.to(torch.float64)[:, None]
+    y = torch.nn.functional.silu(y)
+    return y.transpose(1, 2).reshape(x.shape), window[..., t:].contiguous()
+
+
+def kda_decode_layer(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    conv_weights,
+    conv_states,
+    initial_state,
+    norm_weight,
+    out_gate,
+    A_log,
+    dt_bias,
+    lower_bound,
+    conv_biases=None,
+    gate_kind=DEFAULT_GATE,
+    scale=None,
+    eps=1e-5,
+    round_o_kda=True,
+):
+    """One fused KDA decode-layer step of T tokens per request (the kernel's T = 1..8), in float64:
+    ``-> (y [N, T, H, D], new_state [N, H, V, K], (new_sq, new_sk, new_sv))``.
+
+    The part of fla's ``KimiDeltaAttention.forward`` between the projections and ``o_proj``, which
+    the GPU kernel fuses: (1) pre-conv q, k, v ``[N, T, H, D]`` each through a width-W short
+    convolution and SiLU (:func:`_short_conv`; ``conv_weights`` ``(wq, wk, wv)`` ``[H·D, W]``,
+    ``conv_biases`` ``(bq, bk, bv)`` ``[H·D]`` each or all None, ``conv_states`` ``(sq, sk, sv)``
+    ``[N, H·D, W−1]``); (2) the recurrence of :func:`kda_recurrent` with g ``[N, T, H, D]`` through
+    ``gate_kind``, β ``[N, T, H]`` as logits, q/k L2-normalised, ``scale`` default D**-0.5, from
+    ``initial_state`` S in the "vk" layout ``[N, H, V, K]``; (3) fla's sigmoid-gated RMSNorm
+    (``FusedRMSNormGated``) over each head's D values,
+    ``y = o · rsqrt(mean(o²) + eps) · norm_weight · σ(out_gate)``, norm_weight ``[D]``, out_gate
+    ``[N, T, H, D]``.
+
+    Roundings modelled: q̂/k̂ to bf16 (:func:`l2norm_bf16`, the contract's semantics) and, with
+    ``round_o_kda``, o to bf16 before the norm (fla's recurrent kernel returns o in bf16). The conv
+    outputs, S and y stay float64 (fla stores the conv outputs and y in bf16 and carries S in fp32);
+    the new conv states are copies of inputs. T tokens in one call equal T calls of one token with
+    both states carried, which speculative decoding relies on. The inputs are never modified.
+    """
+    biases = conv_biases or (None, None, None)
+    (q, new_sq), (k, new_sk), (v, new_sv) = (
+        _short_conv(x, w, b, s) for x, w, b, s in zip((q, k, v), conv_weights, biases, conv_states)
+    )
+    o, state = kda_recurrent(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        initial_state=initial_state.transpose(-1, -2),
+        gate_kind=gate_kind,
+    )
+    if round_o_kda:
+        o = _round(o, torch.bfloat16)
+    y = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps)
+    y = y * norm_weight.to(torch.float64) * torch.sigmoid(out_gate.to(torch.float64))
+    return y, state.transpose(-1, -2).contiguous(), (new_sq, new_sk, new_sv)
 
 
 def rel_rmse(a, b) -> float:
