@@ -1,7 +1,7 @@
 """cula-aot: ahead-of-time compiled Hopper KDA prefill and decode kernels, launched through cuda-python."""
 
 from ._version import __version__  # noqa: F401
-from .api import fwd, kda_decode, kda_prefill, preload
+from .api import fwd, kda_decode, kda_decode_layer, kda_prefill, preload
 from .layout import STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE
 from .errors import KDAInputError
 from .runtime.driver import CudaError
@@ -17,6 +17,7 @@ __all__ = [
     "STATUS_SLOT_OUT_OF_RANGE",
     "fwd",
     "kda_decode",
+    "kda_decode_layer",
     "kda_prefill",
     "preload",
 ]

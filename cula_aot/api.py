@@ -4,8 +4,8 @@ import torch
 
 from .errors import fail
 from .gates import DEFAULT_GATE
-from .ops import decode, prefill
-from .ops.call import DecodeCall, PrefillCall
+from .ops import decode, decode_layer, prefill
+from .ops.call import DecodeCall, DecodeLayerCall, PrefillCall
 from .runtime.loader import default_loader
 
 
@@ -211,3 +211,57 @@ def kda_decode(
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
     return decode.run(DecodeCall.of(locals()))
+
+
+def kda_decode_layer(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    conv_weight,
+    conv_state,
+    out_gate,
+    norm_weight,
+    conv_bias=None,
+    conv_layout="dim",
+    norm_eps=1e-5,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate=DEFAULT_GATE,
+    scale=None,
+    state_pool,
+    state_indices,
+    out=None,
+    num_tokens=None,
+    state_layout="vk",
+    status=None,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
+    """The KDA layer's decode step in one launch, from the projections' outputs to ``o_proj``'s
+    input (docs/CONTRACT.md §10): the short convolutions of q, k and v (width 4, SiLU) with their
+    conv states updated in place, the gate, the KDA step of ``kda_decode`` on the pool, and the
+    sigmoid-gated RMSNorm ``o = RMSNorm(o_kda)·norm_weight·σ(out_gate)`` per head, as fla's
+    ``KimiDeltaAttention`` decodes (its conv output and o_kda rounded to bf16 as fla does).
+
+    q, k, v: bf16 ``[N, T, H, 128]`` (or ``[N·T, H, 128]`` with ``num_tokens``) *before* their
+    convolution; g, beta and every option shared with ``kda_decode`` as there (T = 1..8; the
+    state pool and ``state_indices`` address the recurrent state; padding rows get zeros and
+    touch nothing).  out_gate: bf16 like q (the output gate's input, before σ); norm_weight:
+    bf16 or fp32 ``[128]``; norm_eps in (0, 1).
+
+    conv_weight: ``[3·H·128, 4]`` with q's, k's then v's channels (or ``[3·H·128, 1, 4]`` as
+    ``nn.Conv1d`` holds it), or a (q, k, v) tuple of ``[H·128, 4]``; bf16 or fp32, contiguous.
+    conv_bias: None, ``[3·H·128]`` or a tuple, the weights' dtype.  conv_state: the conv-state
+    pool, one slot per state-pool slot, addressed by the same ``state_indices``: ``[slots,
+    3·H·128, 3]`` (``conv_layout="dim"``) or ``[slots, 3, 3·H·128]`` (``"token"``), or a (q, k, v)
+    tuple of ``[slots, H·128, 3]`` / ``[slots, 3, H·128]``; bf16 or fp32, any strides (the three
+    must share them): fla's ``[N, C, 4]`` cache is ``cache[..., 1:]``.  It holds the last three
+    inputs, oldest first, and is advanced in place.
+
+    Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
+    anything is written (``KDAInputError`` names the argument)."""
+    return decode_layer.run(DecodeLayerCall.of(locals()))

@@ -42,6 +42,7 @@ PUBLIC = (
     "cula_aot.kda_prefill",
     "cula_aot.fwd",
     "cula_aot.kda_decode",
+    "cula_aot.kda_decode_layer",
     "cula_aot.preload",
     "torch.ops.cula_aot.kda_prefill",
     "torch.ops.cula_aot.kda_prefill_pool",

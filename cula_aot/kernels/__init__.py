@@ -5,7 +5,8 @@ import inspect
 import os
 
 from ..specs import KernelSpec, Param
-from . import cp_merge, decode, decode_chunk, fused_prefill, k1_prepare, k2_recurrence
+from ..specs.decode_layer import layer_smem_bytes
+from . import cp_merge, decode, decode_chunk, decode_layer, fused_prefill, k1_prepare, k2_recurrence
 
 # kernel name → (host launch function or kernel class, device kernel, dynamic shared memory bytes of a
 # spec).  A kernel class (docs/DESIGN.md, Kernels as classes) takes the codegen arguments in
@@ -32,6 +33,11 @@ _KERNELS = {
         decode_chunk.KdaDecodeChunk,
         decode_chunk.KdaDecodeChunk.kernel,
         lambda spec: decode_chunk.smem_bytes(spec.warps, spec.items),
+    ),
+    "kda_decode_layer": (
+        decode_layer.KdaDecodeLayer,
+        decode_layer.KdaDecodeLayer.kernel,
+        lambda spec: layer_smem_bytes(spec.v_block, spec.items, spec.bf16_state),
     ),
 }
 

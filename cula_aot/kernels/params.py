@@ -23,6 +23,7 @@ import cutlass.cute as cute
 
 from ..specs.abi import CHECKPOINT_PARAMS, TOKEN_SCALARS, bound_params, state_params
 from ..specs.decode import DECODE_GEOMETRY, DECODE_TENSORS
+from ..specs.decode_layer import LAYER_CONV_GEOMETRY, LAYER_TENSORS
 
 
 def _flat_str(group) -> str:
@@ -173,3 +174,45 @@ class DecodeGeometry(NamedTuple):
     index_offset: cutlass.Int32
     out_stride_n: cutlass.Int32
     out_stride_t: cutlass.Int32
+
+
+@param_group(lambda name: LAYER_TENSORS)
+class LayerTensors(NamedTuple):
+    """The fused decode layer's tensors (``specs.LAYER_TENSORS``): ``DecodeTensors``' inputs, pool,
+    output and status word (less the intermediate states), the output gate's input, and q's, k's
+    and v's conv states, conv weights and biases, and the RMSNorm weight (dtypes by ``flags``)."""
+
+    q: cute.Pointer
+    k: cute.Pointer
+    v: cute.Pointer
+    g: cute.Pointer
+    beta: cute.Pointer
+    a_log: cute.Pointer
+    dt_bias: cute.Pointer
+    state_indices: cute.Pointer
+    state_pool: cute.Pointer
+    out: cute.Pointer
+    status: cute.Pointer
+    out_gate: cute.Pointer
+    conv_state_q: cute.Pointer
+    conv_state_k: cute.Pointer
+    conv_state_v: cute.Pointer
+    conv_weight_q: cute.Pointer
+    conv_weight_k: cute.Pointer
+    conv_weight_v: cute.Pointer
+    conv_bias_q: cute.Pointer
+    conv_bias_k: cute.Pointer
+    conv_bias_v: cute.Pointer
+    norm_weight: cute.Pointer
+
+
+@param_group(lambda name: LAYER_CONV_GEOMETRY)
+class ConvGeometry(NamedTuple):
+    """The conv states' element strides and the output gate's sequence and token strides
+    (``specs.LAYER_CONV_GEOMETRY``)."""
+
+    slot_stride: cutlass.Int32
+    channel_stride: cutlass.Int32
+    tap_stride: cutlass.Int32
+    out_gate_stride_n: cutlass.Int32
+    out_gate_stride_t: cutlass.Int32

@@ -211,6 +211,20 @@ def ld_shared_v4(smem_address) -> list:
     return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
 
 
+def ld_cluster_f32(cluster_address):
+    """One fp32 from a 32-bit ``shared::cluster`` address (``cute.arch.map_dsmem_ptr(...).toint()``:
+    another CTA's shared memory in this cluster)."""
+    return cutlass.Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [cutlass.Int32(cluster_address).ir_value()],
+            "ld.shared::cluster.f32 $0, [$1];",
+            "=f,r",
+            has_side_effects=True,
+        )
+    )
+
+
 def st_global_v4(global_address, words: list) -> None:
     """Store four b32 words (16 bytes) at a 16-byte-aligned global address."""
     _store_b32("st.global.v4.b32", cutlass.Int64(global_address), words)

@@ -287,3 +287,79 @@ class DecodeCall(NamedTuple):
             x.conventions,
             self.variant,
         )
+
+
+# ``kda_decode_layer``'s keyword arguments beyond ``kda_decode``'s (less ``intermediate_states``:
+# the layer's speculative form keeps records, not states), likewise.
+LAYER_OPTIONS = {
+    **{name: value for name, value in DECODE_OPTIONS.items() if name != "intermediate_states"},
+    "conv_weight": REQUIRED,
+    "conv_state": REQUIRED,
+    "conv_bias": None,
+    "conv_layout": "dim",
+    "out_gate": REQUIRED,
+    "norm_weight": REQUIRED,
+    "norm_eps": 1e-5,
+}
+_LAYER_ARGUMENTS = _Arguments("kda_decode_layer", LAYER_OPTIONS, ("variant",))
+
+
+class ShortConv(NamedTuple):
+    """The short convolutions of q, k and v (width ``specs.CONV_WIDTH``): their weights, optional
+    biases and conv states as given (one packed tensor or a (q, k, v) tuple each), and the conv
+    states' layout: "dim" (``[slots, C, W − 1]``) or "token" (``[slots, W − 1, C]``)."""
+
+    weight: object
+    bias: object
+    state: object
+    layout: str
+
+
+class OutputNorm(NamedTuple):
+    """The sigmoid-gated RMSNorm after the KDA step: its output-gate input, weight and eps."""
+
+    gate: torch.Tensor
+    weight: torch.Tensor
+    eps: object
+
+
+class DecodeLayerCall(NamedTuple):
+    """One fused decode-layer call (see ``cula_aot.kda_decode_layer``): the KDA step's arguments
+    as a ``DecodeCall`` (no intermediate states), the convolutions and the output norm."""
+
+    step: DecodeCall
+    conv: ShortConv
+    norm: OutputNorm
+
+    @classmethod
+    def of(cls, arguments: dict) -> "DecodeLayerCall":
+        """From ``kda_decode_layer``'s arguments by name."""
+        o = _LAYER_ARGUMENTS(arguments)
+        step = DecodeCall(
+            Inputs.of(o),
+            o["state_pool"],
+            o["state_indices"],
+            o["out"],
+            o["num_tokens"],
+            o["state_layout"],
+            None,
+            o["status"],
+            o.get("variant"),
+        )
+        conv = ShortConv(o["conv_weight"], o["conv_bias"], o["conv_state"], o["conv_layout"])
+        return cls(step, conv, OutputNorm(o["out_gate"], o["norm_weight"], o["norm_eps"]))
+
+    def signature(self) -> tuple:
+        """The layer plan cache's key: the step's, the convolutions' and the norm's tensors'
+        layouts and the options a plan fixes."""
+        c, n = self.conv, self.norm
+        parts = tuple(_parts(x) for x in (c.weight, c.bias, c.state))
+        layouts = _layouts((*(t for part in parts for t in part), n.gate, n.weight))
+        return (self.step.signature(), tuple(map(len, parts)), layouts, c.layout)
+
+
+def _parts(x) -> tuple:
+    """A packed argument as one part, a (q, k, v) tuple as its parts, None as none."""
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)

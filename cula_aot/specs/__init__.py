@@ -112,6 +112,19 @@ from .decode import (  # noqa: F401
     pick_variant,
     variant_spec,
 )
+from .decode_layer import (  # noqa: F401
+    CONV_WIDTH,
+    LAYER_FLAG_CONV_BIAS,
+    LAYER_FLAG_CONV_STATE_F32,
+    LAYER_FLAG_CONV_WEIGHT_F32,
+    LAYER_FLAG_NORM_WEIGHT_F32,
+    LAYER_FLAG_STATUS,
+    LAYER_PARAMS,
+    LAYER_VARIANTS,
+    DecodeLayerSpec,
+    decode_layer_specs,
+    pick_layer_variant,
+)
 
 
 def default_specs() -> list[KernelSpec]:
@@ -132,4 +145,5 @@ def default_specs() -> list[KernelSpec]:
     specs.extend(segmented_k2_spec(vb, checkpointing=True) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(MergeSpec(v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.extend(decode_specs())
+    specs.extend(decode_layer_specs())
     return specs

@@ -11,7 +11,7 @@ import cula_aot
 from cula_aot import KDAInputError, api, torch_op
 from cula_aot.ops import call as call_module
 from cula_aot.ops import decode, prefill
-from cula_aot.ops.call import DECODE_OPTIONS, PREFILL_OPTIONS, DecodeCall, PrefillCall
+from cula_aot.ops.call import DECODE_OPTIONS, LAYER_OPTIONS, PREFILL_OPTIONS, DecodeCall, PrefillCall
 from tests.helpers import cu_seqlens_of, standard_inputs
 
 H = 2
@@ -32,6 +32,11 @@ def test_option_tables_are_the_public_signatures():
         for name, default in _keyword_defaults(api.kda_decode).items()
     }
     assert decode_defaults == DECODE_OPTIONS
+    layer_defaults = {
+        name: call_module.REQUIRED if default is inspect.Parameter.empty else default
+        for name, default in _keyword_defaults(api.kda_decode_layer).items()
+    }
+    assert layer_defaults == LAYER_OPTIONS
     # fwd: the same names (FlashKDA's positional ones first); serial by default.
     fwd = inspect.signature(api.fwd).parameters
     assert set(fwd) - {"q", "k", "v", "g", "beta"} <= set(PREFILL_OPTIONS)

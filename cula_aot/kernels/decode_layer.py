@@ -1,0 +1,457 @@
+"""The fused KDA decode layer: from the projections' outputs to ``o_proj``'s input in one launch
+(docs/CONTRACT.md §10, the layer step).  For request n, head h and tokens t = 0 .. T−1:
+
+    x̃_t = silu(b + Σ_w W[:, w]·window[t + w])          per channel of q, k and v, rounded to bf16;
+        window = [conv state (3 taps, oldest first); x_0 .. x_{T−1}], new conv state = its last 3
+    the KDA step on (q̃, k̃, ṽ) exactly as ``kernels/decode.py`` (gate, l2norm, β, the state pool)
+    o_t = bf16(scale·(S q̂ + …)),  y_t = o_t·rsqrt(mean_v o_t² + eps)·w_norm·σ(z_t)   per head
+
+(the roundings are fla's: its convolution writes bf16, its recurrent kernel writes bf16 o and its
+gated RMSNorm reads it).  The work splits as the decode token kernel's, over (V block, head,
+request); the ``ctas = 128 / (items·v_block)`` V blocks of a (request, head) are one cluster:
+
+* every CTA convolves all 128 q and k channels of its head (each needs k̂ and q̂ whole) and its
+  own v rows; CTA r writes the new conv state of channels [r·rows, (r+1)·rows) of q, k and v,
+  after a cluster barrier proves every CTA has read the old q and k state;
+* each CTA sums o² over its rows per token into shared memory; after the barrier each reads the
+  others' sums through distributed shared memory, and a second barrier keeps a CTA's sums alive
+  until its peers have read them.
+
+The conv states, conv weights / biases and the RMSNorm weight are bf16 or fp32 by ``flags``
+(``specs.LAYER_FLAG_*``): read at run time, so the dtypes an engine keeps need no new build.
+Conv states are addressed by element strides (slot, channel, tap), so dim-major ``[slots, C, 3]``,
+token-major ``[slots, 3, C]`` and fla's ``[N, C, 4]`` cache (its last three taps) are all views.
+A padding request (slot outside the pool) reads and writes nothing and gets zeros, as in decode.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..layout import D
+from ..specs.decode_layer import (
+    CONV_STATE_TAPS,
+    CONV_WIDTH,
+    LAYER_FLAG_CONV_BIAS,
+    LAYER_FLAG_CONV_STATE_F32,
+    LAYER_FLAG_CONV_WEIGHT_F32,
+    LAYER_FLAG_NORM_WEIGHT_F32,
+    layer_smem_bytes,
+)
+from ..specs import decode_stage_bytes, decode_token_bytes
+from .common import TRACE_HEADS, sigmoid
+from .decode import (
+    HALF,
+    MAX_TOKENS,
+    ROWS_PER_WARP,
+    VALUES,
+    _io_token,
+    _item_stage_bytes,
+    _load_state,
+    _stage_state,
+    _step_decay,
+    _store8,
+    _store_state,
+    _tile,
+    _token_step,
+    _unstage_state,
+    io_rounds,
+    threads,
+)
+from .gate import Gate
+from .params import ConvGeometry, DecodeGeometry, LayerTensors, TokenScalars, grouped
+from .warp_mma import ld_cluster_f32
+from .token_step import DecodeKernel, bf16_row8, defer_decay, direct_decay, f32x8, token_offset, token_prepare
+
+
+@cute.jit
+def load_value(base: cute.Pointer, offset, is_f32):
+    """One element at ``base + offset`` (elements) of a tensor that is fp32 when ``is_f32``, else bf16."""
+    value = cutlass.Float32(0.0)
+    if is_f32:
+        value = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.Float32) + offset, cute.make_layout(1))[0]
+    else:
+        value = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16) + offset, cute.make_layout(1))[0].to(
+            cutlass.Float32
+        )
+    return value
+
+
+@cute.jit
+def store_value(base: cute.Pointer, offset, value, is_f32):
+    """``value`` into element ``offset`` of a tensor that is fp32 when ``is_f32``, else bf16."""
+    if is_f32:
+        cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.Float32) + offset, cute.make_layout(1))[0] = value
+    else:
+        cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16) + offset, cute.make_layout(1))[0] = value.to(
+            cutlass.BFloat16
+        )
+
+
+@cute.jit
+def load8(base: cute.Pointer, offset, is_f32):
+    """Eight elements at ``base + offset`` (a multiple of 8 elements; 16-byte aligned) as fp32:
+    one 16-byte vector of bf16, or two of fp32."""
+    values = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    if is_f32:
+        values.store(f32x8(cute.recast_ptr(base, dtype=cutlass.Float32), offset))
+    else:
+        values.store(bf16_row8(cute.recast_ptr(base, dtype=cutlass.BFloat16), offset))
+    return values
+
+
+@cute.jit
+def conv8(
+    x: cute.Pointer, x_at, x_token_stride, state: cute.Pointer, state_at, conv: ConvGeometry, weight, bias, t, flags
+):
+    """The convolution output of 8 channels at token ``t`` (an rmem fp32[8], rounded to bf16):
+    window position p = t + w is conv-state tap p while p < 3 (``state_at``: the element offset of
+    the first channel's tap 0 in its slot), else input token p − 3 (``x_at``: the first channel at
+    token 0, tokens ``x_token_stride`` apart).  ``weight``: the channels' [8, 4] taps, ``bias``
+    their biases (fp32 rmem)."""
+    state_f32 = (flags & LAYER_FLAG_CONV_STATE_F32) != 0
+    acc = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for e in cutlass.range_constexpr(8):
+        acc[e] = bias[e]
+    for w in cutlass.range_constexpr(CONV_WIDTH):
+        p = t + w
+        window = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+        if p < CONV_STATE_TAPS:
+            for e in cutlass.range_constexpr(8):
+                window[e] = load_value(
+                    state,
+                    state_at + cutlass.Int64(e * conv.channel_stride + p * conv.tap_stride),
+                    state_f32,
+                )
+        else:
+            window.store(bf16_row8(x, x_at + cutlass.Int64(p - CONV_STATE_TAPS) * x_token_stride))
+        for e in cutlass.range_constexpr(8):
+            acc[e] = acc[e] + weight[e * CONV_WIDTH + w] * window[e]
+    out = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    for e in cutlass.range_constexpr(8):
+        out[e] = (acc[e] * sigmoid(acc[e])).to(cutlass.BFloat16).to(cutlass.Float32)
+    return out
+
+
+@cute.jit
+def conv_params8(weight: cute.Pointer, bias: cute.Pointer, channel, flags):
+    """The [8, 4] taps (row-major) and the biases (zeros without ``LAYER_FLAG_CONV_BIAS``) of
+    channels ``channel .. channel + 7`` (a multiple of 8) of a conv weight ``[C, 4]``."""
+    weight_f32 = (flags & LAYER_FLAG_CONV_WEIGHT_F32) != 0
+    taps = cute.make_rmem_tensor(cute.make_layout(8 * CONV_WIDTH), cutlass.Float32)
+    for part in cutlass.range_constexpr(CONV_WIDTH):
+        chunk = load8(weight, cutlass.Int64(channel) * CONV_WIDTH + 8 * part, weight_f32)
+        for e in cutlass.range_constexpr(8):
+            taps[8 * part + e] = chunk[e]
+    biases = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+    biases.fill(0.0)
+    if (flags & LAYER_FLAG_CONV_BIAS) != 0:
+        biases.store(load8(bias, cutlass.Int64(channel), weight_f32).load())
+    return taps, biases
+
+
+class KdaDecodeLayer(DecodeKernel):
+    """The fused layer of one variant (``specs.DecodeLayerSpec``)."""
+
+    def __init__(self, kv_layout: bool, bf16_state: bool, v_block: int, items: int, gate: str):
+        self.kv_layout = kv_layout
+        self.bf16_state = bf16_state
+        self.v_block = v_block
+        self.items = items
+        self.gate = Gate(gate)
+        self.tile = _tile(kv_layout, bf16_state)
+        self.threads = threads(v_block)
+        self.smem_bytes = layer_smem_bytes(v_block, items, bf16_state)
+        self.rows = items * v_block
+        self.ctas = D // self.rows  # the cluster: the V blocks of one (request, head)
+
+    @cute.jit
+    def __call__(self, *params, stream):
+        # ``params``: the kernel's runtime parameters (``specs.LAYER_PARAMS``); the grid is a
+        # placeholder (the runtime launches the spec's, in clusters of ``ctas``).
+        self.kernel(*grouped(self.kernel, *params)).launch(
+            grid=[self.ctas, TRACE_HEADS, 1],
+            block=[self.threads, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
+            **({"cluster": [self.ctas, 1, 1]} if self.ctas > 1 else {}),
+        )
+
+    def layer_token_loads(self, tensors, geometry, conv, n64, t, head, hl, conv_at, flags):
+        """``token_step.token_prepare``'s inputs for token ``t``, q and k convolved (this lane's 8
+        channels, ``hl``), g, dt_bias, β and A_log as in decode."""
+        col = hl * 8
+        channel = head * D + col
+        q_params = conv_params8(tensors.conv_weight_q, tensors.conv_bias_q, channel, flags)
+        k_params = conv_params8(tensors.conv_weight_k, tensors.conv_bias_k, channel, flags)
+        state_at = conv_at + cutlass.Int64(channel) * conv.channel_stride
+        q_at = token_offset(n64, geometry.q_stride_n, 0, 0, head) + col
+        k_at = token_offset(n64, geometry.k_stride_n, 0, 0, head) + col
+        vq = conv8(tensors.q, q_at, geometry.q_stride_t, tensors.conv_state_q, state_at, conv, *q_params, t, flags)
+        vk = conv8(tensors.k, k_at, geometry.k_stride_t, tensors.conv_state_k, state_at, conv, *k_params, t, flags)
+        g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
+        beta_at = (
+            cutlass.Int64(geometry.beta_offset)
+            + n64 * geometry.beta_stride_n
+            + cutlass.Int64(t) * geometry.beta_stride_t
+            + head
+        )
+        return (
+            vq.load(),
+            vk.load(),
+            bf16_row8(tensors.g, g_at + col),
+            f32x8(tensors.dt_bias, head * D + col),
+            cute.make_tensor(tensors.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(tensors.a_log + head, cute.make_layout(1))[0],
+        )
+
+    @cute.kernel
+    def kda_decode_layer(
+        self,
+        tensors: LayerTensors,
+        geometry: DecodeGeometry,
+        conv: ConvGeometry,
+        scalars: TokenScalars,
+        norm_eps: cutlass.Float32,
+    ):
+        tid, warp, lane, vblk, head, seq = self.coordinates()
+        v_block, items, gate, rows, n_threads, ctas = (
+            self.v_block,
+            self.items,
+            self.gate,
+            self.rows,
+            self.threads,
+            self.ctas,
+        )
+        num_tokens, num_slots, flags = geometry.num_tokens, geometry.num_slots, scalars.flags
+        v0 = vblk * rows
+        n64 = cutlass.Int64(seq)
+        head_elems = cutlass.Int64(head) * (D * D)
+
+        smem = cutlass.utils.SmemAllocator()
+        stage_bytes = decode_stage_bytes(v_block, items, self.bf16_state)
+        item_stage = _item_stage_bytes(v_block, self.bf16_state)
+        s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
+        s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        s_sumsq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        per_token_floats = decode_token_bytes(v_block, items) // 4
+        region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
+        token_layout = cute.make_layout(MAX_TOKENS * D)
+        token_floats = num_tokens * D
+        s_alpha = cute.make_tensor(region.iterator, token_layout)
+        s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
+        s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
+        s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
+        staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
+        s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
+        s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
+
+        slot = self.slot(tensors, geometry, seq)
+        chunks = rows // 8
+        rounds = io_rounds(v_block, items)
+        io_col = (tid % chunks) * 8
+        hl = tid % HALF
+        half_id = tid // HALF
+        n_half = n_threads // HALF
+        group, j = self.tile.lane_parts(lane)
+        row_local = warp * ROWS_PER_WARP + group * self.tile.vt
+        lane_off = self.tile.lane_offset(v0 + row_local, j)
+
+        if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
+            conv_at = cutlass.Int64(slot) * cutlass.Int64(conv.slot_stride)
+            pool_head = tensors.state_pool + cute.assume(
+                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
+            )
+            state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
+            _load_state(state, pool_head, self.tile, lane_off)
+            if cutlass.const_expr(items > 1):
+                _stage_state(
+                    self.tile,
+                    pool_head,
+                    lane_off + self.tile.row_offset(v_block),
+                    s_stage.iterator.toint(),
+                    tid,
+                    n_threads,
+                )
+            cute.arch.cp_async_commit_group()
+
+            # The RMSNorm's weight and output-gate rows of this thread's output chunks.
+            norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
+            gates_in = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
+            for r in cutlass.range_constexpr(rounds):
+                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+                z_at = token_offset(n64, conv.out_gate_stride_n, conv.out_gate_stride_t, io_tc, head) + v0 + io_col
+                z_row = bf16_row8(tensors.out_gate, z_at)
+                for e in cutlass.range_constexpr(8):
+                    gates_in[8 * r + e] = z_row[e]
+
+            # ---- prologue: q̃, k̃ by the convolution, then q̂, k̂, α, k̂·q̂, b per token; ṽ staged --
+            for base in cutlass.range(0, num_tokens, n_half, unroll=1):
+                t = cutlass.min(base + half_id, num_tokens - 1)
+                inputs = self.layer_token_loads(tensors, geometry, conv, n64, t, head, hl, conv_at, flags)
+                token_prepare(
+                    self.tile, inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, scalars.lower_bound, flags, gate
+                )
+            v_channel = head * D + v0 + io_col
+            v_params = conv_params8(tensors.conv_weight_v, tensors.conv_bias_v, v_channel, flags)
+            v_state_at = conv_at + cutlass.Int64(v_channel) * conv.channel_stride
+            v_at = token_offset(n64, geometry.v_stride_n, 0, 0, head) + v0 + io_col
+            for r in cutlass.range_constexpr(rounds):
+                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+                v_conv = conv8(
+                    tensors.v,
+                    v_at,
+                    geometry.v_stride_t,
+                    tensors.conv_state_v,
+                    v_state_at,
+                    conv,
+                    *v_params,
+                    io_tc,
+                    flags,
+                )
+                _store8(s_v, io_tc * rows + io_col, v_conv.load().to(cutlass.BFloat16))
+            if cutlass.const_expr(ctas > 1):
+                # This CTA has read the old q / k conv state: its peers may overwrite it.
+                cute.arch.cluster_arrive()
+            cute.arch.sync_threads()
+            if cutlass.const_expr(gate.defers_decay):
+                defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
+            else:
+                direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
+            cute.arch.sync_threads()
+
+            for item in cutlass.range_constexpr(items):
+                item_off = lane_off + self.tile.row_offset(item * v_block)
+                if cutlass.const_expr(item > 0):
+                    cute.arch.cp_async_wait_group(0)
+                    _unstage_state(
+                        self.tile,
+                        state,
+                        cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
+                        tid,
+                        n_threads,
+                        self.tile.dtype,
+                    )
+                    if cutlass.const_expr(item + 1 < items):
+                        _stage_state(
+                            self.tile,
+                            pool_head,
+                            lane_off + self.tile.row_offset((item + 1) * v_block),
+                            s_stage.iterator.toint(),
+                            tid,
+                            n_threads,
+                        )
+                        cute.arch.cp_async_commit_group()
+                for t in cutlass.range(num_tokens, unroll=1):
+                    _token_step(
+                        self.tile,
+                        state,
+                        s_alpha,
+                        s_khat,
+                        s_qhat,
+                        s_kq,
+                        s_b,
+                        s_v,
+                        s_o,
+                        t,
+                        group,
+                        j,
+                        item * v_block + row_local,
+                        scalars.scale,
+                        rows,
+                        _step_decay(gate, s_decay),
+                    )
+                _store_state(state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay)
+            cute.arch.sync_threads()
+
+            # ---- RMSNorm: Σ o² of this CTA's rows per token (a warp per token) ----------------
+            for t in cutlass.range(warp, num_tokens, n_threads // 32, unroll=1):
+                partial = cutlass.Float32(0.0)
+                for m in cutlass.range_constexpr(rows // 32):
+                    o = s_o[t * rows + lane + 32 * m].to(cutlass.Float32)
+                    partial = partial + o * o
+                for b in cutlass.range_constexpr(5):
+                    partial = partial + cute.arch.shuffle_sync_bfly(partial, offset=1 << b)
+                if lane == 0:
+                    s_sumsq[t] = partial
+            if cutlass.const_expr(ctas > 1):
+                cute.arch.cluster_wait()  # every peer has read the old q / k conv state
+                cute.arch.cluster_arrive()  # … and this CTA's sums are written
+            self.write_conv_state(tensors, geometry, conv, n64, head, v0, conv_at, tid, flags)
+            if cutlass.const_expr(ctas > 1):
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.sync_threads()
+            sums = cute.make_rmem_tensor(cute.make_layout(rounds), cutlass.Float32)
+            for r in cutlass.range_constexpr(rounds):
+                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+                total = cutlass.Float32(0.0)
+                for peer in cutlass.range_constexpr(ctas):
+                    if cutlass.const_expr(ctas > 1):
+                        remote = cute.arch.map_dsmem_ptr(s_sumsq.iterator + io_tc, peer)
+                        total = total + ld_cluster_f32(remote.toint())
+                    else:
+                        total = total + s_sumsq[io_tc]
+                sums[r] = total
+            if cutlass.const_expr(ctas > 1):
+                cute.arch.cluster_arrive()  # this CTA is done reading its peers' sums
+            for r in cutlass.range_constexpr(rounds):
+                io_t = _io_token(tid, chunks, n_threads, r)
+                if io_t < num_tokens:
+                    rstd = cute.math.rsqrt(sums[r] * cutlass.Float32(1.0 / D) + norm_eps)
+                    y = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                    for e in cutlass.range_constexpr(8):
+                        o = s_o[io_t * rows + io_col + e].to(cutlass.Float32)
+                        z = gates_in[8 * r + e]
+                        y[e] = o * rstd * norm_w[e] * sigmoid(z)
+                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
+                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                        y.load().to(cutlass.BFloat16)
+                    )
+            if cutlass.const_expr(ctas > 1):
+                cute.arch.cluster_wait()  # peers have read this CTA's sums: its shared memory may go
+        else:
+            if tid == 0 and vblk == 0:
+                self.report_padding(tensors, flags, slot, num_slots)
+            for r in cutlass.range_constexpr(rounds):
+                io_t = _io_token(tid, chunks, n_threads, r)
+                if seq < geometry.num_seqs and io_t < num_tokens:
+                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
+                    frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+                    frag.fill(0.0)
+                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                        frag.load().to(cutlass.BFloat16)
+                    )
+
+    @cute.jit
+    def write_conv_state(self, tensors, geometry, conv, n64, head, v0, conv_at, tid, flags):
+        """This CTA's channels [v0, v0 + rows) of q's, k's and v's new conv state: tap i is window
+        position T + i (an old tap while T + i < 3, else input token T + i − 3).  A thread reads
+        all three new taps of a channel before it writes any, so the shift never reads a tap it
+        has overwritten."""
+        state_f32 = (flags & LAYER_FLAG_CONV_STATE_F32) != 0
+        num_tokens = geometry.num_tokens
+        streams = (
+            (tensors.q, geometry.q_stride_n, geometry.q_stride_t, tensors.conv_state_q),
+            (tensors.k, geometry.k_stride_n, geometry.k_stride_t, tensors.conv_state_k),
+            (tensors.v, geometry.v_stride_n, geometry.v_stride_t, tensors.conv_state_v),
+        )
+        for x, stride_n, stride_t, state in streams:
+            for m in cutlass.range_constexpr(-(-self.rows // self.threads)):
+                c = tid + m * self.threads
+                if c < self.rows:
+                    channel = head * D + v0 + c
+                    state_at = conv_at + cutlass.Int64(channel) * conv.channel_stride
+                    x_at = n64 * stride_n + channel
+                    taps = cute.make_rmem_tensor(cute.make_layout(CONV_STATE_TAPS), cutlass.Float32)
+                    for i in cutlass.range_constexpr(CONV_STATE_TAPS):
+                        p = num_tokens + i
+                        if p < CONV_STATE_TAPS:
+                            taps[i] = load_value(state, state_at + cutlass.Int64(p * conv.tap_stride), state_f32)
+                        else:
+                            x_elem = x + (x_at + cutlass.Int64(p - CONV_STATE_TAPS) * stride_t)
+                            taps[i] = cute.make_tensor(x_elem, cute.make_layout(1))[0].to(cutlass.Float32)
+                    for i in cutlass.range_constexpr(CONV_STATE_TAPS):
+                        store_value(state, state_at + cutlass.Int64(i * conv.tap_stride), taps[i], state_f32)
+
+    kernel = kda_decode_layer

@@ -1,0 +1,144 @@
+"""The fused decode layer (``kernels/decode_layer.py``): the short-convolution update, the gate,
+the KDA step and the sigmoid-gated RMSNorm of T = 1..8 tokens per request in one launch.  Its
+parameter list, variants, shared memory, grid and cluster, and the dispatch."""
+
+import dataclasses
+from typing import ClassVar
+
+from .abi import GATES, STATUS_POINTER, TOKEN_SCALARS, KernelSpec, gate_field, pointer, scalar
+from .decode import (
+    DECODE_FLAG_STATUS,
+    DECODE_GEOMETRY,
+    DECODE_PAIRED_MIN_HEADS,
+    DECODE_STREAMING_MIN_HEADS,
+    decode_smem_bytes,
+)
+
+CONV_WIDTH = 4  # taps of the short convolution (its state keeps CONV_WIDTH − 1 inputs)
+CONV_STATE_TAPS = CONV_WIDTH - 1
+
+# ``flags`` bits of the layer kernel, beside DECODE_FLAG_STATUS and the input conventions'
+# (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``): the dtypes read at run time, so one
+# cubin serves the bf16 and fp32 forms engines keep (model-dtype weights, either conv state).
+LAYER_FLAG_STATUS = DECODE_FLAG_STATUS
+LAYER_FLAG_CONV_STATE_F32 = 1 << 16  # the conv states are fp32 (else bf16)
+LAYER_FLAG_CONV_WEIGHT_F32 = 1 << 17  # the conv weights and biases are fp32 (else bf16)
+LAYER_FLAG_CONV_BIAS = 1 << 18  # the convolutions have a bias
+LAYER_FLAG_NORM_WEIGHT_F32 = 1 << 19  # the RMSNorm weight is fp32 (else bf16)
+
+# (V rows per item, items per CTA): the V blocks of one (request, head) form one cluster, which
+# shares the RMSNorm's sums through distributed shared memory and orders the q/k conv-state
+# update after every CTA of the head has read the old state.
+LAYER_VARIANTS = ((32, 1), (32, 2), (32, 4))
+
+LAYER_TENSORS = (
+    pointer("q", "bf16"),  # q, k, v before their convolution; g raw, β logits (as in decode)
+    pointer("k", "bf16"),
+    pointer("v", "bf16"),
+    pointer("g", "bf16"),
+    pointer("beta", "bf16"),  # rounded down to 16 bytes; beta_offset elements added on device
+    pointer("a_log", "f32"),
+    pointer("dt_bias", "f32"),
+    pointer("state_indices", "i32"),  # rounded down to 16 bytes; index_offset added on device
+    pointer("state_pool", "state"),
+    pointer("out", "bf16"),
+    STATUS_POINTER,
+    pointer("out_gate", "bf16"),  # the RMSNorm's output-gate input
+    # Conv states, weights ([C, 4] rows) and biases of q, k and v; dtypes by ``flags``.
+    *(pointer(f"conv_state_{x}", "u8") for x in "qkv"),
+    *(pointer(f"conv_weight_{x}", "u8") for x in "qkv"),
+    *(pointer(f"conv_bias_{x}", "u8") for x in "qkv"),
+    pointer("norm_weight", "u8"),
+)
+# The conv states' element strides (shared by q, k and v: three pools of one shape, or channel
+# slices of one packed pool) and the output gate's sequence and token strides.
+LAYER_CONV_GEOMETRY = (
+    scalar("conv_slot_stride", "i32"),
+    scalar("conv_channel_stride", "i32"),
+    scalar("conv_tap_stride", "i32"),
+    scalar("out_gate_stride_n", "i32"),
+    scalar("out_gate_stride_t", "i32"),
+)
+LAYER_PARAMS = (
+    *LAYER_TENSORS,
+    *DECODE_GEOMETRY,
+    *LAYER_CONV_GEOMETRY,
+    *TOKEN_SCALARS,
+    scalar("norm_eps", "f32", per_call=True),
+)
+
+NORM_SUM_BYTES = 64  # the per-token RMSNorm partial sums (8 fp32), with alignment slack
+
+
+def layer_params(state_dtype: str) -> tuple:
+    """``LAYER_PARAMS`` with the pool pointer of element dtype ``state_dtype``."""
+    return tuple(dataclasses.replace(p, dtype=state_dtype) if p.dtype == "state" else p for p in LAYER_PARAMS)
+
+
+def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None) -> int:
+    """Dynamic shared memory of a layer CTA: the decode kernel's (``decode_smem_bytes``) and the
+    RMSNorm's per-token sums."""
+    if tokens is None:
+        return decode_smem_bytes(v_block, items, bf16_state) + NORM_SUM_BYTES
+    return decode_smem_bytes(v_block, items, bf16_state, tokens) + NORM_SUM_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayerSpec(KernelSpec):
+    """The fused decode layer: one CTA per (V block, head, request), the ``128 / (items·v_block)``
+    V blocks of a (request, head) one cluster; the recurrent state of request n is
+    ``state_pool[state_indices[n]]``, ``[V, K]`` per head (``kv_layout=False``) or ``[K, V]``, fp32
+    or bf16 (``bf16_state``)."""
+
+    kernel: ClassVar[str] = "kda_decode_layer"
+
+    kv_layout: bool
+    bf16_state: bool
+    v_block: int
+    items: int = 1
+    gate: str = gate_field()
+
+    @property
+    def params(self) -> tuple:
+        return layer_params("bf16" if self.bf16_state else "f32")
+
+    @property
+    def ctas_per_head(self) -> int:
+        return 128 // (self.items * self.v_block)
+
+    @property
+    def grid(self) -> tuple:
+        return (self.ctas_per_head, "heads", "num_seqs")
+
+    @property
+    def cluster(self) -> tuple:
+        return (self.ctas_per_head, 1, 1)
+
+    @property
+    def block(self) -> tuple:
+        return (32 * (self.v_block // 16), 1, 1)
+
+    def launch_smem_bytes(self, tokens: int) -> int:
+        return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens)
+
+
+def decode_layer_specs() -> list[KernelSpec]:
+    """Every layer specialization: both state layouts and dtypes, every variant and gate."""
+    return [
+        DecodeLayerSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
+        for gate in GATES
+        for kv in (False, True)
+        for bf16 in (False, True)
+        for vb, items in LAYER_VARIANTS
+    ]
+
+
+def pick_layer_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple:
+    """(v_block, items) of a layer launch: the decode token kernel's split (``pick_variant``) —
+    small grids spread a head over four CTAs, larger ones stream two or four items per CTA."""
+    nh = num_seqs * heads
+    if nh < DECODE_PAIRED_MIN_HEADS:
+        return 32, 1
+    if bf16_state and tokens > 1 and nh >= DECODE_STREAMING_MIN_HEADS:
+        return 32, 4
+    return 32, 2

@@ -1,0 +1,194 @@
+"""kda_decode_layer on the GPU against the float64 layer step (``reference.kda_decode_layer``).
+
+Every case poisons ``out``, draws fresh inputs (q, k, v, g and the output gate as token-strided
+views of one fused projection, β at an unaligned offset), a recurrent pool and a conv-state pool
+with more slots than requests, and checks: the output and the new recurrent states (rel-RMSE
+within CONTRACT §8's 1e-2), the new conv states exactly (they are copies of inputs), padding
+rows' zero outputs, and that no slot outside the call changed in either pool.  Decay regimes:
+standard, mixed (4 long-memory channels per head) and slow.
+"""
+
+import pytest
+import torch
+
+from cula_aot import reference
+from cula_aot.ops.decode_layer import decode_layer
+from cula_aot.specs import LAYER_VARIANTS
+from tests.decode_helpers import from_pool_layout
+from tests.helpers import fresh_seed
+
+pytestmark = pytest.mark.gpu
+
+BOUND = 1e-2
+D = 128
+W = 4
+
+
+def _inputs(n, tokens, heads, gen, gate, regime):
+    width = 5 * heads * D + 24
+    fused = torch.randn(n, tokens, width, generator=gen, device="cuda").to(torch.bfloat16)
+    q, k, v, g, z = (fused[..., i * heads * D : (i + 1) * heads * D].unflatten(-1, (heads, D)) for i in range(5))
+    beta = torch.randn(n, tokens, heads + 3, generator=gen, device="cuda").to(torch.bfloat16)[..., 1 : heads + 1]
+    gate_args = {"gate": gate}
+    if gate != "precomputed":
+        a_log = torch.log(torch.rand(heads, generator=gen, device="cuda") * 15 + 1).float()
+        dt_bias = 0.1 * torch.randn(heads, D, generator=gen, device="cuda")
+        if regime == "slow":
+            a_log = torch.full((heads,), -4.0, device="cuda")
+        if regime == "mixed":  # four long-memory channels per head beside fast ones
+            dt_bias[:, :4] = -12.0
+        gate_args.update(A_log=a_log, dt_bias=dt_bias)
+        if gate == "safe":
+            gate_args["lower_bound"] = -0.05 if regime == "slow" else -5.0
+    else:  # g is the log-decay itself
+        scale = 0.02 if regime == "slow" else 1.0
+        g = (-scale * torch.rand(n, tokens, heads, D, generator=gen, device="cuda")).to(torch.bfloat16)
+    return q, k, v, g, beta, z, gate_args
+
+
+def _conv_pool(slots, channels, dtype, layout, gen):
+    """The conv-state pool as the kernel is given it, and its values as [slots, 3C, 3] float64."""
+    values = torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(dtype)
+    if layout == "dim":
+        return values.clone(), lambda arg: arg
+    if layout == "token":
+        return values.transpose(1, 2).contiguous(), lambda arg: arg.transpose(1, 2)
+    # fla's caches: three [slots, C, 4] tensors whose last three taps are the state
+    caches = []
+    for i in range(3):
+        cache = torch.randn(slots, channels, W, generator=gen, device="cuda").to(dtype)
+        cache[..., 1:] = values[:, i * channels : (i + 1) * channels]
+        caches.append(cache)
+    return tuple(c[..., 1:] for c in caches), lambda arg: torch.cat(list(arg), 1)
+
+
+def _run_case(
+    n,
+    tokens,
+    heads,
+    *,
+    pool_dtype=torch.float32,
+    layout="vk",
+    conv_dtype=torch.bfloat16,
+    conv_layout="dim",
+    weight_dtype=torch.bfloat16,
+    bias=True,
+    padding=(),
+    variant=None,
+    gate="safe",
+    regime="standard",
+    flat=False,
+):
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, g, beta, z, gate_args = _inputs(n, tokens, heads, gen, gate, regime)
+    channels = heads * D
+    slots = n + 5
+    pool = (0.1 * torch.randn(slots, heads, D, D, generator=gen, device="cuda")).to(pool_dtype)
+    conv_arg, as_dim = _conv_pool(slots, channels, conv_dtype, conv_layout, gen)
+    weight = (0.5 * torch.randn(3 * channels, 1, W, generator=gen, device="cuda")).to(weight_dtype)
+    conv_bias = (0.1 * torch.randn(3 * channels, generator=gen, device="cuda")).to(weight_dtype) if bias else None
+    norm_weight = (1 + 0.1 * torch.randn(D, generator=gen, device="cuda")).to(weight_dtype)
+    perm = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:n].to(torch.int32)
+    for i in padding:
+        perm[i] = -1 if i % 2 == 0 else -7
+    pool_before = pool.clone()
+    conv_before = as_dim(conv_arg).clone()
+    out = torch.full((n, tokens, heads, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flat_args = (lambda t: t.flatten(0, 1)) if flat else (lambda t: t)
+    o = decode_layer(
+        *(flat_args(t) for t in (q, k, v, g, beta)),
+        conv_weight=weight,
+        conv_bias=conv_bias,
+        conv_state=conv_arg,
+        conv_layout="token" if conv_layout == "token" else "dim",
+        out_gate=flat_args(z),
+        norm_weight=norm_weight,
+        state_pool=pool,
+        state_indices=perm.cuda(),
+        out=flat_args(out),
+        state_layout=layout,
+        num_tokens=tokens if flat else None,
+        variant=variant,
+        **gate_args,
+    )
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    valid = [i for i in range(n) if i not in padding]
+    rows = perm[valid].long()
+    wq, wk, wv = weight.squeeze(1).double().split(channels)
+    biases = None if conv_bias is None else tuple(conv_bias.double().split(channels))
+    states = tuple(conv_before[rows].double().split(channels, 1))
+    ref_y, ref_s, ref_conv = reference.kda_decode_layer(
+        *(t[valid].double() for t in (q, k, v, g, beta)),
+        conv_weights=(wq, wk, wv),
+        conv_biases=biases,
+        conv_states=states,
+        initial_state=from_pool_layout(pool_before[rows].double(), layout).transpose(-1, -2),
+        norm_weight=norm_weight.double(),
+        out_gate=z[valid].double(),
+        A_log=gate_args.get("A_log"),
+        dt_bias=gate_args.get("dt_bias"),
+        lower_bound=gate_args.get("lower_bound"),
+        gate_kind=gate,
+    )
+    report = f"layer N={n} T={tokens} H={heads} {gate}/{regime} variant={variant} seed={seed}"
+    assert torch.isfinite(out[valid]).all(), f"{report}: unwritten or non-finite output"
+    err_o = reference.rel_rmse(out[valid], ref_y)
+    got_s = from_pool_layout(pool[rows], layout).transpose(-1, -2)
+    err_s = reference.rel_rmse(got_s, ref_s)
+    report += f": o rel-RMSE {err_o:.2e}, state rel-RMSE {err_s:.2e}"
+    conv_after = as_dim(conv_arg)
+    want_conv = torch.cat(ref_conv, 1).to(conv_dtype)
+    assert torch.equal(conv_after[rows], want_conv), f"{report}: conv states differ from the window's last inputs"
+    if padding:
+        assert bool((out[list(padding)] == 0).all()), f"{report}: padding rows' outputs are not zero"
+    untouched = [s for s in range(slots) if s not in set(rows.tolist())]
+    assert torch.equal(pool[untouched], pool_before[untouched]), f"{report}: a recurrent slot no request owns changed"
+    assert torch.equal(conv_after[untouched], conv_before[untouched]), f"{report}: a conv slot no request owns changed"
+    print(report)
+    assert err_o <= BOUND and err_s <= BOUND, report
+
+
+@pytest.mark.parametrize("variant", LAYER_VARIANTS)
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8])
+@pytest.mark.parametrize("regime", ["standard", "mixed", "slow"])
+def test_every_variant_in_every_regime(variant, tokens, regime):
+    """Every built CTA split (a cluster of 4, 2 or 1 CTAs per head), the conv window's three
+    cases (T < 3 shifts old taps, T = 3 replaces them, T > 3), both pool dtypes and layouts."""
+    for pool_dtype, layout in ((torch.float32, "vk"), (torch.bfloat16, "kv")):
+        _run_case(6, tokens, 8, pool_dtype=pool_dtype, layout=layout, padding=(4,), variant=variant, regime=regime)
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus", "precomputed"])
+@pytest.mark.parametrize("regime", ["standard", "slow"])
+def test_gates(gate, regime):
+    for variant in LAYER_VARIANTS:
+        _run_case(5, 4, 4, gate=gate, regime=regime, variant=variant, padding=(0,))
+
+
+CASES = [  # conv-state dtype, conv layout, weight dtype, bias, flat input, N, T, H
+    (torch.float32, "dim", torch.bfloat16, True, False, 33, 1, 12),
+    (torch.bfloat16, "token", torch.float32, False, False, 7, 2, 16),
+    (torch.bfloat16, "fla", torch.bfloat16, False, True, 32, 1, 12),
+    (torch.float32, "token", torch.float32, True, True, 9, 5, 3),
+    (torch.bfloat16, "dim", torch.bfloat16, True, False, 64, 1, 24),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_conv_forms_and_dispatch(case):
+    """The conv-state and weight dtypes, the three conv-state forms (dim-major, token-major and
+    fla's [N, C, 4] caches), token-major 3-D input, and the variant the dispatch picks."""
+    conv_dtype, conv_layout, weight_dtype, bias, flat, n, tokens, heads = CASES[case]
+    _run_case(
+        n,
+        tokens,
+        heads,
+        conv_dtype=conv_dtype,
+        conv_layout=conv_layout,
+        weight_dtype=weight_dtype,
+        bias=bias,
+        flat=flat,
+        padding=(1,),
+    )
