@@ -52,11 +52,11 @@ def _fake_argument(param: Param):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    from ..specs import POINTER_ALIGN
-
     dtypes = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32, "i32": cutlass.Int32, "u8": cutlass.Uint8}
     if param.kind in ("pointer", "tma_descriptor"):  # the launcher builds descriptors from pointers
-        return make_ptr(dtypes[param.dtype], POINTER_ALIGN, cute.AddressSpace.gmem, assumed_align=POINTER_ALIGN)
+        return make_ptr(
+            dtypes[param.dtype], param.address_align, cute.AddressSpace.gmem, assumed_align=param.address_align
+        )
     return dtypes[param.dtype](1)
 
 

@@ -63,16 +63,21 @@ from .warp_mma import ld_cluster_f32
 from .token_step import DecodeKernel, bf16_row8, defer_decay, direct_decay, f32x8, token_offset, token_prepare
 
 
+def _typed(base: cute.Pointer, dtype):
+    """``base`` (a byte pointer) as a pointer to ``dtype`` aligned to its size: a conv state is
+    declared 2-byte aligned (any bf16 view), and an fp32 one is then 4-byte aligned, so each
+    element stays one access."""
+    return cute.make_ptr(dtype, base.toint(), cute.AddressSpace.gmem, assumed_align=dtype.width // 8)
+
+
 @cute.jit
 def load_value(base: cute.Pointer, offset, is_f32):
     """One element at ``base + offset`` (elements) of a tensor that is fp32 when ``is_f32``, else bf16."""
     value = cutlass.Float32(0.0)
     if is_f32:
-        value = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.Float32) + offset, cute.make_layout(1))[0]
+        value = cute.make_tensor(_typed(base, cutlass.Float32) + offset, cute.make_layout(1))[0]
     else:
-        value = cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16) + offset, cute.make_layout(1))[0].to(
-            cutlass.Float32
-        )
+        value = cute.make_tensor(_typed(base, cutlass.BFloat16) + offset, cute.make_layout(1))[0].to(cutlass.Float32)
     return value
 
 
@@ -80,11 +85,9 @@ def load_value(base: cute.Pointer, offset, is_f32):
 def store_value(base: cute.Pointer, offset, value, is_f32):
     """``value`` into element ``offset`` of a tensor that is fp32 when ``is_f32``, else bf16."""
     if is_f32:
-        cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.Float32) + offset, cute.make_layout(1))[0] = value
+        cute.make_tensor(_typed(base, cutlass.Float32) + offset, cute.make_layout(1))[0] = value
     else:
-        cute.make_tensor(cute.recast_ptr(base, dtype=cutlass.BFloat16) + offset, cute.make_layout(1))[0] = value.to(
-            cutlass.BFloat16
-        )
+        cute.make_tensor(_typed(base, cutlass.BFloat16) + offset, cute.make_layout(1))[0] = value.to(cutlass.BFloat16)
 
 
 @cute.jit

@@ -38,6 +38,8 @@ class Param:
     # A call supplies the value (a descriptor: the tensor it is encoded from); otherwise it is
     # fixed by a launch template's call signature.
     per_call: bool = False
+    # A pointer's address alignment, which the kernel is compiled to assume and the runtime checks.
+    address_align: int = POINTER_ALIGN
 
     @property
     def size(self) -> int:
@@ -50,9 +52,10 @@ class Param:
         return TMA_DESCRIPTOR_ALIGN if self.kind == "tma_descriptor" else self.size
 
 
-def pointer(name: str, dtype: str) -> Param:
-    """A global pointer: an address of this call's tensors, so always per call."""
-    return Param(name, "pointer", dtype, per_call=True)
+def pointer(name: str, dtype: str, address_align: int = POINTER_ALIGN) -> Param:
+    """A global pointer: an address of this call's tensors, so always per call; 16-byte aligned
+    unless the kernel reads it element by element at any address (``address_align``)."""
+    return Param(name, "pointer", dtype, per_call=True, address_align=address_align)
 
 
 def scalar(name: str, dtype: str, *, per_call: bool = False) -> Param:
@@ -110,7 +113,7 @@ def abi_layout(params) -> list[dict]:
             "per_call": p.per_call,
         }
         if p.kind == "pointer":
-            record["address_align"] = POINTER_ALIGN
+            record["address_align"] = p.address_align
         if p.kind == "tma_descriptor":
             record["recipe"] = {k: list(v) if isinstance(v, tuple) else v for k, v in p.recipe}
         records.append(record)

@@ -44,8 +44,9 @@ LAYER_TENSORS = (
     pointer("out", "bf16"),
     STATUS_POINTER,
     pointer("out_gate", "bf16"),  # the RMSNorm's output-gate input
-    # Conv states, weights ([C, 4] rows) and biases of q, k and v; dtypes by ``flags``.
-    *(pointer(f"conv_state_{x}", "u8") for x in "qkv"),
+    # Conv states (read and written element by element at any strides: 2-byte aligned, e.g.
+    # fla's cache[..., 1:]), weights ([C, 4] rows) and biases of q, k and v; dtypes by ``flags``.
+    *(pointer(f"conv_state_{x}", "u8", address_align=2) for x in "qkv"),
     *(pointer(f"conv_weight_{x}", "u8") for x in "qkv"),
     *(pointer(f"conv_bias_{x}", "u8") for x in "qkv"),
     pointer("norm_weight", "u8"),

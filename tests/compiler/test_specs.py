@@ -206,13 +206,19 @@ def test_auto_fused_takes_many_long_items_only():
 
 def test_per_call_parameters_are_declared_as_the_launches_supply_them():
     """Every pointer and descriptor source is per call, and of the scalars exactly ``scale``,
-    ``lower_bound`` and decode's ``beta_offset`` / ``index_offset`` (where β and the slot indices
-    start past their 16-byte aligned base: the call's addresses); the i32 lengths, strides, slot
+    ``lower_bound``, the fused layer's ``norm_eps`` and decode's ``beta_offset`` / ``index_offset``
+    (where β and the slot indices start past their 16-byte aligned base: the call's addresses); the i32 lengths, strides, slot
     counts and flags are fixed by a launch template's call signature.  The manifest records it
     per parameter."""
     from cula_aot.specs import abi_layout, default_specs
 
     for spec in default_specs():
         for param, record in zip(spec.params, abi_layout(spec.params)):
-            expected = param.kind != "scalar" or param.name in ("scale", "lower_bound", "beta_offset", "index_offset")
+            expected = param.kind != "scalar" or param.name in (
+                "scale",
+                "lower_bound",
+                "norm_eps",
+                "beta_offset",
+                "index_offset",
+            )
             assert param.per_call is expected and record["per_call"] is expected, (spec.name, param.name)

@@ -8,6 +8,7 @@ from cula_aot.runtime.manifest import SCHEMA_VERSION, Manifest
 from cula_aot.specs import (
     ARCH,
     DecodeChunkSpec,
+    DecodeLayerSpec,
     DecodeSpec,
     FusedSpec,
     K1Spec,
@@ -17,7 +18,9 @@ from cula_aot.specs import (
     default_specs,
 )
 
-SPEC_CLASSES = {cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec)}
+SPEC_CLASSES = {
+    cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec, DecodeLayerSpec)
+}
 
 
 def test_schema_and_toolchain(manifest):
