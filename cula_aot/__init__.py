@@ -2,7 +2,13 @@
 
 from ._version import __version__  # noqa: F401
 from .api import fwd, kda_decode, kda_decode_layer, kda_prefill, preload
-from .layout import STATUS_CHECKPOINT_MISALIGNED, STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE
+from .drafts import Drafts, draft_buffers
+from .layout import (
+    STATUS_CHECKPOINT_MISALIGNED,
+    STATUS_CU_SEQLENS_MALFORMED,
+    STATUS_DRAFT_OUT_OF_RANGE,
+    STATUS_SLOT_OUT_OF_RANGE,
+)
 from .errors import KDAInputError
 from .runtime.driver import CudaError
 from .runtime.manifest import ArtifactError
@@ -11,11 +17,14 @@ from . import torch_op  # noqa: F401  (registers torch.ops.cula_aot.kda_prefill)
 __all__ = [
     "ArtifactError",
     "CudaError",
+    "Drafts",
     "KDAInputError",
     "STATUS_CHECKPOINT_MISALIGNED",
     "STATUS_CU_SEQLENS_MALFORMED",
+    "STATUS_DRAFT_OUT_OF_RANGE",
     "STATUS_SLOT_OUT_OF_RANGE",
     "fwd",
+    "draft_buffers",
     "kda_decode",
     "kda_decode_layer",
     "kda_prefill",

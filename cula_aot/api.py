@@ -240,6 +240,9 @@ def kda_decode_layer(
     status=None,
     beta_sigmoid=True,
     qk_l2norm=True,
+    drafts=None,
+    num_accepted=None,
+    verify=False,
 ):
     """The KDA layer's decode step in one launch, from the projections' outputs to ``o_proj``'s
     input (docs/CONTRACT.md §10): the short convolutions of q, k and v (width 4, SiLU) with their
@@ -261,6 +264,17 @@ def kda_decode_layer(
     tuple of ``[slots, H·128, 3]`` / ``[slots, 3, H·128]``; bf16 or fp32, any strides (the three
     must share them): fla's ``[N, C, 4]`` cache is ``cache[..., 1:]``.  It holds the last three
     inputs, oldest first, and is advanced in place.
+
+    Speculative decoding (``cula_aot.drafts``): ``drafts = cula_aot.draft_buffers(slots, H,
+    device)`` beside the pool and ``num_accepted`` int32 ``[N]`` on the device.  A call first
+    commits each slot's pending draft, if any: its first ``num_accepted[n]`` tokens (clamped to
+    [0, 8]; ``status`` reports one outside) are applied to the recurrent and conv states.  With
+    ``verify=True`` the call's T tokens are a draft: their outputs are written, the pool keeps
+    the committed state, and a compact record per token is kept for the next call to commit;
+    with ``verify=False`` they are committed like any decode step.  So a serving step stays one
+    launch and the pool one state per request.  Zero ``drafts.marks[slot]`` when a slot is given
+    to a new request; commit a pending draft (any call on the slot) before another kernel reads
+    the slot's state.
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""

@@ -254,6 +254,7 @@ def _token_step(
     scale,
     v_stride: int,
     s_decay=None,
+    u_record=None,
 ):
     """One token on this thread's 64 values of the decay-deferred state S' (S_t = S'·diag(A_t),
     see ``defer_decay``): the two row dot products S_t k̂ = S'(A_t⊙k̂) and S_t q̂ = S'(A_t⊙q̂),
@@ -262,7 +263,10 @@ def _token_step(
     three FMAs per value, no decay multiply.  The key vectors are read from shared memory in runs
     where they are used, so only the state and the dot products stay live.  ``v_row``: this
     thread's first V row within the CTA's staged v / o rows.  With ``s_decay`` (``direct_decay``)
-    the state is first decayed by α_t, and the key vectors are k̂, q̂ and k̂ themselves."""
+    the state is first decayed by α_t, and the key vectors are k̂, q̂ and k̂ themselves.  With
+    ``u_record`` = (pointer, element offset of token 0's u at the CTA's row 0, token stride) the
+    lane's u is also stored there (a speculative draft's record; the lanes sharing a row store the
+    same value)."""
     if s_decay is not None:
         for ki0, count in tile.key_chunks():
             alphas = smem_run(s_decay, t * D + tile.key_pos(j, ki0), count)
@@ -284,6 +288,9 @@ def _token_step(
     dk_row, dq_row = _reduce_rows(tile, dk, dq, j)
     row = v_row + tile.row_of(j)
     u_row = s_b[t] * (s_v[t * v_stride + row].to(cutlass.Float32) - dk_row)
+    if u_record is not None:
+        records, u_at, token_stride = u_record
+        cute.make_tensor(records + (u_at + cutlass.Int64(t) * token_stride + row), cute.make_layout(1))[0] = u_row
     # The lanes sharing a row hold bit-identical values: all of them store the same o.
     s_o[t * v_stride + row] = (scale * (dq_row + u_row * s_kq[t])).to(cutlass.BFloat16)
     u = [cute.arch.shuffle_sync(u_row, offset=tile.lane_of(group, tile.holder(vi))) for vi in range(tile.vt)]

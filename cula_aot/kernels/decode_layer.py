@@ -28,9 +28,20 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import D
+from ..layout import STATUS_DRAFT_OUT_OF_RANGE
 from ..specs.decode_layer import (
     CONV_STATE_TAPS,
     CONV_WIDTH,
+    DRAFT_ALPHA,
+    DRAFT_BANKS,
+    DRAFT_KHAT,
+    DRAFT_ROWS,
+    DRAFT_TOKENS,
+    DRAFT_U,
+    DRAFT_X,
+    LAYER_FLAG_DRAFTS,
+    LAYER_FLAG_STATUS,
+    LAYER_FLAG_VERIFY,
     LAYER_FLAG_CONV_BIAS,
     LAYER_FLAG_CONV_STATE_F32,
     LAYER_FLAG_CONV_WEIGHT_F32,
@@ -38,7 +49,7 @@ from ..specs.decode_layer import (
     layer_smem_bytes,
 )
 from ..specs import decode_stage_bytes, decode_token_bytes
-from .common import TRACE_HEADS, sigmoid
+from .common import TRACE_HEADS, grid_heads, report_status, sigmoid
 from .decode import (
     HALF,
     MAX_TOKENS,
@@ -103,20 +114,21 @@ def load8(base: cute.Pointer, offset, is_f32):
 
 
 @cute.jit
-def conv8(
-    x: cute.Pointer, x_at, x_token_stride, state: cute.Pointer, state_at, conv: ConvGeometry, weight, bias, t, flags
-):
-    """The convolution output of 8 channels at token ``t`` (an rmem fp32[8], rounded to bf16):
-    window position p = t + w is conv-state tap p while p < 3 (``state_at``: the element offset of
-    the first channel's tap 0 in its slot), else input token p − 3 (``x_at``: the first channel at
-    token 0, tokens ``x_token_stride`` apart).  ``weight``: the channels' [8, 4] taps, ``bias``
-    their biases (fp32 rmem)."""
+def conv8(x: cute.Pointer, x_at, x_token_stride, state: cute.Pointer, state_at, history, weight, bias, t, conv, flags):
+    """The convolution output of 8 channels at token ``t`` (an rmem fp32[8], rounded to bf16).
+    The window runs over E = [conv state (3 taps); the ``accepted`` inputs of a committed draft;
+    this call's inputs]: token t reads E[a + t .. a + t + 3], position p being conv-state tap p
+    while p < 3 (``state_at``: the element offset of the first channel's tap 0 in its slot), a
+    draft record's input while p < 3 + a (``history`` = (records, offset of token 0's row, a)),
+    else input token p − 3 − a (``x_at``: the first channel at token 0, tokens ``x_token_stride``
+    apart).  ``weight``: the channels' [8, 4] taps, ``bias`` their biases (fp32 rmem)."""
+    records, record_at, accepted = history
     state_f32 = (flags & LAYER_FLAG_CONV_STATE_F32) != 0
     acc = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     for e in cutlass.range_constexpr(8):
         acc[e] = bias[e]
     for w in cutlass.range_constexpr(CONV_WIDTH):
-        p = t + w
+        p = accepted + t + w
         window = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         if p < CONV_STATE_TAPS:
             for e in cutlass.range_constexpr(8):
@@ -126,13 +138,43 @@ def conv8(
                     state_f32,
                 )
         else:
-            window.store(bf16_row8(x, x_at + cutlass.Int64(p - CONV_STATE_TAPS) * x_token_stride))
+            if p < CONV_STATE_TAPS + accepted:
+                window.store(f32x8(records, record_at + cutlass.Int64(p - CONV_STATE_TAPS) * draft_token_stride()))
+            else:
+                window.store(bf16_row8(x, x_at + cutlass.Int64(p - CONV_STATE_TAPS - accepted) * x_token_stride))
         for e in cutlass.range_constexpr(8):
             acc[e] = acc[e] + weight[e * CONV_WIDTH + w] * window[e]
     out = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     for e in cutlass.range_constexpr(8):
         out[e] = (acc[e] * sigmoid(acc[e])).to(cutlass.BFloat16).to(cutlass.Float32)
     return out
+
+
+def draft_offset(slot, bank, t, head, row):
+    """Element offset of row ``row`` (``specs.DRAFT_*``) of token ``t`` and head ``head`` in bank
+    ``bank`` of slot ``slot``'s draft records ``[slots, banks, tokens, H, rows, 128]``."""
+    at = (cutlass.Int64(slot) * DRAFT_BANKS + bank) * DRAFT_TOKENS + t
+    return ((at * grid_heads() + head) * DRAFT_ROWS + row) * D
+
+
+def draft_token_stride():
+    """Elements between one token's draft records and the next's."""
+    return cutlass.Int64(grid_heads()) * (DRAFT_ROWS * D)
+
+
+def _replay_token(tile, state: cute.Tensor, records: cute.Pointer, at, j, row0):
+    """One committed draft token on this thread's 64 state values: S ← S·diag(α) + u k̂ᵀ with α, k̂
+    at its keys and u at its rows ``row0 ..`` read from the record at ``at``."""
+    khat = [cute.make_tensor(records + (at + tile.key(j, ki)), cute.make_layout(1))[0] for ki in range(tile.kt)]
+    alpha = [
+        cute.make_tensor(records + (at + DRAFT_ALPHA * D + tile.key(j, ki)), cute.make_layout(1))[0]
+        for ki in range(tile.kt)
+    ]
+    u = [cute.make_tensor(records + (at + DRAFT_U * D + row0 + vi), cute.make_layout(1))[0] for vi in range(tile.vt)]
+    for vi in range(tile.vt):
+        for ki in range(tile.kt):
+            value = state[vi * tile.kt + ki]
+            state[vi * tile.kt + ki] = value * alpha[ki] + u[vi] * khat[ki]
 
 
 @cute.jit
@@ -179,9 +221,10 @@ class KdaDecodeLayer(DecodeKernel):
             **({"cluster": [self.ctas, 1, 1]} if self.ctas > 1 else {}),
         )
 
-    def layer_token_loads(self, tensors, geometry, conv, n64, t, head, hl, conv_at, flags):
+    def layer_token_loads(self, tensors, geometry, conv, n64, t, head, hl, conv_at, draft, flags):
         """``token_step.token_prepare``'s inputs for token ``t``, q and k convolved (this lane's 8
-        channels, ``hl``), g, dt_bias, β and A_log as in decode."""
+        channels, ``hl``; ``draft`` = (slot, old bank, accepted) for the history), g, dt_bias, β and
+        A_log as in decode."""
         col = hl * 8
         channel = head * D + col
         q_params = conv_params8(tensors.conv_weight_q, tensors.conv_bias_q, channel, flags)
@@ -189,8 +232,16 @@ class KdaDecodeLayer(DecodeKernel):
         state_at = conv_at + cutlass.Int64(channel) * conv.channel_stride
         q_at = token_offset(n64, geometry.q_stride_n, 0, 0, head) + col
         k_at = token_offset(n64, geometry.k_stride_n, 0, 0, head) + col
-        vq = conv8(tensors.q, q_at, geometry.q_stride_t, tensors.conv_state_q, state_at, conv, *q_params, t, flags)
-        vk = conv8(tensors.k, k_at, geometry.k_stride_t, tensors.conv_state_k, state_at, conv, *k_params, t, flags)
+        slot, bank, accepted = draft
+        history = [
+            (tensors.draft_records, draft_offset(slot, bank, 0, head, DRAFT_X + s) + col, accepted) for s in (0, 1)
+        ]
+        vq = conv8(
+            tensors.q, q_at, geometry.q_stride_t, tensors.conv_state_q, state_at, history[0], *q_params, t, conv, flags
+        )
+        vk = conv8(
+            tensors.k, k_at, geometry.k_stride_t, tensors.conv_state_k, state_at, history[1], *k_params, t, conv, flags
+        )
         g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
         beta_at = (
             cutlass.Int64(geometry.beta_offset)
@@ -262,6 +313,28 @@ class KdaDecodeLayer(DecodeKernel):
 
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
             conv_at = cutlass.Int64(slot) * cutlass.Int64(conv.slot_stride)
+            # A pending draft of this slot (mark 1 + bank) and how many of its tokens to commit;
+            # this call's draft, if it is one, goes to the other bank.
+            drafts = (flags & LAYER_FLAG_DRAFTS) != 0
+            verify = (flags & LAYER_FLAG_VERIFY) != 0
+            mark = cutlass.Int32(0)
+            accepted = cutlass.Int32(0)
+            if drafts:
+                mark = cute.make_tensor(tensors.draft_marks + slot, cute.make_layout(1))[0]
+                bad = (mark < 0) | (mark > DRAFT_BANKS)
+                mark = cutlass.select_(bad, cutlass.Int32(0), mark)
+                if mark > 0:
+                    requested = cute.make_tensor(tensors.num_accepted + seq, cute.make_layout(1))[0]
+                    bad = bad | (requested < 0) | (requested > DRAFT_TOKENS)
+                    accepted = cutlass.min(cutlass.max(requested, cutlass.Int32(0)), cutlass.Int32(DRAFT_TOKENS))
+                if tid == 0 and vblk == 0:
+                    report_status(
+                        tensors.status,
+                        (flags & LAYER_FLAG_STATUS) != 0,
+                        cutlass.select_(bad, cutlass.Int32(STATUS_DRAFT_OUT_OF_RANGE), cutlass.Int32(0)),
+                    )
+            old_bank = cutlass.max(mark - 1, cutlass.Int32(0))
+            new_bank = cutlass.select_(mark == 1, cutlass.Int32(1), cutlass.Int32(0))
             pool_head = tensors.state_pool + cute.assume(
                 cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
             )
@@ -291,7 +364,9 @@ class KdaDecodeLayer(DecodeKernel):
             # ---- prologue: q̃, k̃ by the convolution, then q̂, k̂, α, k̂·q̂, b per token; ṽ staged --
             for base in cutlass.range(0, num_tokens, n_half, unroll=1):
                 t = cutlass.min(base + half_id, num_tokens - 1)
-                inputs = self.layer_token_loads(tensors, geometry, conv, n64, t, head, hl, conv_at, flags)
+                inputs = self.layer_token_loads(
+                    tensors, geometry, conv, n64, t, head, hl, conv_at, (slot, old_bank, accepted), flags
+                )
                 token_prepare(
                     self.tile, inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, scalars.lower_bound, flags, gate
                 )
@@ -299,6 +374,11 @@ class KdaDecodeLayer(DecodeKernel):
             v_params = conv_params8(tensors.conv_weight_v, tensors.conv_bias_v, v_channel, flags)
             v_state_at = conv_at + cutlass.Int64(v_channel) * conv.channel_stride
             v_at = token_offset(n64, geometry.v_stride_n, 0, 0, head) + v0 + io_col
+            v_history = (
+                tensors.draft_records,
+                draft_offset(slot, old_bank, 0, head, DRAFT_X + 2) + v0 + io_col,
+                accepted,
+            )
             for r in cutlass.range_constexpr(rounds):
                 io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
                 v_conv = conv8(
@@ -307,9 +387,10 @@ class KdaDecodeLayer(DecodeKernel):
                     geometry.v_stride_t,
                     tensors.conv_state_v,
                     v_state_at,
-                    conv,
+                    v_history,
                     *v_params,
                     io_tc,
+                    conv,
                     flags,
                 )
                 _store8(s_v, io_tc * rows + io_col, v_conv.load().to(cutlass.BFloat16))
@@ -317,6 +398,16 @@ class KdaDecodeLayer(DecodeKernel):
                 # This CTA has read the old q / k conv state: its peers may overwrite it.
                 cute.arch.cluster_arrive()
             cute.arch.sync_threads()
+            if verify:  # this CTA's keys of the draft's k̂ and α, before the decay rewrites them
+                for e in cutlass.range(tid, num_tokens * rows, n_threads, unroll=1):
+                    t = e // rows
+                    key = v0 + e % rows
+                    position = t * D + self.tile.pos_of_key(key)
+                    at = draft_offset(slot, new_bank, t, head, DRAFT_KHAT) + key
+                    cute.make_tensor(tensors.draft_records + at, cute.make_layout(1))[0] = s_khat[position]
+                    cute.make_tensor(tensors.draft_records + (at + DRAFT_ALPHA * D), cute.make_layout(1))[0] = s_alpha[
+                        position
+                    ]
             if cutlass.const_expr(gate.defers_decay):
                 defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
             else:
@@ -345,26 +436,57 @@ class KdaDecodeLayer(DecodeKernel):
                             n_threads,
                         )
                         cute.arch.cp_async_commit_group()
-                for t in cutlass.range(num_tokens, unroll=1):
-                    _token_step(
-                        self.tile,
-                        state,
-                        s_alpha,
-                        s_khat,
-                        s_qhat,
-                        s_kq,
-                        s_b,
-                        s_v,
-                        s_o,
-                        t,
-                        group,
-                        j,
-                        item * v_block + row_local,
-                        scalars.scale,
-                        rows,
-                        _step_decay(gate, s_decay),
+                if accepted > 0:  # commit the pending draft's accepted tokens, then (a draft) keep them
+                    row0 = v0 + item * v_block + row_local
+                    for t in cutlass.range(accepted, unroll=1):
+                        at = draft_offset(slot, old_bank, t, head, DRAFT_KHAT)
+                        _replay_token(self.tile, state, tensors.draft_records, at, j, row0)
+                    if verify:
+                        _store_state(state, pool_head, self.tile, item_off, s_decay, 0, j, True)
+                step = (
+                    self.tile,
+                    state,
+                    s_alpha,
+                    s_khat,
+                    s_qhat,
+                    s_kq,
+                    s_b,
+                    s_v,
+                    s_o,
+                )
+                if verify:  # the draft: its u recorded, the pool keeps the committed state
+                    u_record = (
+                        tensors.draft_records,
+                        draft_offset(slot, new_bank, 0, head, DRAFT_U) + v0,
+                        draft_token_stride(),
                     )
-                _store_state(state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay)
+                    for t in cutlass.range(num_tokens, unroll=1):
+                        _token_step(
+                            *step,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                            u_record,
+                        )
+                else:
+                    for t in cutlass.range(num_tokens, unroll=1):
+                        _token_step(
+                            *step,
+                            t,
+                            group,
+                            j,
+                            item * v_block + row_local,
+                            scalars.scale,
+                            rows,
+                            _step_decay(gate, s_decay),
+                        )
+                    _store_state(
+                        state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay
+                    )
             cute.arch.sync_threads()
 
             # ---- RMSNorm: Σ o² of this CTA's rows per token (a warp per token) ----------------
@@ -380,11 +502,17 @@ class KdaDecodeLayer(DecodeKernel):
             if cutlass.const_expr(ctas > 1):
                 cute.arch.cluster_wait()  # every peer has read the old q / k conv state
                 cute.arch.cluster_arrive()  # … and this CTA's sums are written
-            self.write_conv_state(tensors, geometry, conv, n64, head, v0, conv_at, tid, flags)
+            self.write_conv_state(
+                tensors, geometry, conv, n64, head, v0, conv_at, tid, (slot, old_bank, new_bank, accepted), flags
+            )
             if cutlass.const_expr(ctas > 1):
-                cute.arch.cluster_wait()
+                cute.arch.cluster_wait()  # every peer has read the mark
             else:
                 cute.arch.sync_threads()
+            if drafts and tid == 0 and vblk == 0:  # a draft pending now, or none (committed)
+                cute.make_tensor(tensors.draft_marks + slot, cute.make_layout(1))[0] = cutlass.select_(
+                    verify, new_bank + 1, cutlass.Int32(0)
+                )
             sums = cute.make_rmem_tensor(cute.make_layout(rounds), cutlass.Float32)
             for r in cutlass.range_constexpr(rounds):
                 io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
@@ -427,34 +555,51 @@ class KdaDecodeLayer(DecodeKernel):
                     )
 
     @cute.jit
-    def write_conv_state(self, tensors, geometry, conv, n64, head, v0, conv_at, tid, flags):
-        """This CTA's channels [v0, v0 + rows) of q's, k's and v's new conv state: tap i is window
-        position T + i (an old tap while T + i < 3, else input token T + i − 3).  A thread reads
-        all three new taps of a channel before it writes any, so the shift never reads a tap it
-        has overwritten."""
+    def write_conv_state(self, tensors, geometry, conv, n64, head, v0, conv_at, tid, draft, flags):
+        """This CTA's channels [v0, v0 + rows) of q's, k's and v's conv state.  Over E = [old taps;
+        the committed draft's ``accepted`` inputs; this call's T inputs] (``conv8``), tap i becomes
+        E[a + T + i], or E[a + i] for a draft (``LAYER_FLAG_VERIFY``: the committed history), whose
+        raw inputs go to its record instead.  A thread reads all three new taps of a channel before
+        it writes any, so the shift never reads a tap it has overwritten."""
+        slot, old_bank, new_bank, accepted = draft
         state_f32 = (flags & LAYER_FLAG_CONV_STATE_F32) != 0
+        verify = (flags & LAYER_FLAG_VERIFY) != 0
         num_tokens = geometry.num_tokens
+        first = accepted + cutlass.select_(verify, cutlass.Int32(0), num_tokens)
         streams = (
             (tensors.q, geometry.q_stride_n, geometry.q_stride_t, tensors.conv_state_q),
             (tensors.k, geometry.k_stride_n, geometry.k_stride_t, tensors.conv_state_k),
             (tensors.v, geometry.v_stride_n, geometry.v_stride_t, tensors.conv_state_v),
         )
-        for x, stride_n, stride_t, state in streams:
+        for s, (x, stride_n, stride_t, state) in enumerate(streams):
             for m in cutlass.range_constexpr(-(-self.rows // self.threads)):
                 c = tid + m * self.threads
                 if c < self.rows:
                     channel = head * D + v0 + c
                     state_at = conv_at + cutlass.Int64(channel) * conv.channel_stride
                     x_at = n64 * stride_n + channel
+                    history_at = draft_offset(slot, old_bank, 0, head, DRAFT_X + s) + v0 + c
                     taps = cute.make_rmem_tensor(cute.make_layout(CONV_STATE_TAPS), cutlass.Float32)
                     for i in cutlass.range_constexpr(CONV_STATE_TAPS):
-                        p = num_tokens + i
+                        p = first + i
                         if p < CONV_STATE_TAPS:
                             taps[i] = load_value(state, state_at + cutlass.Int64(p * conv.tap_stride), state_f32)
                         else:
-                            x_elem = x + (x_at + cutlass.Int64(p - CONV_STATE_TAPS) * stride_t)
-                            taps[i] = cute.make_tensor(x_elem, cute.make_layout(1))[0].to(cutlass.Float32)
+                            if p < CONV_STATE_TAPS + accepted:
+                                record = tensors.draft_records + (
+                                    history_at + cutlass.Int64(p - CONV_STATE_TAPS) * draft_token_stride()
+                                )
+                                taps[i] = cute.make_tensor(record, cute.make_layout(1))[0]
+                            else:
+                                x_elem = x + (x_at + cutlass.Int64(p - CONV_STATE_TAPS - accepted) * stride_t)
+                                taps[i] = cute.make_tensor(x_elem, cute.make_layout(1))[0].to(cutlass.Float32)
                     for i in cutlass.range_constexpr(CONV_STATE_TAPS):
                         store_value(state, state_at + cutlass.Int64(i * conv.tap_stride), taps[i], state_f32)
+                    if verify:
+                        draft_at = draft_offset(slot, new_bank, 0, head, DRAFT_X + s) + v0 + c
+                        for t in cutlass.range(num_tokens, unroll=1):
+                            value = cute.make_tensor(x + (x_at + cutlass.Int64(t) * stride_t), cute.make_layout(1))[0]
+                            record = tensors.draft_records + (draft_at + cutlass.Int64(t) * draft_token_stride())
+                            cute.make_tensor(record, cute.make_layout(1))[0] = value.to(cutlass.Float32)
 
     kernel = kda_decode_layer

@@ -204,6 +204,9 @@ class LayerTensors(NamedTuple):
     conv_bias_k: cute.Pointer
     conv_bias_v: cute.Pointer
     norm_weight: cute.Pointer
+    draft_records: cute.Pointer
+    draft_marks: cute.Pointer
+    num_accepted: cute.Pointer
 
 
 @param_group(lambda name: LAYER_CONV_GEOMETRY)

@@ -300,6 +300,9 @@ LAYER_OPTIONS = {
     "out_gate": REQUIRED,
     "norm_weight": REQUIRED,
     "norm_eps": 1e-5,
+    "drafts": None,
+    "num_accepted": None,
+    "verify": False,
 }
 _LAYER_ARGUMENTS = _Arguments("kda_decode_layer", LAYER_OPTIONS, ("variant",))
 
@@ -323,13 +326,24 @@ class OutputNorm(NamedTuple):
     eps: object
 
 
+class Speculation(NamedTuple):
+    """A layer call's speculative part: the draft buffers (``cula_aot.drafts.Drafts``), the
+    accepted tokens of each request's pending draft, and whether this call is a draft itself."""
+
+    drafts: object
+    num_accepted: torch.Tensor | None
+    verify: object
+
+
 class DecodeLayerCall(NamedTuple):
     """One fused decode-layer call (see ``cula_aot.kda_decode_layer``): the KDA step's arguments
-    as a ``DecodeCall`` (no intermediate states), the convolutions and the output norm."""
+    as a ``DecodeCall`` (no intermediate states), the convolutions, the output norm and the
+    speculative part."""
 
     step: DecodeCall
     conv: ShortConv
     norm: OutputNorm
+    speculation: Speculation
 
     @classmethod
     def of(cls, arguments: dict) -> "DecodeLayerCall":
@@ -347,15 +361,16 @@ class DecodeLayerCall(NamedTuple):
             o.get("variant"),
         )
         conv = ShortConv(o["conv_weight"], o["conv_bias"], o["conv_state"], o["conv_layout"])
-        return cls(step, conv, OutputNorm(o["out_gate"], o["norm_weight"], o["norm_eps"]))
+        norm = OutputNorm(o["out_gate"], o["norm_weight"], o["norm_eps"])
+        return cls(step, conv, norm, Speculation(o["drafts"], o["num_accepted"], o["verify"]))
 
     def signature(self) -> tuple:
         """The layer plan cache's key: the step's, the convolutions' and the norm's tensors'
         layouts and the options a plan fixes."""
-        c, n = self.conv, self.norm
-        parts = tuple(_parts(x) for x in (c.weight, c.bias, c.state))
-        layouts = _layouts((*(t for part in parts for t in part), n.gate, n.weight))
-        return (self.step.signature(), tuple(map(len, parts)), layouts, c.layout)
+        c, n, s = self.conv, self.norm, self.speculation
+        parts = tuple(_parts(x) for x in (c.weight, c.bias, c.state, s.drafts))
+        layouts = _layouts((*(t for part in parts for t in part), n.gate, n.weight, s.num_accepted))
+        return (self.step.signature(), tuple(map(len, parts)), layouts, c.layout, s.verify)
 
 
 def _parts(x) -> tuple:

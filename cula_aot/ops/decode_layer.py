@@ -18,11 +18,14 @@ from ..specs import (
     LAYER_FLAG_CONV_BIAS,
     LAYER_FLAG_CONV_STATE_F32,
     LAYER_FLAG_CONV_WEIGHT_F32,
+    LAYER_FLAG_DRAFTS,
     LAYER_FLAG_NORM_WEIGHT_F32,
     LAYER_FLAG_STATUS,
+    LAYER_FLAG_VERIFY,
     DecodeLayerSpec,
     pick_layer_variant,
 )
+from ..drafts import Drafts, draft_shape
 from .call import DecodeLayerCall, _parts
 from . import checks, decode
 from .checks import fail
@@ -145,8 +148,11 @@ def validate(call: DecodeLayerCall):
     if not 0.0 < eps < 1.0:
         fail(f"norm_eps must be in (0, 1), got {eps}")
     views = conv_views(call, heads, call.step.state_pool.shape[0], device)
+    drafts = check_speculation(call, num_seqs, heads, device)
     written = [("out", out)] if out is not None else []
     written += [(f"conv_state ({s})", t) for s, t in zip(_STREAMS, views.states)]
+    if drafts is not None:
+        written += [("drafts.records", drafts.records), ("drafts.marks", drafts.marks)]
     read = [
         ("q", q),
         ("k", k),
@@ -162,6 +168,33 @@ def validate(call: DecodeLayerCall):
                 fail(f"{name} must not alias {other}")
     checks.check_device(device)
     return checked, views, z, eps
+
+
+def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
+    """The draft buffers (``cula_aot.drafts``), ``num_accepted`` and ``verify``; returns the
+    buffers as a ``Drafts`` or None."""
+    s = call.speculation
+    if type(s.verify) is not bool:
+        fail(f"verify must be True or False, got {s.verify!r}")
+    if s.drafts is None:
+        if s.verify:
+            fail(
+                "verify=True writes a draft: pass drafts=cula_aot.draft_buffers(slots, heads, device) and num_accepted"
+            )
+        if s.num_accepted is not None:
+            fail("num_accepted commits a pending draft: pass the drafts it was written to (drafts=)")
+        return None
+    parts = _parts(s.drafts)
+    if len(parts) != 2:
+        fail("drafts must be cula_aot.draft_buffers(slots, heads, device) (records, marks)")
+    drafts = Drafts(*parts)
+    slots = call.step.state_pool.shape[0]
+    checks.check_contiguous("drafts.records", drafts.records, torch.float32, draft_shape(slots, heads), device)
+    checks.check_contiguous("drafts.marks", drafts.marks, torch.int32, (slots,), device)
+    if s.num_accepted is None:
+        fail("drafts needs num_accepted: int32 [N], how many tokens of each request's pending draft to keep")
+    checks.check_contiguous("num_accepted", s.num_accepted, torch.int32, (num_seqs,), device)
+    return drafts
 
 
 _PLANS: dict = {}  # DecodeLayerCall.signature() → _LayerPlan
@@ -192,6 +225,10 @@ def _addressed(call: DecodeLayerCall, views: ConvViews) -> list:
     named += [(f"conv_weight_{s}", t) for s, t in zip(_STREAMS, views.weights)]
     if views.biases is not None:
         named += [(f"conv_bias_{s}", t) for s, t in zip(_STREAMS, views.biases)]
+    drafts = _parts(call.speculation.drafts)
+    if drafts:
+        named += [("draft_records", drafts[0]), ("draft_marks", drafts[1])]
+        named += [("num_accepted", call.speculation.num_accepted)]
     return named
 
 
@@ -204,6 +241,9 @@ def _sources(call: DecodeLayerCall) -> dict:
         "conv_state": _parts(c.state),
         "conv_weight": _parts(c.weight),
         "conv_bias": _parts(c.bias),
+        "draft_records": _parts(call.speculation.drafts)[:1],
+        "draft_marks": _parts(call.speculation.drafts)[1:],
+        "num_accepted": (call.speculation.num_accepted,),
     }
 
 
@@ -241,6 +281,8 @@ class _LayerPlan:
             | (LAYER_FLAG_CONV_BIAS if views.biases is not None else 0)
             | (LAYER_FLAG_NORM_WEIGHT_F32 if call.norm.weight.dtype == torch.float32 else 0)
             | (LAYER_FLAG_STATUS if step.status is not None else 0)
+            | (LAYER_FLAG_DRAFTS if call.speculation.drafts is not None else 0)
+            | (LAYER_FLAG_VERIFY if call.speculation.verify else 0)
             | x.conventions
         )
         static = {
@@ -270,6 +312,10 @@ class _LayerPlan:
             part = _STREAMS.index(name[-1]) if len(parts) == 3 else 0  # a (q, k, v) tuple, else packed
             self.recipe.append((name, _source_of(name), part, t.data_ptr() - parts[part].data_ptr()))
         self.has_bias = views.biases is not None
+        self.has_drafts = call.speculation.drafts is not None
+        self.written = ("conv_state_q", "conv_state_k", "conv_state_v")
+        if self.has_drafts:
+            self.written += ("draft_records", "draft_marks")
         # The address rules read extents the signature fixes: decode's tensors, and these.
         self.extents = {name: _extent(t) for name, t in _addressed(call, views)}
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", pool)):
@@ -295,16 +341,15 @@ class _LayerPlan:
         )
         op = 0 if out is None else out.data_ptr()
         sp = 0 if status is None else status.data_ptr()
-        aligned = (a for name, a in addresses.items() if name != "beta" and not name.startswith("conv_state"))
+        unaligned = ("beta", "draft_marks", "num_accepted", "conv_state_q", "conv_state_k", "conv_state_v")
+        aligned = (a for name, a in addresses.items() if name not in unaligned)
         if any(a & (_ALIGN - 1) for a in aligned) or (op | sp | x.gate.A_log.data_ptr() | x.gate.dt_bias.data_ptr()) & (
             _ALIGN - 1
         ):
             validate(call)  # names the misaligned argument
         written = [("out", op, self.out_extent)] if out is not None else []
-        written += [
-            (f"conv_state_{s}", addresses[f"conv_state_{s}"], self.extents[f"conv_state_{s}"]) for s in _STREAMS
-        ]
-        read = [(n, a, self.extents[n]) for n, a in addresses.items() if not n.startswith("conv_state")]
+        written += [(name, addresses[name], self.extents[name]) for name in self.written]
+        read = [(n, a, self.extents[n]) for n, a in addresses.items() if n not in self.written]
         for i, (name, at, extent) in enumerate(written):
             for other, bt, other_extent in read + written[i + 1 :]:
                 if _aliases_at(at, extent, bt, other_extent):
@@ -320,6 +365,8 @@ class _LayerPlan:
         values = dict(addresses)
         if not self.has_bias:  # never read without LAYER_FLAG_CONV_BIAS
             values.update({f"conv_bias_{s}": addresses[f"conv_weight_{s}"] for s in _STREAMS})
+        if not self.has_drafts:  # never read without LAYER_FLAG_DRAFTS
+            values.update(draft_records=addresses["state_pool"], draft_marks=index_base, num_accepted=index_base)
         values.update(
             beta=beta_base,
             a_log=x.gate.A_log.data_ptr(),

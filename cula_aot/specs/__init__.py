@@ -114,11 +114,16 @@ from .decode import (  # noqa: F401
 )
 from .decode_layer import (  # noqa: F401
     CONV_WIDTH,
+    DRAFT_BANKS,
+    DRAFT_ROWS,
+    DRAFT_TOKENS,
     LAYER_FLAG_CONV_BIAS,
     LAYER_FLAG_CONV_STATE_F32,
     LAYER_FLAG_CONV_WEIGHT_F32,
+    LAYER_FLAG_DRAFTS,
     LAYER_FLAG_NORM_WEIGHT_F32,
     LAYER_FLAG_STATUS,
+    LAYER_FLAG_VERIFY,
     LAYER_PARAMS,
     LAYER_VARIANTS,
     DecodeLayerSpec,

@@ -25,6 +25,19 @@ LAYER_FLAG_CONV_STATE_F32 = 1 << 16  # the conv states are fp32 (else bf16)
 LAYER_FLAG_CONV_WEIGHT_F32 = 1 << 17  # the conv weights and biases are fp32 (else bf16)
 LAYER_FLAG_CONV_BIAS = 1 << 18  # the convolutions have a bias
 LAYER_FLAG_NORM_WEIGHT_F32 = 1 << 19  # the RMSNorm weight is fp32 (else bf16)
+LAYER_FLAG_DRAFTS = 1 << 20  # draft buffers are given: a slot's pending draft is committed first
+LAYER_FLAG_VERIFY = 1 << 21  # this call's tokens are a draft: recorded, not committed
+
+# Speculative drafts.  Per slot, two banks of records (the draft of the last verify call, and the
+# one being written: no CTA overwrites what another may still read), each ``DRAFT_TOKENS`` tokens
+# × H heads × ``DRAFT_ROWS`` fp32 rows of 128: k̂, α (the token's decay), u (the delta-rule update,
+# per V row) and the raw q, k, v inputs (the conv state's history).  The mark per slot says which
+# bank holds a pending draft (0: none, 1 + bank).  A draft of T tokens with a accepted rebuilds
+# the state after them as S ← S·diag(α_t) + u_t k̂_tᵀ, t < a.
+DRAFT_BANKS = 2
+DRAFT_TOKENS = 8
+DRAFT_ROWS = 6
+DRAFT_KHAT, DRAFT_ALPHA, DRAFT_U, DRAFT_X = 0, 1, 2, 3  # DRAFT_X + 0, 1, 2: q, k, v
 
 # (V rows per item, items per CTA): the V blocks of one (request, head) form one cluster, which
 # shares the RMSNorm's sums through distributed shared memory and orders the q/k conv-state
@@ -50,6 +63,11 @@ LAYER_TENSORS = (
     *(pointer(f"conv_weight_{x}", "u8") for x in "qkv"),
     *(pointer(f"conv_bias_{x}", "u8") for x in "qkv"),
     pointer("norm_weight", "u8"),
+    # Draft records [slots, DRAFT_BANKS, DRAFT_TOKENS, H, DRAFT_ROWS, 128] fp32, the marks
+    # [slots] and the accepted draft tokens per request [N] (int32, read one by one).
+    pointer("draft_records", "f32"),
+    pointer("draft_marks", "i32", address_align=4),
+    pointer("num_accepted", "i32", address_align=4),
 )
 # The conv states' element strides (shared by q, k and v: three pools of one shape, or channel
 # slices of one packed pool) and the output gate's sequence and token strides.

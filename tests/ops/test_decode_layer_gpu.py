@@ -11,6 +11,7 @@ standard, mixed (4 long-memory channels per head) and slow.
 import pytest
 import torch
 
+import cula_aot
 from cula_aot import reference
 from cula_aot.ops.decode_layer import decode_layer
 from cula_aot.specs import LAYER_VARIANTS
@@ -192,3 +193,157 @@ def test_conv_forms_and_dispatch(case):
         flat=flat,
         padding=(1,),
     )
+
+
+def _spec_step_inputs(n, tokens, heads, gen, regime):
+    q, k, v, g, beta, z, gate_args = _inputs(n, tokens, heads, gen, "safe", regime)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, z=z), gate_args
+
+
+def _reference_step(x, rows, state, conv, weights, biases, norm_weight, gate_args, count=None):
+    """The float64 layer on the first ``count`` tokens of ``x``'s rows ``rows`` from (state, conv)."""
+    count = x["q"].shape[1] if count is None else count
+    sel = {name: t[rows, :count].double() for name, t in x.items()}
+    return reference.kda_decode_layer(
+        sel["q"],
+        sel["k"],
+        sel["v"],
+        sel["g"],
+        sel["beta"],
+        conv_weights=weights,
+        conv_biases=biases,
+        conv_states=conv,
+        initial_state=state,
+        norm_weight=norm_weight,
+        out_gate=sel["z"],
+        A_log=gate_args["A_log"],
+        dt_bias=gate_args["dt_bias"],
+        lower_bound=gate_args["lower_bound"],
+    )
+
+
+@pytest.mark.parametrize("regime", ["standard", "slow"])
+@pytest.mark.parametrize("pool_dtype,layout", [(torch.float32, "vk"), (torch.bfloat16, "kv")])
+def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layout):
+    """32 verify calls of 1..8 draft tokens, each committing a random prefix (0..T) of the one
+    before, against a float64 run that never speculates (it applies only the accepted tokens):
+    every verify output, the committed recurrent and conv states after every call, and a last
+    plain call that commits and advances.  One request is padding throughout."""
+    seed = fresh_seed()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    cpu = torch.Generator().manual_seed(seed)
+    n, heads, slots = 5, 4, 9
+    channels = heads * D
+    pool = (0.1 * torch.randn(slots, heads, D, D, generator=gen, device="cuda")).to(pool_dtype)
+    conv_pool = torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (0.5 * torch.randn(3 * channels, W, generator=gen, device="cuda")).to(torch.bfloat16)
+    conv_bias = (0.1 * torch.randn(3 * channels, generator=gen, device="cuda")).to(torch.bfloat16)
+    norm_weight = (1 + 0.1 * torch.randn(D, generator=gen, device="cuda")).to(torch.bfloat16)
+    drafts = cula_aot.draft_buffers(slots, heads, "cuda")
+    perm = torch.randperm(slots, generator=cpu)[:n].to(torch.int32)
+    perm[2] = -1
+    indices = perm.cuda()
+    rows = [i for i in range(n) if i != 2]
+    owned = perm[rows].long()
+    weights = tuple(weight.double().split(channels))
+    biases = tuple(conv_bias.double().split(channels))
+    state = from_pool_layout(pool[owned].double(), layout).transpose(-1, -2)  # [n, H, V, K] float64
+    conv = tuple(conv_pool[owned].double().split(channels, 1))
+    pool_before, conv_before = pool.clone(), conv_pool.clone()
+    previous, accepted = None, torch.zeros(n, dtype=torch.int32)
+    for step in range(33):
+        last = step == 32
+        tokens = 1 if last else int(torch.randint(1, 9, (1,), generator=cpu))
+        x, gate_args = _spec_step_inputs(n, tokens, heads, gen, regime)
+        if previous is not None:  # the reference commits what the kernel is told was accepted
+            for r, row in enumerate(rows):
+                a = int(accepted[row])
+                if a:
+                    px = {name: t[row : row + 1] for name, t in previous.items()}
+                    one_conv = tuple(c[r : r + 1] for c in conv)
+                    _, s_new, c_new = _reference_step(
+                        px, [0], state[r : r + 1], one_conv, weights, biases, norm_weight.double(), gate_args, a
+                    )
+                    state[r] = s_new[0]
+                    conv = tuple(torch.cat([c[:r], cn, c[r + 1 :]]) for c, cn in zip(conv, c_new))
+        out = torch.full((n, tokens, heads, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+        cula_aot.kda_decode_layer(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            conv_weight=weight,
+            conv_bias=conv_bias,
+            conv_state=conv_pool,
+            out_gate=x["z"],
+            norm_weight=norm_weight,
+            state_pool=pool,
+            state_indices=indices,
+            out=out,
+            state_layout=layout,
+            drafts=drafts,
+            num_accepted=accepted.cuda(),
+            verify=not last,
+            **gate_args,
+        )
+        torch.cuda.synchronize()
+        ref_y, ref_s, ref_conv = _reference_step(x, rows, state, conv, weights, biases, norm_weight.double(), gate_args)
+        report = f"speculative {regime} {pool_dtype} {layout} step {step} T={tokens} seed={seed}"
+        err_o = reference.rel_rmse(out[rows], ref_y)
+        assert err_o <= BOUND, f"{report}: o rel-RMSE {err_o:.2e}"
+        assert bool((out[2] == 0).all()), f"{report}: the padding row's outputs are not zero"
+        got_state = from_pool_layout(pool[owned], layout).transpose(-1, -2)
+        want_state = ref_s if last else state
+        err_s = reference.rel_rmse(got_state, want_state)
+        assert err_s <= BOUND, f"{report}: committed state rel-RMSE {err_s:.2e}"
+        want_conv = torch.cat(ref_conv if last else conv, 1).to(torch.bfloat16)
+        assert torch.equal(conv_pool[owned], want_conv), f"{report}: the committed conv state differs"
+        expect_marks = torch.zeros(slots, dtype=torch.int32)
+        if not last:
+            assert set(drafts.marks[owned].tolist()) <= {1, 2}, f"{report}: no pending draft marked"
+        else:
+            assert torch.equal(drafts.marks.cpu(), expect_marks), f"{report}: a draft is still pending"
+        previous = x
+        accepted = torch.tensor(
+            [int(torch.randint(0, tokens + 1, (1,), generator=cpu)) for _ in range(n)], dtype=torch.int32
+        )
+    untouched = [s for s in range(slots) if s not in set(owned.tolist())]
+    assert torch.equal(pool[untouched], pool_before[untouched]) and torch.equal(
+        conv_pool[untouched], conv_before[untouched]
+    ), "a slot no request owns changed"
+
+
+def test_hostile_draft_values_are_bounded_and_reported():
+    """A mark outside {0, 1, 2} is no pending draft and num_accepted outside [0, 8] is clamped,
+    each reported in the status word; nothing outside the request's slot changes."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    n, heads, slots = 2, 2, 4
+    x, gate_args = _spec_step_inputs(n, 2, heads, gen, "standard")
+    channels = heads * D
+    common = dict(
+        conv_weight=(0.5 * torch.randn(3 * channels, W, generator=gen, device="cuda")).to(torch.bfloat16),
+        conv_state=torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(torch.bfloat16),
+        out_gate=x["z"],
+        norm_weight=torch.ones(D, device="cuda", dtype=torch.bfloat16),
+        state_pool=torch.zeros(slots, heads, D, D, device="cuda"),
+        state_indices=torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+        **gate_args,
+    )
+    inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    for marks, accepted in (([7, 0, 0, 0], [0, 0]), ([1, 1, 0, 0], [9, -3])):
+        drafts = cula_aot.draft_buffers(slots, heads, "cuda")
+        drafts.marks.copy_(torch.tensor(marks, dtype=torch.int32))
+        status = torch.zeros(1, dtype=torch.int32, device="cuda")
+        out = cula_aot.kda_decode_layer(
+            *inputs,
+            **common,
+            drafts=drafts,
+            num_accepted=torch.tensor(accepted, dtype=torch.int32, device="cuda"),
+            verify=True,
+            status=status,
+        )
+        torch.cuda.synchronize()
+        assert int(status) & cula_aot.STATUS_DRAFT_OUT_OF_RANGE, (marks, accepted)
+        assert torch.isfinite(out).all()
+        assert drafts.marks[2:].tolist() == [0, 0]

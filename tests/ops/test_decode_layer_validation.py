@@ -79,6 +79,19 @@ BAD = [
     (dict(norm_eps=0.0), r"norm_eps must be in \(0, 1\)"),
     (dict(state_indices=torch.arange(N)), "state_indices must be torch.int32"),
     (dict(lower_bound=None), "gate='safe' needs lower_bound"),
+    (dict(verify=True), r"verify=True writes a draft: pass drafts="),
+    (dict(verify=1), "verify must be True or False"),
+    (dict(num_accepted=torch.zeros(N, dtype=torch.int32)), "num_accepted commits a pending draft"),
+    (dict(drafts=cula_aot.draft_buffers(N + 2, H)), "drafts needs num_accepted"),
+    (
+        dict(drafts=cula_aot.draft_buffers(N + 1, H), num_accepted=torch.zeros(N, dtype=torch.int32)),
+        r"drafts.records must have shape \[5, 2, 8, 2, 6, 128\]",
+    ),
+    (
+        dict(drafts=cula_aot.draft_buffers(N + 2, H), num_accepted=torch.zeros(N + 1, dtype=torch.int32)),
+        r"num_accepted must have shape \[3\]",
+    ),
+    (dict(drafts=(torch.zeros(1),), num_accepted=torch.zeros(N, dtype=torch.int32)), "drafts must be"),
 ]
 
 
@@ -99,6 +112,17 @@ def test_what_the_layer_writes_may_not_alias():
     states = (buffer.view(N + 2, C, 3), *(torch.zeros(N + 2, C, 3, dtype=torch.bfloat16) for _ in range(2)))
     with pytest.raises(KDAInputError, match=r"conv_state \(q\) must not alias q"):
         _call(q=q, conv_state=states)
+
+
+def test_a_draft_call_reaches_the_device_check():
+    drafts = cula_aot.draft_buffers(N + 2, H)
+    accepted = torch.zeros(N, dtype=torch.int32)
+    for verify in (False, True):
+        with pytest.raises(KDAInputError, match="CUDA"):
+            _call(drafts=drafts, num_accepted=accepted, verify=verify)
+    out = drafts.records.view(torch.bfloat16).view(-1)[: N * T * H * D].view(N, T, H, D)
+    with pytest.raises(KDAInputError, match="out must not alias drafts.records"):
+        _call(drafts=drafts, num_accepted=accepted, out=out)
 
 
 def test_missing_layer_arguments_are_a_type_error():
