@@ -12,8 +12,8 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..runtime.manifest import ArtifactError
 from ..runtime.loader import raw_stream as _raw_stream
+from ..runtime.manifest import ArtifactError
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
     DECODE_FLAG_INTERMEDIATE,

@@ -17,7 +17,7 @@ from cuda.bindings import driver as cu
 from .abi import ParamPacker
 from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
-from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
+from .tma import DescriptorCache
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _CONFIG_LIMIT = 64  # cached dependent-launch configs per kernel and thread (one per grid, stream)
