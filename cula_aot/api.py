@@ -210,7 +210,28 @@ def kda_decode(
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
-    return decode.run(DecodeCall.of(locals()))
+    call = DecodeCall.bind(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        gate,
+        scale,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        intermediate_states,
+        status,
+        beta_sigmoid,
+        qk_l2norm,
+    )
+    return decode.run(call)
 
 
 def kda_decode_layer(

@@ -69,7 +69,8 @@ def resolve_gate(gate, A_log, dt_bias, lower_bound, q) -> GateArgs:
     if gate == "safe":
         if lower_bound is None:
             fail("gate='safe' needs lower_bound (in [-5, 0)); for fla's unbounded gate pass gate='softplus'")
-        return GateArgs(gate, A_log, dt_bias, lower_bound)
+        # tuple.__new__: the generated NamedTuple constructor costs a Python frame (decode calls this per call).
+        return tuple.__new__(GateArgs, (gate, A_log, dt_bias, lower_bound))
     if lower_bound is not None:
         fail(f"lower_bound applies to gate='safe' only; gate={gate!r} is unbounded: pass lower_bound=None")
     if gate == "precomputed" and (A_log is not None or dt_bias is not None):

@@ -2,7 +2,8 @@
 
 Every entry point (``kda_prefill``, ``fwd``, ``kda_decode``, the ``torch.library`` ops, and through
 them ``cula_aot.fla`` and ``cula_aot.distributed``) hands its arguments by name to ``of`` (or
-positionally to ``build``), which resolves what does not depend on validation: the gate's arguments (``gates.resolve_gate``), g and
+positionally to ``build``; ``kda_decode`` all of them by position to ``DecodeCall.bind``), which
+resolves what does not depend on validation: the gate's arguments (``gates.resolve_gate``), g and
 β in the kernels' dtype, the input-convention bits, a pool's in-place final state.  Validation
 takes the call and returns the checked facts; the plan cache keys on ``PrefillCall.signature``;
 plans run from the call.  Immutable (a tuple): nothing downstream rewrites an argument.
@@ -14,6 +15,8 @@ import torch
 
 from ..gates import DEFAULT_GATE, GateArgs, resolve_gate
 from .checks import input_flags, kernel_dtypes
+
+_new = tuple.__new__
 
 
 # The keyword arguments of ``kda_prefill`` (``fwd`` and the ops take the same names) with their
@@ -74,8 +77,8 @@ class _Arguments:
 
     def __call__(self, given: dict) -> dict:
         """``given`` (by name) over the defaults; an unknown or a missing name is a TypeError, as
-        a signature would raise.  ``kda_prefill``'s and ``kda_decode``'s own ``locals()`` hold every
-        option: no copy then."""
+        a signature would raise.  ``kda_prefill``'s own ``locals()`` hold every option: no copy
+        then."""
         if not given.keys() <= self.names:
             unknown = ", ".join(sorted(given.keys() - self.names))
             raise TypeError(f"{self.entry}() got unexpected keyword argument(s): {unknown}")
@@ -113,10 +116,28 @@ class Inputs(NamedTuple):
     @classmethod
     def of(cls, o: dict) -> "Inputs":
         """From a call's arguments by name."""
-        q = o["q"]
-        g, beta = kernel_dtypes(o["g"], o["beta"])
-        gate = resolve_gate(o["gate"], o["A_log"], o["dt_bias"], o["lower_bound"], q)
-        return cls(q, o["k"], o["v"], g, beta, gate, o["scale"], input_flags(o["beta_sigmoid"], o["qk_l2norm"]))
+        return cls.bind(
+            o["q"],
+            o["k"],
+            o["v"],
+            o["g"],
+            o["beta"],
+            o["gate"],
+            o["A_log"],
+            o["dt_bias"],
+            o["lower_bound"],
+            o["scale"],
+            o["beta_sigmoid"],
+            o["qk_l2norm"],
+        )
+
+    @classmethod
+    def bind(cls, q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm) -> "Inputs":
+        """From a call's arguments by position."""
+        g, beta = kernel_dtypes(g, beta)
+        gate = resolve_gate(gate, A_log, dt_bias, lower_bound, q)
+        # tuple.__new__: the generated NamedTuple constructor costs a Python frame per call.
+        return _new(cls, (q, k, v, g, beta, gate, scale, input_flags(beta_sigmoid, qk_l2norm)))
 
 
 def _layouts(tensors: tuple) -> tuple:
@@ -250,43 +271,72 @@ class DecodeCall(NamedTuple):
 
     @classmethod
     def of(cls, arguments: dict) -> "DecodeCall":
-        """``build`` from the arguments by name (an entry point's ``locals()``)."""
+        """``build`` from the arguments by name (an entry point's arguments)."""
         o = _DECODE_ARGUMENTS(arguments)
-        return cls(
-            Inputs.of(o),
-            o["state_pool"],
-            o["state_indices"],
-            o["out"],
-            o["num_tokens"],
-            o["state_layout"],
-            o["intermediate_states"],
-            o["status"],
-            o.get("variant"),
+        return cls.bind(*[o[name] for name in _DECODE_ORDER], o.get("variant"))
+
+    @classmethod
+    def bind(
+        cls,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        gate,
+        scale,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        intermediate_states,
+        status,
+        beta_sigmoid,
+        qk_l2norm,
+        variant=None,
+    ) -> "DecodeCall":
+        """The call of ``kda_decode``'s arguments by position, in its order (``kda_decode`` itself
+        binds them: a dict of its ``locals()`` costs it a microsecond a call)."""
+        inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
+        return _new(
+            cls,
+            (inputs, state_pool, state_indices, out, num_tokens, state_layout, intermediate_states, status, variant),
         )
 
     def signature(self) -> tuple:
         """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
-        plan fixes, as ``PrefillCall.signature``."""
-        x = self.inputs
-        layouts = _layouts(
-            (
-                *x.tensors(),
-                self.state_pool,
-                self.state_indices,
-                self.out,
-                self.intermediate_states,
-                self.status,
-            )
-        )
+        plan fixes, as ``PrefillCall.signature`` (flat: q's shape, strides, dtype and device, then
+        k's, ...; None or such a 4-tuple for each optional tensor)."""
+        x, pool, slots, out, tokens, state_layout, inter, status, variant = self
+        q, k, v, g, beta, gate, _, conventions = x
+        a, d = gate.A_log, gate.dt_bias
+        # Spelled out rather than a loop over the tensors: built on every decode call, where a
+        # loop and a tuple per tensor cost ~0.6 µs more.
+        # fmt: off
         return (
-            layouts,
-            type(self.num_tokens),
-            self.num_tokens,
-            self.state_layout,
-            x.gate.name,
-            x.conventions,
-            self.variant,
+            q.shape, q.stride(), q.dtype, q.get_device(),
+            k.shape, k.stride(), k.dtype, k.get_device(),
+            v.shape, v.stride(), v.dtype, v.get_device(),
+            g.shape, g.stride(), g.dtype, g.get_device(),
+            beta.shape, beta.stride(), beta.dtype, beta.get_device(),
+            a.shape, a.stride(), a.dtype, a.get_device(),
+            d.shape, d.stride(), d.dtype, d.get_device(),
+            pool.shape, pool.stride(), pool.dtype, pool.get_device(),
+            slots.shape, slots.stride(), slots.dtype, slots.get_device(),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+            None if inter is None else (inter.shape, inter.stride(), inter.dtype, inter.get_device()),
+            None if status is None else (status.shape, status.stride(), status.dtype, status.get_device()),
+            type(tokens), tokens, state_layout, gate.name, conventions, variant,
         )
+        # fmt: on
+
+
+# ``kda_decode``'s arguments in ``DecodeCall.bind``'s order (tests/ops/test_call.py holds them equal).
+_DECODE_ORDER = ("q", "k", "v", "g", "beta", *DECODE_OPTIONS)
 
 
 # ``kda_decode_layer``'s keyword arguments beyond ``kda_decode``'s (less ``intermediate_states``:

@@ -180,6 +180,8 @@ def input_flags(beta_sigmoid, qk_l2norm) -> int:
     """The kernels' input-convention bits (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``):
     ``beta_sigmoid`` True takes β as logits (b = σ(β)), False as the probabilities b themselves;
     ``qk_l2norm`` True L2-normalises q and k in the kernel, False uses them as given."""
+    if beta_sigmoid is True and qk_l2norm is True:  # the default conventions, in one test
+        return 0
     for name, value in (("beta_sigmoid", beta_sigmoid), ("qk_l2norm", qk_l2norm)):
         if type(value) is not bool:
             fail(f"{name} must be True or False, got {value!r}")
@@ -190,6 +192,8 @@ def kernel_dtypes(g, beta) -> tuple:
     """g and β as the kernels read them: fp32 ones (as fla's callers pass a precomputed gate and
     β probabilities) rounded to bf16 first, one elementwise pass each; anything else as given
     (validation names a wrong dtype)."""
-    return tuple(
-        t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in (g, beta)
-    )
+    if isinstance(g, torch.Tensor) and g.dtype is torch.float32:
+        g = g.to(torch.bfloat16)
+    if isinstance(beta, torch.Tensor) and beta.dtype is torch.float32:
+        beta = beta.to(torch.bfloat16)
+    return g, beta

@@ -12,6 +12,8 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
+from ..runtime.loader import raw_stream as _raw_stream
+from ..runtime.manifest import ArtifactError
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
     DECODE_FLAG_INTERMEDIATE,
@@ -26,6 +28,7 @@ from . import checks
 from .checks import fail
 
 _ALIGN = 16  # bytes: every base pointer and every row the kernel reads as 16-byte vectors
+_INPUT_NAMES = ("q", "k", "v", "g", "beta", "state_pool")  # what out must not alias
 
 
 def _is_tensor(name, t):
@@ -81,17 +84,23 @@ def _extent(t) -> _Extent:
     return _Extent(True, t.is_contiguous(), span * t.element_size())
 
 
-def _overlaps_at(a: int, a_extent: _Extent, b: int, b_extent: _Extent) -> bool:
-    """Whether the byte ranges starting at addresses ``a`` and ``b`` intersect."""
-    return a < b + b_extent.span and b < a + a_extent.span
+# The address rules, as the open interval (lo, hi) of offsets b − a between two tensors' first
+# bytes at which the rule is broken: fixed by the tensors' extents (the signature's), so that a
+# cached plan tests each pair of a call's addresses with one chained comparison.
 
 
-def _aliases_at(a: int, a_extent: _Extent, b: int, b_extent: _Extent) -> bool:
-    """Same first element, or intersecting extents where one of them is dense (interleaved
-    views of one fused buffer, e.g. q and g columns of a projection, do not alias)."""
-    if not (a_extent.nonempty and b_extent.nonempty):
-        return False
-    return a == b or ((a_extent.dense or b_extent.dense) and _overlaps_at(a, a_extent, b, b_extent))
+def _overlap_bounds(a: _Extent, b: _Extent) -> tuple[int, int]:
+    """Where the byte ranges of extents ``a`` and ``b`` intersect: a < b + b.span and b < a + a.span."""
+    return -b.span, a.span
+
+
+def _alias_bounds(a: _Extent, b: _Extent) -> tuple[int, int]:
+    """Where ``a`` aliases ``b``: the same first element, or intersecting extents where one of
+    them is dense (interleaved views of one fused buffer, e.g. q and g columns of a projection,
+    do not alias); never for an empty one."""
+    if not (a.nonempty and b.nonempty):
+        return 0, 0
+    return _overlap_bounds(a, b) if a.dense or b.dense else (-1, 1)
 
 
 def _as_4d(name, t, num_tokens):
@@ -165,15 +174,16 @@ def validate(call: DecodeCall, device_check: bool = True):
         if not intermediate_states.is_contiguous():
             fail("intermediate_states must be contiguous")
         _check_base("intermediate_states", intermediate_states)
-        if _overlaps_at(
-            intermediate_states.data_ptr(), _extent(intermediate_states), state_pool.data_ptr(), _extent(state_pool)
-        ):
+        lo, hi = _overlap_bounds(_extent(intermediate_states), _extent(state_pool))
+        if lo < state_pool.data_ptr() - intermediate_states.data_ptr() < hi:
             fail("intermediate_states must not overlap state_pool")
     if out is not None:
         checks.check_dtype_shape("out", out, torch.bfloat16, (num_seqs, tokens, heads, D), device)
         _check_rows("out", out)
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool)):
-            if _aliases_at(out.data_ptr(), _extent(out), t.data_ptr(), _extent(t)):
+        out_extent = _extent(out)
+        for name, t in zip(_INPUT_NAMES, (q, k, v, g, beta, state_pool)):
+            lo, hi = _alias_bounds(out_extent, _extent(t))
+            if lo < t.data_ptr() - out.data_ptr() < hi:
                 fail(f"out must not alias {name}")
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("out", out)):
         if t is not None and any(abs(s) > checks.INT32_MAX for s in t.stride()):
@@ -185,24 +195,25 @@ def validate(call: DecodeCall, device_check: bool = True):
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-def _aligned_down(t) -> tuple[int, int]:
-    """(16-byte aligned address at or below t's first element, element offset from it)."""
-    ptr = t.data_ptr()
-    base = ptr - ptr % _ALIGN
-    return base, (ptr - base) // t.element_size()
-
-
 _PLANS: dict = {}  # DecodeCall.signature() → _DecodePlan
 _PLAN_LIMIT = 256  # plans kept; cleared when full (a serving loop reuses a few)
+# The last (signature, plan) found: a model's decode layers repeat one signature per step, and
+# comparing it costs half of hashing it for the dict.
+_last = (None, None)
 
 
 def run(call: DecodeCall):
     """One decode launch on ``torch.cuda.current_stream(q.device)``, from the plan of the call's
     signature (validated and built at its first call).  Returns ``out`` shaped like ``v`` as
     given (token-major 3-D input gives 3-D output)."""
+    global _last
     try:
         key = call.signature()
-        plan = _PLANS.get(key)
+        last_key, plan = _last
+        if key != last_key:
+            plan = _PLANS.get(key)
+            if plan is not None:
+                _last = key, plan
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
         key = plan = None
     if plan is None:
@@ -211,7 +222,29 @@ def run(call: DecodeCall):
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.clear()
             _PLANS[key] = plan
+            _last = key, plan
     return plan.run(call)
+
+
+# The kernels' per-call parameters, in the order ``_DecodePlan.run`` supplies them.
+_PER_CALL = (
+    "q",
+    "k",
+    "v",
+    "g",
+    "beta",
+    "a_log",
+    "dt_bias",
+    "state_indices",
+    "state_pool",
+    "intermediate",
+    "out",
+    "status",
+    "beta_offset",
+    "index_offset",
+    "scale",
+    "lower_bound",
+)
 
 
 class _DecodePlan:
@@ -260,78 +293,76 @@ class _DecodePlan:
             static[f"{name}_stride_n"] = _stride(t, 0)
             static[f"{name}_stride_t"] = _stride(t, 1)
         self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
+        if self.template.per_call != _PER_CALL:  # ``run`` passes its values in this order
+            raise ArtifactError(
+                f"{kernel.name} takes the per-call parameters {self.template.per_call}, not decode's {_PER_CALL}: "
+                "a manifest built from other specs; rebuild with `python build_kernels.py`"
+            )
         self.num_seqs = num_seqs
-        # The address rules (``_aliases_at``, ``_overlaps_at``) read each tensor's extent, which
-        # the signature fixes; only where it starts is the call's.
-        self.out_extent = None if out is None else _extent(out)
-        self.input_extents = [
-            (name, _extent(t))
-            for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", state_pool))
-        ]
+        # β and the slot indices are passed as a 16-byte aligned base and an element offset from
+        # it; their element sizes are the signature's.
+        self.beta_size, self.index_size = beta.element_size(), call.state_indices.element_size()
+        # The address rules' bounds are the signature's; only where each tensor starts is the call's.
+        self.alias_bounds = (
+            None if out is None else [_alias_bounds(_extent(out), _extent(t)) for t in (q, k, v, g, beta, state_pool)]
+        )
         inter = call.intermediate_states
-        self.inter_extents = None if inter is None else (_extent(inter), _extent(state_pool))
+        self.inter_bounds = None if inter is None else _overlap_bounds(_extent(inter), _extent(state_pool))
 
     def run(self, call: DecodeCall):
-        x, state_pool, out, inter, status = (
-            call.inputs,
-            call.state_pool,
-            call.out,
-            call.intermediate_states,
-            call.status,
-        )
-        lower_bound, scale = checks.check_scalars(x.gate.lower_bound, x.scale)
-        qp, kp, vp, gp, ap, dp = (
-            x.q.data_ptr(),
-            x.k.data_ptr(),
-            x.v.data_ptr(),
-            x.g.data_ptr(),
-            x.gate.A_log.data_ptr(),
-            x.gate.dt_bias.data_ptr(),
-        )
-        pp = state_pool.data_ptr()
+        x, state_pool, state_indices, out, _, _, inter, status, _ = call
+        q, k, v, g, beta, (_, a_log, dt_bias, lower_bound), scale, _ = x
+        lower_bound, scale = checks.check_scalars(lower_bound, scale)
+        qp, kp, vp, gp, bp = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr()
+        ap, dp, pp, xp = a_log.data_ptr(), dt_bias.data_ptr(), state_pool.data_ptr(), state_indices.data_ptr()
         ip = 0 if inter is None else inter.data_ptr()
         op = 0 if out is None else out.data_ptr()
         sp = 0 if status is None else status.data_ptr()
         if (qp | kp | vp | gp | ap | dp | pp | ip | op | sp) & (_ALIGN - 1):
             validate(call)  # names the misaligned argument
-        if self.inter_extents is not None and _overlaps_at(ip, self.inter_extents[0], pp, self.inter_extents[1]):
+        if inter is not None and self.inter_bounds[0] < pp - ip < self.inter_bounds[1]:
             fail("intermediate_states must not overlap state_pool")
-        if self.out_extent is not None:
-            for (name, extent), tp in zip(self.input_extents, (qp, kp, vp, gp, x.beta.data_ptr(), pp)):
-                if _aliases_at(op, self.out_extent, tp, extent):
-                    fail(f"out must not alias {name}")
+        if out is not None:
+            # Spelled out (a loop costs ~0.3 µs more); the loop below only names the input.
+            (q0, q1), (k0, k1), (v0, v1), (g0, g1), (b0, b1), (p0, p1) = self.alias_bounds
+            if (
+                q0 < qp - op < q1
+                or k0 < kp - op < k1
+                or v0 < vp - op < v1
+                or g0 < gp - op < g1
+                or b0 < bp - op < b1
+                or p0 < pp - op < p1
+            ):
+                for name, tp, (lo, hi) in zip(_INPUT_NAMES, (qp, kp, vp, gp, bp, pp), self.alias_bounds):
+                    if lo < tp - op < hi:
+                        fail(f"out must not alias {name}")
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
             op = out.data_ptr()
         result = out.flatten(0, 1) if self.flat else out
         if self.num_seqs == 0:
             return result
-        beta_base, beta_offset = _aligned_down(x.beta)
-        index_base, index_offset = _aligned_down(call.state_indices)
-        values = {
-            "q": qp,
-            "k": kp,
-            "v": vp,
-            "g": gp,
-            "beta": beta_base,
-            "a_log": ap,
-            "dt_bias": dp,
-            "state_indices": index_base,
-            "state_pool": pp,
-            "intermediate": ip,
-            "out": op,
-            "status": sp,
-            "beta_offset": beta_offset,
-            "index_offset": index_offset,
-            "scale": scale,
-            "lower_bound": lower_bound,
-        }
-        self.template.launch(values, _current_stream(self.device))
+        beta_skew, index_skew = bp & (_ALIGN - 1), xp & (_ALIGN - 1)
+        values = (
+            qp,
+            kp,
+            vp,
+            gp,
+            bp - beta_skew,
+            ap,
+            dp,
+            xp - index_skew,
+            pp,
+            ip,
+            op,
+            sp,
+            beta_skew // self.beta_size,
+            index_skew // self.index_size,
+            scale,
+            lower_bound,
+        )
+        self.template.launch_values(values, _raw_stream(self.device))
         return result
-
-
-def _current_stream(device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def decode(q, k, v, g, beta, **options):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import D
-from ..runtime.loader import default_loader
+from ..runtime.loader import default_loader, raw_stream
 from ..specs import (
     CONV_WIDTH,
     LAYER_FLAG_CONV_BIAS,
@@ -29,7 +29,7 @@ from ..drafts import Drafts, draft_shape
 from .call import DecodeLayerCall, _parts
 from . import checks, decode
 from .checks import fail
-from .decode import _ALIGN, _aliases_at, _aligned_down, _as_4d, _check_base, _check_rows, _extent, _stride
+from .decode import _ALIGN, _alias_bounds, _as_4d, _check_base, _check_rows, _extent, _stride
 
 CONV_LAYOUTS = ("dim", "token")
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
@@ -164,7 +164,8 @@ def validate(call: DecodeLayerCall):
     ]
     for a, (name, t) in enumerate(written):
         for other, u in read + written[a + 1 :]:
-            if _aliases_at(t.data_ptr(), _extent(t), u.data_ptr(), _extent(u)):
+            lo, hi = _alias_bounds(_extent(t), _extent(u))
+            if lo < u.data_ptr() - t.data_ptr() < hi:
                 fail(f"{name} must not alias {other}")
     checks.check_device(device)
     return checked, views, z, eps
@@ -317,10 +318,20 @@ class _LayerPlan:
         if self.has_drafts:
             self.written += ("draft_records", "draft_marks")
         # The address rules read extents the signature fixes: decode's tensors, and these.
-        self.extents = {name: _extent(t) for name, t in _addressed(call, views)}
+        extents = {name: _extent(t) for name, t in _addressed(call, views)}
         for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", pool)):
-            self.extents[name] = _extent(t)
-        self.out_extent = None if out is None else _extent(out)
+            extents[name] = _extent(t)
+        if out is not None:
+            extents["out"] = _extent(out)
+        # The address rules as bounds (``decode._alias_bounds``), fixed by the signature: each
+        # tensor the call writes against every other one it addresses.
+        written = [name for name in ("out", *self.written) if name in extents]
+        others = [name for name in extents if name not in written]
+        self.alias_rules = [
+            (w, o, *_alias_bounds(extents[w], extents[o]))
+            for i, w in enumerate(written)
+            for o in others + written[i + 1 :]
+        ]
 
     def run(self, call: DecodeLayerCall):
         step, x = call.step, call.step.inputs
@@ -347,21 +358,18 @@ class _LayerPlan:
             _ALIGN - 1
         ):
             validate(call)  # names the misaligned argument
-        written = [("out", op, self.out_extent)] if out is not None else []
-        written += [(name, addresses[name], self.extents[name]) for name in self.written]
-        read = [(n, a, self.extents[n]) for n, a in addresses.items() if n not in self.written]
-        for i, (name, at, extent) in enumerate(written):
-            for other, bt, other_extent in read + written[i + 1 :]:
-                if _aliases_at(at, extent, bt, other_extent):
-                    fail(f"{name} must not alias {other}")
+        addresses["out"] = op
+        for name, other, lo, hi in self.alias_rules:
+            if lo < addresses[other] - addresses[name] < hi:
+                fail(f"{name} must not alias {other}")
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
             op = out.data_ptr()
         result = out.flatten(0, 1) if self.flat else out
         if self.num_seqs == 0:
             return result
-        beta_base, beta_offset = _aligned_down(x.beta)
-        index_base, index_offset = _aligned_down(step.state_indices)
+        beta_base, beta_offset = _aligned_down(addresses["beta"], x.beta)
+        index_base, index_offset = _aligned_down(step.state_indices.data_ptr(), step.state_indices)
         values = dict(addresses)
         if not self.has_bias:  # never read without LAYER_FLAG_CONV_BIAS
             values.update({f"conv_bias_{s}": addresses[f"conv_weight_{s}"] for s in _STREAMS})
@@ -380,8 +388,14 @@ class _LayerPlan:
             lower_bound=lower_bound,
             norm_eps=eps,
         )
-        self.template.launch(values, decode._current_stream(self.device))
+        self.template.launch(values, raw_stream(self.device))
         return result
+
+
+def _aligned_down(address: int, t) -> tuple[int, int]:
+    """(the 16-byte aligned address at or below ``address``, ``t``'s element offset from it)."""
+    skew = address & (_ALIGN - 1)
+    return address - skew, skew // t.element_size()
 
 
 def decode_layer(q, k, v, g, beta, **options):

@@ -25,6 +25,7 @@ from ..layout import (
     SEGMENT_FIELDS,
     D,
 )
+from ..runtime.loader import raw_stream as _raw_stream
 from ..specs import (
     WORKSPACE_POINTERS,
     K1Spec,
@@ -126,15 +127,6 @@ def _checkpoint_values(checkpoints: CheckpointPlan, state_layout: str) -> dict:
         "checkpoint_stride_v": stride_v,
     }
 
-
-def _raw_stream(device) -> int:
-    """The current stream of ``device`` as a raw ``cudaStream_t`` (without building a Stream)."""
-    return _current_raw_stream(device.index)
-
-
-_current_raw_stream = getattr(
-    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
-)
 
 _WORKSPACES = tuple(p.name for p in WORKSPACE_POINTERS)
 # Every launch after K1 is a programmatic dependent of the one before it (K1 → K2, or K1 →

@@ -17,14 +17,17 @@ class ParamPacker:
         self.kernel_name = kernel_name
         self.records = records
         fmt, cursor = "<", 0
+        self.codes = []  # each parameter's struct format code
         for r in records:
             if r["offset"] < cursor:
                 raise ValueError(f"{kernel_name}: parameter '{r['name']}' overlaps its predecessor")
             fmt += "x" * (r["offset"] - cursor)
             if r["kind"] == "tma_descriptor":
-                fmt += f"{r['size']}s"
+                code = f"{r['size']}s"
             else:
-                fmt += "Q" if r["kind"] == "pointer" else _SCALAR_CODES[r["dtype"]]
+                code = "Q" if r["kind"] == "pointer" else _SCALAR_CODES[r["dtype"]]
+            self.codes.append(code)
+            fmt += code
             cursor = r["offset"] + r["size"]
         # Trailing bytes up to the cubin's parameter block size stay zero.
         fmt += "x" * max(0, (param_bytes or cursor) - cursor)

@@ -8,6 +8,7 @@ once per call).
 
 import ctypes
 import operator
+import struct
 import threading
 
 import torch
@@ -16,7 +17,7 @@ from cuda.bindings import driver as cu
 from .abi import ParamPacker
 from .driver import CudaError, check
 from .manifest import ArtifactError, Manifest
-from .tma import TMA_DESCRIPTOR_BYTES, DescriptorCache
+from .tma import DescriptorCache
 
 _SMEM_DEFAULT_LIMIT = 48 * 1024
 _CONFIG_LIMIT = 64  # cached dependent-launch configs per kernel and thread (one per grid, stream)
@@ -26,6 +27,16 @@ _ARCH_BY_CAPABILITY = {(9, 0): "sm_90a"}
 def device_arch(device: torch.device) -> str:
     capability = torch.cuda.get_device_capability(device)
     return _ARCH_BY_CAPABILITY.get(capability, f"sm_{capability[0]}{capability[1]}")
+
+
+def raw_stream(device: torch.device) -> int:
+    """The current stream of ``device`` as a raw ``cudaStream_t`` (without building a Stream)."""
+    return _current_raw_stream(device.index)
+
+
+_current_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
+)
 
 
 class LoadedKernel:
@@ -168,8 +179,8 @@ class LaunchTemplate:
     """A launch of one kernel whose parameters are fixed except its ``per_call`` ones (those the
     manifest records as per call: ``launch`` takes them by name from a call's values): the
     grid, the packing order, the static values (checked once) and the TMA descriptor shapes are
-    worked out at construction, so a call only fills the per-call slots, packs and launches
-    (the serving fast path).  ``smem_bytes``: this launch's dynamic shared memory where it depends
+    worked out at construction, so a call only packs its per-call values and launches (the
+    serving fast path).  ``smem_bytes``: this launch's dynamic shared memory where it depends
     on a static value (``LoadedKernel.launch``; None: the built size)."""
 
     def __init__(self, kernel: LoadedKernel, static: dict, dependent: bool = False, smem_bytes: int | None = None):
@@ -179,60 +190,68 @@ class LaunchTemplate:
         self.dependent = dependent
         self.smem_bytes = smem_bytes
         self.grid = kernel.grid(static)
-        names = kernel.packer.names
-        dynamic = self.per_call = kernel.per_call
-        dynamic_index = {name: i for i, name in enumerate(dynamic)}
-        aligns = kernel.packer.pointer_aligns
-        # Static values as given; per-call ones as placeholders of their kind (an aligned
-        # address, 0, an empty descriptor), so packing once checks every static value.
-        values = {
-            n: aligns.get(n, 0) if n in dynamic_index else static[n] for n in names if n in static or n in dynamic_index
-        }
-        # Descriptors: shapes from the static values, the address (a dynamic source) per call.
-        self._descriptors = []
-        for name, source, cache in kernel.descriptors:
-            values[name] = bytes(TMA_DESCRIPTOR_BYTES)
-            self._descriptors.append((names.index(name), dynamic_index[source], cache.resolved(static)))
-        kernel.packer.pack(values)
-        self._values = [values[n] for n in names]
-        # Dynamic parameters as runs (ABI position, dynamic index, length) filled by slices.
-        pairs = sorted((names.index(n), i) for n, i in dynamic_index.items() if n in names)
-        self._runs = []
-        for at, i in pairs:
-            if (
-                self._runs
-                and self._runs[-1][0] + self._runs[-1][2] == at
-                and self._runs[-1][1] + self._runs[-1][2] == i
-            ):
-                self._runs[-1][2] += 1
-            else:
-                self._runs.append([at, i, 1])
-        self._runs = [(at, i, i + n, at + n) for at, i, n in self._runs]
-        self._pointer_checks = [(i, n, aligns[n]) for n, i in dynamic_index.items() if n in aligns]
-        self._struct = kernel.packer.struct
+        self._empty = min(self.grid) <= 0
+        packer = kernel.packer
+        self.per_call = kernel.per_call
+        # Static values as given, per-call ones as zeros of their kind (a descriptor: zero
+        # bytes): packing once checks every static value, and leaves the per-call bytes zero.
+        values = {}
+        dynamic_format, cursor, at = "<", 0, 0
+        self._descriptors = []  # (index in ``per_call``, encoder of the descriptor from its base address)
+        self._pointers = []  # (index in ``per_call``, name, alignment)
+        pointer_bits = 0
+        for r, code in zip(packer.records, packer.codes):
+            name, kind, size = r["name"], r["kind"], r["size"]
+            dynamic_format += "x" * (r["offset"] - cursor)
+            cursor = r["offset"] + size
+            if not r["per_call"]:
+                if name in static:  # a missing one: ``pack`` names it
+                    values[name] = static[name]
+                dynamic_format += f"{size}x"
+                continue
+            dynamic_format += code
+            values[name] = bytes(size) if kind == "tma_descriptor" else 0
+            if kind == "tma_descriptor":
+                cache = next(c for n, _source, c in kernel.descriptors if n == name)
+                self._descriptors.append((at, cache.resolved(static)))
+            elif kind == "pointer":
+                self._pointers.append((at, name, r["address_align"]))
+                pointer_bits |= (r["address_align"] - 1) << (8 * r["offset"])
+            at += 1
+        dynamic_format += "x" * (packer.size - cursor)
+        # The buffer is the static bytes OR the per-call ones (each zero where the other is set):
+        # one struct.pack of the per-call values a call, and their pointers' alignment in one test.
+        self._static_bits = int.from_bytes(packer.pack(values), "little")
+        self._dynamic = struct.Struct(dynamic_format)
+        self._pointer_bits = pointer_bits
+        self._size = packer.size
         # A call's per-call values in ``per_call`` order, in one C call (a tuple even for one name).
-        take = operator.itemgetter(*dynamic)
-        self._take = take if len(dynamic) > 1 else (lambda call: (take(call),))
+        take = operator.itemgetter(*self.per_call)
+        self._take = take if len(self.per_call) > 1 else (lambda call: (take(call),))
 
     def launch(self, call: dict, stream: int) -> None:
         """Launch with the per-call values taken by name from ``call`` (it may hold more)."""
-        dynamic = self._take(call)
-        for i, name, align in self._pointer_checks:
-            if dynamic[i] % align:
-                raise ValueError(
-                    f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
-                    "pass tensors whose storage starts on a 16-byte boundary"
-                )
-        if min(self.grid) <= 0:
+        self.launch_values(self._take(call), stream)
+
+    def launch_values(self, dynamic, stream: int) -> None:
+        """Launch with the per-call values in ``per_call`` order (a descriptor's by its base address)."""
+        descriptors = self._descriptors
+        if descriptors:
+            dynamic = list(dynamic)
+            for at, encode in descriptors:
+                dynamic[at] = encode(dynamic[at])
+        bits = int.from_bytes(self._dynamic.pack(*dynamic), "little")
+        if bits & self._pointer_bits:
+            for at, name, align in self._pointers:
+                if dynamic[at] % align:
+                    raise ValueError(
+                        f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
+                        "pass tensors whose storage starts on a 16-byte boundary"
+                    )
+        if self._empty:
             return
-        values = self._values.copy()
-        for at, first, stop, end in self._runs:
-            values[at:end] = dynamic[first:stop]
-        for at, i, encode in self._descriptors:
-            values[at] = encode(dynamic[i])
-        self.kernel.launch_packed(
-            self._struct.pack(*values), self.grid, stream, smem_bytes=self.smem_bytes, dependent=self.dependent
-        )
+        packed = (bits | self._static_bits).to_bytes(self._size, "little")
+        self.kernel.launch_packed(packed, self.grid, stream, self.smem_bytes, self.dependent)
 
 
 class KernelLoader:
@@ -328,4 +347,5 @@ __all__ = [
     "check",
     "default_loader",
     "device_arch",
+    "raw_stream",
 ]

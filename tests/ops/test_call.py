@@ -37,6 +37,10 @@ def test_option_tables_are_the_public_signatures():
         for name, default in _keyword_defaults(api.kda_decode_layer).items()
     }
     assert layer_defaults == LAYER_OPTIONS
+    # kda_decode hands its arguments to DecodeCall.bind by position: the same names in its order.
+    bind = list(inspect.signature(DecodeCall.bind).parameters)
+    assert bind == [*inspect.signature(api.kda_decode).parameters, "variant"]
+    assert list(call_module._DECODE_ORDER) == bind[:-1]
     # fwd: the same names (FlashKDA's positional ones first); serial by default.
     fwd = inspect.signature(api.fwd).parameters
     assert set(fwd) - {"q", "k", "v", "g", "beta"} <= set(PREFILL_OPTIONS)

@@ -33,8 +33,9 @@ def launches(monkeypatch):
     loader = FakeLoader()
     monkeypatch.setattr(decode, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
-    monkeypatch.setattr(decode, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(decode, "_raw_stream", lambda device: 0)
     monkeypatch.setattr(decode, "_PLANS", {})
+    monkeypatch.setattr(decode, "_last", (None, None))
     return recorded
 
 
@@ -116,3 +117,79 @@ def test_the_cached_path_still_checks_what_the_addresses_decide(launches):
     with pytest.raises(KDAInputError, match="out must start on a 16-byte"):
         _call({**args, "out": shifted})
     assert len(launches) == 2  # nothing refused was launched
+
+
+def _carve(storage, at, shape, dtype):
+    """A contiguous ``dtype`` tensor of ``shape`` starting ``at`` bytes into ``storage`` (a uint8 buffer)."""
+    size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return storage[at : at + size].view(dtype).view(shape)
+
+
+def test_a_cached_plan_checks_each_calls_out_against_every_input(launches):
+    """The aliasing rule at every call of a cached signature: out (dense) intersecting the pool
+    at its first or last byte is refused, out ending where the pool starts or starting where it
+    ends is not; out over the projection q, k, v and g are cut from is refused.  Every call here has the
+    layouts of the first, so only the cached plan sees them."""
+    pool_bytes, out_bytes = (N + 2) * H * D * D * 4, N * T * H * D * 2
+    args = _args(seed=5, out=torch.empty(N, T, H, D, dtype=torch.bfloat16))
+    _call(args)
+    storage = torch.zeros(out_bytes + pool_bytes + out_bytes + 64, dtype=torch.uint8)
+    base = (-storage.data_ptr()) % 16 + out_bytes + 16  # pool 16-byte aligned, with room before it
+    pool = _carve(storage, base, (N + 2, H, D, D), torch.float32)
+    cases = [
+        (base - out_bytes, None),  # ends where the pool starts
+        (base + pool_bytes, None),  # starts where the pool ends
+        (base - out_bytes + 16, "state_pool"),  # its last 16 bytes are the pool's first
+        (base + pool_bytes - 16, "state_pool"),  # starts on the pool's last 16 bytes
+        (base + 4096, "state_pool"),  # inside
+    ]
+    for at, alias in cases:
+        call = {**args, "state_pool": pool, "out": _carve(storage, at, (N, T, H, D), torch.bfloat16)}
+        if alias is None:
+            _call(call)
+        else:
+            with pytest.raises(KDAInputError, match=f"out must not alias {alias}"):
+                _call(call)
+    # k, v and g start inside q's extent (one fused projection): the rule names q for each.
+    for name in ("q", "k", "v", "g"):
+        over = torch.as_strided(args[name], (N, T, H, D), args["out"].stride())
+        with pytest.raises(KDAInputError, match="out must not alias q"):
+            _call({**args, "out": over})
+    assert len(decode._PLANS) == 1 and len(launches) == 3
+
+
+def test_a_strided_out_aliases_a_strided_input_only_on_its_first_element(launches):
+    """Two interleaved views (neither dense) alias only where they start together, on the cached
+    path as in validation: out as the q columns of another fused projection passes; the same
+    layout over g's columns is refused."""
+    other = _args(seed=6)
+    args = _args(seed=7, out=other["q"])
+    _call(args)
+    with pytest.raises(KDAInputError, match="out must not alias g"):
+        _call({**args, "out": torch.as_strided(args["g"], args["out"].shape, args["out"].stride())})
+    assert len(decode._PLANS) == 1 and len(launches) == 1
+
+
+def test_a_signature_seen_before_the_last_one_is_still_checked(launches, monkeypatch):
+    """Two signatures alternating (the last one found is compared first): each call is checked
+    against its own plan's rules, and each plan is validated once."""
+    validations = []
+    real = decode.validate
+    monkeypatch.setattr(decode, "validate", lambda call: validations.append(1) or real(call))
+    small = _args(seed=8, out=torch.empty(N, T, H, D, dtype=torch.bfloat16))
+    large = {**small, "state_pool": torch.zeros(N + 5, H, D, D)}
+    for a in (small, large, small, large):
+        _call(a)
+    assert len(validations) == 2 and len(decode._PLANS) == 2
+    for a in (small, large):
+        pool = a["state_pool"]
+        inside = torch.as_strided(pool.view(torch.bfloat16), (N, T, H, D), a["out"].stride(), D * D * H * 2)
+        with pytest.raises(KDAInputError, match="out must not alias state_pool"):
+            _call({**a, "out": inside})
+    assert len(launches) == 4 and len(validations) == 2
+
+
+def test_the_plan_supplies_the_per_call_parameters_in_the_specs_order():
+    from cula_aot.specs import DECODE_PARAMS
+
+    assert decode._PER_CALL == tuple(p.name for p in DECODE_PARAMS if p.per_call)

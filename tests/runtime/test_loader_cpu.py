@@ -348,3 +348,29 @@ def test_a_cached_template_takes_declared_per_call_integers_per_call(monkeypatch
     template.launch({"x": 0x2000, "offset": -4, "scale": 2.0, "length": 99}, stream=0)
     assert [unpacked(b) for b in launched] == [(0x1000, 7, 3, 0.5), (0x2000, 7, -4, 2.0)]
     assert template.grid == (1, 2, 1)
+
+
+def test_a_template_packs_what_the_packer_packs_and_refuses_a_misaligned_pointer(monkeypatch):
+    """The template's buffer (static bytes OR per-call bytes) is the packer's for the same values,
+    and a per-call pointer off its alignment is refused before anything launches."""
+    from cula_aot.specs import pointer, scalar
+
+    params = (
+        pointer("x", "f32"),
+        scalar("length", "i32"),
+        pointer("y", "f32"),
+        scalar("offset", "i32", per_call=True),
+        scalar("scale", "f32", per_call=True),
+    )
+    kernel = LoadedKernel("fake", _fake_record(params), function=None)
+    launched = []
+    monkeypatch.setattr(
+        kernel, "launch_packed", lambda packed, grid, stream, smem_bytes=None, dependent=False: launched.append(packed)
+    )
+    template = kernel.template({"heads": 2, "length": -7})
+    values = {"x": 0xFFFF_FFFF_FFF0, "y": 0x10, "offset": -1, "scale": -0.5, "length": -7}
+    template.launch(values, stream=0)
+    assert launched == [kernel.packer.pack(values)]
+    with pytest.raises(ValueError, match="pointer 'y' is not 16-byte aligned"):
+        template.launch({**values, "y": 0x18}, stream=0)
+    assert len(launched) == 1
