@@ -8,8 +8,9 @@ GPU the same launches, so a host-side refactor can be checked without a GPU:
     python benchmarks/record_launches.py . /tmp/head.json && cmp /tmp/base.json /tmp/head.json
 
 ``--host-us`` times the Python part of eager calls instead (launches stubbed, median of 15
-bursts of 500): a cached pool prefill (H12 1×2048) and decode steps (N32 H12, T1 on an fp32
-pool and T4 on a bf16 one), e.g. a tree beside its base on one machine.
+bursts of 500): a cached pool prefill (H12 1×2048), decode steps (N32 H12, T1 on an fp32 pool
+and T4 on a bf16 one) and fused layer steps (N32 H12, T1, and T4 verifying a draft), e.g. a
+tree beside its base on one machine.
 
 (A tree older than the current manifest schema needs its own build, or CULA_AOT_ARTIFACTS.)  The
 module names patched below include those of earlier trees, so a refactor compares with its base.
@@ -81,6 +82,7 @@ tma._encode = lambda recipe, base, dims, strides, what: struct.pack("<QQQQQQ", b
 for m in [
     "cula_aot.ops.prefill",
     "cula_aot.ops.decode",
+    "cula_aot.ops.decode_layer",
     "cula_aot.ops.prefill_checks",
     "cula_aot.ops.checks",
     "cula_aot.ops.prefill_plans",
@@ -96,8 +98,9 @@ for m in [
     for n in ("_check_device", "check_device"):
         if hasattr(mod, n):
             setattr(mod, n, lambda device: None)
-    if hasattr(mod, "_raw_stream"):
-        mod._raw_stream = lambda device: 0
+    for n in ("_raw_stream", "raw_stream"):
+        if hasattr(mod, n):
+            setattr(mod, n, lambda device: 0)
     for n in ("_sm_count", "sm_count"):
         if hasattr(mod, n):
             setattr(mod, n, lambda device: 132)
@@ -243,6 +246,31 @@ def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat
     return lambda: cula_aot.kda_decode(q, k, v, g, beta, **kw)
 
 
+def layer_case(N, T, H, bf16=False, speculative=False, verify=False):
+    """The fused decode layer on packed conv weights and a dim-major conv-state pool."""
+    x = standard_inputs(N, T, H, seed=3)
+    q, k, v, g, beta = (x.pop(n) for n in ("q", "k", "v", "g", "beta"))
+    C = H * 128
+    pool = torch.zeros(N + 2, H, 128, 128, dtype=torch.bfloat16 if bf16 else torch.float32)
+    conv_state = torch.zeros(N + 2, 3 * C, 3, dtype=torch.bfloat16)
+    weight = torch.zeros(3 * C, 4, dtype=torch.bfloat16)
+    z = torch.zeros_like(v)
+    norm = torch.ones(128, dtype=torch.bfloat16)
+    idx = torch.tensor([(i + 1) % (N + 2) for i in range(N)], dtype=torch.int32)
+    out = torch.empty_like(v)
+    TENSORS.clear()
+    TENSORS.update(q=q, k=k, v=v, g=g, beta=beta, A_log=x.get("A_log"), dt_bias=x.get("dt_bias"))
+    TENSORS.update(pool=pool, idx=idx, out=out, conv_state=conv_state, weight=weight, z=z, norm=norm)
+    kw = dict(x, state_pool=pool, state_indices=idx, out=out, conv_weight=weight, conv_state=conv_state)
+    kw.update(out_gate=z, norm_weight=norm)
+    if speculative:
+        drafts = cula_aot.draft_buffers(N + 2, H)
+        accepted = torch.zeros(N, dtype=torch.int32)
+        TENSORS.update(records=drafts.records, marks=drafts.marks, accepted=accepted)
+        kw.update(drafts=drafts, num_accepted=accepted, verify=verify)
+    return lambda: cula_aot.kda_decode_layer(q, k, v, g, beta, **kw)
+
+
 def k1_case(lengths, gate, conventions):
     x = standard_inputs(1, sum(lengths), 4, seed=2, gate=gate)
     q, k, g, beta = (x.pop(n) for n in ("q", "k", "g", "beta"))
@@ -279,6 +307,9 @@ def run_cases():
     case("decode T3 kv inter status", decode_case(4, 3, 4, layout="kv", inter=True, status=True))
     case("decode softplus flat", decode_case(6, 2, 8, gate="softplus", flat=True))
     case("decode precomputed H96", decode_case(64, 1, 96, gate="precomputed"))
+    if hasattr(cula_aot, "kda_decode_layer"):
+        case("layer T1 fp32", layer_case(32, 1, 12))
+        case("layer T4 bf16 verify", layer_case(8, 4, 12, bf16=True, speculative=True, verify=True))
 
 
 def host_us(fn) -> float:
@@ -299,6 +330,14 @@ if HOST_US:
         ("prefill pool H12 1x2048 (cached plan)", lambda: prefill_case(1, 2048, 12, pool_dtype=torch.float32)),
         ("decode N32 H12 T1", lambda: decode_case(32, 1, 12)),
         ("decode N32 H12 T4 bf16 pool", lambda: decode_case(32, 4, 12, bf16=True)),
+        *(
+            [
+                ("layer N32 H12 T1", lambda: layer_case(32, 1, 12)),
+                ("layer N32 H12 T4 verify", lambda: layer_case(32, 4, 12, speculative=True, verify=True)),
+            ]
+            if hasattr(cula_aot, "kda_decode_layer")
+            else []
+        ),
     ):
         print(f"{name}: {host_us(make()):.1f} us")
 else:

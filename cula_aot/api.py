@@ -299,4 +299,34 @@ def kda_decode_layer(
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""
-    return decode_layer.run(DecodeLayerCall.of(locals()))
+    call = DecodeLayerCall.bind(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        conv_weight,
+        conv_state,
+        out_gate,
+        norm_weight,
+        conv_bias,
+        conv_layout,
+        norm_eps,
+        A_log,
+        dt_bias,
+        lower_bound,
+        gate,
+        scale,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        status,
+        beta_sigmoid,
+        qk_l2norm,
+        drafts,
+        num_accepted,
+        verify,
+    )
+    return decode_layer.run(call)

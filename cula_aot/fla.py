@@ -18,19 +18,24 @@
   with gradients on.  ``FLA_CULA_AOT=0`` switches it off; priority 2 (fla tries lower first:
   FlashKDA's is 3).
 
-fla is imported only by ``register_backend``; the rest needs torch alone.
+* ``fuse_decode_layers(model)``: every ``KimiDeltaAttention`` layer of ``model`` runs its decode
+  steps (1..8 tokens per sequence on its state cache, inference) as one ``kda_decode_layer``
+  launch from the projections' outputs: the conv caches, the recurrent state and the gated
+  norm as fla's own decode path computes them; any other call goes to fla's forward.
+
+fla is imported only by ``register_backend`` and ``fuse_decode_layers``; the rest needs torch alone.
 """
 
 import inspect
 
 import torch
 
-from .api import kda_prefill
+from .api import kda_decode_layer, kda_prefill
 from .constants import device_constant
 from .errors import KDAInputError
 from .gates import fla_gate, fla_gate_problem
 
-__all__ = ["chunk_kda", "fused_recurrent_kda", "unsupported", "register_backend"]
+__all__ = ["chunk_kda", "fuse_decode_layers", "fused_recurrent_kda", "register_backend", "unsupported"]
 
 BACKEND_ENV_VAR = "FLA_CULA_AOT"
 BACKEND_PRIORITY = 2
@@ -306,3 +311,92 @@ def register_backend() -> None:
 
     register(fla_chunk_kda)(CulaAotChunkBackend)
     register("kda")(CulaAotRecurrentBackend)
+
+
+def fuse_decode_layers(model) -> int:
+    """Route the decode steps of every fla ``KimiDeltaAttention`` in ``model`` (a layer or any
+    module holding some) through ``kda_decode_layer``; returns how many layers were hooked.  A step
+    is fused when it runs without gradients on a Hopper GPU with the layer's cache in place (its
+    ``[B, C, 4]`` conv caches, of which the kernel keeps the last three taps, fla's only live
+    ones, and its ``[B, H, V, K]`` recurrent state, both updated in place), 1..8 tokens per
+    sequence, no ``cu_seqlens`` and every sequence's new tokens valid under ``attention_mask``
+    (a host read of its last columns, as fla's own unpadding makes), a short convolution of
+    width 4 and one value head per key head of 128; otherwise fla's forward runs."""
+    from fla.layers.kda import KimiDeltaAttention
+
+    hooked = 0
+    for layer in model.modules() if hasattr(model, "modules") else [model]:
+        if isinstance(layer, KimiDeltaAttention) and not getattr(layer, "_cula_aot_decode", False):
+            layer.forward = _fused_decode_forward(layer, layer.forward)
+            layer._cula_aot_decode = True
+            hooked += 1
+    return hooked
+
+
+def _fused_decode_forward(layer, fla_forward):
+    def forward(hidden_states, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
+        o = _fused_decode(layer, hidden_states, attention_mask, past_key_values, use_cache, kwargs)
+        if o is None:
+            return fla_forward(
+                hidden_states,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **kwargs,
+            )
+        return o, None, past_key_values
+
+    return forward
+
+
+def _fused_decode(layer, hidden_states, attention_mask, past_key_values, use_cache, kwargs):
+    """The layer's output for a decode step it can fuse (``fuse_decode_layers``), else None."""
+    from fla.layers.utils import get_layer_cache, update_layer_cache
+
+    if torch.is_grad_enabled() or layer.training or not use_cache or kwargs.get("cu_seqlens") is not None:
+        return None
+    batch, tokens, _ = hidden_states.shape
+    heads, dim = layer.num_heads, layer.head_dim
+    shape_ok = (
+        layer.use_short_conv
+        and layer.conv_size == 4
+        and layer.num_v_heads == heads
+        and dim == layer.head_v_dim == 128
+        and not layer.allow_neg_eigval
+        and layer.o_norm.activation == "sigmoid"
+        and layer.o_norm.weight is not None
+    )
+    if not (shape_ok and 1 <= tokens <= 8 and hidden_states.is_cuda and hidden_states.dtype == torch.bfloat16):
+        return None
+    if torch.cuda.get_device_capability(hidden_states.device) != (9, 0):
+        return None
+    last = get_layer_cache(layer, past_key_values)
+    if last is None or last.get("recurrent_state") is None or last.get("conv_state") is None:
+        return None
+    if attention_mask is not None and not bool(attention_mask[:, -tokens:].all()):
+        return None
+    state, caches = last["recurrent_state"], last["conv_state"]
+    gate = fla_gate(True, layer.safe_gate, layer.lower_bound, layer.A_log, layer.dt_bias, heads, hidden_states.device)
+
+    def heads_of(x):
+        return x.unflatten(-1, (heads, dim))
+
+    convs = (layer.q_conv1d, layer.k_conv1d, layer.v_conv1d)
+    o = kda_decode_layer(
+        heads_of(layer.q_proj(hidden_states)),
+        heads_of(layer.k_proj(hidden_states)),
+        heads_of(layer.v_proj(hidden_states)),
+        heads_of(layer.f_proj(hidden_states)),
+        layer.b_proj(hidden_states),
+        conv_weight=tuple(c.weight for c in convs),
+        conv_bias=tuple(c.bias for c in convs) if layer.conv_bias else None,
+        conv_state=tuple(cache[..., 1:] for cache in caches),
+        out_gate=heads_of(layer.g_proj(hidden_states)),
+        norm_weight=layer.o_norm.weight,
+        norm_eps=layer.o_norm.eps,
+        state_pool=state,
+        state_indices=_identity_slots(batch, hidden_states.device),
+        **gate,
+    )
+    update_layer_cache(layer, past_key_values, recurrent_state=state, conv_state=caches, offset=tokens)
+    return layer.o_proj(o.flatten(-2))

@@ -51,6 +51,7 @@ PUBLIC = (
     "cula_aot.fla.chunk_kda",
     "cula_aot.fla.fused_recurrent_kda",
     "cula_aot.fla.unsupported",
+    "cula_aot.fla.fuse_decode_layers",
     "cula_aot.fla.register_backend",
     "cula_aot.distributed.kda_prefill_cp",
 )

@@ -91,8 +91,11 @@ def _run(model, ids, mask, forced=None):
     return prefill, torch.stack(tokens), torch.stack(logits)
 
 
+@pytest.mark.parametrize("fused_decode", [False, True])
 @pytest.mark.parametrize("gate", ["softplus", "safe"])
-def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
+def test_fla_kda_model_on_cula_aot(gate, fused_decode, monkeypatch):
+    """``fused_decode``: our run's decode steps go through ``cula_aot.fla.fuse_decode_layers``
+    (one ``kda_decode_layer`` launch per layer and step) instead of fla's layer on our backend."""
     cula_fla.register_backend()
     seed = int.from_bytes(os.urandom(4), "little")
     model = _model(gate, seed)
@@ -102,6 +105,8 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
         fla_prefill, fla_tokens, fla_logits = _run(model, ids, mask)
         fla_recurrent = _recurrent_prefill_logits(model, ids, mask)
         monkeypatch.setenv(cula_fla.BACKEND_ENV_VAR, "1")
+        if fused_decode:
+            assert cula_fla.fuse_decode_layers(model) == 2
         ours_prefill, _, ours_logits = _run(model, ids, mask, forced=fla_tokens)
     valid = mask.bool()
     err = reference.rel_rmse(ours_prefill[valid], fla_prefill[valid])
@@ -116,7 +121,7 @@ def test_fla_kda_model_on_cula_aot(gate, monkeypatch):
     noise = (ours_steps - fla_steps).abs().amax(-1)
     differing = ours_next != fla_tokens
     print(
-        f"KDAForCausalLM {gate} (seed {seed}): prefill logits rel-RMSE {err:.2e} (fla's fused_recurrent "
+        f"KDAForCausalLM {gate} fused_decode={fused_decode} (seed {seed}): prefill logits rel-RMSE {err:.2e} (fla's fused_recurrent "
         f"against its chunk: {floor:.2e}), greedy agreement {agree:.4f} over {ours_next.numel()} steps, "
         f"decode logits rel-RMSE {reference.rel_rmse(ours_logits, fla_logits):.2e}"
     )

@@ -342,14 +342,14 @@ _DECODE_ORDER = ("q", "k", "v", "g", "beta", *DECODE_OPTIONS)
 # ``kda_decode_layer``'s keyword arguments beyond ``kda_decode``'s (less ``intermediate_states``:
 # the layer's speculative form keeps records, not states), likewise.
 LAYER_OPTIONS = {
-    **{name: value for name, value in DECODE_OPTIONS.items() if name != "intermediate_states"},
     "conv_weight": REQUIRED,
     "conv_state": REQUIRED,
-    "conv_bias": None,
-    "conv_layout": "dim",
     "out_gate": REQUIRED,
     "norm_weight": REQUIRED,
+    "conv_bias": None,
+    "conv_layout": "dim",
     "norm_eps": 1e-5,
+    **{name: value for name, value in DECODE_OPTIONS.items() if name != "intermediate_states"},
     "drafts": None,
     "num_accepted": None,
     "verify": False,
@@ -399,28 +399,94 @@ class DecodeLayerCall(NamedTuple):
     def of(cls, arguments: dict) -> "DecodeLayerCall":
         """From ``kda_decode_layer``'s arguments by name."""
         o = _LAYER_ARGUMENTS(arguments)
-        step = DecodeCall(
-            Inputs.of(o),
-            o["state_pool"],
-            o["state_indices"],
-            o["out"],
-            o["num_tokens"],
-            o["state_layout"],
-            None,
-            o["status"],
-            o.get("variant"),
+        return cls.bind(*[o[name] for name in _LAYER_ORDER], o.get("variant"))
+
+    @classmethod
+    def bind(
+        cls,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        conv_weight,
+        conv_state,
+        out_gate,
+        norm_weight,
+        conv_bias,
+        conv_layout,
+        norm_eps,
+        A_log,
+        dt_bias,
+        lower_bound,
+        gate,
+        scale,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        status,
+        beta_sigmoid,
+        qk_l2norm,
+        drafts,
+        num_accepted,
+        verify,
+        variant=None,
+    ) -> "DecodeLayerCall":
+        """The call of ``kda_decode_layer``'s arguments by position, in its order (it binds them
+        itself: see ``DecodeCall.bind``)."""
+        inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
+        step = _new(
+            DecodeCall, (inputs, state_pool, state_indices, out, num_tokens, state_layout, None, status, variant)
         )
-        conv = ShortConv(o["conv_weight"], o["conv_bias"], o["conv_state"], o["conv_layout"])
-        norm = OutputNorm(o["out_gate"], o["norm_weight"], o["norm_eps"])
-        return cls(step, conv, norm, Speculation(o["drafts"], o["num_accepted"], o["verify"]))
+        return _new(
+            cls,
+            (
+                step,
+                _new(ShortConv, (conv_weight, conv_bias, conv_state, conv_layout)),
+                _new(OutputNorm, (out_gate, norm_weight, norm_eps)),
+                _new(Speculation, (drafts, num_accepted, verify)),
+            ),
+        )
 
     def signature(self) -> tuple:
-        """The layer plan cache's key: the step's, the convolutions' and the norm's tensors'
-        layouts and the options a plan fixes."""
-        c, n, s = self.conv, self.norm, self.speculation
-        parts = tuple(_parts(x) for x in (c.weight, c.bias, c.state, s.drafts))
-        layouts = _layouts((*(t for part in parts for t in part), n.gate, n.weight, s.num_accepted))
-        return (self.step.signature(), tuple(map(len, parts)), layouts, c.layout, s.verify)
+        """The layer plan cache's key: the step's (``DecodeCall.signature``), and the layouts of the
+        convolutions' and the norm's tensors and of the speculative ones (a packed argument as one
+        tensor, a (q, k, v) tuple as three), and the options a plan fixes."""
+        step, (weight, bias, state, layout), (z, w, _), (drafts, accepted, verify) = self
+        return (
+            step.signature(),
+            _layout_of(weight),
+            _layout_of(bias),
+            _layout_of(state),
+            _layout_of(drafts),
+            z.shape,
+            z.stride(),
+            z.dtype,
+            z.get_device(),
+            w.shape,
+            w.stride(),
+            w.dtype,
+            w.get_device(),
+            _layout_of(accepted),
+            layout,
+            verify,
+        )
+
+
+# ``kda_decode_layer``'s arguments in ``DecodeLayerCall.bind``'s order.
+_LAYER_ORDER = ("q", "k", "v", "g", "beta", *LAYER_OPTIONS)
+
+
+def _layout_of(x):
+    """A tensor's layout (shape, strides, dtype, device index), a tuple of tensors' (one each), or
+    None."""
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.shape, x.stride(), x.dtype, x.get_device()
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device()) for t in x])
 
 
 def _parts(x) -> tuple:

@@ -13,6 +13,7 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader, raw_stream
+from ..runtime.manifest import ArtifactError
 from ..specs import (
     CONV_WIDTH,
     LAYER_FLAG_CONV_BIAS,
@@ -191,6 +192,7 @@ def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
     drafts = Drafts(*parts)
     slots = call.step.state_pool.shape[0]
     checks.check_contiguous("drafts.records", drafts.records, torch.float32, draft_shape(slots, heads), device)
+    _check_base("drafts.records", drafts.records)
     checks.check_contiguous("drafts.marks", drafts.marks, torch.int32, (slots,), device)
     if s.num_accepted is None:
         fail("drafts needs num_accepted: int32 [N], how many tokens of each request's pending draft to keep")
@@ -200,13 +202,19 @@ def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
 
 _PLANS: dict = {}  # DecodeLayerCall.signature() → _LayerPlan
 _PLAN_LIMIT = 256
+_last = (None, None)  # the last (signature, plan): a model's layers repeat one signature per step
 
 
 def run(call: DecodeLayerCall):
     """One layer launch on the current stream from the plan of the call's signature."""
+    global _last
     try:
         key = call.signature()
-        plan = _PLANS.get(key)
+        last_key, plan = _last
+        if key != last_key:
+            plan = _PLANS.get(key)
+            if plan is not None:
+                _last = key, plan
     except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
         key = plan = None
     if plan is None:
@@ -215,48 +223,64 @@ def run(call: DecodeLayerCall):
             if len(_PLANS) >= _PLAN_LIMIT:
                 _PLANS.clear()
             _PLANS[key] = plan
+            _last = key, plan
     return plan.run(call)
 
 
-def _addressed(call: DecodeLayerCall, views: ConvViews) -> list:
-    """(name, tensor) of every tensor the kernel addresses but decode's own (``_LayerPlan`` keeps
-    how to find each from the call: its argument, part and offset)."""
-    named = [("out_gate", call.norm.gate), ("norm_weight", call.norm.weight)]
-    named += [(f"conv_state_{s}", t) for s, t in zip(_STREAMS, views.states)]
-    named += [(f"conv_weight_{s}", t) for s, t in zip(_STREAMS, views.weights)]
-    if views.biases is not None:
-        named += [(f"conv_bias_{s}", t) for s, t in zip(_STREAMS, views.biases)]
-    drafts = _parts(call.speculation.drafts)
-    if drafts:
-        named += [("draft_records", drafts[0]), ("draft_marks", drafts[1])]
-        named += [("num_accepted", call.speculation.num_accepted)]
-    return named
+# The kernel's per-call parameters, in the order ``_LayerPlan.run`` supplies them.
+_PER_CALL = (
+    "q",
+    "k",
+    "v",
+    "g",
+    "beta",
+    "a_log",
+    "dt_bias",
+    "state_indices",
+    "state_pool",
+    "out",
+    "status",
+    "out_gate",
+    *(f"conv_{part}_{s}" for part in ("state", "weight", "bias") for s in _STREAMS),
+    "norm_weight",
+    "draft_records",
+    "draft_marks",
+    "num_accepted",
+    "beta_offset",
+    "index_offset",
+    "scale",
+    "lower_bound",
+    "norm_eps",
+)
+_OUT = _PER_CALL.index("out")
+# Addresses the kernel reads element by element (any alignment of their dtype).
+_UNALIGNED = frozenset(("beta", "state_indices", "draft_marks", "num_accepted", *(f"conv_state_{s}" for s in _STREAMS)))
 
 
-def _sources(call: DecodeLayerCall) -> dict:
-    """The argument each addressed tensor is cut from, as its parts (``_parts``)."""
-    c = call.conv
-    return {
-        "out_gate": (call.norm.gate,),
-        "norm_weight": (call.norm.weight,),
-        "conv_state": _parts(c.state),
-        "conv_weight": _parts(c.weight),
-        "conv_bias": _parts(c.bias),
-        "draft_records": _parts(call.speculation.drafts)[:1],
-        "draft_marks": _parts(call.speculation.drafts)[1:],
-        "num_accepted": (call.speculation.num_accepted,),
-    }
+def _three(argument, views) -> tuple:
+    """How a call's (q, k, v) views are found from its argument: (packed, byte offset of each view
+    from the packed tensor's or its own tuple part's first element)."""
+    parts = _parts(argument)
+    if len(parts) == 3:
+        return False, tuple(t.data_ptr() - p.data_ptr() for t, p in zip(views, parts))
+    return True, tuple(t.data_ptr() - parts[0].data_ptr() for t in views)
 
 
-def _source_of(name: str) -> str:
-    return name.rsplit("_", 1)[0] if name.startswith("conv_") else name
+def _three_addresses(argument, recipe) -> tuple:
+    packed, (a, b, c) = recipe
+    if packed:
+        base = argument.data_ptr()
+        return base + a, base + b, base + c
+    return argument[0].data_ptr() + a, argument[1].data_ptr() + b, argument[2].data_ptr() + c
 
 
 class _LayerPlan:
     """One layer call signature's launch, validated once (as ``decode._DecodePlan``).  A call of
-    the signature supplies its addresses: each addressed tensor is found from its argument by the
-    part and byte offset the plan recorded (a packed argument's channel slices), and the call
-    re-checks the 16-byte bases and that nothing it writes aliases what it reads."""
+    the signature supplies its addresses (a packed argument's channel slices at the byte offsets
+    the plan recorded) and scalars; the rules that depend on them (16-byte bases, nothing written
+    aliasing anything else addressed, the scalars' ranges) are checked for each new combination
+    and the combinations that passed are kept, so a serving loop that reuses its buffers pays a
+    dictionary lookup."""
 
     def __init__(self, call: DecodeLayerCall):
         step, x = call.step, call.step.inputs
@@ -276,14 +300,16 @@ class _LayerPlan:
         else:
             out_stride_n, out_stride_t = _stride(out, 0), _stride(out, 1)
         state = views.states[0]
+        speculation = call.speculation
+        self.has_drafts = speculation.drafts is not None
         flags = (
             (LAYER_FLAG_CONV_STATE_F32 if state.dtype == torch.float32 else 0)
             | (LAYER_FLAG_CONV_WEIGHT_F32 if views.weights[0].dtype == torch.float32 else 0)
             | (LAYER_FLAG_CONV_BIAS if views.biases is not None else 0)
             | (LAYER_FLAG_NORM_WEIGHT_F32 if call.norm.weight.dtype == torch.float32 else 0)
             | (LAYER_FLAG_STATUS if step.status is not None else 0)
-            | (LAYER_FLAG_DRAFTS if call.speculation.drafts is not None else 0)
-            | (LAYER_FLAG_VERIFY if call.speculation.verify else 0)
+            | (LAYER_FLAG_DRAFTS if self.has_drafts else 0)
+            | (LAYER_FLAG_VERIFY if speculation.verify else 0)
             | x.conventions
         )
         static = {
@@ -305,91 +331,114 @@ class _LayerPlan:
             static[f"{name}_stride_n"] = _stride(t, 0)
             static[f"{name}_stride_t"] = _stride(t, 1)
         self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
+        if self.template.per_call != _PER_CALL:  # ``run`` passes its values in this order
+            raise ArtifactError(
+                f"{kernel.name} takes the per-call parameters {self.template.per_call}, not the layer's {_PER_CALL}: "
+                "a manifest built from other specs; rebuild with `python build_kernels.py`"
+            )
         self.num_seqs = num_seqs
-        sources = _sources(call)
-        self.recipe = []  # (name, argument, part, byte offset)
-        for name, t in _addressed(call, views):
-            parts = sources[_source_of(name)]
-            part = _STREAMS.index(name[-1]) if len(parts) == 3 else 0  # a (q, k, v) tuple, else packed
-            self.recipe.append((name, _source_of(name), part, t.data_ptr() - parts[part].data_ptr()))
-        self.has_bias = views.biases is not None
-        self.has_drafts = call.speculation.drafts is not None
-        self.written = ("conv_state_q", "conv_state_k", "conv_state_v")
-        if self.has_drafts:
-            self.written += ("draft_records", "draft_marks")
-        # The address rules read extents the signature fixes: decode's tensors, and these.
-        extents = {name: _extent(t) for name, t in _addressed(call, views)}
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state_pool", pool)):
-            extents[name] = _extent(t)
-        if out is not None:
-            extents["out"] = _extent(out)
+        conv = call.conv
+        self.state_recipe = _three(conv.state, views.states)
+        self.weight_recipe = _three(conv.weight, views.weights)
+        self.bias_recipe = None if views.biases is None else _three(conv.bias, views.biases)
+        self.beta_size = beta.element_size()
         # The address rules as bounds (``decode._alias_bounds``), fixed by the signature: each
         # tensor the call writes against every other one it addresses.
-        written = [name for name in ("out", *self.written) if name in extents]
+        extents = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": pool, "out_gate": z}
+        extents["norm_weight"] = call.norm.weight
+        for part, tensors in (("state", views.states), ("weight", views.weights), ("bias", views.biases)):
+            for s, t in zip(_STREAMS, tensors or ()):
+                extents[f"conv_{part}_{s}"] = t
+        written = [f"conv_state_{s}" for s in _STREAMS]
+        if out is not None:
+            extents["out"] = out
+            written.insert(0, "out")
+        if self.has_drafts:
+            records, marks = _parts(speculation.drafts)
+            extents.update(draft_records=records, draft_marks=marks, num_accepted=speculation.num_accepted)
+            written += ["draft_records", "draft_marks"]
+        extents = {name: _extent(t) for name, t in extents.items()}
         others = [name for name in extents if name not in written]
         self.alias_rules = [
             (w, o, *_alias_bounds(extents[w], extents[o]))
             for i, w in enumerate(written)
             for o in others + written[i + 1 :]
         ]
+        self.checked: dict = {}  # the call's addresses and raw scalars → its per-call values
 
     def run(self, call: DecodeLayerCall):
-        step, x = call.step, call.step.inputs
-        lower_bound, scale = checks.check_scalars(x.gate.lower_bound, x.scale)
-        eps = float(call.norm.eps)
+        step, (weight, bias, state, _), (z, norm_weight, eps), (drafts, accepted, _) = call
+        x, pool, indices, out, _, _, _, status, _ = step
+        q, k, v, g, beta, (_, a_log, dt_bias, lower_bound), scale, _ = x
+        pp, xp = pool.data_ptr(), indices.data_ptr()
+        cw = _three_addresses(weight, self.weight_recipe)
+        if self.has_drafts:
+            dr, dm, na = drafts[0].data_ptr(), drafts[1].data_ptr(), accepted.data_ptr()
+        else:  # never read without LAYER_FLAG_DRAFTS
+            dr, dm, na = pp, xp, xp
+        key = (
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            g.data_ptr(),
+            beta.data_ptr(),
+            a_log.data_ptr(),
+            dt_bias.data_ptr(),
+            xp,
+            pp,
+            0 if out is None else out.data_ptr(),
+            0 if status is None else status.data_ptr(),
+            z.data_ptr(),
+            *_three_addresses(state, self.state_recipe),
+            *cw,
+            *(cw if self.bias_recipe is None else _three_addresses(bias, self.bias_recipe)),
+            norm_weight.data_ptr(),
+            dr,
+            dm,
+            na,
+            lower_bound,
+            scale,
+            eps,
+        )
+        values = self.checked.get(key)
+        if values is None:
+            values = self._check(call, key)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
+            values = (*values[:_OUT], out.data_ptr(), *values[_OUT + 1 :])
+        result = out.flatten(0, 1) if self.flat else out
+        if self.num_seqs:
+            self.template.launch_values(values, raw_stream(self.device))
+        return result
+
+    def _check(self, call: DecodeLayerCall, key: tuple) -> tuple:
+        """The rules a call's addresses and scalars must meet; returns its per-call values, kept
+        for the next call with the same ``key``."""
+        addresses = dict(zip(_PER_CALL[:-5], key[:-3]))
+        lower_bound, scale = checks.check_scalars(key[-3], key[-2])
+        eps = float(key[-1])
         if not 0.0 < eps < 1.0:
             fail(f"norm_eps must be in (0, 1), got {eps}")
-        sources = _sources(call)
-        addresses = {name: sources[source][part].data_ptr() + offset for name, source, part, offset in self.recipe}
-        out, status = step.out, step.status
-        addresses.update(
-            q=x.q.data_ptr(),
-            k=x.k.data_ptr(),
-            v=x.v.data_ptr(),
-            g=x.g.data_ptr(),
-            beta=x.beta.data_ptr(),
-            state_pool=step.state_pool.data_ptr(),
-        )
-        op = 0 if out is None else out.data_ptr()
-        sp = 0 if status is None else status.data_ptr()
-        unaligned = ("beta", "draft_marks", "num_accepted", "conv_state_q", "conv_state_k", "conv_state_v")
-        aligned = (a for name, a in addresses.items() if name not in unaligned)
-        if any(a & (_ALIGN - 1) for a in aligned) or (op | sp | x.gate.A_log.data_ptr() | x.gate.dt_bias.data_ptr()) & (
-            _ALIGN - 1
-        ):
+        if any(a & (_ALIGN - 1) for name, a in addresses.items() if name not in _UNALIGNED):
             validate(call)  # names the misaligned argument
-        addresses["out"] = op
         for name, other, lo, hi in self.alias_rules:
             if lo < addresses[other] - addresses[name] < hi:
                 fail(f"{name} must not alias {other}")
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
-            op = out.data_ptr()
-        result = out.flatten(0, 1) if self.flat else out
-        if self.num_seqs == 0:
-            return result
-        beta_base, beta_offset = _aligned_down(addresses["beta"], x.beta)
-        index_base, index_offset = _aligned_down(step.state_indices.data_ptr(), step.state_indices)
-        values = dict(addresses)
-        if not self.has_bias:  # never read without LAYER_FLAG_CONV_BIAS
-            values.update({f"conv_bias_{s}": addresses[f"conv_weight_{s}"] for s in _STREAMS})
-        if not self.has_drafts:  # never read without LAYER_FLAG_DRAFTS
-            values.update(draft_records=addresses["state_pool"], draft_marks=index_base, num_accepted=index_base)
-        values.update(
-            beta=beta_base,
-            a_log=x.gate.A_log.data_ptr(),
-            dt_bias=x.gate.dt_bias.data_ptr(),
-            state_indices=index_base,
-            out=op,
-            status=sp,
-            beta_offset=beta_offset,
-            index_offset=index_offset,
-            scale=scale,
-            lower_bound=lower_bound,
-            norm_eps=eps,
+        beta, index = addresses["beta"], addresses["state_indices"]
+        beta_skew, index_skew = beta & (_ALIGN - 1), index & (_ALIGN - 1)
+        addresses.update(beta=beta - beta_skew, state_indices=index - index_skew)
+        values = (
+            *(addresses[name] for name in _PER_CALL[:-5]),
+            beta_skew // self.beta_size,
+            index_skew // 4,
+            scale,
+            lower_bound,
+            eps,
         )
-        self.template.launch(values, raw_stream(self.device))
-        return result
+        if len(self.checked) >= _PLAN_LIMIT:
+            self.checked.clear()
+        self.checked[key] = values
+        return values
 
 
 def _aligned_down(address: int, t) -> tuple[int, int]:

@@ -37,6 +37,10 @@ def test_option_tables_are_the_public_signatures():
         for name, default in _keyword_defaults(api.kda_decode_layer).items()
     }
     assert layer_defaults == LAYER_OPTIONS
+    # kda_decode_layer binds by position too: the same names in the same order.
+    layer_bind = list(inspect.signature(call_module.DecodeLayerCall.bind).parameters)
+    assert layer_bind == [*inspect.signature(api.kda_decode_layer).parameters, "variant"]
+    assert list(call_module._LAYER_ORDER) == layer_bind[:-1]
     # kda_decode hands its arguments to DecodeCall.bind by position: the same names in its order.
     bind = list(inspect.signature(DecodeCall.bind).parameters)
     assert bind == [*inspect.signature(api.kda_decode).parameters, "variant"]
