@@ -347,3 +347,64 @@ def test_hostile_draft_values_are_bounded_and_reported():
         assert int(status) & cula_aot.STATUS_DRAFT_OUT_OF_RANGE, (marks, accepted)
         assert torch.isfinite(out).all()
         assert drafts.marks[2:].tolist() == [0, 0]
+
+
+def test_graph_replay_matches_eager_steps():
+    """A verify step captured once in a CUDA graph and replayed with new inputs and accepted
+    counts copied into its static buffers equals the same steps run eagerly on copies of the
+    pools (bit for bit: the same kernel on the same values)."""
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    n, heads, slots, tokens = 4, 4, 6, 3
+    channels = heads * D
+    pool = (0.1 * torch.randn(slots, heads, D, D, generator=gen, device="cuda")).float()
+    conv_pool = torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(torch.bfloat16)
+    drafts = cula_aot.draft_buffers(slots, heads, "cuda")
+    static, gate_args = _spec_step_inputs(n, tokens, heads, gen, "standard")
+    static = {name: t.clone() for name, t in static.items()}
+    accepted = torch.zeros(n, dtype=torch.int32, device="cuda")
+    indices = torch.tensor([3, 0, 5, 1], dtype=torch.int32, device="cuda")
+    weight = (0.5 * torch.randn(3 * channels, W, generator=gen, device="cuda")).to(torch.bfloat16)
+    norm_weight = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, tokens, heads, D, device="cuda", dtype=torch.bfloat16)
+
+    def step(pool, conv_pool, drafts, x, accepted, out):
+        cula_aot.kda_decode_layer(
+            x["q"],
+            x["k"],
+            x["v"],
+            x["g"],
+            x["beta"],
+            conv_weight=weight,
+            conv_state=conv_pool,
+            out_gate=x["z"],
+            norm_weight=norm_weight,
+            state_pool=pool,
+            state_indices=indices,
+            out=out,
+            drafts=drafts,
+            num_accepted=accepted,
+            verify=True,
+            **gate_args,
+        )
+
+    def copies():
+        return pool.clone(), conv_pool.clone(), cula_aot.Drafts(drafts.records.clone(), drafts.marks.clone())
+
+    step(*copies(), static, accepted, torch.empty_like(out))  # loads the kernel, builds the plan
+    eager = copies()
+    from benchmarks.timing import capture_graph
+
+    graph = capture_graph(lambda: step(pool, conv_pool, drafts, static, accepted, out), warmup=0)
+    for i in range(5):
+        x, _ = _spec_step_inputs(n, tokens, heads, gen, "standard")
+        counts = torch.randint(0, tokens + 1, (n,), generator=gen, device="cuda", dtype=torch.int32)
+        for name, t in x.items():
+            static[name].copy_(t)
+        accepted.copy_(counts)
+        graph.replay()
+        eager_out = torch.empty_like(out)
+        step(*eager, x, counts, eager_out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out), f"replay {i}: outputs differ"
+        assert torch.equal(pool, eager[0]) and torch.equal(conv_pool, eager[1]), f"replay {i}: states differ"
+        assert torch.equal(drafts.marks, eager[2].marks), f"replay {i}: marks differ"
