@@ -1,0 +1,224 @@
+"""A CPU model (float64) of the seed truncation in cuDNN's fused Hopper KDA prefill, on the rows and
+decay regimes of ``benchmarks/bench_cudnn.py``: how much work its piece schedule saves or wastes.
+
+    python -m benchmarks.truncation_model [--rows a,b] [--regimes standard,mixed,slow] [--json PATH]
+
+The rule, as nvidia-cudnn-frontend 1.32.0's ``kda_hopper_cuda`` engine runs it (restated, not
+copied).  A launch cuts every (sequence, head) chain into P pieces, P = clamp(264 // (N·H), 1,
+ceil(ceil(T/N)/16)): a fixed target of 264 CTAs (2 per SM on 132 SMs, not queried from the device),
+the mean sequence length setting the cap for every sequence of a varlen batch.  A sequence of C
+16-token chunks takes pieces of ceil(C/P) chunks (trailing empty pieces do nothing).  A piece that
+starts at chunk c0 > 0 walks back over the whole chunks before it, summing per chunk the bound
+max_d Σ_t γ[t, d]·log2(e) + 3.5 (the 3.5 = log2 √128 is added once per chunk: an allowance for the
+delta rule mixing state entries), always at least one chunk, until the sum is ≤ -20; it then starts
+from a zero state there and recomputes the warm-up chunks without writing o.  If the walk reaches
+chunk 0 first, the piece starts from the sequence's initial state at chunk 0 (exact, but serial
+again).  Only the last piece writes the final state.
+
+The rigorous certificate of this model needs no allowance: with ‖k‖ ≤ 1 and β ∈ [0, 1] every
+delta-rule factor (I − β k kᵀ) is non-expansive in the spectral norm, so the dropped state reaches
+the end of a window attenuated by at most Π_t max_d α[t, d] (α = e^γ); per chunk that is
+Σ_t max_d γ[t, d]·log2(e), walked back the same way to the same 2^-20.
+
+Per row and regime (all heads of the row; the inputs are ``draw_inputs(..., seed=0)``, the timed
+rows' draw, and γ is ``cula_aot.gates.log_decay``): the certified fraction of the pieces that need a
+certificate (c0 > 0), their mean / max warm-up in chunks, the redundant-work factor (chunks
+processed, own + warm-up, ÷ the serial chunk count) and the critical-path ratio (longest piece with
+its warm-up ÷ the longest chain).  Chunks are counted alike: a warm-up chunk skips the output, the
+walk's extra g reads and the wave / occupancy effects are not modelled.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_cudnn import REGIMES, ROWS, draw_inputs
+from benchmarks.bench_prefill import lengths_label
+from cula_aot.gates import log_decay
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = ROOT / "docs" / "bench" / "truncation_model.json"
+
+CHUNK = 16  # tokens per chunk, the unit of the pieces and of the walk
+TARGET_CTAS = 264  # cuDNN's fixed CTA target (2 per SM × 132 SMs)
+LOG_EPS = -20.0  # log2 of the attenuation a warm-up must prove
+MIX_LOG2 = 3.5  # cuDNN's per-chunk allowance, log2 sqrt(128)
+LOG2E = 1.0 / math.log(2.0)
+RULES = ("cudnn", "rigorous")
+
+
+# -- the schedule --------------------------------------------------------------------------------
+def pieces_per_chain(total_tokens: int, n_seqs: int, heads: int) -> int:
+    """cuDNN's P: fill ``TARGET_CTAS`` with N·H·P CTAs, never more pieces than the mean sequence's
+    chunk count, at least one."""
+    mean_chunks = math.ceil(math.ceil(total_tokens / n_seqs) / CHUNK)
+    return max(1, min(TARGET_CTAS // max(n_seqs * heads, 1), mean_chunks))
+
+
+def piece_ranges(chunks: int, p: int) -> list:
+    """The non-empty ``(c0, c1)`` chunk ranges of a ``chunks``-chunk chain cut into ``p`` pieces of
+    ceil(chunks / p) chunks (the last shorter; pieces that would start past the end are dropped)."""
+    size = math.ceil(chunks / p) if chunks else 0
+    return [(c0, min(c0 + size, chunks)) for c0 in range(0, chunks, size)] if size else []
+
+
+def chunk_bounds(gamma: torch.Tensor, rule: str) -> torch.Tensor:
+    """Per full chunk and head, log2 of the attenuation bound of ``rule`` for one sequence's
+    ``gamma`` [T, H, K] (float64 natural log-decay): ``[T // 16, H]``.  Only full chunks: the walk
+    probes chunks before a piece's start, and only a sequence's last chunk can be partial."""
+    full = gamma.shape[0] // CHUNK
+    g = gamma[: full * CHUNK].reshape(full, CHUNK, *gamma.shape[1:])
+    if rule == "cudnn":  # the least-decaying channel of the chunk sum, plus the mixing allowance
+        return g.sum(1).amax(-1) * LOG2E + MIX_LOG2
+    if rule == "rigorous":  # the least-decaying channel token by token: a spectral-norm bound
+        return g.amax(-1).sum(1) * LOG2E
+    raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+
+
+def warmup(bounds: torch.Tensor, c0: int):
+    """The walk of a piece starting at chunk ``c0`` ≥ 1 over ``bounds`` [chunks, H]: ``(w, certified)``
+    per head, w the chunks walked back (c0 when it reaches the start), certified whether the summed
+    bound got to ≤ 2^LOG_EPS within them (cuDNN stops on ``acc <= -20``)."""
+    acc = bounds[:c0].flip(0).cumsum(0)  # acc[i]: bound over the i + 1 chunks before c0
+    hit = acc <= LOG_EPS
+    certified = hit.any(0)
+    w = torch.where(certified, hit.to(torch.int64).argmax(0) + 1, torch.full_like(certified, c0, dtype=torch.int64))
+    return w, certified
+
+
+def model_chains(gammas: list, p: int, rule: str) -> dict:
+    """``rule`` on the chains of one call: ``gammas`` one [T_s, H, K] log-decay per sequence, ``p``
+    pieces per chain.  Totals over every (sequence, head) chain; warm-up statistics over the pieces
+    that need a certificate (c0 > 0), None where there are none."""
+    probed = certified = warm_sum = warm_max = work = serial = longest = serial_longest = 0
+    for gamma in gammas:
+        chunks, heads = math.ceil(gamma.shape[0] / CHUNK), gamma.shape[1]
+        bounds = chunk_bounds(gamma, rule)
+        serial += chunks * heads
+        serial_longest = max(serial_longest, chunks)
+        for c0, c1 in piece_ranges(chunks, p):
+            w, ok = warmup(bounds, c0) if c0 else (torch.zeros(heads, dtype=torch.int64), None)
+            if c0:
+                probed += heads
+                certified += int(ok.sum())
+                warm_sum += int(w.sum())
+                warm_max = max(warm_max, int(w.max()))
+            work += heads * (c1 - c0) + int(w.sum())
+            longest = max(longest, c1 - c0 + int(w.max()))
+    return {
+        "certified_fraction": certified / probed if probed else None,
+        "warmup_mean": warm_sum / probed if probed else None,
+        "warmup_max": warm_max if probed else None,
+        "work_factor": work / serial if serial else None,
+        "critical_path_ratio": longest / serial_longest if serial_longest else None,
+    }
+
+
+# -- the rows ------------------------------------------------------------------------------------
+def row_gammas(heads: int, lengths: list, regime: str) -> list:
+    """bench_cudnn's inputs of a row in ``regime`` as per-sequence float64 γ [T_s, H, K]."""
+    x = draw_inputs(heads, lengths, regime, "cpu", seed=0)
+    gamma = log_decay(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])[0]
+    return list(gamma.split(list(lengths)))
+
+
+def model_row(name: str, regime: str) -> dict:
+    heads, lengths = ROWS[name]
+    gammas = row_gammas(heads, lengths, regime)
+    p = pieces_per_chain(sum(lengths), len(lengths), heads)
+    chunks = [math.ceil(n / CHUNK) for n in lengths]
+    out = {
+        "workload": name,
+        "regime": regime,
+        "H": heads,
+        "N": len(lengths),
+        "T": sum(lengths),
+        "lengths": list(lengths),
+        "pieces_per_chain": p,
+        "pieces": heads * sum(len(piece_ranges(c, p)) for c in chunks),
+        "serial_chunks": heads * sum(chunks),
+        "ideal_critical_path_ratio": max(c1 - c0 for c in chunks for c0, c1 in piece_ranges(c, p)) / max(chunks),
+    }
+    for rule in RULES:
+        out[rule] = model_chains(gammas, p, rule)
+    return out
+
+
+# -- output --------------------------------------------------------------------------------------
+def _f(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def render_markdown(res: dict) -> str:
+    command = f"`{res['meta']['command']}` (float64, all heads, `draw_inputs(seed=0)`; rules: `benchmarks/truncation_model.py`)."
+    legend = (
+        "P: pieces per chain (cuDNN's choice). Per rule: cert = certified fraction of the pieces that need a "
+        "certificate (c0 > 0); warm-up = mean / max chunks walked back (to the start when uncertified); "
+        "work = chunks processed (own + warm-up) ÷ serial chunks; crit = longest piece with warm-up ÷ longest "
+        "chain (ideal: no warm-up at all). cuDNN: max_d Σ_chunk γ·log2 e + 3.5 per chunk ≤ -20; rigorous: "
+        "Σ_t max_d γ·log2 e ≤ -20."
+    )
+    out = ["# cuDNN's seed truncation, modelled on the CPU", "", command, "", legend, ""]
+    header = ["row", "H", "N", "T", "P", "pieces", "crit ideal"]
+    for rule in RULES:
+        header += [f"{rule} cert", f"{rule} warm-up", f"{rule} work", f"{rule} crit"]
+    for regime in REGIMES:
+        rows = [r for r in res["rows"] if r["regime"] == regime]
+        if not rows:
+            continue
+        out += [f"## {regime}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        for r in rows:
+            cells = [r["workload"], r["H"], r["N"], r["T"], r["pieces_per_chain"], r["pieces"]]
+            cells.append(_f(r["ideal_critical_path_ratio"], ".3f"))
+            for rule in RULES:
+                m = r[rule]
+                cells += [
+                    _f(m["certified_fraction"], ".3f"),
+                    f"{_f(m['warmup_mean'], '.1f')} / {_f(m['warmup_max'], 'd')}",
+                    _f(m["work_factor"], ".2f"),
+                    _f(m["critical_path_ratio"], ".3f"),
+                ]
+            out.append("| " + " | ".join(str(c) for c in cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="all", help=f"comma list or 'all': {', '.join(ROWS)}")
+    p.add_argument("--regimes", default="all", help=f"comma list or 'all': {', '.join(REGIMES)}")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="results file (markdown beside it, .md)")
+    args = p.parse_args(argv)
+    rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
+    regimes = list(REGIMES) if args.regimes == "all" else args.regimes.split(",")
+    command = "python -m benchmarks.truncation_model" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    meta = {"command": command, "chunk": CHUNK, "target_ctas": TARGET_CTAS, "log_eps": LOG_EPS, "mix_log2": MIX_LOG2}
+    res = {"meta": meta, "rows": []}
+    for regime in regimes:
+        for name in rows:
+            start = time.time()
+            res["rows"].append(model_row(name, regime))
+            r = res["rows"][-1]
+            print(
+                f"{regime:8s} {name:12s} {lengths_label(ROWS[name][1]):10s} P={r['pieces_per_chain']:3d}  "
+                + "  ".join(
+                    f"{rule}: cert {_f(r[rule]['certified_fraction'], '.3f')} work {r[rule]['work_factor']:.2f} "
+                    f"crit {r[rule]['critical_path_ratio']:.3f}"
+                    for rule in RULES
+                )
+                + f"  ({time.time() - start:.1f} s)",
+                flush=True,
+            )
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(res))
+
+
+if __name__ == "__main__":
+    main()
