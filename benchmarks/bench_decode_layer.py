@@ -55,17 +55,9 @@ def make_inputs(n, tokens, heads, pool_dtype, seed=0):
     )
 
 
-def layer_call(x):
-    return lambda: cula_aot.kda_decode_layer(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        conv_weight=x["conv_weight"],
-        conv_state=x["conv_state"],
-        out_gate=x["z"],
-        norm_weight=x["norm_weight"],
+def _step_args(x) -> dict:
+    """The KDA step's arguments, shared by the layer and the step alone."""
+    return dict(
         A_log=x["A_log"],
         dt_bias=x["dt_bias"],
         lower_bound=-5.0,
@@ -73,22 +65,19 @@ def layer_call(x):
         state_indices=x["slots"],
         out=x["out"],
     )
+
+
+def layer_call(x):
+    layer = dict(
+        conv_weight=x["conv_weight"], conv_state=x["conv_state"], out_gate=x["z"], norm_weight=x["norm_weight"]
+    )
+    inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    return lambda: cula_aot.kda_decode_layer(*inputs, **layer, **_step_args(x))
 
 
 def step_call(x):
-    return lambda: cula_aot.kda_decode(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        lower_bound=-5.0,
-        state_pool=x["pool"],
-        state_indices=x["slots"],
-        out=x["out"],
-    )
+    inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    return lambda: cula_aot.kda_decode(*inputs, **_step_args(x))
 
 
 def fla_call(x):

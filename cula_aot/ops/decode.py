@@ -23,6 +23,7 @@ from ..specs import (
     pick_variant,
     variant_spec,
 )
+from .plan_cache import SignaturePlans
 from .call import DecodeCall
 from . import checks
 from .checks import fail
@@ -195,35 +196,11 @@ def validate(call: DecodeCall, device_check: bool = True):
     return q, k, v, g, beta, out, (num_seqs, tokens, heads, scale)
 
 
-_PLANS: dict = {}  # DecodeCall.signature() → _DecodePlan
-_PLAN_LIMIT = 256  # plans kept; cleared when full (a serving loop reuses a few)
-# The last (signature, plan) found: a model's decode layers repeat one signature per step, and
-# comparing it costs half of hashing it for the dict.
-_last = (None, None)
-
-
 def run(call: DecodeCall):
     """One decode launch on ``torch.cuda.current_stream(q.device)``, from the plan of the call's
     signature (validated and built at its first call).  Returns ``out`` shaped like ``v`` as
     given (token-major 3-D input gives 3-D output)."""
-    global _last
-    try:
-        key = call.signature()
-        last_key, plan = _last
-        if key != last_key:
-            plan = _PLANS.get(key)
-            if plan is not None:
-                _last = key, plan
-    except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
-        key = plan = None
-    if plan is None:
-        plan = _DecodePlan(call)
-        if key is not None:
-            if len(_PLANS) >= _PLAN_LIMIT:
-                _PLANS.clear()
-            _PLANS[key] = plan
-            _last = key, plan
-    return plan.run(call)
+    return _PLANS.get(call).run(call)
 
 
 # The kernels' per-call parameters, in the order ``_DecodePlan.run`` supplies them.
@@ -363,6 +340,9 @@ class _DecodePlan:
         )
         self.template.launch_values(values, _raw_stream(self.device))
         return result
+
+
+_PLANS = SignaturePlans(_DecodePlan)
 
 
 def decode(q, k, v, g, beta, **options):

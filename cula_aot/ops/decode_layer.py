@@ -27,6 +27,7 @@ from ..specs import (
     pick_layer_variant,
 )
 from ..drafts import Drafts, draft_shape
+from .plan_cache import PLAN_LIMIT, SignaturePlans
 from .call import DecodeLayerCall, _parts
 from . import checks, decode
 from .checks import fail
@@ -200,31 +201,9 @@ def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
     return drafts
 
 
-_PLANS: dict = {}  # DecodeLayerCall.signature() → _LayerPlan
-_PLAN_LIMIT = 256
-_last = (None, None)  # the last (signature, plan): a model's layers repeat one signature per step
-
-
 def run(call: DecodeLayerCall):
     """One layer launch on the current stream from the plan of the call's signature."""
-    global _last
-    try:
-        key = call.signature()
-        last_key, plan = _last
-        if key != last_key:
-            plan = _PLANS.get(key)
-            if plan is not None:
-                _last = key, plan
-    except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
-        key = plan = None
-    if plan is None:
-        plan = _LayerPlan(call)
-        if key is not None:
-            if len(_PLANS) >= _PLAN_LIMIT:
-                _PLANS.clear()
-            _PLANS[key] = plan
-            _last = key, plan
-    return plan.run(call)
+    return _PLANS.get(call).run(call)
 
 
 # The kernel's per-call parameters, in the order ``_LayerPlan.run`` supplies them.
@@ -435,10 +414,13 @@ class _LayerPlan:
             lower_bound,
             eps,
         )
-        if len(self.checked) >= _PLAN_LIMIT:
+        if len(self.checked) >= PLAN_LIMIT:
             self.checked.clear()
         self.checked[key] = values
         return values
+
+
+_PLANS = SignaturePlans(_LayerPlan)
 
 
 def _aligned_down(address: int, t) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""The prefill's plan cache: launch plans by call, the cache owning every key.
+"""The plan caches: the prefill's (``PlanCache``: launch plans by call, the cache owning every
+key) and decode's and the fused layer's (``SignaturePlans``: by signature alone).
 
 A call's ``PrefillCall.signature`` (shapes, strides, dtypes, devices and options) finds the plan
 its first call built.  Where that plan's choice turned on the call's host lengths
@@ -12,6 +13,39 @@ from .checks import read_host_cu
 from .paths import equal_tile_counts, longest, resolve_split
 
 PLAN_LIMIT = 256  # plans kept; cleared when full (a serving loop reuses a few)
+
+
+class SignaturePlans:
+    """Plans by ``call.signature()`` alone, each built by ``make(call)`` at the signature's first
+    call.  The last (signature, plan) found is compared before the dict is hashed: a model's layers
+    repeat one signature per step, and comparing costs half of hashing."""
+
+    def __init__(self, make, limit: int = PLAN_LIMIT):
+        self.make, self.limit = make, limit
+        self._plans: dict = {}
+        self._last = (None, None)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, call):
+        try:
+            key = call.signature()
+            last_key, plan = self._last
+            if key != last_key:
+                plan = self._plans.get(key)
+                if plan is not None:
+                    self._last = key, plan
+        except (AttributeError, TypeError):  # not tensors, or unhashable options: validation names it
+            key = plan = None
+        if plan is None:
+            plan = self.make(call)
+            if key is not None:
+                if len(self._plans) >= self.limit:
+                    self._plans.clear()
+                self._plans[key] = plan
+                self._last = key, plan
+        return plan
 
 
 class PlanCache:

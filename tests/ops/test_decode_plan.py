@@ -7,6 +7,7 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
+from cula_aot.ops.plan_cache import SignaturePlans
 from cula_aot.ops import checks, decode
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
@@ -34,8 +35,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(decode, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
     monkeypatch.setattr(decode, "_raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode, "_PLANS", {})
-    monkeypatch.setattr(decode, "_last", (None, None))
+    monkeypatch.setattr(decode, "_PLANS", SignaturePlans(decode._DecodePlan))
     return recorded
 
 
