@@ -289,7 +289,8 @@ def kda_decode_layer(
     Speculative decoding (``cula_aot.drafts``): ``drafts = cula_aot.draft_buffers(slots, H,
     device)`` beside the pool and ``num_accepted`` int32 ``[N]`` on the device.  A call first
     commits each slot's pending draft, if any: its first ``num_accepted[n]`` tokens (clamped to
-    [0, 8]; ``status`` reports one outside) are applied to the recurrent and conv states.  With
+    [0, the draft's T]; ``status`` reports one outside) are applied to the recurrent and conv
+    states.  With
     ``verify=True`` the call's T tokens are a draft: their outputs are written, the pool keeps
     the committed state, and a compact record per token is kept for the next call to commit;
     with ``verify=False`` they are committed like any decode step.  So a serving step stays one

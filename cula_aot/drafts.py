@@ -6,7 +6,8 @@ new state, a compact record per token and head (k̂, the decay α, the update u,
 inputs: 6 × 128 fp32 against 128 × 128 for a state); the next call of the layer on that slot
 commits the ``num_accepted`` first tokens of it (S ← S·diag(α) + u k̂ᵀ, and the conv state's
 history) before its own tokens.  Each slot has two banks, so a call writes its draft while its
-peers may still read the pending one, and a mark saying which bank holds a pending draft.
+peers may still read the pending one, and a mark per head saying which bank holds a pending draft
+and how long it is (a commit keeps at most that many tokens; more is clamped and reported).
 """
 
 from typing import NamedTuple
@@ -18,8 +19,8 @@ from .specs import DRAFT_BANKS, DRAFT_ROWS, DRAFT_TOKENS
 
 
 class Drafts(NamedTuple):
-    """``records``: fp32 ``[slots, 2, 8, H, 6, 128]``; ``marks``: int32 ``[slots]``, 0 where a slot
-    has no pending draft (zero it when a slot is given to a new request)."""
+    """``records``: fp32 ``[slots, 2, 8, H, 6, 128]``; ``marks``: int32 ``[slots, H]``, 0 where a
+    slot has no pending draft (zero a slot's row when the slot is given to a new request)."""
 
     records: torch.Tensor
     marks: torch.Tensor
@@ -34,5 +35,5 @@ def draft_buffers(slots: int, heads: int, device=None) -> Drafts:
     head: two banks of eight tokens)."""
     return Drafts(
         torch.zeros(draft_shape(slots, heads), dtype=torch.float32, device=device),
-        torch.zeros(slots, dtype=torch.int32, device=device),
+        torch.zeros(slots, heads, dtype=torch.int32, device=device),
     )

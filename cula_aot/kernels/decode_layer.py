@@ -39,6 +39,7 @@ from ..specs.decode_layer import (
     DRAFT_TOKENS,
     DRAFT_U,
     DRAFT_X,
+    draft_mark,
     LAYER_FLAG_DRAFTS,
     LAYER_FLAG_STATUS,
     LAYER_FLAG_VERIFY,
@@ -313,28 +314,32 @@ class KdaDecodeLayer(DecodeKernel):
 
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
             conv_at = cutlass.Int64(slot) * cutlass.Int64(conv.slot_stride)
-            # A pending draft of this slot (mark 1 + bank) and how many of its tokens to commit;
-            # this call's draft, if it is one, goes to the other bank.
+            # This (slot, head)'s pending draft, if any (``specs.draft_mark``: its bank and length),
+            # and how many of its tokens to commit; this call's draft, if it is one, goes to the
+            # other bank.  Each head's cluster owns its mark: heads of one request may run in
+            # different waves.
             drafts = (flags & LAYER_FLAG_DRAFTS) != 0
-            verify = (flags & LAYER_FLAG_VERIFY) != 0
+            verify = drafts & ((flags & LAYER_FLAG_VERIFY) != 0)
+            mark_at = cutlass.Int64(slot) * grid_heads() + head
             mark = cutlass.Int32(0)
             accepted = cutlass.Int32(0)
             if drafts:
-                mark = cute.make_tensor(tensors.draft_marks + slot, cute.make_layout(1))[0]
-                bad = (mark < 0) | (mark > DRAFT_BANKS)
+                mark = cute.make_tensor(tensors.draft_marks + mark_at, cute.make_layout(1))[0]
+                bad = (mark != 0) & ((mark < draft_mark(0, 1)) | (mark > draft_mark(1, DRAFT_TOKENS)))
                 mark = cutlass.select_(bad, cutlass.Int32(0), mark)
                 if mark > 0:
+                    drafted = (mark - 1) >> 1  # the pending draft's tokens
                     requested = cute.make_tensor(tensors.num_accepted + seq, cute.make_layout(1))[0]
-                    bad = bad | (requested < 0) | (requested > DRAFT_TOKENS)
-                    accepted = cutlass.min(cutlass.max(requested, cutlass.Int32(0)), cutlass.Int32(DRAFT_TOKENS))
+                    bad = bad | (requested < 0) | (requested > drafted)
+                    accepted = cutlass.min(cutlass.max(requested, cutlass.Int32(0)), drafted)
                 if tid == 0 and vblk == 0:
                     report_status(
                         tensors.status,
                         (flags & LAYER_FLAG_STATUS) != 0,
                         cutlass.select_(bad, cutlass.Int32(STATUS_DRAFT_OUT_OF_RANGE), cutlass.Int32(0)),
                     )
-            old_bank = cutlass.max(mark - 1, cutlass.Int32(0))
-            new_bank = cutlass.select_(mark == 1, cutlass.Int32(1), cutlass.Int32(0))
+            old_bank = cutlass.select_(mark > 0, (mark - 1) & 1, cutlass.Int32(0))
+            new_bank = cutlass.select_(mark > 0, 1 - old_bank, cutlass.Int32(0))
             pool_head = tensors.state_pool + cute.assume(
                 cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
             )
@@ -408,6 +413,7 @@ class KdaDecodeLayer(DecodeKernel):
                     cute.make_tensor(tensors.draft_records + (at + DRAFT_ALPHA * D), cute.make_layout(1))[0] = s_alpha[
                         position
                     ]
+                cute.arch.sync_threads()  # other threads' decay rewrites these positions in place
             if cutlass.const_expr(gate.defers_decay):
                 defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
             else:
@@ -503,15 +509,24 @@ class KdaDecodeLayer(DecodeKernel):
                 cute.arch.cluster_wait()  # every peer has read the old q / k conv state
                 cute.arch.cluster_arrive()  # … and this CTA's sums are written
             self.write_conv_state(
-                tensors, geometry, conv, n64, head, v0, conv_at, tid, (slot, old_bank, new_bank, accepted), flags
+                tensors,
+                geometry,
+                conv,
+                n64,
+                head,
+                v0,
+                conv_at,
+                tid,
+                (slot, old_bank, new_bank, accepted, verify),
+                flags,
             )
             if cutlass.const_expr(ctas > 1):
                 cute.arch.cluster_wait()  # every peer has read the mark
             else:
                 cute.arch.sync_threads()
             if drafts and tid == 0 and vblk == 0:  # a draft pending now, or none (committed)
-                cute.make_tensor(tensors.draft_marks + slot, cute.make_layout(1))[0] = cutlass.select_(
-                    verify, new_bank + 1, cutlass.Int32(0)
+                cute.make_tensor(tensors.draft_marks + mark_at, cute.make_layout(1))[0] = cutlass.select_(
+                    verify, draft_mark(new_bank, num_tokens), cutlass.Int32(0)
                 )
             sums = cute.make_rmem_tensor(cute.make_layout(rounds), cutlass.Float32)
             for r in cutlass.range_constexpr(rounds):
@@ -561,9 +576,8 @@ class KdaDecodeLayer(DecodeKernel):
         E[a + T + i], or E[a + i] for a draft (``LAYER_FLAG_VERIFY``: the committed history), whose
         raw inputs go to its record instead.  A thread reads all three new taps of a channel before
         it writes any, so the shift never reads a tap it has overwritten."""
-        slot, old_bank, new_bank, accepted = draft
+        slot, old_bank, new_bank, accepted, verify = draft
         state_f32 = (flags & LAYER_FLAG_CONV_STATE_F32) != 0
-        verify = (flags & LAYER_FLAG_VERIFY) != 0
         num_tokens = geometry.num_tokens
         first = accepted + cutlass.select_(verify, cutlass.Int32(0), num_tokens)
         streams = (

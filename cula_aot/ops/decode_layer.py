@@ -194,7 +194,7 @@ def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
     slots = call.step.state_pool.shape[0]
     checks.check_contiguous("drafts.records", drafts.records, torch.float32, draft_shape(slots, heads), device)
     _check_base("drafts.records", drafts.records)
-    checks.check_contiguous("drafts.marks", drafts.marks, torch.int32, (slots,), device)
+    checks.check_contiguous("drafts.marks", drafts.marks, torch.int32, (slots, heads), device)
     if s.num_accepted is None:
         fail("drafts needs num_accepted: int32 [N], how many tokens of each request's pending draft to keep")
     checks.check_contiguous("num_accepted", s.num_accepted, torch.int32, (num_seqs,), device)

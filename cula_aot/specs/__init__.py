@@ -128,6 +128,7 @@ from .decode_layer import (  # noqa: F401
     LAYER_VARIANTS,
     DecodeLayerSpec,
     decode_layer_specs,
+    draft_mark,
     pick_layer_variant,
 )
 

@@ -31,13 +31,20 @@ LAYER_FLAG_VERIFY = 1 << 21  # this call's tokens are a draft: recorded, not com
 # Speculative drafts.  Per slot, two banks of records (the draft of the last verify call, and the
 # one being written: no CTA overwrites what another may still read), each ``DRAFT_TOKENS`` tokens
 # × H heads × ``DRAFT_ROWS`` fp32 rows of 128: k̂, α (the token's decay), u (the delta-rule update,
-# per V row) and the raw q, k, v inputs (the conv state's history).  The mark per slot says which
-# bank holds a pending draft (0: none, 1 + bank).  A draft of T tokens with a accepted rebuilds
-# the state after them as S ← S·diag(α_t) + u_t k̂_tᵀ, t < a.
+# per V row) and the raw q, k, v inputs (the conv state's history).  A mark per slot and head says
+# which bank holds a pending draft and how many tokens it has (``draft_mark``; 0: none).  A draft
+# of T tokens with a accepted rebuilds the state after them as S ← S·diag(α_t) + u_t k̂_tᵀ, t < a.
 DRAFT_BANKS = 2
 DRAFT_TOKENS = 8
 DRAFT_ROWS = 6
 DRAFT_KHAT, DRAFT_ALPHA, DRAFT_U, DRAFT_X = 0, 1, 2, 3  # DRAFT_X + 0, 1, 2: q, k, v
+
+
+def draft_mark(bank, tokens):
+    """The mark of a pending draft of ``tokens`` tokens in ``bank``: 1 + bank + 2·tokens (3 .. 18;
+    anything else but 0 is refused on the device).  Works on ints and on device integers."""
+    return 1 + bank + 2 * tokens
+
 
 # (V rows per item, items per CTA): the V blocks of one (request, head) form one cluster, which
 # shares the RMSNorm's sums through distributed shared memory and orders the q/k conv-state
@@ -64,7 +71,7 @@ LAYER_TENSORS = (
     *(pointer(f"conv_bias_{x}", "u8") for x in "qkv"),
     pointer("norm_weight", "u8"),
     # Draft records [slots, DRAFT_BANKS, DRAFT_TOKENS, H, DRAFT_ROWS, 128] fp32, the marks
-    # [slots] and the accepted draft tokens per request [N] (int32, read one by one).
+    # [slots, H] and the accepted draft tokens per request [N] (int32, read one by one).
     pointer("draft_records", "f32"),
     pointer("draft_marks", "i32", address_align=4),
     pointer("num_accepted", "i32", address_align=4),

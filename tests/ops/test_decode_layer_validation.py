@@ -92,6 +92,13 @@ BAD = [
         r"num_accepted must have shape \[3\]",
     ),
     (dict(drafts=(torch.zeros(1),), num_accepted=torch.zeros(N, dtype=torch.int32)), "drafts must be"),
+    (
+        dict(
+            drafts=(cula_aot.draft_buffers(N + 2, H).records, torch.zeros(N + 2, dtype=torch.int32)),
+            num_accepted=torch.zeros(N, dtype=torch.int32),
+        ),
+        r"drafts.marks must have shape \[5, 2\]",
+    ),
 ]
 
 
