@@ -9,8 +9,8 @@ GPU the same launches, so a host-side refactor can be checked without a GPU:
 
 ``--host-us`` times the Python part of eager calls instead (launches stubbed, median of 15
 bursts of 500): a cached pool prefill (H12 1×2048), decode steps (N32 H12, T1 on an fp32 pool
-and T4 on a bf16 one) and fused layer steps (N32 H12, T1, and T4 verifying a draft), e.g. a
-tree beside its base on one machine.
+and T4 on a bf16 one) and fused layer steps (N32 H12, T1, and T4 verifying a draft; through
+``kda_decode_layer`` and through a ``DecodeLayerStep``), e.g. a tree beside its base on one machine.
 
 (A tree older than the current manifest schema needs its own build, or CULA_AOT_ARTIFACTS.)  The
 module names patched below include those of earlier trees, so a refactor compares with its base.
@@ -246,7 +246,7 @@ def decode_case(N, T, H, gate="safe", bf16=False, layout="vk", inter=False, flat
     return lambda: cula_aot.kda_decode(q, k, v, g, beta, **kw)
 
 
-def layer_case(N, T, H, bf16=False, speculative=False, verify=False):
+def layer_case(N, T, H, bf16=False, speculative=False, verify=False, step=False):
     """The fused decode layer on packed conv weights and a dim-major conv-state pool."""
     x = standard_inputs(N, T, H, seed=3)
     q, k, v, g, beta = (x.pop(n) for n in ("q", "k", "v", "g", "beta"))
@@ -268,6 +268,13 @@ def layer_case(N, T, H, bf16=False, speculative=False, verify=False):
         accepted = torch.zeros(N, dtype=torch.int32)
         TENSORS.update(records=drafts.records, marks=drafts.marks, accepted=accepted)
         kw.update(drafts=drafts, num_accepted=accepted, verify=verify)
+    if step:  # the fixed tensors bound once (DecodeLayerStep)
+        per_call = {
+            name: kw.pop(name) for name in ("out_gate", "state_indices", "out", "num_accepted", "verify") if name in kw
+        }
+        layer = cula_aot.DecodeLayerStep(**kw)
+        z_, idx_ = per_call.pop("out_gate"), per_call.pop("state_indices")
+        return lambda: layer(q, k, v, g, beta, z_, idx_, **per_call)
     return lambda: cula_aot.kda_decode_layer(q, k, v, g, beta, **kw)
 
 
@@ -310,6 +317,8 @@ def run_cases():
     if hasattr(cula_aot, "kda_decode_layer"):
         case("layer T1 fp32", layer_case(32, 1, 12))
         case("layer T4 bf16 verify", layer_case(8, 4, 12, bf16=True, speculative=True, verify=True))
+    if hasattr(cula_aot, "DecodeLayerStep"):
+        case("layer step T4 bf16 verify", layer_case(8, 4, 12, bf16=True, speculative=True, verify=True, step=True))
 
 
 def host_us(fn) -> float:
@@ -334,8 +343,13 @@ if HOST_US:
             [
                 ("layer N32 H12 T1", lambda: layer_case(32, 1, 12)),
                 ("layer N32 H12 T4 verify", lambda: layer_case(32, 4, 12, speculative=True, verify=True)),
+                ("layer step N32 H12 T1", lambda: layer_case(32, 1, 12, step=True)),
+                (
+                    "layer step N32 H12 T4 verify",
+                    lambda: layer_case(32, 4, 12, speculative=True, verify=True, step=True),
+                ),
             ]
-            if hasattr(cula_aot, "kda_decode_layer")
+            if hasattr(cula_aot, "DecodeLayerStep")
             else []
         ),
     ):

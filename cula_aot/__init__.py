@@ -3,6 +3,7 @@
 from ._version import __version__  # noqa: F401
 from .api import fwd, kda_decode, kda_decode_layer, kda_prefill, preload
 from .drafts import Drafts, draft_buffers
+from .ops.decode_layer import DecodeLayerStep
 from .layout import (
     STATUS_CHECKPOINT_MISALIGNED,
     STATUS_CU_SEQLENS_MALFORMED,
@@ -17,6 +18,7 @@ from . import torch_op  # noqa: F401  (registers torch.ops.cula_aot.kda_prefill)
 __all__ = [
     "ArtifactError",
     "CudaError",
+    "DecodeLayerStep",
     "Drafts",
     "KDAInputError",
     "STATUS_CHECKPOINT_MISALIGNED",

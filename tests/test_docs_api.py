@@ -44,6 +44,7 @@ PUBLIC = (
     "cula_aot.kda_decode",
     "cula_aot.kda_decode_layer",
     "cula_aot.draft_buffers",
+    "cula_aot.DecodeLayerStep",
     "cula_aot.preload",
     "torch.ops.cula_aot.kda_prefill",
     "torch.ops.cula_aot.kda_prefill_pool",

@@ -7,10 +7,12 @@ checked before anything is written, nothing reads a device tensor on the host, a
 call signature keeps the launch template; a call re-checks only what depends on its addresses.
 """
 
+import operator
 from typing import NamedTuple
 
 import torch
 
+from ..gates import DEFAULT_GATE
 from ..layout import D
 from ..runtime.loader import default_loader, raw_stream
 from ..runtime.manifest import ArtifactError
@@ -379,9 +381,33 @@ class _LayerPlan:
             scale,
             eps,
         )
+        return self.launch(key, out, lambda: call)
+
+    def fixed_addresses(self, call: DecodeLayerCall) -> tuple:
+        """The addresses ``DecodeLayerStep`` keeps of a call's fixed tensors, in ``run``'s key
+        order: a_log, dt_bias, state_pool, then conv states, weights and biases, norm_weight,
+        draft records and marks (None for the last two without drafts: the call's index address)."""
+        step, (weight, bias, state, _), (_, norm_weight, _), (drafts, _, _) = call
+        gate = step.inputs.gate
+        cw = _three_addresses(weight, self.weight_recipe)
+        return (
+            gate.A_log.data_ptr(),
+            gate.dt_bias.data_ptr(),
+            step.state_pool.data_ptr(),
+            *_three_addresses(state, self.state_recipe),
+            *cw,
+            *(cw if self.bias_recipe is None else _three_addresses(bias, self.bias_recipe)),
+            norm_weight.data_ptr(),
+            *((drafts[0].data_ptr(), drafts[1].data_ptr()) if self.has_drafts else (None, None)),
+        )
+
+    def launch(self, key: tuple, out, make_call):
+        """Launch with the call's ``key`` (``run``'s: addresses in ``_PER_CALL`` order, then the raw
+        lower_bound, scale and eps), checked once per key (``make_call()`` gives the call for the
+        checks' messages); ``out`` allocated when None.  Returns ``out`` as the caller shaped q."""
         values = self.checked.get(key)
         if values is None:
-            values = self._check(call, key)
+            values = self._check(make_call(), key)
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
             values = (*values[:_OUT], out.data_ptr(), *values[_OUT + 1 :])
@@ -423,13 +449,135 @@ class _LayerPlan:
 _PLANS = SignaturePlans(_LayerPlan)
 
 
-def _aligned_down(address: int, t) -> tuple[int, int]:
-    """(the 16-byte aligned address at or below ``address``, ``t``'s element offset from it)."""
-    skew = address & (_ALIGN - 1)
-    return address - skew, skew // t.element_size()
-
-
 def decode_layer(q, k, v, g, beta, **options):
     """``run`` of ``kda_decode_layer``'s arguments given by name (and the ``variant`` override:
     (v_block, items) of a built layer kernel, default ``specs.pick_layer_variant``)."""
     return run(DecodeLayerCall.of({"q": q, "k": k, "v": v, "g": g, "beta": beta, **options}))
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+class DecodeLayerStep:
+    """A KDA layer's decode step with its fixed tensors bound once (``cula_aot.DecodeLayerStep``):
+    the weights, gate parameters, pools and draft buffers a serving layer keeps, checked with the
+    first call; a call passes only what changes per step, and the step reads only those tensors'
+    layouts and addresses (``kda_decode_layer`` reads all of them every call).  Each call reads
+    the fixed tensors' version counters and addresses, which every in-place change of their
+    layout or storage moves (``resize_``, ``set_``, ``as_strided_``, ``.data =``, any torch
+    write); on a change the next call is validated in full again."""
+
+    def __init__(
+        self,
+        *,
+        conv_weight,
+        conv_state,
+        norm_weight,
+        state_pool,
+        A_log=None,
+        dt_bias=None,
+        lower_bound=None,
+        gate=DEFAULT_GATE,
+        scale=None,
+        conv_bias=None,
+        conv_layout="dim",
+        norm_eps=1e-5,
+        state_layout="vk",
+        drafts=None,
+        beta_sigmoid=True,
+        qk_l2norm=True,
+    ):
+        self._fixed_args = (conv_weight, conv_state, norm_weight, conv_bias, conv_layout, norm_eps, A_log, dt_bias)
+        self._gate = (lower_bound, gate, scale)
+        self._pool, self._state_layout, self._drafts = state_pool, state_layout, drafts
+        self._conventions = (beta_sigmoid, qk_l2norm)
+        self._fixed = [
+            t
+            for t in (
+                *_parts(conv_weight),
+                *_parts(conv_state),
+                *_parts(conv_bias),
+                norm_weight,
+                A_log,
+                dt_bias,
+                state_pool,
+                *_parts(drafts),
+            )
+            if isinstance(t, torch.Tensor)
+        ]
+        self._guard = None  # the fixed tensors' (versions, addresses) the cached plans hold for
+        self._plans: dict = {}  # the per-call tensors' layouts and options → plan
+
+    def _state(self) -> tuple:
+        fixed = self._fixed
+        return tuple(map(_VERSION, fixed)), tuple(map(torch.Tensor.data_ptr, fixed))
+
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out_gate,
+        state_indices,
+        *,
+        out=None,
+        num_tokens=None,
+        num_accepted=None,
+        verify=False,
+        status=None,
+    ):
+        """``kda_decode_layer`` with this step's fixed arguments; returns ``out``."""
+
+        def call():
+            weight, state, norm_weight, bias, layout, eps, a_log, dt_bias = self._fixed_args
+            lower_bound, gate, scale = self._gate
+            return DecodeLayerCall.bind(
+                q, k, v, g, beta, weight, state, out_gate, norm_weight, bias, layout, eps, a_log, dt_bias,
+                lower_bound, gate, scale, self._pool, state_indices, out, num_tokens, self._state_layout, status,
+                *self._conventions, self._drafts, num_accepted, verify,
+            )  # fmt: skip
+
+        guard = self._state()
+        if guard != self._guard:  # a fixed tensor changed: every plan is looked up in full again
+            self._plans.clear()
+            self._guard = guard
+        try:
+            if g.dtype != torch.bfloat16 or beta.dtype != torch.bfloat16:
+                raise TypeError  # converted by the full path: its plan saw other tensors
+            key = (
+                q.shape, q.stride(), q.dtype, q.get_device(),
+                k.shape, k.stride(), k.dtype, k.get_device(),
+                v.shape, v.stride(), v.dtype, v.get_device(),
+                g.shape, g.stride(), g.get_device(),
+                beta.shape, beta.stride(), beta.get_device(),
+                out_gate.shape, out_gate.stride(), out_gate.dtype, out_gate.get_device(),
+                state_indices.shape, state_indices.stride(), state_indices.dtype, state_indices.get_device(),
+                None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
+                None if status is None else (status.shape, status.stride(), status.dtype, status.get_device()),
+                None if num_accepted is None
+                else (num_accepted.shape, num_accepted.stride(), num_accepted.dtype, num_accepted.get_device()),
+                type(num_tokens), num_tokens, verify,
+            )  # fmt: skip
+            entry = self._plans.get(key)
+        except (AttributeError, TypeError):  # not tensors, other dtypes, unhashable: the full path
+            return run(call())
+        if entry is None:
+            full = call()
+            plan = _PLANS.get(full)
+            entry = self._plans[key] = plan, plan.fixed_addresses(full)
+            if len(self._plans) > PLAN_LIMIT:
+                self._plans.clear()
+        plan, (a_log, dt_bias, pool, sq, sk, sv, wq, wk, wv, bq, bk, bv, norm, records, marks) = entry
+        xp = state_indices.data_ptr()
+        lower_bound, _, scale = self._gate
+        key = (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), a_log, dt_bias, xp, pool,
+            0 if out is None else out.data_ptr(), 0 if status is None else status.data_ptr(), out_gate.data_ptr(),
+            sq, sk, sv, wq, wk, wv, bq, bk, bv, norm,
+            xp if records is None else records, xp if marks is None else marks,
+            xp if num_accepted is None else num_accepted.data_ptr(),
+            lower_bound, scale, self._fixed_args[5],
+        )  # fmt: skip
+        return plan.launch(key, out, call)
