@@ -4,7 +4,7 @@ Functional (allocates its outputs), with a fake implementation so it traces unde
 ``torch.compile`` and ``torch.export``, and CUDA-graph capturable (the serial path reads nothing
 back to the host, also with only a device ``cu_seqlens``).  The final state is always
 returned; it is an empty ``[0]`` tensor unless ``output_final_state``.  ``intracard_cp``:
--1 = "auto", 0 = off, n ≥ 1 = s_split.  All three ops take ``gate`` ("safe", "softplus",
+-1 = "auto", 0 = off, n ≥ 1 = s_split.  All four ops take ``gate`` ("safe", "softplus",
 "precomputed"), ``beta_sigmoid`` and ``qk_l2norm`` as ``cula_aot.kda_prefill`` does (A_log, dt_bias
 and lower_bound may then be None).
 
@@ -20,18 +20,22 @@ updated in place (``state_pool`` and, when given, ``intermediate_states`` are de
 returns a new output shaped like ``v``.  ``intermediate_states`` is positional and required
 (pass None).  Sync-free and capturable like the eager entry.
 
-The three schemas share their leading inputs (``INPUTS``, written once), and the schemas are the
+``torch.ops.cula_aot.kda_decode_layer``: the fused layer step (``cula_aot.kda_decode_layer``)
+with a packed conv weight and conv-state pool (``conv_state``, ``state_pool`` and, when given,
+the draft records and marks are declared mutated); returns a new output shaped like ``v``.
+
+The four schemas share their leading inputs (``INPUTS``, written once), and the schemas are the
 one spelling of the ops' arguments: the CUDA kernels and the fake (meta) implementations take
 them by name as the schema binds them (``_bind``) and hand them to ``PrefillCall.of`` /
-``DecodeCall.of``.
+``DecodeCall.of`` / ``DecodeLayerCall.of``.
 """
 
 import torch
 
 from .gates import DEFAULT_GATE
 from .layout import D
-from .ops import decode, prefill
-from .ops.call import DecodeCall, PrefillCall
+from .ops import decode, decode_layer, prefill
+from .ops.call import DecodeCall, DecodeLayerCall, PrefillCall
 
 _CP_MODES = {-1: "auto", 0: False}
 # The leading inputs of every op, as ``cula_aot.kda_prefill`` takes them.
@@ -48,6 +52,11 @@ SCHEMAS = {
     f"Tensor? checkpoint_offsets=None) -> Tensor",
     "kda_decode": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, Tensor(b!)? intermediate_states, "
     f'float? scale=None, int? num_tokens=None, str state_layout="vk", {CONVENTIONS}) -> Tensor',
+    "kda_decode_layer": f"({INPUTS}, Tensor conv_weight, Tensor(a!) conv_state, Tensor out_gate, "
+    f"Tensor norm_weight, Tensor(b!) state_pool, Tensor state_indices, Tensor? conv_bias=None, "
+    f'str conv_layout="dim", float norm_eps=1e-05, float? scale=None, int? num_tokens=None, '
+    f'str state_layout="vk", {CONVENTIONS}, Tensor(c!)? draft_records=None, Tensor(d!)? draft_marks=None, '
+    f"Tensor? num_accepted=None, bool verify=False) -> Tensor",
 }
 for _name, _schema in SCHEMAS.items():
     torch.library.define(f"cula_aot::{_name}", _schema)
@@ -106,10 +115,32 @@ def fake_decode(*args, **kwargs):
     return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
 
 
+def kda_decode_layer_op(*args, **kwargs):
+    options = _bind("kda_decode_layer", args, kwargs)
+    records, marks = options.pop("draft_records"), options.pop("draft_marks")
+    options["drafts"] = None if records is None and marks is None else (records, marks)
+    return decode_layer.run(DecodeLayerCall.of(options))
+
+
+def fake_decode_layer(*args, **kwargs):
+    v = _bind("kda_decode_layer", args, kwargs)["v"]
+    return torch.empty(v.shape, dtype=torch.bfloat16, device=v.device)
+
+
 # Each op's CUDA implementation and shape-only implementation, by name (a CPU test checks the
 # schemas with the fakes, and the implementations' calls against the eager entry points').
-IMPLS = {"kda_prefill": kda_prefill_op, "kda_prefill_pool": kda_prefill_pool_op, "kda_decode": kda_decode_op}
-FAKES = {"kda_prefill": fake_prefill, "kda_prefill_pool": fake_prefill_pool, "kda_decode": fake_decode}
+IMPLS = {
+    "kda_prefill": kda_prefill_op,
+    "kda_prefill_pool": kda_prefill_pool_op,
+    "kda_decode": kda_decode_op,
+    "kda_decode_layer": kda_decode_layer_op,
+}
+FAKES = {
+    "kda_prefill": fake_prefill,
+    "kda_prefill_pool": fake_prefill_pool,
+    "kda_decode": fake_decode,
+    "kda_decode_layer": fake_decode_layer,
+}
 for _name in SCHEMAS:
     torch.library.impl(f"cula_aot::{_name}", "cuda")(IMPLS[_name])
     torch.library.register_fake(f"cula_aot::{_name}")(FAKES[_name])

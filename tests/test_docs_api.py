@@ -49,6 +49,7 @@ PUBLIC = (
     "torch.ops.cula_aot.kda_prefill",
     "torch.ops.cula_aot.kda_prefill_pool",
     "torch.ops.cula_aot.kda_decode",
+    "torch.ops.cula_aot.kda_decode_layer",
     "cula_aot.fla.chunk_kda",
     "cula_aot.fla.fused_recurrent_kda",
     "cula_aot.fla.unsupported",

@@ -84,7 +84,48 @@ def ops():
             intermediate_states.add_(1.0)
         return v * 2
 
-    for name, fn in (("kda_prefill", prefill), ("kda_prefill_pool", pool), ("kda_decode", decode)):
+    def layer(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        dt_bias,
+        lower_bound,
+        conv_weight,
+        conv_state,
+        out_gate,
+        norm_weight,
+        state_pool,
+        state_indices,
+        conv_bias=None,
+        conv_layout="dim",
+        norm_eps=1e-5,
+        scale=None,
+        num_tokens=None,
+        state_layout="vk",
+        gate="safe",
+        beta_sigmoid=True,
+        qk_l2norm=True,
+        draft_records=None,
+        draft_marks=None,
+        num_accepted=None,
+        verify=False,
+    ):
+        conv_state.add_(1.0)
+        state_pool.add_(1.0)
+        for t in (draft_records, draft_marks):
+            if t is not None:
+                t.add_(1)
+        return v * 2
+
+    for name, fn in (
+        ("kda_prefill", prefill),
+        ("kda_prefill_pool", pool),
+        ("kda_decode", decode),
+        ("kda_decode_layer", layer),
+    ):
         lib.impl(name, fn, "CPU")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=lib)
     yield getattr(torch.ops, NAMESPACE)
@@ -123,3 +164,17 @@ def test_pool_and_decode_schemas_declare_their_mutations(ops):
     start = pool.clone()
     compiled = torch.compile(lambda *x: ops.kda_prefill_pool(*x) * 1, fullgraph=True)
     assert torch.equal(compiled(q, q, q, q, beta, a, dt, -5.0, pool, idx), q * 2) and torch.equal(pool, start + 1)
+
+
+def test_layer_schema_declares_its_mutations(ops):
+    qd, bd, a, dt = _inputs(3, 2)
+    c = H * 128
+    weight, conv = torch.randn(3 * c, 4).bfloat16(), torch.randn(6, 3 * c, 3).bfloat16()
+    pool, idx = torch.randn(6, H, 128, 128), torch.tensor([4, -1, 0], dtype=torch.int32)
+    norm = torch.ones(128).bfloat16()
+    layer_args = (qd, qd, qd, qd, bd, a, dt, -5.0, weight, conv, qd, norm, pool, idx)
+    torch.library.opcheck(ops.kda_decode_layer.default, layer_args)
+    records = torch.zeros(6, 2, 8, H, 6, 128)
+    marks = torch.zeros(6, H, dtype=torch.int32)
+    drafts = {"draft_records": records, "draft_marks": marks, "num_accepted": idx.abs(), "verify": True}
+    torch.library.opcheck(ops.kda_decode_layer.default, layer_args, drafts)

@@ -10,7 +10,7 @@ import torch
 import cula_aot
 from cula_aot import KDAInputError, api, torch_op
 from cula_aot.ops import call as call_module
-from cula_aot.ops import decode, prefill
+from cula_aot.ops import decode, decode_layer, prefill
 from cula_aot.ops.call import DECODE_OPTIONS, LAYER_OPTIONS, PREFILL_OPTIONS, DecodeCall, PrefillCall
 from tests.helpers import cu_seqlens_of, standard_inputs
 
@@ -68,6 +68,7 @@ def captured(monkeypatch):
     calls = []
     monkeypatch.setattr(prefill, "run", lambda call: calls.append(call) or (call.inputs.v, None))
     monkeypatch.setattr(decode, "run", lambda call: calls.append(call) or call.inputs.v)
+    monkeypatch.setattr(decode_layer, "run", lambda call: calls.append(call) or call.step.inputs.v)
     return calls
 
 
@@ -111,6 +112,31 @@ def test_decode_entries_build_the_same_call(captured):
     cula_aot.kda_decode(*tensors, **x, gate="safe", state_pool=pool, state_indices=slots, num_tokens=2)
     torch_op.kda_decode_op(*tensors, x["A_log"], x["dt_bias"], x["lower_bound"], pool, slots, None, num_tokens=2)
     assert _same(*captured)
+
+
+def test_layer_entries_build_the_same_call(captured):
+    x = standard_inputs(3, 2, H, seed=3)
+    tensors = [x.pop(n) for n in ("q", "k", "v", "g", "beta")]
+    c = H * 128
+    pool, slots = torch.zeros(5, H, 128, 128), torch.tensor([4, -1, 0], dtype=torch.int32)
+    fixed = dict(
+        conv_weight=torch.zeros(3 * c, 4, dtype=torch.bfloat16),
+        conv_state=torch.zeros(5, 3 * c, 3, dtype=torch.bfloat16),
+        norm_weight=torch.ones(128, dtype=torch.bfloat16),
+        state_pool=pool,
+    )
+    z = torch.zeros_like(tensors[0])
+    drafts = cula_aot.draft_buffers(5, H)
+    accepted = torch.zeros(3, dtype=torch.int32)
+    options = dict(drafts=drafts, num_accepted=accepted, verify=True, num_tokens=2)
+    cula_aot.kda_decode_layer(*tensors, **x, **fixed, out_gate=z, state_indices=slots, **options)
+    torch_op.kda_decode_layer_op(
+        *tensors, x["A_log"], x["dt_bias"], x["lower_bound"], fixed["conv_weight"], fixed["conv_state"], z,
+        fixed["norm_weight"], pool, slots, num_tokens=2, draft_records=drafts.records, draft_marks=drafts.marks,
+        num_accepted=accepted, verify=True,
+    )  # fmt: skip
+    layer_call, op_call = captured
+    assert _same(layer_call._replace(speculation=layer_call.speculation._replace(drafts=tuple(drafts))), op_call)
 
 
 @pytest.mark.parametrize(
