@@ -202,3 +202,45 @@ def test_decode_op_under_opcheck_and_compile():
     compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_decode(*a) * 1, fullgraph=True)
     o = compiled(*args)
     assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool) and torch.equal(inter, eager_inter)
+
+
+def test_layer_op_under_opcheck_and_compile():
+    """torch.ops.cula_aot.kda_decode_layer: opcheck, then a compiled verify call equals the eager
+    entry bitwise: output, pool, conv state and drafts."""
+    from tests.decode_helpers import fused_inputs
+
+    heads, n, tokens = 4, 3, 2
+    c = heads * 128
+    x = fused_inputs(n, tokens, heads, device="cuda", seed=12)
+    q, k, v, g, beta = (x[name].contiguous() for name in ("q", "k", "v", "g", "beta"))
+    z = torch.randn_like(v)
+    weight = (0.5 * torch.randn(3 * c, 4, device="cuda")).to(torch.bfloat16)
+    norm = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+    indices = torch.tensor([4, -1, 0], dtype=torch.int32, device="cuda")
+    accepted = torch.tensor([1, 0, 2], dtype=torch.int32, device="cuda")
+
+    def fresh():
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        pool = (0.1 * torch.randn(6, heads, 128, 128, device="cuda", generator=gen)).float()
+        conv = torch.randn(6, 3 * c, 3, device="cuda", generator=gen).to(torch.bfloat16)
+        return pool, conv, cula_aot.draft_buffers(6, heads, "cuda")
+
+    def op_args(pool, conv):
+        return (q, k, v, g, beta, x["A_log"], x["dt_bias"], x["lower_bound"], weight, conv, z, norm, pool, indices)
+
+    pool, conv, drafts = fresh()
+    options = dict(draft_records=drafts.records, draft_marks=drafts.marks, num_accepted=accepted, verify=True)
+    torch.library.opcheck(torch.ops.cula_aot.kda_decode_layer.default, op_args(pool, conv), options)
+
+    eager_pool, eager_conv, eager_drafts = fresh()
+    o_eager = cula_aot.kda_decode_layer(
+        q, k, v, g, beta, conv_weight=weight, conv_state=eager_conv, out_gate=z, norm_weight=norm,
+        A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], state_pool=eager_pool,
+        state_indices=indices, drafts=eager_drafts, num_accepted=accepted, verify=True,
+    )  # fmt: skip
+    pool, conv, drafts = fresh()
+    options = dict(draft_records=drafts.records, draft_marks=drafts.marks, num_accepted=accepted, verify=True)
+    compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_decode_layer(*a, **options) * 1, fullgraph=True)
+    o = compiled(*op_args(pool, conv))
+    assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool) and torch.equal(conv, eager_conv)
+    assert torch.equal(drafts.records, eager_drafts.records) and torch.equal(drafts.marks, eager_drafts.marks)
