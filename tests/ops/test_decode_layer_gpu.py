@@ -195,9 +195,11 @@ def test_conv_forms_and_dispatch(case):
     )
 
 
-def _spec_step_inputs(n, tokens, heads, gen, regime):
-    q, k, v, g, beta, z, gate_args = _inputs(n, tokens, heads, gen, "safe", regime)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, z=z), gate_args
+def _spec_step_inputs(n, tokens, heads, gen, regime, gate_args=None):
+    """A step's inputs; the layer's gate parameters are drawn once (pass the first step's back):
+    a committed draft's decays are the ones it was drafted with."""
+    q, k, v, g, beta, z, drawn = _inputs(n, tokens, heads, gen, "safe", regime)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, z=z), gate_args or drawn
 
 
 def _reference_step(x, rows, state, conv, weights, biases, norm_weight, gate_args, count=None):
@@ -250,11 +252,11 @@ def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layo
     state = from_pool_layout(pool[owned].double(), layout).transpose(-1, -2)  # [n, H, V, K] float64
     conv = tuple(conv_pool[owned].double().split(channels, 1))
     pool_before, conv_before = pool.clone(), conv_pool.clone()
-    previous, accepted = None, torch.zeros(n, dtype=torch.int32)
+    previous, accepted, gate_args = None, torch.zeros(n, dtype=torch.int32), None
     for step in range(33):
         last = step == 32
         tokens = 1 if last else int(torch.randint(1, 9, (1,), generator=cpu))
-        x, gate_args = _spec_step_inputs(n, tokens, heads, gen, regime)
+        x, gate_args = _spec_step_inputs(n, tokens, heads, gen, regime, gate_args)
         if previous is not None:  # the reference commits what the kernel is told was accepted
             for r, row in enumerate(rows):
                 a = int(accepted[row])
@@ -334,10 +336,10 @@ def test_a_commit_spans_waves():
     weights = tuple(weight.double().split(channels))
     state = pool[owned].double()  # a "vk" pool holds [V, K] per head, as the reference takes it
     conv = tuple(conv_pool[owned].double().split(channels, 1))
-    previous, accepted = None, torch.zeros(n, dtype=torch.int32)
+    previous, accepted, gate_args = None, torch.zeros(n, dtype=torch.int32), None
     for step in range(4):
         last = step == 3
-        x, gate_args = _spec_step_inputs(n, tokens, heads, gen, "standard")
+        x, gate_args = _spec_step_inputs(n, tokens, heads, gen, "standard", gate_args)
         if previous is not None:
             for a in range(1, tokens + 1):  # commit in the reference, grouped by accepted count
                 group = [r for r in rows if int(accepted[r]) == a]
