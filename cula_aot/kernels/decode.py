@@ -51,6 +51,7 @@ token strides (q, k, v, g, out: ``[N, T, H, 128]`` with unit stride along D and 
 """
 
 import functools
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -197,6 +198,45 @@ class Tile:
 
 def _tile(kv_layout: bool, bf16_state: bool) -> Tile:
     return Tile(bool(kv_layout), bool(bf16_state))
+
+
+class TokenArrays(NamedTuple):
+    """A decode CTA's shared memory (``token_arrays``)."""
+
+    stage: cute.Tensor
+    kq: cute.Tensor
+    b: cute.Tensor
+    alpha: cute.Tensor
+    khat: cute.Tensor
+    qhat: cute.Tensor
+    decay: cute.Tensor
+    v: cute.Tensor
+    o: cute.Tensor
+
+
+def token_arrays(smem, v_block: int, items: int, bf16_state: bool, num_tokens) -> TokenArrays:
+    """A decode CTA's shared arrays from ``smem`` (the token kernel's and the fused layer's): one
+    item's stage, refilled with item i + 1 as soon as item i is in registers (a placeholder for
+    single items; a bf16 pool stages half the bytes, which lets more CTAs share an SM); k̂·q̂ and
+    b per token; then the per-token arrays, packed for this call's T (the launch asks for only
+    what T uses: ``specs.decode_smem_bytes``): four fp32 [T, 128] key vectors, then v and o staged
+    as bf16 [T, rows] (exact for v; o is rounded once, where it is rounded anyway)."""
+    rows = items * v_block
+    stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(decode_stage_bytes(v_block, items, bf16_state)), 128)
+    kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+    per_token_floats = decode_token_bytes(v_block, items) // 4
+    region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
+    token_layout = cute.make_layout(MAX_TOKENS * D)
+    token_floats = num_tokens * D
+    alpha = cute.make_tensor(region.iterator, token_layout)
+    khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
+    qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
+    decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
+    staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
+    v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
+    o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
+    return TokenArrays(stage, kq, b, alpha, khat, qhat, decay, v, o)
 
 
 # Plain Python helpers (trace-time loops, no dynamic control flow): they may take the Tile.
@@ -353,27 +393,10 @@ class KdaDecode(DecodeKernel):
         head_elems = cutlass.Int64(head) * (D * D)
 
         smem = cutlass.utils.SmemAllocator()
-        # One item, refilled with item i + 1 as soon as item i is in registers (a placeholder for
-        # single items); a bf16 pool stages half the bytes, which lets more CTAs share an SM.
-        stage_bytes = decode_stage_bytes(v_block, items, self.bf16_state)
+        s_stage, s_kq, s_b, s_alpha, s_khat, s_qhat, s_decay, s_v, s_o = token_arrays(
+            smem, v_block, items, self.bf16_state, num_tokens
+        )
         item_stage = _item_stage_bytes(v_block, self.bf16_state)
-        s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
-        s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-        # Per-token arrays last, packed for this call's T (the launch asks for only what T uses:
-        # specs.decode_smem_bytes): four fp32 [T, 128] key vectors, then v and o staged as bf16
-        # [T, rows] (exact for v; o is rounded once, where it is rounded anyway).
-        per_token_floats = decode_token_bytes(v_block, items) // 4
-        region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
-        token_layout = cute.make_layout(MAX_TOKENS * D)
-        token_floats = num_tokens * D
-        s_alpha = cute.make_tensor(region.iterator, token_layout)
-        s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
-        s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
-        s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
-        staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
-        s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
-        s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
 
         slot = self.slot(tensors, geometry, seq)
         # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens

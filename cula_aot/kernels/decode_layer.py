@@ -49,7 +49,6 @@ from ..specs.decode_layer import (
     LAYER_FLAG_NORM_WEIGHT_F32,
     layer_smem_bytes,
 )
-from ..specs import decode_stage_bytes, decode_token_bytes
 from .common import TRACE_HEADS, grid_heads, report_status, sigmoid
 from .decode import (
     HALF,
@@ -68,6 +67,7 @@ from .decode import (
     _unstage_state,
     io_rounds,
     threads,
+    token_arrays,
 )
 from .gate import Gate
 from .params import ConvGeometry, DecodeGeometry, LayerTensors, TokenScalars, grouped
@@ -283,23 +283,12 @@ class KdaDecodeLayer(DecodeKernel):
         head_elems = cutlass.Int64(head) * (D * D)
 
         smem = cutlass.utils.SmemAllocator()
-        stage_bytes = decode_stage_bytes(v_block, items, self.bf16_state)
-        item_stage = _item_stage_bytes(v_block, self.bf16_state)
-        s_stage = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stage_bytes), 128)
-        s_kq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-        s_b = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
+        # The RMSNorm's sums first: the per-token arrays must stay last (a launch sizes them for its T).
         s_sumsq = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS), 16)
-        per_token_floats = decode_token_bytes(v_block, items) // 4
-        region = smem.allocate_tensor(cutlass.Float32, cute.make_layout(MAX_TOKENS * per_token_floats), 128)
-        token_layout = cute.make_layout(MAX_TOKENS * D)
-        token_floats = num_tokens * D
-        s_alpha = cute.make_tensor(region.iterator, token_layout)
-        s_khat = cute.make_tensor(region.iterator + cute.assume(token_floats, divby=D), token_layout)
-        s_qhat = cute.make_tensor(region.iterator + cute.assume(2 * token_floats, divby=D), token_layout)
-        s_decay = cute.make_tensor(region.iterator + cute.assume(3 * token_floats, divby=D), token_layout)
-        staging = cute.recast_ptr(region.iterator + cute.assume(4 * token_floats, divby=D), dtype=cutlass.BFloat16)
-        s_v = cute.make_tensor(staging, cute.make_layout(MAX_TOKENS * rows))
-        s_o = cute.make_tensor(staging + cute.assume(num_tokens * rows, divby=32), cute.make_layout(MAX_TOKENS * rows))
+        s_stage, s_kq, s_b, s_alpha, s_khat, s_qhat, s_decay, s_v, s_o = token_arrays(
+            smem, v_block, items, self.bf16_state, num_tokens
+        )
+        item_stage = _item_stage_bytes(v_block, self.bf16_state)
 
         slot = self.slot(tensors, geometry, seq)
         chunks = rows // 8
