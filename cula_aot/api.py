@@ -182,6 +182,7 @@ def kda_decode(
     status=None,
     beta_sigmoid=True,
     qk_l2norm=True,
+    num_accepted=None,
 ):
     """KDA decode (the recurrent step, docs/CONTRACT.md §10): T = 1..8 tokens per sequence applied to states
     in a pool, in place, with AOT-compiled kernels (no JIT, no host sync, CUDA-graph capturable).
@@ -207,6 +208,13 @@ def kda_decode(
     per-head layout; receives the state after every token (t = T−1 equals the new pool state),
     what a rejected speculative draft rolls back to.  Padding rows are left unwritten.
 
+    Speculative decoding in vLLM's form: state_indices int32 ``[N, T]`` (rows contiguous) gives a
+    slot per token: the state after token t is written to ``state_indices[n, t]`` (skipped outside
+    the pool; reported unless -1) and the state read is ``state_indices[n, num_accepted[n] − 1]``
+    (``num_accepted``: int32 ``[N]`` on the GPU, the tokens the last call's draft kept, clamped to
+    [1, T] on the device and reported as ``STATUS_DRAFT_OUT_OF_RANGE``), or column 0 without
+    ``num_accepted``.  No intermediate_states then (the slots are the intermediate states).
+
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
@@ -230,6 +238,7 @@ def kda_decode(
         status,
         beta_sigmoid,
         qk_l2norm,
+        num_accepted,
     )
     return decode.run(call)
 

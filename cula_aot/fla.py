@@ -11,6 +11,10 @@
   without it ``gate="softplus"``; ``use_gate_in_kernel=False`` is ``gate="precomputed"`` (g the
   log-decay).  g and β may be fp32 (as fla's callers pass a precomputed gate): ``kda_prefill``
   rounds them to bf16 first, one elementwise pass each.
+* vLLM's speculative contract on the recurrent entry (``ssm_state_indices`` ``[N, T]``, a slot
+  per token, and ``num_accepted_tokens``, ``inplace_final_state=True``) runs ``kda_decode``'s
+  per-token slots when the N sequences hold T ≤ 8 tokens each (N·T tokens in all, which with
+  T index columns per row leaves no sequence shorter) and g, β are bf16.
 * ``register_backend()``: adds cula_aot to fla's backend registry (``fla.backends``) for
   ``fla.ops.kda.chunk_kda`` and for the ``kda`` operation's ``fused_recurrent_kda_fwd``, so that
   fla's entry points and its ``KimiDeltaAttention`` layer run here under ``torch.inference_mode()``
@@ -30,10 +34,11 @@ import inspect
 
 import torch
 
-from .api import kda_decode_layer, kda_prefill
+from .api import kda_decode, kda_decode_layer, kda_prefill
 from .constants import device_constant
 from .errors import KDAInputError
 from .gates import fla_gate, fla_gate_problem
+from .specs import DECODE_MAX_TOKENS
 
 __all__ = ["chunk_kda", "fuse_decode_layers", "fused_recurrent_kda", "register_backend", "unsupported"]
 
@@ -56,6 +61,8 @@ def unsupported(
     cp_context=None,
     num_accepted_tokens=None,
     ssm_state_indices=None,
+    inplace_final_state=False,
+    cu_seqlens=None,
     **_,
 ):
     """The reason cula_aot's kernels cannot run this fla call, or None."""
@@ -78,7 +85,29 @@ def unsupported(
     if cp_context is not None:
         return "fla's cross-GPU context parallelism is not cula_aot's"
     if num_accepted_tokens is not None or (ssm_state_indices is not None and ssm_state_indices.dim() != 1):
-        return "cula_aot's recurrent entry has no per-token state indices (speculative decoding): use kda_decode"
+        return _token_slots_problem(q, g, beta, ssm_state_indices, inplace_final_state, cu_seqlens)
+    return None
+
+
+def _token_slots_problem(q, g, beta, ssm_state_indices, inplace_final_state, cu_seqlens):
+    """Why a call with per-token state indices (vLLM's speculative decoding) is not
+    ``kda_decode``'s per-token slots, or None."""
+    if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.dim() != 2:
+        return "num_accepted_tokens needs ssm_state_indices [N, T] (a state slot per token)"
+    n, tokens = ssm_state_indices.shape
+    if not 1 <= tokens <= DECODE_MAX_TOKENS:
+        return f"per-token state indices run T = 1..{DECODE_MAX_TOKENS} tokens per sequence, got {tokens} columns"
+    if not inplace_final_state:
+        return "per-token state indices write the pool in place: pass inplace_final_state=True"
+    if g.dtype != torch.bfloat16 or beta.dtype != torch.bfloat16:
+        return f"per-token state indices run bf16 g and β (kda_decode), got {g.dtype} and {beta.dtype}"
+    batch, total = q.shape[:2]
+    sequences = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+    if sequences != n or batch * total != n * tokens:
+        return (
+            f"per-token state indices [{n}, {tokens}] need {n} sequences of {tokens} tokens "
+            f"(q {list(q.shape)}, {'no cu_seqlens' if cu_seqlens is None else f'{sequences} sequences'})"
+        )
     return None
 
 
@@ -228,6 +257,8 @@ def _recurrent(
     ``initial_state`` (slot ``ssm_state_indices[n]`` for sequence n, when given) or into a new
     fp32 final state; ``out`` written when given."""
     options = _kda_options(locals(), lower_bound is not None)
+    if ssm_state_indices is not None and ssm_state_indices.dim() == 2:
+        return _token_slots(q, k, v, g, beta, initial_state, ssm_state_indices, num_accepted_tokens, out, options)
     options.update(out=out, intracard_cp=False)
     if inplace_final_state:
         if initial_state is None:
@@ -248,6 +279,28 @@ def _recurrent(
         )
         return o, initial_state
     return kda_prefill(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state, **options)
+
+
+def _token_slots(q, k, v, g, beta, pool, slots, num_accepted, out, options):
+    """fla's per-token state indices as ``kda_decode``'s per-token slots (``_token_slots_problem``
+    has checked the shapes): varlen inputs viewed ``[N, T, ...]``; returns fla's ``(o, pool)``."""
+    n, tokens = slots.shape
+    varlen = options.pop("cu_seqlens") is not None
+
+    def per_sequence(x):
+        return x[0].unflatten(0, (n, tokens)) if varlen and x is not None else x
+
+    o = kda_decode(
+        *(per_sequence(x) for x in (q, k, v, g, beta)),
+        **options,
+        state_pool=pool,
+        state_indices=slots.to(torch.int32),
+        num_accepted=None if num_accepted is None else num_accepted.to(torch.int32),
+        out=per_sequence(out),
+    )
+    if out is not None:
+        return out, pool
+    return (o.view(1, n * tokens, *o.shape[2:]) if varlen else o), pool
 
 
 def _identity_slots(n: int, device):

@@ -51,7 +51,8 @@ SCHEMAS = {
     f"Tensor(b!)? checkpoint_pool=None, Tensor? checkpoint_indices=None, "
     f"Tensor? checkpoint_offsets=None) -> Tensor",
     "kda_decode": f"({INPUTS}, Tensor(a!) state_pool, Tensor state_indices, Tensor(b!)? intermediate_states, "
-    f'float? scale=None, int? num_tokens=None, str state_layout="vk", {CONVENTIONS}) -> Tensor',
+    f'float? scale=None, int? num_tokens=None, str state_layout="vk", {CONVENTIONS}, '
+    f"Tensor? num_accepted=None) -> Tensor",
     "kda_decode_layer": f"({INPUTS}, Tensor conv_weight, Tensor(a!) conv_state, Tensor out_gate, "
     f"Tensor norm_weight, Tensor(b!) state_pool, Tensor state_indices, Tensor? conv_bias=None, "
     f'str conv_layout="dim", float norm_eps=1e-05, float? scale=None, int? num_tokens=None, '

@@ -1,6 +1,8 @@
 """``cula_aot.fla``: fla's calling convention mapped onto ``kda_prefill`` (CPU: the call a given
 set of fla arguments becomes, and the reasons for what the kernels do not run)."""
 
+import re
+
 import pytest
 import torch
 
@@ -131,3 +133,68 @@ def test_backend_refuses_gradients_and_cpu(x):
     with torch.no_grad():
         ok, reason = fla_route._verdict({"q": x["q"]})
     assert not ok and "sm_90" in reason
+
+
+def _speculative(n=3, tokens=4, heads=2):
+    """vLLM's speculative call on fla's recurrent entry: N sequences of T tokens as one varlen
+    batch, a state slot per token, the accepted tokens of each sequence's last draft."""
+    x = standard_inputs(1, n * tokens, heads, seed=1)
+    slots = torch.arange(n * tokens, dtype=torch.int64).view(n, tokens)
+    extra = dict(
+        initial_state=torch.zeros(n * tokens + 1, heads, 128, 128),
+        inplace_final_state=True,
+        cu_seqlens=torch.arange(n + 1) * tokens,
+        ssm_state_indices=slots,
+        num_accepted_tokens=torch.tensor([1, tokens, 2][:n]),
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        lower_bound=-5.0,
+    )
+    return x, extra
+
+
+def test_per_token_state_indices_run_kda_decodes_token_slots(monkeypatch):
+    seen = []
+
+    def fake_decode(*args, **kwargs):
+        seen.append((args, kwargs))
+        return torch.zeros(*args[0].shape, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(fla_route, "kda_decode", fake_decode)
+    x, extra = _speculative()
+    assert fla_route.unsupported(*_qkvgb(x), **_flags(), **extra) is None
+    o, final = fla_route._recurrent(*_qkvgb(x), **_flags(), **extra)
+    ((args, kwargs),) = seen
+    assert [list(t.shape) for t in args[:4]] == [[3, 4, 2, 128]] * 4 and list(args[4].shape) == [3, 4, 2]
+    assert args[0].data_ptr() == x["q"].data_ptr() and args[0][1, 2].equal(x["q"][0, 6])  # views, token order kept
+    assert kwargs["state_pool"] is extra["initial_state"] and final is extra["initial_state"]
+    assert kwargs["state_indices"].dtype == torch.int32 and kwargs["state_indices"].equal(
+        extra["ssm_state_indices"].int()
+    )
+    assert kwargs["num_accepted"].tolist() == [1, 4, 2] and kwargs["num_accepted"].dtype == torch.int32
+    assert kwargs["gate"] == "safe" and kwargs["qk_l2norm"] and kwargs["beta_sigmoid"] and "cu_seqlens" not in kwargs
+    assert list(o.shape) == [1, 12, 2, 128]
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(inplace_final_state=False), "inplace_final_state=True"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 12])), r"need 3 sequences of 4 tokens"),
+        (dict(ssm_state_indices=torch.zeros(3, 9, dtype=torch.int32)), "T = 1..8"),
+        (dict(ssm_state_indices=torch.zeros(4, 3, dtype=torch.int32)), r"need 4 sequences of 3 tokens"),
+        (
+            dict(ssm_state_indices=torch.zeros(3, dtype=torch.int32)),
+            r"num_accepted_tokens needs ssm_state_indices \[N, T\]",
+        ),
+    ],
+)
+def test_per_token_state_indices_outside_kda_decode_are_named(change, reason):
+    x, extra = _speculative()
+    assert re.search(reason, fla_route.unsupported(*_qkvgb(x), **_flags(), **{**extra, **change}))
+
+
+def test_per_token_state_indices_need_bf16_gate_inputs():
+    x, extra = _speculative()
+    q, k, v, g, beta = _qkvgb(x)
+    assert "bf16 g and β" in fla_route.unsupported(q, k, v, g.float(), beta, **_flags(), **extra)

@@ -21,6 +21,11 @@ rounded once per store).  ``slot < 0`` or ``slot ≥ num_slots`` is a padding ro
 zeros to its ``out`` rows and nothing else (no state read or written, never an out-of-range
 access); a padding slot other than -1 is reported in the status word (``FLAG_STATUS``).  With ``flags & FLAG_INTERMEDIATE`` the state after every token t is also written to
 ``intermediate + ((n·T + t)·H + h)·128·128`` (same dtype and per-head layout as the pool).
+With ``flags & FLAG_TOKEN_SLOTS`` (vLLM's speculative contract) ``state_indices`` is ``[N, T]``:
+the state is read from slot ``state_indices[n, c]``, c = ``num_accepted[n] − 1`` clamped to
+[0, T) under ``FLAG_ACCEPTED`` (a count outside [1, T] reported) or 0, and the state after
+token t goes to slot ``state_indices[n, t]`` (skipped outside the pool) instead of back to the
+slot read.
 
 Thread tile.  Each thread owns 64 state values, ``VT`` V rows × ``KT`` keys, loaded and stored
 as 16-byte vectors; the ``L = 128 / KT`` lanes that share its rows (a "group", one warp holds
@@ -56,15 +61,18 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 
-from ..layout import D
+from ..layout import STATUS_DRAFT_OUT_OF_RANGE, D
 from ..specs import (
+    DECODE_FLAG_ACCEPTED,
     DECODE_FLAG_INTERMEDIATE,
+    DECODE_FLAG_STATUS,
+    DECODE_FLAG_TOKEN_SLOTS,
     DECODE_MAX_TOKENS,
     decode_smem_bytes,
     decode_stage_bytes,
     decode_token_bytes,
 )
-from .common import butterfly_reduce_scatter, grid_heads, kept_start
+from .common import butterfly_reduce_scatter, grid_heads, kept_start, report_status
 from .gate import Gate
 from .params import DecodeGeometry, DecodeTensors, TokenScalars
 from .token_step import DecodeKernel, bf16_row8, defer_decay, direct_decay, smem_run, token_offset, token_prepare
@@ -383,6 +391,63 @@ class KdaDecode(DecodeKernel):
         self.smem_bytes = smem_bytes(v_block, items, bf16_state)
         self.rows = items * v_block  # V rows of a CTA: items blocks of v_block, one after the other
 
+    @cute.jit
+    def read_slot(self, tensors: DecodeTensors, geometry: DecodeGeometry, seq, flags, tid):
+        """The slot the sequence's state is read from: ``state_indices[n]``, or under
+        ``DECODE_FLAG_TOKEN_SLOTS`` column ``num_accepted[n] − 1`` (``DECODE_FLAG_ACCEPTED``;
+        clamped to [0, T), a count outside [1, T] reported) or 0 of row n of ``[N, T]`` indices."""
+        at = seq
+        if (flags & DECODE_FLAG_TOKEN_SLOTS) != 0:
+            column = cutlass.Int32(0)
+            if (flags & DECODE_FLAG_ACCEPTED) != 0:
+                accepted = cute.make_tensor(tensors.num_accepted + seq, cute.make_layout(1))[0]
+                column = cutlass.min(cutlass.max(accepted - 1, 0), geometry.num_tokens - 1)
+                if tid == 0:
+                    report_status(
+                        tensors.status,
+                        (flags & DECODE_FLAG_STATUS) != 0,
+                        cutlass.select_(column != accepted - 1, STATUS_DRAFT_OUT_OF_RANGE, 0),
+                    )
+            at = seq * geometry.num_tokens + column
+        return cute.make_tensor(tensors.state_indices + geometry.index_offset + at, cute.make_layout(1))[0]
+
+    @cute.jit
+    def store_token_state(
+        self,
+        state,
+        tensors,
+        geometry,
+        n64,
+        seq,
+        t,
+        head_elems,
+        item_off,
+        s_decay,
+        tid,
+        j,
+        flags,
+        first_item: cutlass.Constexpr[bool],
+    ):
+        """The state after token ``t``: to slot ``state_indices[n, t]`` under
+        ``DECODE_FLAG_TOKEN_SLOTS`` (nothing outside the pool; one other than -1 reported by
+        thread 0 on the ``first_item``), else to the intermediate states."""
+        direct = not self.gate.defers_decay
+        if (flags & DECODE_FLAG_TOKEN_SLOTS) != 0:
+            at = geometry.index_offset + seq * geometry.num_tokens + t
+            slot = cute.make_tensor(tensors.state_indices + at, cute.make_layout(1))[0]
+            if slot >= 0 and slot < geometry.num_slots:
+                pool_head = tensors.state_pool + cute.assume(
+                    cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
+                )
+                _store_state(state, pool_head, self.tile, item_off, s_decay, t, j, direct)
+            if cutlass.const_expr(first_item):
+                if tid == 0:
+                    self.report_padding(tensors, flags, slot, geometry.num_slots)
+        else:
+            inter_at = (n64 * geometry.num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
+            inter_head = tensors.intermediate + cute.assume(inter_at, divby=D * D)
+            _store_state(state, inter_head, self.tile, item_off, s_decay, t, j, direct)
+
     @cute.kernel
     def kda_decode(self, tensors: DecodeTensors, geometry: DecodeGeometry, scalars: TokenScalars):
         tid, warp, lane, vblk, head, seq = self.coordinates()
@@ -398,7 +463,7 @@ class KdaDecode(DecodeKernel):
         )
         item_stage = _item_stage_bytes(v_block, self.bf16_state)
 
-        slot = self.slot(tensors, geometry, seq)
+        slot = self.read_slot(tensors, geometry, seq, flags, tid)
         # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens
         # per round) of this CTA's rows (one round up to 64 rows, two for 128); threads past the
         # last token repeat it (identical values: a benign duplicate store).
@@ -472,7 +537,8 @@ class KdaDecode(DecodeKernel):
             pool_head = tensors.state_pool + cute.assume(
                 cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
             )
-            write_inter = (flags & DECODE_FLAG_INTERMEDIATE) != 0
+            # Every token's state written (intermediates, or per-token slots), or only the last.
+            write_every = (flags & (DECODE_FLAG_INTERMEDIATE | DECODE_FLAG_TOKEN_SLOTS)) != 0
             for item in cutlass.range_constexpr(items):
                 item_off = lane_off + self.tile.row_offset(item * v_block)
                 if cutlass.const_expr(item > 0):
@@ -499,7 +565,7 @@ class KdaDecode(DecodeKernel):
 
                 # Two loops, not one with the store under `if`: ptxas predicates a store inside the
                 # loop, so its ~110 instructions would issue on every token of every call.
-                if write_inter:
+                if write_every:
                     for t in cutlass.range(num_tokens, unroll=1):
                         _token_step(
                             self.tile,
@@ -519,9 +585,21 @@ class KdaDecode(DecodeKernel):
                             rows,
                             _step_decay(gate, s_decay),
                         )
-                        inter_at = (n64 * num_tokens + cutlass.Int64(t)) * grid_heads() * (D * D) + head_elems
-                        inter_head = tensors.intermediate + cute.assume(inter_at, divby=D * D)
-                        _store_state(state, inter_head, self.tile, item_off, s_decay, t, j, not gate.defers_decay)
+                        self.store_token_state(
+                            state,
+                            tensors,
+                            geometry,
+                            n64,
+                            seq,
+                            t,
+                            head_elems,
+                            item_off,
+                            s_decay,
+                            tid,
+                            j,
+                            flags,
+                            item == 0,
+                        )
                 else:
                     for t in cutlass.range(num_tokens, unroll=1):
                         _token_step(
@@ -542,7 +620,10 @@ class KdaDecode(DecodeKernel):
                             rows,
                             _step_decay(gate, s_decay),
                         )
-                _store_state(state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay)
+                if (flags & DECODE_FLAG_TOKEN_SLOTS) == 0:
+                    _store_state(
+                        state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay
+                    )
             cute.arch.sync_threads()
             for r in cutlass.range_constexpr(rounds):
                 io_t = _io_token(tid, chunks, n_threads, r)

@@ -133,8 +133,8 @@ class TokenScalars(NamedTuple):
 @param_group(lambda name: DECODE_TENSORS)
 class DecodeTensors(NamedTuple):
     """The decode kernels' tensors (``specs.DECODE_TENSORS``): the token inputs, the gate
-    parameters, the state pool and its slot indices, the intermediate states, the outputs and the
-    status word."""
+    parameters, the state pool and its slot indices, the intermediate states, the outputs, the
+    status word and the accepted tokens per sequence."""
 
     q: cute.Pointer
     k: cute.Pointer
@@ -148,6 +148,7 @@ class DecodeTensors(NamedTuple):
     intermediate: cute.Pointer
     out: cute.Pointer
     status: cute.Pointer
+    num_accepted: cute.Pointer
 
 
 @param_group(lambda name: DECODE_GEOMETRY)

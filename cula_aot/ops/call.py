@@ -63,6 +63,7 @@ DECODE_OPTIONS = {
     "status": None,
     "beta_sigmoid": True,
     "qk_l2norm": True,
+    "num_accepted": None,
 }
 
 
@@ -261,6 +262,7 @@ class DecodeCall(NamedTuple):
     state_layout: str
     intermediate_states: torch.Tensor | None
     status: torch.Tensor | None
+    num_accepted: torch.Tensor | None = None
     variant: tuple | None = None
 
     @classmethod
@@ -297,6 +299,7 @@ class DecodeCall(NamedTuple):
         status,
         beta_sigmoid,
         qk_l2norm,
+        num_accepted,
         variant=None,
     ) -> "DecodeCall":
         """The call of ``kda_decode``'s arguments by position, in its order (``kda_decode`` itself
@@ -304,14 +307,25 @@ class DecodeCall(NamedTuple):
         inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
         return _new(
             cls,
-            (inputs, state_pool, state_indices, out, num_tokens, state_layout, intermediate_states, status, variant),
+            (
+                inputs,
+                state_pool,
+                state_indices,
+                out,
+                num_tokens,
+                state_layout,
+                intermediate_states,
+                status,
+                num_accepted,
+                variant,
+            ),
         )
 
     def signature(self) -> tuple:
         """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
         plan fixes, as ``PrefillCall.signature`` (flat: q's shape, strides, dtype and device, then
         k's, ...; None or such a 4-tuple for each optional tensor)."""
-        x, pool, slots, out, tokens, state_layout, inter, status, variant = self
+        x, pool, slots, out, tokens, state_layout, inter, status, accepted, variant = self
         q, k, v, g, beta, gate, _, conventions = x
         a, d = gate.A_log, gate.dt_bias
         # Spelled out rather than a loop over the tensors: built on every decode call, where a
@@ -330,6 +344,7 @@ class DecodeCall(NamedTuple):
             None if out is None else (out.shape, out.stride(), out.dtype, out.get_device()),
             None if inter is None else (inter.shape, inter.stride(), inter.dtype, inter.get_device()),
             None if status is None else (status.shape, status.stride(), status.dtype, status.get_device()),
+            None if accepted is None else (accepted.shape, accepted.stride(), accepted.dtype, accepted.get_device()),
             type(tokens), tokens, state_layout, gate.name, conventions, variant,
         )
         # fmt: on
@@ -340,7 +355,8 @@ _DECODE_ORDER = ("q", "k", "v", "g", "beta", *DECODE_OPTIONS)
 
 
 # ``kda_decode_layer``'s keyword arguments beyond ``kda_decode``'s (less ``intermediate_states``:
-# the layer's speculative form keeps records, not states), likewise.
+# the layer's speculative form keeps records, not states; its ``num_accepted`` commits a draft),
+# likewise.
 LAYER_OPTIONS = {
     "conv_weight": REQUIRED,
     "conv_state": REQUIRED,
@@ -349,7 +365,7 @@ LAYER_OPTIONS = {
     "conv_bias": None,
     "conv_layout": "dim",
     "norm_eps": 1e-5,
-    **{name: value for name, value in DECODE_OPTIONS.items() if name != "intermediate_states"},
+    **{name: value for name, value in DECODE_OPTIONS.items() if name not in ("intermediate_states", "num_accepted")},
     "drafts": None,
     "num_accepted": None,
     "verify": False,
@@ -438,7 +454,7 @@ class DecodeLayerCall(NamedTuple):
         itself: see ``DecodeCall.bind``)."""
         inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
         step = _new(
-            DecodeCall, (inputs, state_pool, state_indices, out, num_tokens, state_layout, None, status, variant)
+            DecodeCall, (inputs, state_pool, state_indices, out, num_tokens, state_layout, None, status, None, variant)
         )
         return _new(
             cls,

@@ -122,6 +122,24 @@ def check_slot_indices(name, t, num_seqs: int, device) -> None:
         fail(f"{name} is on {t.device} but q is on {device}; keep it on the GPU (it is never read on the host)")
 
 
+def check_token_slot_indices(name, t, num_seqs: int, tokens: int, device) -> None:
+    """A pool slot per token (vLLM's speculative ``ssm_state_indices``): int32 ``[num_seqs, tokens]``
+    with contiguous rows, on q's device (never read by the host; an entry outside the pool is
+    not written)."""
+    if t.dtype != torch.int32:
+        fail(f"{name} must be torch.int32, got {t.dtype}; convert it with {name}.to(torch.int32)")
+    if tuple(t.shape) != (num_seqs, tokens):
+        fail(
+            f"{name} of two dims holds a pool slot per token: shape [{num_seqs}, {tokens}] (N, T), got {list(t.shape)}"
+        )
+    if (tokens > 1 and t.stride(1) != 1) or (num_seqs > 1 and t.stride(0) != tokens):
+        fail(
+            f"{name} [N, T] must be contiguous (strides [{tokens}, 1]), got {list(t.stride())}; call {name}.contiguous()"
+        )
+    if t.device != device:
+        fail(f"{name} is on {t.device} but q is on {device}; keep it on the GPU (it is never read on the host)")
+
+
 def check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, batch: int, device) -> int:
     """cu_seqlens' structure (its values: ``host_cu_seqlens``): int32/int64 ``[N + 1]`` on q's
     device or the CPU, with B = 1; ``cu_seqlens_cpu`` as many entries.  Returns N."""

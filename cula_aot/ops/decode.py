@@ -16,8 +16,10 @@ from ..runtime.loader import raw_stream as _raw_stream
 from ..runtime.manifest import ArtifactError
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
+    DECODE_FLAG_ACCEPTED,
     DECODE_FLAG_INTERMEDIATE,
     DECODE_FLAG_STATUS,
+    DECODE_FLAG_TOKEN_SLOTS,
     DECODE_MAX_TOKENS,
     chunk_applies,
     pick_variant,
@@ -165,7 +167,23 @@ def validate(call: DecodeCall, device_check: bool = True):
     state_pool = call.state_pool
     checks.check_state("state_pool", state_pool, heads, device)
     _check_base("state_pool", state_pool)
-    checks.check_slot_indices("state_indices", call.state_indices, num_seqs, device)
+    state_indices, num_accepted = call.state_indices, call.num_accepted
+    if isinstance(state_indices, torch.Tensor) and state_indices.dim() == 2:
+        checks.check_token_slot_indices("state_indices", state_indices, num_seqs, tokens, device)
+        if call.intermediate_states is not None:
+            fail(
+                "intermediate_states cannot be given with [N, T] state_indices: the state after every token "
+                "already goes to its slot; pass intermediate_states=None"
+            )
+        if num_accepted is not None:
+            checks.check_contiguous("num_accepted", num_accepted, torch.int32, (num_seqs,), device)
+    else:
+        checks.check_slot_indices("state_indices", state_indices, num_seqs, device)
+        if num_accepted is not None:
+            fail(
+                "num_accepted picks the slot to read among a row of [N, T] state_indices (vLLM's speculative "
+                "contract); with [N] state_indices pass num_accepted=None"
+            )
 
     intermediate_states = call.intermediate_states
     if intermediate_states is not None:
@@ -217,6 +235,7 @@ _PER_CALL = (
     "intermediate",
     "out",
     "status",
+    "num_accepted",
     "beta_offset",
     "index_offset",
     "scale",
@@ -237,15 +256,21 @@ class _DecodePlan:
         self.device = device = q.device
         state_pool, gate = call.state_pool, x.gate
         bf16_state = state_pool.dtype == torch.bfloat16
+        token_slots = call.state_indices.dim() == 2
         intermediates = call.intermediate_states is not None
         variant = call.variant
         if variant is None:
-            variant = pick_variant(num_seqs, heads, tokens, bf16_state, call.state_layout, intermediates, gate.name)
-        elif variant[0] == "chunk" and not chunk_applies(tokens, bf16_state, call.state_layout, intermediates):
+            variant = pick_variant(
+                num_seqs, heads, tokens, bf16_state, call.state_layout, intermediates or token_slots, gate.name
+            )
+        elif variant[0] == "chunk" and not chunk_applies(
+            tokens, bf16_state, call.state_layout, intermediates or token_slots
+        ):
             fail(
                 f"variant {variant!r} (the chunk kernel) runs T = 2..{DECODE_CHUNK_MAX_TOKENS} tokens on a bf16 'vk' "
-                f"pool without intermediate_states; got T = {tokens}, {state_pool.dtype}, {call.state_layout!r}, "
-                f"intermediate_states {'given' if intermediates else 'None'}: pass variant=None"
+                f"pool without intermediate_states or [N, T] state_indices; got T = {tokens}, {state_pool.dtype}, "
+                f"{call.state_layout!r}, intermediate_states {'given' if intermediates else 'None'}, state_indices "
+                f"{list(call.state_indices.shape)}: pass variant=None"
             )
         spec = variant_spec(variant, bf16_state, call.state_layout, gate.name)
         kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
@@ -262,6 +287,8 @@ class _DecodePlan:
             "out_stride_n": out_stride_n,
             "out_stride_t": out_stride_t,
             "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
+            | (DECODE_FLAG_TOKEN_SLOTS if token_slots else 0)
+            | (DECODE_FLAG_ACCEPTED if call.num_accepted is not None else 0)
             | (DECODE_FLAG_STATUS if call.status is not None else 0)
             | x.conventions,
             "heads": heads,
@@ -287,7 +314,7 @@ class _DecodePlan:
         self.inter_bounds = None if inter is None else _overlap_bounds(_extent(inter), _extent(state_pool))
 
     def run(self, call: DecodeCall):
-        x, state_pool, state_indices, out, _, _, inter, status, _ = call
+        x, state_pool, state_indices, out, _, _, inter, status, accepted, _ = call
         q, k, v, g, beta, (_, a_log, dt_bias, lower_bound), scale, _ = x
         lower_bound, scale = checks.check_scalars(lower_bound, scale)
         qp, kp, vp, gp, bp = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr()
@@ -295,6 +322,7 @@ class _DecodePlan:
         ip = 0 if inter is None else inter.data_ptr()
         op = 0 if out is None else out.data_ptr()
         sp = 0 if status is None else status.data_ptr()
+        np_ = 0 if accepted is None else accepted.data_ptr()
         if (qp | kp | vp | gp | ap | dp | pp | ip | op | sp) & (_ALIGN - 1):
             validate(call)  # names the misaligned argument
         if inter is not None and self.inter_bounds[0] < pp - ip < self.inter_bounds[1]:
@@ -333,6 +361,7 @@ class _DecodePlan:
             ip,
             op,
             sp,
+            np_,
             beta_skew // self.beta_size,
             index_skew // self.index_size,
             scale,

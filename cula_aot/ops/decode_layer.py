@@ -135,6 +135,11 @@ def validate(call: DecodeLayerCall):
     views, the output gate (unflattened like q) and the norm's eps."""
     checked = decode.validate(call.step, device_check=False)
     q, k, v, g, beta, out, (num_seqs, tokens, heads, _scale) = checked
+    if call.step.state_indices.dim() != 1:
+        fail(
+            "kda_decode_layer takes state_indices [N] (one pool slot per request); for speculative decoding "
+            "pass drafts= and num_accepted= (the layer keeps per-token records, not per-token slots)"
+        )
     device = q.device
     norm = call.norm
     z = norm.gate
@@ -349,7 +354,7 @@ class _LayerPlan:
 
     def run(self, call: DecodeLayerCall):
         step, (weight, bias, state, _), (z, norm_weight, eps), (drafts, accepted, _) = call
-        x, pool, indices, out, _, _, _, status, _ = step
+        x, pool, indices, out, _, _, _, status, _, _ = step
         q, k, v, g, beta, (_, a_log, dt_bias, lower_bound), scale, _ = x
         pp, xp = pool.data_ptr(), indices.data_ptr()
         cw = _three_addresses(weight, self.weight_recipe)

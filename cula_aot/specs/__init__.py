@@ -85,8 +85,10 @@ from .cp_merge import (  # noqa: F401
 )
 from .decode import (  # noqa: F401
     DECODE_MAX_TOKENS,
+    DECODE_FLAG_ACCEPTED,
     DECODE_FLAG_INTERMEDIATE,
     DECODE_FLAG_STATUS,
+    DECODE_FLAG_TOKEN_SLOTS,
     DECODE_VARIANTS,
     DECODE_TENSORS,
     DECODE_GEOMETRY,

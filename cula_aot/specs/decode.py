@@ -11,6 +11,11 @@ from .abi import GATES, STATUS_POINTER, TOKEN_SCALARS, KernelSpec, gate_field, p
 DECODE_MAX_TOKENS = 8  # tokens per sequence and call (speculative decoding verifies several)
 DECODE_FLAG_INTERMEDIATE = 1  # ``flags`` bit: write the state after every token
 DECODE_FLAG_STATUS = 2  # ``flags`` bit: a status word is given (``layout.STATUS_SLOT_OUT_OF_RANGE``)
+# ``flags`` bits of vLLM's speculative contract: state_indices is [N, T] and the state after token
+# t goes to slot state_indices[n, t]; the state read is column 0, or with num_accepted column
+# num_accepted[n] − 1 (the slot holding the state after the last call's accepted tokens).
+DECODE_FLAG_TOKEN_SLOTS = 4
+DECODE_FLAG_ACCEPTED = 8
 # and the input conventions' bits, shared with K1 (``layout.FLAG_BETA_PROBABILITY``, ``FLAG_QK_AS_GIVEN``)
 # (V rows per item, items per CTA) of the built decode kernels: one warp per 16 rows; with
 # several items a CTA walks V blocks of one head, the next one's state streaming into shared
@@ -35,6 +40,7 @@ DECODE_TENSORS = (
     pointer("intermediate", "state"),
     pointer("out", "bf16"),
     STATUS_POINTER,
+    pointer("num_accepted", "i32", address_align=4),  # [N], with DECODE_FLAG_ACCEPTED
 )
 DECODE_GEOMETRY = (
     scalar("num_seqs", "i32"),
@@ -195,7 +201,7 @@ DECODE_CHUNK_PAIRED_MIN_HEADS = 8192
 
 def chunk_applies(tokens: int, bf16_state: bool, state_layout: str, intermediates: bool) -> bool:
     """The tensor-core chunk kernel serves 2–4 tokens (any gate) on a bf16 "vk" pool without
-    intermediate states (``kernels/decode_chunk.py``)."""
+    intermediate states or per-token slots (``intermediates``; ``kernels/decode_chunk.py``)."""
     return bf16_state and state_layout == "vk" and not intermediates and 2 <= tokens <= DECODE_CHUNK_MAX_TOKENS
 
 

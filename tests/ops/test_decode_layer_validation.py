@@ -56,6 +56,10 @@ def test_a_good_call_reaches_the_device_check():
 
 
 BAD = [
+    (
+        dict(state_indices=torch.arange(N * T, dtype=torch.int32).view(N, T)),
+        r"kda_decode_layer takes state_indices \[N\] \(one pool slot per request\)",
+    ),
     (dict(conv_weight=torch.zeros(3 * C, 3)), r"conv_weight \(q\) must have shape \[256, 4\]"),
     (dict(conv_weight=torch.zeros(2 * C, W)), r"conv_weight packed must have 3·H·128 = 768 channels"),
     (dict(conv_weight=torch.zeros(3 * C, W, dtype=torch.float16)), r"conv_weight \(q\) must be bf16 or fp32"),

@@ -84,6 +84,7 @@ def test_a_repeated_signature_validates_once_and_takes_each_calls_addresses(laun
             "intermediate",
             "out",
             "status",
+            "num_accepted",
             "beta_offset",
             "index_offset",
             "scale",
@@ -187,6 +188,31 @@ def test_a_signature_seen_before_the_last_one_is_still_checked(launches, monkeyp
         with pytest.raises(KDAInputError, match="out must not alias state_pool"):
             _call({**a, "out": inside})
     assert len(launches) == 4 and len(validations) == 2
+
+
+def test_per_token_slots_take_the_token_kernel_and_their_flags(launches):
+    """[N, T] state_indices (vLLM's speculative slots) set the token-slot flag, and num_accepted
+    its own flag and pointer, per call; on a bf16 "vk" pool at T = 2, where plain decode runs the
+    chunk kernel, they run the token kernel, the one that writes per-token states."""
+    from cula_aot.specs import DECODE_FLAG_ACCEPTED, DECODE_FLAG_INTERMEDIATE, DECODE_FLAG_TOKEN_SLOTS
+
+    pool = torch.zeros(2 * N * T, H, D, D, dtype=torch.bfloat16)
+    slots = torch.arange(N * T, dtype=torch.int32).view(N, T)
+    _call(_args(seed=5, state_pool=pool, state_indices=slots[:, 0].contiguous()))
+    accepted = [torch.full((N,), T, dtype=torch.int32), torch.ones(N, dtype=torch.int32)]
+    for counts in (None, *accepted):
+        _call(_args(seed=6, state_pool=pool, state_indices=slots, num_accepted=counts))
+    (plain, _), (none, _), (first, _), (second, _) = launches
+    assert not plain["flags"] & DECODE_FLAG_TOKEN_SLOTS
+    for values in (none, first, second):
+        assert values["flags"] & DECODE_FLAG_TOKEN_SLOTS and not values["flags"] & DECODE_FLAG_INTERMEDIATE
+        assert values["intermediate"] == 0
+    assert none["num_accepted"] == 0 and not none["flags"] & DECODE_FLAG_ACCEPTED
+    for values, counts in zip((first, second), accepted):
+        assert values["flags"] & DECODE_FLAG_ACCEPTED and values["num_accepted"] == counts.data_ptr()
+    assert len(decode._PLANS) == 3  # [N]; [N, T] without counts; [N, T] with counts (two calls, one plan)
+    names = [plan.template.kernel.name for plan in decode._PLANS._plans.values()]
+    assert "chunk" in names[0] and not any("chunk" in name for name in names[1:])
 
 
 def test_the_plan_supplies_the_per_call_parameters_in_the_specs_order():

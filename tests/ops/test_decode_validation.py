@@ -131,6 +131,38 @@ RULES = [
     (lambda x: {"status": torch.zeros(8, dtype=torch.int32)[1:2]}, "status must start on a 16-byte boundary"),
     (lambda x: {"beta_sigmoid": "no"}, "beta_sigmoid must be True or False, got 'no'"),
     (lambda x: {"qk_l2norm": 0}, "qk_l2norm must be True or False, got 0"),
+    # vLLM's per-token slots: [N, T] state_indices and num_accepted.
+    (
+        lambda x: {"state_indices": torch.zeros(N, T + 1, dtype=torch.int32)},
+        r"state_indices of two dims holds a pool slot per token: shape \[3, 2\]",
+    ),
+    (
+        lambda x: {"state_indices": torch.zeros(N, 2 * T, dtype=torch.int32)[:, ::2]},
+        r"state_indices \[N, T\] must be contiguous",
+    ),
+    (lambda x: {"state_indices": torch.zeros(N, T, dtype=torch.int64)}, "state_indices must be torch.int32"),
+    (
+        lambda x: {"num_accepted": torch.ones(N, dtype=torch.int32)},
+        r"num_accepted picks the slot to read among a row of \[N, T\] state_indices",
+    ),
+    (
+        lambda x: {
+            "state_indices": torch.zeros(N, T, dtype=torch.int32),
+            "intermediate_states": torch.zeros(N, T, H, D, D),
+        },
+        r"intermediate_states cannot be given with \[N, T\] state_indices",
+    ),
+    (
+        lambda x: {
+            "state_indices": torch.zeros(N, T, dtype=torch.int32),
+            "num_accepted": torch.ones(N + 1, dtype=torch.int32),
+        },
+        r"num_accepted must have shape \[3\]",
+    ),
+    (
+        lambda x: {"state_indices": torch.zeros(N, T, dtype=torch.int32), "num_accepted": torch.ones(N)},
+        "num_accepted must be torch.int32",
+    ),
 ]
 
 
