@@ -363,6 +363,24 @@ def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n
         cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
 
 
+def next_item(
+    tile: Tile, state, s_stage, item_stage: int, pool_head, lane_off, v_block: int, item: int, items: int, tid
+):
+    """Item ``item`` (> 0) of a CTA walking ``items`` V blocks: its state from the stage into
+    ``state`` once this thread's own staged vectors have landed, then the next item's state
+    staged (each thread refills only its own vectors: no barrier between unstage and refill)."""
+    n_threads = threads(v_block)
+    cute.arch.cp_async_wait_group(0)
+    _unstage_state(
+        tile, state, cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)), tid, n_threads, tile.dtype
+    )
+    if item + 1 < items:
+        _stage_state(
+            tile, pool_head, lane_off + tile.row_offset((item + 1) * v_block), s_stage.iterator.toint(), tid, n_threads
+        )
+        cute.arch.cp_async_commit_group()
+
+
 def _unstage_state(tile: Tile, state: cute.Tensor, stage: cute.Tensor, tid, n_threads: int, dtype):
     """This thread's staged vectors (``_stage_state``) from shared memory into ``state`` (fp32)."""
     for i, (_, regs) in enumerate(tile.vectors()):
@@ -542,49 +560,16 @@ class KdaDecode(DecodeKernel):
             for item in cutlass.range_constexpr(items):
                 item_off = lane_off + self.tile.row_offset(item * v_block)
                 if cutlass.const_expr(item > 0):
-                    cute.arch.cp_async_wait_group(0)  # this thread's own staged vectors have landed
-                    _unstage_state(
-                        self.tile,
-                        state,
-                        cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
-                        tid,
-                        n_threads,
-                        self.tile.dtype,
-                    )
-                    if cutlass.const_expr(item + 1 < items):
-                        # Each thread refills only its own vectors: no barrier between unstage and refill.
-                        _stage_state(
-                            self.tile,
-                            pool_head,
-                            lane_off + self.tile.row_offset((item + 1) * v_block),
-                            s_stage.iterator.toint(),
-                            tid,
-                            n_threads,
-                        )
-                        cute.arch.cp_async_commit_group()
+                    next_item(self.tile, state, s_stage, item_stage, pool_head, lane_off, v_block, item, items, tid)
 
                 # Two loops, not one with the store under `if`: ptxas predicates a store inside the
                 # loop, so its ~110 instructions would issue on every token of every call.
+                arrays = (s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o)
+                decay = _step_decay(gate, s_decay)
                 if write_every:
                     for t in cutlass.range(num_tokens, unroll=1):
-                        _token_step(
-                            self.tile,
-                            state,
-                            s_alpha,
-                            s_khat,
-                            s_qhat,
-                            s_kq,
-                            s_b,
-                            s_v,
-                            s_o,
-                            t,
-                            group,
-                            j,
-                            item * v_block + row_local,
-                            scalars.scale,
-                            rows,
-                            _step_decay(gate, s_decay),
-                        )
+                        row = item * v_block + row_local
+                        _token_step(self.tile, state, *arrays, t, group, j, row, scalars.scale, rows, decay)
                         self.store_token_state(
                             state,
                             tensors,
@@ -602,24 +587,8 @@ class KdaDecode(DecodeKernel):
                         )
                 else:
                     for t in cutlass.range(num_tokens, unroll=1):
-                        _token_step(
-                            self.tile,
-                            state,
-                            s_alpha,
-                            s_khat,
-                            s_qhat,
-                            s_kq,
-                            s_b,
-                            s_v,
-                            s_o,
-                            t,
-                            group,
-                            j,
-                            item * v_block + row_local,
-                            scalars.scale,
-                            rows,
-                            _step_decay(gate, s_decay),
-                        )
+                        row = item * v_block + row_local
+                        _token_step(self.tile, state, *arrays, t, group, j, row, scalars.scale, rows, decay)
                 if (flags & DECODE_FLAG_TOKEN_SLOTS) == 0:
                     _store_state(
                         state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay

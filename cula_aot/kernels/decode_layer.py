@@ -64,15 +64,24 @@ from .decode import (
     _store_state,
     _tile,
     _token_step,
-    _unstage_state,
     io_rounds,
+    next_item,
     threads,
     token_arrays,
 )
 from .gate import Gate
 from .params import ConvGeometry, DecodeGeometry, LayerTensors, TokenScalars, grouped
 from .warp_mma import ld_cluster_f32
-from .token_step import DecodeKernel, bf16_row8, defer_decay, direct_decay, f32x8, token_offset, token_prepare
+from .token_step import (
+    DecodeKernel,
+    beta_offset,
+    bf16_row8,
+    defer_decay,
+    direct_decay,
+    f32x8,
+    token_offset,
+    token_prepare,
+)
 
 
 def _typed(base: cute.Pointer, dtype):
@@ -244,12 +253,7 @@ class KdaDecodeLayer(DecodeKernel):
             tensors.k, k_at, geometry.k_stride_t, tensors.conv_state_k, state_at, history[1], *k_params, t, conv, flags
         )
         g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
-        beta_at = (
-            cutlass.Int64(geometry.beta_offset)
-            + n64 * geometry.beta_stride_n
-            + cutlass.Int64(t) * geometry.beta_stride_t
-            + head
-        )
+        beta_at = beta_offset(geometry, n64, t, head)
         return (
             vq.load(),
             vk.load(),
@@ -412,25 +416,7 @@ class KdaDecodeLayer(DecodeKernel):
             for item in cutlass.range_constexpr(items):
                 item_off = lane_off + self.tile.row_offset(item * v_block)
                 if cutlass.const_expr(item > 0):
-                    cute.arch.cp_async_wait_group(0)
-                    _unstage_state(
-                        self.tile,
-                        state,
-                        cute.make_tensor(s_stage.iterator, cute.make_layout(item_stage)),
-                        tid,
-                        n_threads,
-                        self.tile.dtype,
-                    )
-                    if cutlass.const_expr(item + 1 < items):
-                        _stage_state(
-                            self.tile,
-                            pool_head,
-                            lane_off + self.tile.row_offset((item + 1) * v_block),
-                            s_stage.iterator.toint(),
-                            tid,
-                            n_threads,
-                        )
-                        cute.arch.cp_async_commit_group()
+                    next_item(self.tile, state, s_stage, item_stage, pool_head, lane_off, v_block, item, items, tid)
                 if accepted > 0:  # commit the pending draft's accepted tokens, then (a draft) keep them
                     row0 = v0 + item * v_block + row_local
                     for t in cutlass.range(accepted, unroll=1):
@@ -438,17 +424,8 @@ class KdaDecodeLayer(DecodeKernel):
                         _replay_token(self.tile, state, tensors.draft_records, at, j, row0)
                     if verify:
                         _store_state(state, pool_head, self.tile, item_off, s_decay, 0, j, True)
-                step = (
-                    self.tile,
-                    state,
-                    s_alpha,
-                    s_khat,
-                    s_qhat,
-                    s_kq,
-                    s_b,
-                    s_v,
-                    s_o,
-                )
+                step = (self.tile, state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o)
+                decay = _step_decay(gate, s_decay)
                 if verify:  # the draft: its u recorded, the pool keeps the committed state
                     u_record = (
                         tensors.draft_records,
@@ -456,29 +433,12 @@ class KdaDecodeLayer(DecodeKernel):
                         draft_token_stride(),
                     )
                     for t in cutlass.range(num_tokens, unroll=1):
-                        _token_step(
-                            *step,
-                            t,
-                            group,
-                            j,
-                            item * v_block + row_local,
-                            scalars.scale,
-                            rows,
-                            _step_decay(gate, s_decay),
-                            u_record,
-                        )
+                        row = item * v_block + row_local
+                        _token_step(*step, t, group, j, row, scalars.scale, rows, decay, u_record)
                 else:
                     for t in cutlass.range(num_tokens, unroll=1):
-                        _token_step(
-                            *step,
-                            t,
-                            group,
-                            j,
-                            item * v_block + row_local,
-                            scalars.scale,
-                            rows,
-                            _step_decay(gate, s_decay),
-                        )
+                        row = item * v_block + row_local
+                        _token_step(*step, t, group, j, row, scalars.scale, rows, decay)
                     _store_state(
                         state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay
                     )

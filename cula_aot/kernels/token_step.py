@@ -54,12 +54,7 @@ class DecodeKernel:
         q_at = token_offset(n64, geometry.q_stride_n, geometry.q_stride_t, t, head)
         k_at = token_offset(n64, geometry.k_stride_n, geometry.k_stride_t, t, head)
         g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
-        beta_at = (
-            cutlass.Int64(geometry.beta_offset)
-            + n64 * geometry.beta_stride_n
-            + cutlass.Int64(t) * geometry.beta_stride_t
-            + head
-        )
+        beta_at = beta_offset(geometry, n64, t, head)
         col = hl * 8
         return (
             bf16_row8(tensors.q, q_at + col),
@@ -81,6 +76,17 @@ class DecodeKernel:
             (flags & DECODE_FLAG_STATUS) != 0,
             cutlass.select_((slot >= num_slots) | (slot < -1), STATUS_SLOT_OUT_OF_RANGE, 0),
         )
+
+
+def beta_offset(geometry: DecodeGeometry, n64, t, head):
+    """β's element offset for token ``t`` of sequence ``n64`` and ``head`` (from the pointer
+    rounded down to 16 bytes: ``beta_offset`` elements on)."""
+    return (
+        cutlass.Int64(geometry.beta_offset)
+        + n64 * geometry.beta_stride_n
+        + cutlass.Int64(t) * geometry.beta_stride_t
+        + head
+    )
 
 
 def bf16_row8(base: cute.Pointer, offset):
