@@ -363,6 +363,25 @@ def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n
         cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
 
 
+def head_state(tile: Tile, tensors, geometry, slot, head_elems):
+    """The head state's address in pool slot ``slot`` (``head_elems`` = head·128·128): the slot
+    stride is a multiple of 16 bytes (validated), so every head state is 16-byte aligned."""
+    return tensors.state_pool + cute.assume(
+        cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=tile.ce
+    )
+
+
+def first_item(tile: Tile, state, s_stage, pool_head, lane_off, v_block: int, items: int, tid):
+    """A CTA's first item: its state loaded into ``state``, and with more items the next one's
+    streaming into the stage while the first computes."""
+    _load_state(state, pool_head, tile, lane_off)
+    if items > 1:
+        _stage_state(
+            tile, pool_head, lane_off + tile.row_offset(v_block), s_stage.iterator.toint(), tid, threads(v_block)
+        )
+    cute.arch.cp_async_commit_group()
+
+
 def next_item(
     tile: Tile, state, s_stage, item_stage: int, pool_head, lane_off, v_block: int, item: int, items: int, tid
 ):
@@ -433,11 +452,11 @@ class KdaDecode(DecodeKernel):
     def store_token_state(
         self,
         state,
+        t,
         tensors,
         geometry,
         n64,
         seq,
-        t,
         head_elems,
         item_off,
         s_decay,
@@ -454,9 +473,7 @@ class KdaDecode(DecodeKernel):
             at = geometry.index_offset + seq * geometry.num_tokens + t
             slot = cute.make_tensor(tensors.state_indices + at, cute.make_layout(1))[0]
             if slot >= 0 and slot < geometry.num_slots:
-                pool_head = tensors.state_pool + cute.assume(
-                    cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
-                )
+                pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
                 _store_state(state, pool_head, self.tile, item_off, s_decay, t, j, direct)
             if cutlass.const_expr(first_item):
                 if tid == 0:
@@ -510,22 +527,8 @@ class KdaDecode(DecodeKernel):
         lane_off = self.tile.lane_offset(v0 + row_local, j)
         state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
-            # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
-            pool_head = tensors.state_pool + cute.assume(
-                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
-            )
-            _load_state(state, pool_head, self.tile, lane_off)
-            # The next item's state streams into shared memory while the first item computes.
-            if cutlass.const_expr(items > 1):
-                _stage_state(
-                    self.tile,
-                    pool_head,
-                    lane_off + self.tile.row_offset(v_block),
-                    s_stage.iterator.toint(),
-                    tid,
-                    n_threads,
-                )
-            cute.arch.cp_async_commit_group()
+            pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
+            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
 
         # ---- prologue, overlapping the state loads: q̂, k̂, α, k̂·q̂, b per token into smem -----
         token_prepare(self.tile, inputs0, s_alpha, s_khat, s_qhat, s_kq, s_b, t0, hl, scalars.lower_bound, flags, gate)
@@ -552,9 +555,7 @@ class KdaDecode(DecodeKernel):
         cute.arch.sync_threads()
 
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
-            pool_head = tensors.state_pool + cute.assume(
-                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
-            )
+            pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
             # Every token's state written (intermediates, or per-token slots), or only the last.
             write_every = (flags & (DECODE_FLAG_INTERMEDIATE | DECODE_FLAG_TOKEN_SLOTS)) != 0
             for item in cutlass.range_constexpr(items):
@@ -566,25 +567,12 @@ class KdaDecode(DecodeKernel):
                 # loop, so its ~110 instructions would issue on every token of every call.
                 arrays = (s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o)
                 decay = _step_decay(gate, s_decay)
+                token_store = (tensors, geometry, n64, seq, head_elems, item_off, s_decay, tid, j, flags)
                 if write_every:
                     for t in cutlass.range(num_tokens, unroll=1):
                         row = item * v_block + row_local
                         _token_step(self.tile, state, *arrays, t, group, j, row, scalars.scale, rows, decay)
-                        self.store_token_state(
-                            state,
-                            tensors,
-                            geometry,
-                            n64,
-                            seq,
-                            t,
-                            head_elems,
-                            item_off,
-                            s_decay,
-                            tid,
-                            j,
-                            flags,
-                            item == 0,
-                        )
+                        self.store_token_state(state, t, *token_store, item == 0)
                 else:
                     for t in cutlass.range(num_tokens, unroll=1):
                         row = item * v_block + row_local

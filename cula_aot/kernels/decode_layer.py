@@ -57,13 +57,13 @@ from .decode import (
     VALUES,
     _io_token,
     _item_stage_bytes,
-    _load_state,
-    _stage_state,
     _step_decay,
     _store8,
     _store_state,
     _tile,
     _token_step,
+    first_item,
+    head_state,
     io_rounds,
     next_item,
     threads,
@@ -333,21 +333,9 @@ class KdaDecodeLayer(DecodeKernel):
                     )
             old_bank = cutlass.select_(mark > 0, (mark - 1) & 1, cutlass.Int32(0))
             new_bank = cutlass.select_(mark > 0, 1 - old_bank, cutlass.Int32(0))
-            pool_head = tensors.state_pool + cute.assume(
-                cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=self.tile.ce
-            )
+            pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
             state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
-            _load_state(state, pool_head, self.tile, lane_off)
-            if cutlass.const_expr(items > 1):
-                _stage_state(
-                    self.tile,
-                    pool_head,
-                    lane_off + self.tile.row_offset(v_block),
-                    s_stage.iterator.toint(),
-                    tid,
-                    n_threads,
-                )
-            cute.arch.cp_async_commit_group()
+            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
 
             # The RMSNorm's weight and output-gate rows of this thread's output chunks.
             norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
