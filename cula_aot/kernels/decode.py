@@ -363,6 +363,22 @@ def _stage_state(tile: Tile, base: cute.Pointer, lane_off, stage_address, tid, n
         cp_async_16(stage_address + (i * n_threads + tid) * 16, src.toint(), 16)
 
 
+@cute.jit
+def zero_outputs(
+    out: cute.Pointer, geometry, seq, n64, head, v0, io_col, tid, chunks: int, rounds: int, n_threads: int
+):
+    """A padding row's outputs: zeros in this thread's 8 columns (``v0 + io_col`` on) of its tokens."""
+    for r in cutlass.range_constexpr(rounds):
+        io_t = _io_token(tid, chunks, n_threads, r)
+        if seq < geometry.num_seqs and io_t < geometry.num_tokens:
+            o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
+            frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
+            frag.fill(0.0)
+            cute.make_tensor(out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
+                frag.load().to(cutlass.BFloat16)
+            )
+
+
 def head_state(tile: Tile, tensors, geometry, slot, head_elems):
     """The head state's address in pool slot ``slot`` (``head_elems`` = head·128·128): the slot
     stride is a multiple of 16 bytes (validated), so every head state is 16-byte aligned."""
@@ -594,14 +610,6 @@ class KdaDecode(DecodeKernel):
             # Padding row: zeros out, nothing else; a slot other than -1 is reported.
             if tid == 0:
                 self.report_padding(tensors, flags, slot, num_slots)
-            for r in cutlass.range_constexpr(rounds):
-                io_t = _io_token(tid, chunks, n_threads, r)
-                if seq < geometry.num_seqs and io_t < num_tokens:
-                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
-                    frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                    frag.fill(0.0)
-                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                        frag.load().to(cutlass.BFloat16)
-                    )
+            zero_outputs(tensors.out, geometry, seq, n64, head, v0, io_col, tid, chunks, rounds, n_threads)
 
     kernel = kda_decode

@@ -66,6 +66,7 @@ from .decode import (
     head_state,
     io_rounds,
     next_item,
+    zero_outputs,
     threads,
     token_arrays,
 )
@@ -496,15 +497,7 @@ class KdaDecodeLayer(DecodeKernel):
         else:
             if tid == 0 and vblk == 0:
                 self.report_padding(tensors, flags, slot, num_slots)
-            for r in cutlass.range_constexpr(rounds):
-                io_t = _io_token(tid, chunks, n_threads, r)
-                if seq < geometry.num_seqs and io_t < num_tokens:
-                    o_at = token_offset(n64, geometry.out_stride_n, geometry.out_stride_t, io_t, head) + v0 + io_col
-                    frag = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
-                    frag.fill(0.0)
-                    cute.make_tensor(tensors.out + cute.assume(o_at, divby=8), cute.make_layout(8)).store(
-                        frag.load().to(cutlass.BFloat16)
-                    )
+            zero_outputs(tensors.out, geometry, seq, n64, head, v0, io_col, tid, chunks, rounds, n_threads)
 
     @cute.jit
     def write_conv_state(self, tensors, geometry, conv, n64, head, v0, conv_at, tid, draft, flags):
