@@ -5,7 +5,7 @@ import torch
 from .errors import fail
 from .gates import DEFAULT_GATE
 from .ops import decode, decode_layer, prefill
-from .ops.call import DecodeCall, DecodeLayerCall, PrefillCall
+from .ops.call import DecodeCall, DecodeLayerCall, Inputs, PrefillCall
 from .runtime.loader import default_loader
 
 
@@ -218,27 +218,9 @@ def kda_decode(
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
+    inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
     call = DecodeCall.bind(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        gate,
-        scale,
-        state_pool,
-        state_indices,
-        out,
-        num_tokens,
-        state_layout,
-        intermediate_states,
-        status,
-        beta_sigmoid,
-        qk_l2norm,
-        num_accepted,
+        inputs, state_pool, state_indices, out, num_tokens, state_layout, intermediate_states, status, num_accepted
     )
     return decode.run(call)
 
@@ -309,34 +291,11 @@ def kda_decode_layer(
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""
+    inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
+    conv = (conv_weight, conv_bias, conv_state, conv_layout)
+    norm = (out_gate, norm_weight, norm_eps)
+    speculation = (drafts, num_accepted, verify)
     call = DecodeLayerCall.bind(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        conv_weight,
-        conv_state,
-        out_gate,
-        norm_weight,
-        conv_bias,
-        conv_layout,
-        norm_eps,
-        A_log,
-        dt_bias,
-        lower_bound,
-        gate,
-        scale,
-        state_pool,
-        state_indices,
-        out,
-        num_tokens,
-        state_layout,
-        status,
-        beta_sigmoid,
-        qk_l2norm,
-        drafts,
-        num_accepted,
-        verify,
+        inputs, state_pool, state_indices, out, num_tokens, state_layout, status, conv, norm, speculation
     )
     return decode_layer.run(call)

@@ -2,11 +2,12 @@
 
 Every entry point (``kda_prefill``, ``fwd``, ``kda_decode``, the ``torch.library`` ops, and through
 them ``cula_aot.fla`` and ``cula_aot.distributed``) hands its arguments by name to ``of`` (or
-positionally to ``build``; ``kda_decode`` all of them by position to ``DecodeCall.bind``), which
-resolves what does not depend on validation: the gate's arguments (``gates.resolve_gate``), g and
-β in the kernels' dtype, the input-convention bits, a pool's in-place final state.  Validation
-takes the call and returns the checked facts; the plan cache keys on ``PrefillCall.signature``;
-plans run from the call.  Immutable (a tuple): nothing downstream rewrites an argument.
+positionally to ``build``; ``kda_decode`` and ``kda_decode_layer`` by position to ``Inputs.bind``,
+then to ``DecodeCall.bind`` or ``DecodeLayerCall.bind``), which resolves what does not
+depend on validation: the gate's arguments (``gates.resolve_gate``), g and β in the kernels'
+dtype, the input-convention bits, a pool's in-place final state.  Validation takes the call and
+returns the checked facts; the plan cache keys on ``PrefillCall.signature``; plans run from the
+call.  Immutable (a tuple): nothing downstream rewrites an argument.
 """
 
 from typing import NamedTuple
@@ -275,51 +276,14 @@ class DecodeCall(NamedTuple):
     def of(cls, arguments: dict) -> "DecodeCall":
         """``build`` from the arguments by name (an entry point's arguments)."""
         o = _DECODE_ARGUMENTS(arguments)
-        return cls.bind(*[o[name] for name in _DECODE_ORDER], o.get("variant"))
+        return cls.bind(*_step_of(o), o["intermediate_states"], o["status"], o["num_accepted"], o.get("variant"))
 
     @classmethod
-    def bind(
-        cls,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        A_log,
-        dt_bias,
-        lower_bound,
-        gate,
-        scale,
-        state_pool,
-        state_indices,
-        out,
-        num_tokens,
-        state_layout,
-        intermediate_states,
-        status,
-        beta_sigmoid,
-        qk_l2norm,
-        num_accepted,
-        variant=None,
-    ) -> "DecodeCall":
-        """The call of ``kda_decode``'s arguments by position, in its order (``kda_decode`` itself
-        binds them: a dict of its ``locals()`` costs it a microsecond a call)."""
-        inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
-        return _new(
-            cls,
-            (
-                inputs,
-                state_pool,
-                state_indices,
-                out,
-                num_tokens,
-                state_layout,
-                intermediate_states,
-                status,
-                num_accepted,
-                variant,
-            ),
-        )
+    def bind(cls, inputs, pool, slots, out, tokens, layout, inter, status, accepted, variant=None) -> "DecodeCall":
+        """The call of its fields by position (``kda_decode`` binds its arguments itself, after
+        ``Inputs.bind``: a dict of its ``locals()`` costs it a microsecond a call, and the
+        generated constructor a ``type.__call__``)."""
+        return _new(cls, (inputs, pool, slots, out, tokens, layout, inter, status, accepted, variant))
 
     def signature(self) -> tuple:
         """The decode plan cache's key (``ops.decode``): every tensor's layout and every option a
@@ -350,8 +314,10 @@ class DecodeCall(NamedTuple):
         # fmt: on
 
 
-# ``kda_decode``'s arguments in ``DecodeCall.bind``'s order (tests/ops/test_call.py holds them equal).
-_DECODE_ORDER = ("q", "k", "v", "g", "beta", *DECODE_OPTIONS)
+def _step_of(o: dict) -> tuple:
+    """The first fields of the KDA step of a decode or layer call's arguments by name (``o``, the
+    defaults filled in): its ``Inputs``, then the pool, the slots, out, T and the state layout."""
+    return Inputs.of(o), o["state_pool"], o["state_indices"], o["out"], o["num_tokens"], o["state_layout"]
 
 
 # ``kda_decode_layer``'s keyword arguments beyond ``kda_decode``'s (less ``intermediate_states``:
@@ -415,56 +381,18 @@ class DecodeLayerCall(NamedTuple):
     def of(cls, arguments: dict) -> "DecodeLayerCall":
         """From ``kda_decode_layer``'s arguments by name."""
         o = _LAYER_ARGUMENTS(arguments)
-        return cls.bind(*[o[name] for name in _LAYER_ORDER], o.get("variant"))
+        conv = (o["conv_weight"], o["conv_bias"], o["conv_state"], o["conv_layout"])
+        norm = (o["out_gate"], o["norm_weight"], o["norm_eps"])
+        speculation = (o["drafts"], o["num_accepted"], o["verify"])
+        return cls.bind(*_step_of(o), o["status"], conv, norm, speculation, o.get("variant"))
 
     @classmethod
-    def bind(
-        cls,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        conv_weight,
-        conv_state,
-        out_gate,
-        norm_weight,
-        conv_bias,
-        conv_layout,
-        norm_eps,
-        A_log,
-        dt_bias,
-        lower_bound,
-        gate,
-        scale,
-        state_pool,
-        state_indices,
-        out,
-        num_tokens,
-        state_layout,
-        status,
-        beta_sigmoid,
-        qk_l2norm,
-        drafts,
-        num_accepted,
-        verify,
-        variant=None,
-    ) -> "DecodeLayerCall":
-        """The call of ``kda_decode_layer``'s arguments by position, in its order (it binds them
-        itself: see ``DecodeCall.bind``)."""
-        inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
-        step = _new(
-            DecodeCall, (inputs, state_pool, state_indices, out, num_tokens, state_layout, None, status, None, variant)
-        )
-        return _new(
-            cls,
-            (
-                step,
-                _new(ShortConv, (conv_weight, conv_bias, conv_state, conv_layout)),
-                _new(OutputNorm, (out_gate, norm_weight, norm_eps)),
-                _new(Speculation, (drafts, num_accepted, verify)),
-            ),
-        )
+    def bind(cls, inputs, pool, slots, out, tokens, layout, status, conv, norm, speculation, variant=None):
+        """The call by position: the step's fields (``DecodeCall``, without intermediate states or
+        accepted tokens), then the fields of ``ShortConv``, ``OutputNorm`` and ``Speculation`` as
+        tuples (``kda_decode_layer`` binds its arguments itself: see ``DecodeCall.bind``)."""
+        step = _new(DecodeCall, (inputs, pool, slots, out, tokens, layout, None, status, None, variant))
+        return _new(cls, (step, _new(ShortConv, conv), _new(OutputNorm, norm), _new(Speculation, speculation)))
 
     def signature(self) -> tuple:
         """The layer plan cache's key: the step's (``DecodeCall.signature``), and the layouts of the
@@ -489,10 +417,6 @@ class DecodeLayerCall(NamedTuple):
             layout,
             verify,
         )
-
-
-# ``kda_decode_layer``'s arguments in ``DecodeLayerCall.bind``'s order.
-_LAYER_ORDER = ("q", "k", "v", "g", "beta", *LAYER_OPTIONS)
 
 
 def _layout_of(x):

@@ -221,17 +221,12 @@ def run(call: DecodeCall):
     return _PLANS.get(call).run(call)
 
 
+# The per-call parameters the decode kernels and the fused layer begin with: the token inputs, the
+# gate parameters, the slot indices and the pool (``specs.STEP_TENSORS``).
+STEP_PER_CALL = ("q", "k", "v", "g", "beta", "a_log", "dt_bias", "state_indices", "state_pool")
 # The kernels' per-call parameters, in the order ``_DecodePlan.run`` supplies them.
 _PER_CALL = (
-    "q",
-    "k",
-    "v",
-    "g",
-    "beta",
-    "a_log",
-    "dt_bias",
-    "state_indices",
-    "state_pool",
+    *STEP_PER_CALL,
     "intermediate",
     "out",
     "status",
@@ -241,6 +236,40 @@ _PER_CALL = (
     "scale",
     "lower_bound",
 )
+
+
+def geometry(num_seqs: int, tokens: int, heads: int, pool, out, inputs) -> dict:
+    """The static values of ``specs.DECODE_GEOMETRY`` (the decode kernels' and the layer's): the
+    sizes, the pool's slot stride, and the sequence and token strides of q, k, v, g, β
+    (``inputs``) and ``out`` (those of the contiguous one each call allocates when it is None)."""
+    if out is None:
+        out_stride_n, out_stride_t = (tokens * heads * D if num_seqs > 1 else 0), (heads * D if tokens > 1 else 0)
+    else:
+        out_stride_n, out_stride_t = _stride(out, 0), _stride(out, 1)
+    static = {
+        "num_seqs": num_seqs,
+        "num_tokens": tokens,
+        "num_slots": pool.shape[0],
+        "slot_stride": pool.stride(0) if pool.shape[0] > 1 else heads * D * D,
+        "out_stride_n": out_stride_n,
+        "out_stride_t": out_stride_t,
+    }
+    for name, t in zip(("q", "k", "v", "g", "beta"), inputs):
+        static[f"{name}_stride_n"] = _stride(t, 0)
+        static[f"{name}_stride_t"] = _stride(t, 1)
+    return static
+
+
+def launch_template(kernel, spec, static: dict, tokens: int, per_call: tuple, whose: str):
+    """``kernel``'s launch template for calls of ``tokens`` tokens, checked to take the per-call
+    parameters in ``per_call`` order (the order its plan's ``run`` supplies them)."""
+    template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
+    if template.per_call != per_call:
+        raise ArtifactError(
+            f"{kernel.name} takes the per-call parameters {template.per_call}, not {whose} {per_call}: "
+            "a manifest built from other specs; rebuild with `python build_kernels.py`"
+        )
+    return template
 
 
 class _DecodePlan:
@@ -275,33 +304,16 @@ class _DecodePlan:
         spec = variant_spec(variant, bf16_state, call.state_layout, gate.name)
         kernel = default_loader().get(device, spec)  # a missing cubin fails here, before anything is written
         self.out_shape = (num_seqs, tokens, heads, D)
-        if out is None:  # each call allocates a contiguous one
-            out_stride_n, out_stride_t = (tokens * heads * D if num_seqs > 1 else 0), (heads * D if tokens > 1 else 0)
-        else:
-            out_stride_n, out_stride_t = _stride(out, 0), _stride(out, 1)
-        static = {
-            "num_seqs": num_seqs,
-            "num_tokens": tokens,
-            "num_slots": state_pool.shape[0],
-            "slot_stride": state_pool.stride(0) if state_pool.shape[0] > 1 else heads * D * D,
-            "out_stride_n": out_stride_n,
-            "out_stride_t": out_stride_t,
-            "flags": (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
+        static = geometry(num_seqs, tokens, heads, state_pool, out, (q, k, v, g, beta))
+        static["flags"] = (
+            (DECODE_FLAG_INTERMEDIATE if intermediates else 0)
             | (DECODE_FLAG_TOKEN_SLOTS if token_slots else 0)
             | (DECODE_FLAG_ACCEPTED if call.num_accepted is not None else 0)
             | (DECODE_FLAG_STATUS if call.status is not None else 0)
-            | x.conventions,
-            "heads": heads,
-        }
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            static[f"{name}_stride_n"] = _stride(t, 0)
-            static[f"{name}_stride_t"] = _stride(t, 1)
-        self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
-        if self.template.per_call != _PER_CALL:  # ``run`` passes its values in this order
-            raise ArtifactError(
-                f"{kernel.name} takes the per-call parameters {self.template.per_call}, not decode's {_PER_CALL}: "
-                "a manifest built from other specs; rebuild with `python build_kernels.py`"
-            )
+            | x.conventions
+        )
+        static["heads"] = heads
+        self.template = launch_template(kernel, spec, static, tokens, _PER_CALL, "decode's")
         self.num_seqs = num_seqs
         # β and the slot indices are passed as a 16-byte aligned base and an element offset from
         # it; their element sizes are the signature's.

@@ -15,22 +15,11 @@ import torch
 from ..gates import DEFAULT_GATE
 from ..layout import D
 from ..runtime.loader import default_loader, raw_stream
-from ..runtime.manifest import ArtifactError
-from ..specs import (
-    CONV_WIDTH,
-    LAYER_FLAG_CONV_BIAS,
-    LAYER_FLAG_CONV_STATE_F32,
-    LAYER_FLAG_CONV_WEIGHT_F32,
-    LAYER_FLAG_DRAFTS,
-    LAYER_FLAG_NORM_WEIGHT_F32,
-    LAYER_FLAG_STATUS,
-    LAYER_FLAG_VERIFY,
-    DecodeLayerSpec,
-    pick_layer_variant,
-)
+from .. import specs  # the layer's ``specs.LAYER_FLAG_*`` bits
+from ..specs import CONV_WIDTH, DecodeLayerSpec, pick_layer_variant
 from ..drafts import Drafts, draft_shape
 from .plan_cache import PLAN_LIMIT, SignaturePlans
-from .call import DecodeLayerCall, _parts
+from .call import DecodeLayerCall, Inputs, _parts
 from . import checks, decode
 from .checks import fail
 from .decode import _ALIGN, _alias_bounds, _as_4d, _check_base, _check_rows, _extent, _stride
@@ -215,15 +204,7 @@ def run(call: DecodeLayerCall):
 
 # The kernel's per-call parameters, in the order ``_LayerPlan.run`` supplies them.
 _PER_CALL = (
-    "q",
-    "k",
-    "v",
-    "g",
-    "beta",
-    "a_log",
-    "dt_bias",
-    "state_indices",
-    "state_pool",
+    *decode.STEP_PER_CALL,
     "out",
     "status",
     "out_gate",
@@ -281,30 +262,21 @@ class _LayerPlan:
         )
         kernel = default_loader().get(device, spec)
         self.out_shape = (num_seqs, tokens, heads, D)
-        if out is None:
-            out_stride_n, out_stride_t = (tokens * heads * D if num_seqs > 1 else 0), (heads * D if tokens > 1 else 0)
-        else:
-            out_stride_n, out_stride_t = _stride(out, 0), _stride(out, 1)
         state = views.states[0]
         speculation = call.speculation
         self.has_drafts = speculation.drafts is not None
         flags = (
-            (LAYER_FLAG_CONV_STATE_F32 if state.dtype == torch.float32 else 0)
-            | (LAYER_FLAG_CONV_WEIGHT_F32 if views.weights[0].dtype == torch.float32 else 0)
-            | (LAYER_FLAG_CONV_BIAS if views.biases is not None else 0)
-            | (LAYER_FLAG_NORM_WEIGHT_F32 if call.norm.weight.dtype == torch.float32 else 0)
-            | (LAYER_FLAG_STATUS if step.status is not None else 0)
-            | (LAYER_FLAG_DRAFTS if self.has_drafts else 0)
-            | (LAYER_FLAG_VERIFY if speculation.verify else 0)
+            (specs.LAYER_FLAG_CONV_STATE_F32 if state.dtype == torch.float32 else 0)
+            | (specs.LAYER_FLAG_CONV_WEIGHT_F32 if views.weights[0].dtype == torch.float32 else 0)
+            | (specs.LAYER_FLAG_CONV_BIAS if views.biases is not None else 0)
+            | (specs.LAYER_FLAG_NORM_WEIGHT_F32 if call.norm.weight.dtype == torch.float32 else 0)
+            | (specs.LAYER_FLAG_STATUS if step.status is not None else 0)
+            | (specs.LAYER_FLAG_DRAFTS if self.has_drafts else 0)
+            | (specs.LAYER_FLAG_VERIFY if speculation.verify else 0)
             | x.conventions
         )
         static = {
-            "num_seqs": num_seqs,
-            "num_tokens": tokens,
-            "num_slots": pool.shape[0],
-            "slot_stride": pool.stride(0) if pool.shape[0] > 1 else heads * D * D,
-            "out_stride_n": out_stride_n,
-            "out_stride_t": out_stride_t,
+            **decode.geometry(num_seqs, tokens, heads, pool, out, (q, k, v, g, beta)),
             "conv_slot_stride": state.stride(0),
             "conv_channel_stride": state.stride(1),
             "conv_tap_stride": state.stride(2),
@@ -313,15 +285,7 @@ class _LayerPlan:
             "flags": flags,
             "heads": heads,
         }
-        for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            static[f"{name}_stride_n"] = _stride(t, 0)
-            static[f"{name}_stride_t"] = _stride(t, 1)
-        self.template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
-        if self.template.per_call != _PER_CALL:  # ``run`` passes its values in this order
-            raise ArtifactError(
-                f"{kernel.name} takes the per-call parameters {self.template.per_call}, not the layer's {_PER_CALL}: "
-                "a manifest built from other specs; rebuild with `python build_kernels.py`"
-            )
+        self.template = decode.launch_template(kernel, spec, static, tokens, _PER_CALL, "the layer's")
         self.num_seqs = num_seqs
         conv = call.conv
         self.state_recipe = _three(conv.state, views.states)
@@ -492,7 +456,8 @@ class DecodeLayerStep:
         beta_sigmoid=True,
         qk_l2norm=True,
     ):
-        self._fixed_args = (conv_weight, conv_state, norm_weight, conv_bias, conv_layout, norm_eps, A_log, dt_bias)
+        conv = (conv_weight, conv_bias, conv_state, conv_layout)
+        self._fixed_args = (conv, norm_weight, norm_eps, A_log, dt_bias)
         self._gate = (lower_bound, gate, scale)
         self._pool, self._state_layout, self._drafts = state_pool, state_layout, drafts
         self._conventions = (beta_sigmoid, qk_l2norm)
@@ -536,13 +501,13 @@ class DecodeLayerStep:
         """``kda_decode_layer`` with this step's fixed arguments; returns ``out``."""
 
         def call():
-            weight, state, norm_weight, bias, layout, eps, a_log, dt_bias = self._fixed_args
+            conv, norm_weight, eps, a_log, dt_bias = self._fixed_args
             lower_bound, gate, scale = self._gate
+            inputs = Inputs.bind(q, k, v, g, beta, gate, a_log, dt_bias, lower_bound, scale, *self._conventions)
+            norm, speculation = (out_gate, norm_weight, eps), (self._drafts, num_accepted, verify)
             return DecodeLayerCall.bind(
-                q, k, v, g, beta, weight, state, out_gate, norm_weight, bias, layout, eps, a_log, dt_bias,
-                lower_bound, gate, scale, self._pool, state_indices, out, num_tokens, self._state_layout, status,
-                *self._conventions, self._drafts, num_accepted, verify,
-            )  # fmt: skip
+                inputs, self._pool, state_indices, out, num_tokens, self._state_layout, status, conv, norm, speculation
+            )
 
         guard = self._state()
         if guard != self._guard:  # a fixed tensor changed: every plan is looked up in full again
@@ -583,6 +548,6 @@ class DecodeLayerStep:
             sq, sk, sv, wq, wk, wv, bq, bk, bv, norm,
             xp if records is None else records, xp if marks is None else marks,
             xp if num_accepted is None else num_accepted.data_ptr(),
-            lower_bound, scale, self._fixed_args[5],
+            lower_bound, scale, self._fixed_args[2],
         )  # fmt: skip
         return plan.launch(key, out, call)

@@ -24,10 +24,9 @@ DECODE_FLAG_ACCEPTED = 8
 # on a later sweep (docs/PERFORMANCE.md, Decode).
 DECODE_VARIANTS = ((32, 1), (32, 2), (32, 4))
 
-# Both decode kernels' parameters, in three runs that they take as parameter groups
-# (``kernels.params``): the tensors (``DecodeTensors``), their sizes, strides and offsets
-# (``DecodeGeometry``), and ``TOKEN_SCALARS`` (``TokenScalars``).
-DECODE_TENSORS = (
+# The tensors the decode kernels and the fused layer take first: the token inputs, the gate
+# parameters, the slot indices and the pool.
+STEP_TENSORS = (
     pointer("q", "bf16"),
     pointer("k", "bf16"),
     pointer("v", "bf16"),
@@ -37,6 +36,12 @@ DECODE_TENSORS = (
     pointer("dt_bias", "f32"),
     pointer("state_indices", "i32"),  # rounded down to 16 bytes; index_offset added on device
     pointer("state_pool", "state"),  # element dtype: f32 or bf16 by spec (see DecodeSpec.params)
+)
+# Both decode kernels' parameters, in three runs that they take as parameter groups
+# (``kernels.params``): the tensors (``DecodeTensors``), their sizes, strides and offsets
+# (``DecodeGeometry``), and ``TOKEN_SCALARS`` (``TokenScalars``).
+DECODE_TENSORS = (
+    *STEP_TENSORS,
     pointer("intermediate", "state"),
     pointer("out", "bf16"),
     STATUS_POINTER,
@@ -56,9 +61,15 @@ DECODE_GEOMETRY = (
 DECODE_PARAMS = (*DECODE_TENSORS, *DECODE_GEOMETRY, *TOKEN_SCALARS)
 
 
+def with_state_dtype(params: tuple, state_dtype: str) -> tuple:
+    """``params`` with the state pointers (dtype "state": the pool, the intermediate states) of
+    element dtype ``state_dtype``."""
+    return tuple(dataclasses.replace(p, dtype=state_dtype) if p.dtype == "state" else p for p in params)
+
+
 def decode_params(state_dtype: str) -> tuple:
     """``DECODE_PARAMS`` with the pool and intermediate pointers of element dtype ``state_dtype``."""
-    return tuple(dataclasses.replace(p, dtype=state_dtype) if p.dtype == "state" else p for p in DECODE_PARAMS)
+    return with_state_dtype(DECODE_PARAMS, state_dtype)
 
 
 def decode_threads(v_block: int) -> int:
@@ -92,12 +103,14 @@ def decode_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int = 
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSpec(KernelSpec):
-    """KDA decode: one CTA per (V block, head, sequence); the state of sequence n is
+class TokenStepSpec(KernelSpec):
+    """A kernel of the token step on a state pool (decode's token kernel, the fused layer): one CTA
+    per (``items`` blocks of ``v_block`` V rows, head, sequence); the state of sequence n is
     ``state_pool[state_indices[n]]``, ``[V, K]`` per head (``kv_layout=False``) or ``[K, V]``,
     fp32 or bf16 (``bf16_state``)."""
 
-    kernel: ClassVar[str] = "kda_decode"
+    # The parameter list, its state pointers of element dtype "state" (``params``: the spec's).
+    declared_params: ClassVar[tuple]
 
     kv_layout: bool
     bf16_state: bool
@@ -105,17 +118,40 @@ class DecodeSpec(KernelSpec):
     items: int = 1
     gate: str = gate_field()
 
+    @classmethod
+    def every(cls, variants) -> list:
+        """One spec per gate, state layout, pool dtype and (v_block, items) of ``variants``."""
+        return [
+            cls(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
+            for gate in GATES
+            for kv in (False, True)
+            for bf16 in (False, True)
+            for vb, items in variants
+        ]
+
     @property
     def params(self) -> tuple:
-        return decode_params("bf16" if self.bf16_state else "f32")
+        return with_state_dtype(self.declared_params, "bf16" if self.bf16_state else "f32")
+
+    @property
+    def ctas_per_head(self) -> int:
+        return 128 // (self.items * self.v_block)
 
     @property
     def grid(self) -> tuple:
-        return (128 // (self.items * self.v_block), "heads", "num_seqs")
+        return (self.ctas_per_head, "heads", "num_seqs")
 
     @property
     def block(self) -> tuple:
         return (decode_threads(self.v_block), 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec(TokenStepSpec):
+    """KDA decode (``kernels/decode.py``)."""
+
+    kernel: ClassVar[str] = "kda_decode"
+    declared_params: ClassVar[tuple] = DECODE_PARAMS
 
     def launch_smem_bytes(self, tokens: int) -> int:
         """Dynamic shared memory a launch for ``tokens`` tokens needs (≤ the built maximum)."""
@@ -180,13 +216,9 @@ class DecodeChunkSpec(KernelSpec):
 def decode_specs() -> list[KernelSpec]:
     """Every decode specialization (both layouts, both pool dtypes, every ``DECODE_VARIANTS``, every
     gate; the chunk form for every ``DECODE_CHUNK_VARIANTS`` and gate)."""
-    return [
-        DecodeSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
-        for gate in GATES
-        for kv in (False, True)
-        for bf16 in (False, True)
-        for vb, items in DECODE_VARIANTS
-    ] + [DecodeChunkSpec(warps=w, items=i, gate=gate) for gate in GATES for w, i in DECODE_CHUNK_VARIANTS]
+    return DecodeSpec.every(DECODE_VARIANTS) + [
+        DecodeChunkSpec(warps=w, items=i, gate=gate) for gate in GATES for w, i in DECODE_CHUNK_VARIANTS
+    ]
 
 
 # N·H thresholds of pick_variant.

@@ -5,12 +5,14 @@ parameter list, variants, shared memory, grid and cluster, and the dispatch."""
 import dataclasses
 from typing import ClassVar
 
-from .abi import GATES, STATUS_POINTER, TOKEN_SCALARS, KernelSpec, gate_field, pointer, scalar
+from .abi import STATUS_POINTER, TOKEN_SCALARS, KernelSpec, pointer, scalar
 from .decode import (
     DECODE_FLAG_STATUS,
     DECODE_GEOMETRY,
     DECODE_PAIRED_MIN_HEADS,
     DECODE_STREAMING_MIN_HEADS,
+    STEP_TENSORS,
+    TokenStepSpec,
     decode_smem_bytes,
 )
 
@@ -52,15 +54,7 @@ def draft_mark(bank, tokens):
 LAYER_VARIANTS = ((32, 1), (32, 2), (32, 4))
 
 LAYER_TENSORS = (
-    pointer("q", "bf16"),  # q, k, v before their convolution; g raw, β logits (as in decode)
-    pointer("k", "bf16"),
-    pointer("v", "bf16"),
-    pointer("g", "bf16"),
-    pointer("beta", "bf16"),  # rounded down to 16 bytes; beta_offset elements added on device
-    pointer("a_log", "f32"),
-    pointer("dt_bias", "f32"),
-    pointer("state_indices", "i32"),  # rounded down to 16 bytes; index_offset added on device
-    pointer("state_pool", "state"),
+    *STEP_TENSORS,  # q, k, v before their convolution; g raw, β logits (as in decode)
     pointer("out", "bf16"),
     STATUS_POINTER,
     pointer("out_gate", "bf16"),  # the RMSNorm's output-gate input
@@ -79,11 +73,8 @@ LAYER_TENSORS = (
 # The conv states' element strides (shared by q, k and v: three pools of one shape, or channel
 # slices of one packed pool) and the output gate's sequence and token strides.
 LAYER_CONV_GEOMETRY = (
-    scalar("conv_slot_stride", "i32"),
-    scalar("conv_channel_stride", "i32"),
-    scalar("conv_tap_stride", "i32"),
-    scalar("out_gate_stride_n", "i32"),
-    scalar("out_gate_stride_t", "i32"),
+    *(scalar(f"conv_{axis}_stride", "i32") for axis in ("slot", "channel", "tap")),
+    *(scalar(f"out_gate_stride_{axis}", "i32") for axis in ("n", "t")),
 )
 LAYER_PARAMS = (
     *LAYER_TENSORS,
@@ -96,11 +87,6 @@ LAYER_PARAMS = (
 NORM_SUM_BYTES = 64  # the per-token RMSNorm partial sums (8 fp32), with alignment slack
 
 
-def layer_params(state_dtype: str) -> tuple:
-    """``LAYER_PARAMS`` with the pool pointer of element dtype ``state_dtype``."""
-    return tuple(dataclasses.replace(p, dtype=state_dtype) if p.dtype == "state" else p for p in LAYER_PARAMS)
-
-
 def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None) -> int:
     """Dynamic shared memory of a layer CTA: the decode kernel's (``decode_smem_bytes``) and the
     RMSNorm's per-token sums."""
@@ -110,39 +96,15 @@ def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | N
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeLayerSpec(KernelSpec):
-    """The fused decode layer: one CTA per (V block, head, request), the ``128 / (items·v_block)``
-    V blocks of a (request, head) one cluster; the recurrent state of request n is
-    ``state_pool[state_indices[n]]``, ``[V, K]`` per head (``kv_layout=False``) or ``[K, V]``, fp32
-    or bf16 (``bf16_state``)."""
+class DecodeLayerSpec(TokenStepSpec):
+    """The fused decode layer: the ``ctas_per_head`` V blocks of a (request, head) one cluster."""
 
     kernel: ClassVar[str] = "kda_decode_layer"
-
-    kv_layout: bool
-    bf16_state: bool
-    v_block: int
-    items: int = 1
-    gate: str = gate_field()
-
-    @property
-    def params(self) -> tuple:
-        return layer_params("bf16" if self.bf16_state else "f32")
-
-    @property
-    def ctas_per_head(self) -> int:
-        return 128 // (self.items * self.v_block)
-
-    @property
-    def grid(self) -> tuple:
-        return (self.ctas_per_head, "heads", "num_seqs")
+    declared_params: ClassVar[tuple] = LAYER_PARAMS
 
     @property
     def cluster(self) -> tuple:
         return (self.ctas_per_head, 1, 1)
-
-    @property
-    def block(self) -> tuple:
-        return (32 * (self.v_block // 16), 1, 1)
 
     def launch_smem_bytes(self, tokens: int) -> int:
         return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens)
@@ -150,13 +112,7 @@ class DecodeLayerSpec(KernelSpec):
 
 def decode_layer_specs() -> list[KernelSpec]:
     """Every layer specialization: both state layouts and dtypes, every variant and gate."""
-    return [
-        DecodeLayerSpec(kv_layout=kv, bf16_state=bf16, v_block=vb, items=items, gate=gate)
-        for gate in GATES
-        for kv in (False, True)
-        for bf16 in (False, True)
-        for vb, items in LAYER_VARIANTS
-    ]
+    return DecodeLayerSpec.every(LAYER_VARIANTS)
 
 
 def pick_layer_variant(num_seqs: int, heads: int, tokens: int, bf16_state: bool) -> tuple:

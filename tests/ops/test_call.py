@@ -37,14 +37,6 @@ def test_option_tables_are_the_public_signatures():
         for name, default in _keyword_defaults(api.kda_decode_layer).items()
     }
     assert layer_defaults == LAYER_OPTIONS
-    # kda_decode_layer binds by position too: the same names in the same order.
-    layer_bind = list(inspect.signature(call_module.DecodeLayerCall.bind).parameters)
-    assert layer_bind == [*inspect.signature(api.kda_decode_layer).parameters, "variant"]
-    assert list(call_module._LAYER_ORDER) == layer_bind[:-1]
-    # kda_decode hands its arguments to DecodeCall.bind by position: the same names in its order.
-    bind = list(inspect.signature(DecodeCall.bind).parameters)
-    assert bind == [*inspect.signature(api.kda_decode).parameters, "variant"]
-    assert list(call_module._DECODE_ORDER) == bind[:-1]
     # fwd: the same names (FlashKDA's positional ones first); serial by default.
     fwd = inspect.signature(api.fwd).parameters
     assert set(fwd) - {"q", "k", "v", "g", "beta"} <= set(PREFILL_OPTIONS)
@@ -52,6 +44,30 @@ def test_option_tables_are_the_public_signatures():
         if p.default is not inspect.Parameter.empty and name != "intracard_cp":
             assert p.default == PREFILL_OPTIONS[name], name
     assert fwd["intracard_cp"].default is False
+
+
+def test_positional_entries_build_the_call_of_their_arguments_by_name(monkeypatch):
+    """kda_decode, kda_decode_layer and a DecodeLayerStep hand their arguments on by position:
+    given a distinct value for every argument, each builds the call that ``of`` builds from them
+    by name."""
+    monkeypatch.setattr(call_module.Inputs, "bind", classmethod(lambda cls, *arguments: arguments))
+    calls = []
+    monkeypatch.setattr(decode, "run", calls.append)
+    monkeypatch.setattr(decode_layer, "run", calls.append)
+
+    def step(**given):  # not tensors: the step's full path
+        fixed = {name: given.pop(name) for name in inspect.signature(cula_aot.DecodeLayerStep).parameters}
+        return cula_aot.DecodeLayerStep(**fixed)(**given)
+
+    for entry, options, of in (
+        (api.kda_decode, DECODE_OPTIONS, DecodeCall.of),
+        (api.kda_decode_layer, LAYER_OPTIONS, call_module.DecodeLayerCall.of),
+        (step, LAYER_OPTIONS, call_module.DecodeLayerCall.of),
+    ):
+        given = {name: object() for name in ("q", "k", "v", "g", "beta", *options)}
+        calls.clear()
+        entry(**given)
+        assert _same(calls[0], of(given)), entry.__name__
 
 
 def test_an_unknown_or_missing_option_is_a_type_error():
