@@ -105,6 +105,16 @@ def _io_token(tid, chunks: int, n_threads: int, r: int):
     return tid // chunks + r * (n_threads // chunks)
 
 
+def token_io(tid, v_block: int, items: int) -> tuple:
+    """A thread's part of the token I/O (``KdaDecode.kda_decode`` says who moves what): the
+    8-column chunks of a CTA's rows, the rounds, this thread's column, and its half-warp lane,
+    half-warp and the CTA's half-warp count in the prologue."""
+    chunks = items * v_block // 8
+    rounds = io_rounds(v_block, items)
+    io_col = (tid % chunks) * 8
+    return chunks, rounds, io_col, tid % HALF, tid // HALF, threads(v_block) // HALF
+
+
 def io_rounds(v_block: int, items: int) -> int:
     """Rounds of the v / out staging: a thread moves 8 columns of one token per round."""
     chunks = items * v_block // 8
@@ -518,12 +528,7 @@ class KdaDecode(DecodeKernel):
         # v / out staging: in round r thread i moves 8 columns of token i // (rows / 8) + r·(tokens
         # per round) of this CTA's rows (one round up to 64 rows, two for 128); threads past the
         # last token repeat it (identical values: a benign duplicate store).
-        chunks = rows // 8
-        rounds = io_rounds(v_block, items)
-        io_col = (tid % chunks) * 8
-        hl = tid % HALF
-        half_id = tid // HALF
-        n_half = n_threads // HALF
+        chunks, rounds, io_col, hl, half_id, n_half = token_io(tid, v_block, items)
 
         # ---- issued before the slot is known: the first round of token inputs (token half_id,
         # clamped) and the v rows; the state loads then wait only for the index ----------------

@@ -51,7 +51,6 @@ from ..specs.decode_layer import (
 )
 from .common import TRACE_HEADS, grid_heads, report_status, sigmoid
 from .decode import (
-    HALF,
     MAX_TOKENS,
     ROWS_PER_WARP,
     VALUES,
@@ -64,8 +63,8 @@ from .decode import (
     _token_step,
     first_item,
     head_state,
-    io_rounds,
     next_item,
+    token_io,
     zero_outputs,
     threads,
     token_arrays,
@@ -296,12 +295,7 @@ class KdaDecodeLayer(DecodeKernel):
         item_stage = _item_stage_bytes(v_block, self.bf16_state)
 
         slot = self.slot(tensors, geometry, seq)
-        chunks = rows // 8
-        rounds = io_rounds(v_block, items)
-        io_col = (tid % chunks) * 8
-        hl = tid % HALF
-        half_id = tid // HALF
-        n_half = n_threads // HALF
+        chunks, rounds, io_col, hl, half_id, n_half = token_io(tid, v_block, items)
         group, j = self.tile.lane_parts(lane)
         row_local = warp * ROWS_PER_WARP + group * self.tile.vt
         lane_off = self.tile.lane_offset(v0 + row_local, j)
