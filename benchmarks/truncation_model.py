@@ -192,7 +192,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="all", help=f"comma list or 'all': {', '.join(ROWS)}")
     p.add_argument("--regimes", default="all", help=f"comma list or 'all': {', '.join(REGIMES)}")
-    p.add_argument("--json", default=str(DEFAULT_JSON), help="results file (markdown beside it, .md)")
+    p.add_argument("--json", default=str(DEFAULT_JSON), help="results file")
     args = p.parse_args(argv)
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     regimes = list(REGIMES) if args.regimes == "all" else args.regimes.split(",")
@@ -217,7 +217,7 @@ def main(argv=None):
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")
-    path.with_suffix(".md").write_text(render_markdown(res))
+    print(render_markdown(res))
 
 
 if __name__ == "__main__":
