@@ -472,7 +472,7 @@ class KdaDecode(DecodeKernel):
                         cutlass.select_(column != accepted - 1, STATUS_DRAFT_OUT_OF_RANGE, 0),
                     )
             at = seq * geometry.num_tokens + column
-        return cute.make_tensor(tensors.state_indices + geometry.index_offset + at, cute.make_layout(1))[0]
+        return self.slot(tensors, geometry, at)
 
     @cute.jit
     def store_token_state(
@@ -496,8 +496,7 @@ class KdaDecode(DecodeKernel):
         thread 0 on the ``first_item``), else to the intermediate states."""
         direct = not self.gate.defers_decay
         if (flags & DECODE_FLAG_TOKEN_SLOTS) != 0:
-            at = geometry.index_offset + seq * geometry.num_tokens + t
-            slot = cute.make_tensor(tensors.state_indices + at, cute.make_layout(1))[0]
+            slot = self.slot(tensors, geometry, seq * geometry.num_tokens + t)
             if slot >= 0 and slot < geometry.num_slots:
                 pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
                 _store_state(state, pool_head, self.tile, item_off, s_decay, t, j, direct)

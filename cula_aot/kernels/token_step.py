@@ -65,9 +65,10 @@ class DecodeKernel:
             cute.make_tensor(tensors.a_log + head, cute.make_layout(1))[0],
         )
 
-    def slot(self, tensors: DecodeTensors, geometry: DecodeGeometry, seq):
-        """Sequence ``seq``'s state pool slot, ``state_indices[index_offset + seq]``."""
-        return cute.make_tensor(tensors.state_indices + geometry.index_offset + seq, cute.make_layout(1))[0]
+    def slot(self, tensors: DecodeTensors, geometry: DecodeGeometry, at):
+        """Entry ``at`` of the slot indices, ``state_indices[index_offset + at]``: sequence ``at``'s
+        slot, or an entry of ``[N, T]`` indices."""
+        return cute.make_tensor(tensors.state_indices + geometry.index_offset + at, cute.make_layout(1))[0]
 
     def report_padding(self, tensors: DecodeTensors, flags, slot, num_slots):
         """A padding row's report: a slot other than -1 (outside the pool) into the status word."""

@@ -107,35 +107,30 @@ def check_state(name, t, heads: int, device, rows: int | None = None, kernel_rea
     return stride
 
 
-def check_slot_indices(name, t, num_seqs: int, device) -> None:
-    """A pool's slot per sequence: int32 ``[num_seqs]``, contiguous, on q's device (never read by
-    the host; an entry outside the pool is padding)."""
+def check_slot_indices(name, t, num_seqs: int, device, tokens: int | None = None) -> None:
+    """A pool's slot per sequence: int32 ``[num_seqs]``, contiguous, or with ``tokens`` a slot per
+    token (vLLM's speculative ``ssm_state_indices``): ``[num_seqs, tokens]`` with contiguous rows;
+    on q's device (never read by the host; an entry outside the pool is padding, or not written)."""
     if not isinstance(t, torch.Tensor):
         fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int32:
         fail(f"{name} must be torch.int32, got {t.dtype}; convert it with {name}.to(torch.int32)")
-    if tuple(t.shape) != (num_seqs,):
-        fail(f"{name} must have shape [{num_seqs}] (one pool slot per sequence, -1 for none), got {list(t.shape)}")
-    if num_seqs > 1 and t.stride(0) != 1:
-        fail(f"{name} must be contiguous; call {name}.contiguous()")
-    if t.device != device:
-        fail(f"{name} is on {t.device} but q is on {device}; keep it on the GPU (it is never read on the host)")
-
-
-def check_token_slot_indices(name, t, num_seqs: int, tokens: int, device) -> None:
-    """A pool slot per token (vLLM's speculative ``ssm_state_indices``): int32 ``[num_seqs, tokens]``
-    with contiguous rows, on q's device (never read by the host; an entry outside the pool is
-    not written)."""
-    if t.dtype != torch.int32:
-        fail(f"{name} must be torch.int32, got {t.dtype}; convert it with {name}.to(torch.int32)")
-    if tuple(t.shape) != (num_seqs, tokens):
-        fail(
-            f"{name} of two dims holds a pool slot per token: shape [{num_seqs}, {tokens}] (N, T), got {list(t.shape)}"
-        )
-    if (tokens > 1 and t.stride(1) != 1) or (num_seqs > 1 and t.stride(0) != tokens):
-        fail(
-            f"{name} [N, T] must be contiguous (strides [{tokens}, 1]), got {list(t.stride())}; call {name}.contiguous()"
-        )
+    if tokens is None:
+        if tuple(t.shape) != (num_seqs,):
+            fail(f"{name} must have shape [{num_seqs}] (one pool slot per sequence, -1 for none), got {list(t.shape)}")
+        if num_seqs > 1 and t.stride(0) != 1:
+            fail(f"{name} must be contiguous; call {name}.contiguous()")
+    else:
+        if tuple(t.shape) != (num_seqs, tokens):
+            fail(
+                f"{name} of two dims holds a pool slot per token: shape [{num_seqs}, {tokens}] (N, T), "
+                f"got {list(t.shape)}"
+            )
+        if (tokens > 1 and t.stride(1) != 1) or (num_seqs > 1 and t.stride(0) != tokens):
+            fail(
+                f"{name} [N, T] must be contiguous (strides [{tokens}, 1]), got {list(t.stride())}; "
+                f"call {name}.contiguous()"
+            )
     if t.device != device:
         fail(f"{name} is on {t.device} but q is on {device}; keep it on the GPU (it is never read on the host)")
 

@@ -169,7 +169,7 @@ def validate(call: DecodeCall, device_check: bool = True):
     _check_base("state_pool", state_pool)
     state_indices, num_accepted = call.state_indices, call.num_accepted
     if isinstance(state_indices, torch.Tensor) and state_indices.dim() == 2:
-        checks.check_token_slot_indices("state_indices", state_indices, num_seqs, tokens, device)
+        checks.check_slot_indices("state_indices", state_indices, num_seqs, device, tokens)
         if call.intermediate_states is not None:
             fail(
                 "intermediate_states cannot be given with [N, T] state_indices: the state after every token "
