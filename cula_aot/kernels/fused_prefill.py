@@ -50,10 +50,8 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (
-    FLAG_LONGEST_FIRST,
     FLAG_VARLEN,
     IMAGE_BYTES,
-    ORDER_MAX_SEQS,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
 from .common import CHUNK, D, TRACE_HEADS, make_token_tma, sigmoid, varlen_sequence
@@ -68,17 +66,12 @@ from .prepare_tile import (
     WARPS,
     copy_tiles,
     gate_cumsum,
-    input_tile,
-    lane_row_values,
     normalised_and_gates,
-    reduce_l,
-    reduce_mqk,
-    register_inverse,
-    store_inverse,
-    store_row_norms,
+    reduce_and_invert,
     vector,
     lane_columns,
     lane_rows,
+    load_fragments,
 )
 from .tile_chain import (
     report_item_status,
@@ -358,18 +351,8 @@ def fused_prefill_kernel(
     length = seq_len
     malformed = cutlass.Boolean(False)
     if (flags & FLAG_VARLEN) != 0:
-        if (flags & FLAG_LONGEST_FIRST) != 0:
-            if num_seqs <= ORDER_MAX_SEQS:
-                # The stages are free until the barriers below are initialised and synced.
-                seq = longest_first(
-                    cu_seqlens,
-                    num_seqs,
-                    seq,
-                    cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
-                    tid,
-                    fused_threads(producers),
-                    seq_len,
-                )
+        scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
+        seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, fused_threads(producers), seq_len)
         seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
     num_tiles = (length + (CHUNK - 1)) // CHUNK
 
@@ -420,15 +403,7 @@ def fused_prefill_kernel(
             cute.arch.mbarrier_wait(load_barriers + buffer, (mine // 2) % 2)
 
             # ---- phase A (K1): the lane's fragments, row norms -----------------------------
-            valid = [r < rows for r in my_rows]
-            vq, vk, vg = (
-                [
-                    lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
-                    for r, ok in zip(my_rows, valid)
-                ]
-                for which in range(3)
-            )
-            store_row_norms(vq, vk, s_norm, my_rows, pw)
+            valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, pw)
             logit = cutlass.Float32(-float("inf"))
             if pw == inverse_warp:
                 if lane < rows:
@@ -468,14 +443,7 @@ def fused_prefill_kernel(
                     cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
             _producer_sync(producer)
             # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
-            if pw == inverse_warp:
-                store_inverse(
-                    _stage_part(record, "inv", cutlass.BFloat16),
-                    register_inverse(reduce_l(s_part, b, lane), lane),
-                    lane,
-                )
-            elif pw >= 2:
-                reduce_mqk(s_part, _stage_part(record, "mqk", cutlass.BFloat16), pw % 2, lane)
+            reduce_and_invert(lambda name, dtype: _stage_part(record, name, dtype), s_part, b, pw, inverse_warp, lane)
 
             # The record's generic stores before the consumers' wgmma reads (async proxy).
             cute.arch.fence_proxy("async.shared", space="cta")

@@ -87,16 +87,11 @@ from .prepare_tile import (
     WARP_COLS,
     copy_tiles,
     gate_cumsum,
-    input_tile,
     lane_columns,
-    lane_row_values,
     lane_rows,
+    load_fragments,
     normalised_and_gates,
-    reduce_l,
-    reduce_mqk,
-    register_inverse,
-    store_inverse,
-    store_row_norms,
+    reduce_and_invert,
     vector,
 )
 
@@ -242,16 +237,7 @@ def k1_prepare_kernel(
         rows = s_info[2 * buffer + 1]
 
         # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
-        valid = [r < rows for r in my_rows]
-        # g needs no mask: γ itself is zeroed on rows past the end.
-        vq, vk, vg = (
-            [
-                lane_row_values(input_tile(s_inputs.iterator, buffer, which), r, col0, ok if which < 2 else True)
-                for r, ok in zip(my_rows, valid)
-            ]
-            for which in range(3)
-        )
-        store_row_norms(vq, vk, s_norm, my_rows, warp)
+        valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, warp)
         # β of rows tid < 16: loaded here, used only at the end of phase C, so their global
         # latency overlaps phases A-C instead of holding the next barrier.
         beta_row = cutlass.Float32(0.0)
@@ -298,14 +284,7 @@ def k1_prepare_kernel(
             # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) in warp 0's registers -----------
             # (it sums L's partials first); warps 2-3 sum Mqk's meanwhile.  No barrier: the next
             # tile's exchange is written after its phase A barrier, which warp 0 reaches last.
-            if warp == 0:
-                store_inverse(
-                    record_part(record, "inv", cutlass.BFloat16),
-                    register_inverse(reduce_l(s_part, b, lane), lane),
-                    lane,
-                )
-            elif warp >= 2:
-                reduce_mqk(s_part, record_part(record, "mqk", cutlass.BFloat16), warp % 2, lane)
+            reduce_and_invert(lambda name, dtype: record_part(record, name, dtype), s_part, b, warp, 0, lane)
 
 
 @cute.jit

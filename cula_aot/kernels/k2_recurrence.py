@@ -81,7 +81,6 @@ from ..layout import (
     FLAG_BF16_CHECKPOINT,
     FLAG_CHECKPOINT_OFFSETS,
     FLAG_IDENTITY_INIT,
-    FLAG_LONGEST_FIRST,
     FLAG_NO_OUTPUT,
     FLAG_STATUS,
     FLAG_ZERO_V,
@@ -94,7 +93,6 @@ from ..layout import (
     SEG_SEQ_OFFSET,
     SEG_TOKENS,
     SEGMENT_FIELDS,
-    ORDER_MAX_SEQS,
     PRESCAN_RECORD_BYTES,
     WORKSPACE_PART_OFFSETS,
     WORKSPACE_RECORD_BYTES,
@@ -588,18 +586,8 @@ class K2Recurrence:
 
         # ---- this work item: first token, first tile slot, length, state rows, flags ----------
         if cutlass.const_expr(self.varlen and not self.segmented):
-            if (flags & FLAG_LONGEST_FIRST) != 0:
-                if num_seqs <= ORDER_MAX_SEQS:
-                    # The self.stages are free until the barriers below are initialised and synced.
-                    seq = longest_first(
-                        cu_seqlens,
-                        num_seqs,
-                        seq,
-                        cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32),
-                        tid,
-                        k2_threads(self.v_block),
-                        seq_len,
-                    )
+            scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
+            seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, k2_threads(self.v_block), seq_len)
         seq_start = cutlass.Int64(0)
         first_slot = cutlass.Int32(0)
         length = seq_len

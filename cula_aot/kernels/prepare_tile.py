@@ -115,6 +115,22 @@ def store_row_norms(vq: list, vk: list, s_norm: cute.Tensor, my_rows: tuple, war
             s_norm[(which * CHUNK + my_rows[half]) * WARPS + warp] = ss
 
 
+def load_fragments(inputs: cute.Pointer, buffer, my_rows: tuple, col0, rows, s_norm: cute.Tensor, warp):
+    """Phase A: (valid, q, k, g) — which of the lane's rows hold tokens and its fragments of load
+    buffer ``buffer`` (q and k zeroed past ``rows``; g needs no mask: γ itself is zeroed there),
+    the q and k row norms stored into ``s_norm`` (``store_row_norms``)."""
+    valid = [r < rows for r in my_rows]
+    vq, vk, vg = (
+        [
+            lane_row_values(input_tile(inputs, buffer, which), r, col0, ok if which < 2 else True)
+            for r, ok in zip(my_rows, valid)
+        ]
+        for which in range(3)
+    )
+    store_row_norms(vq, vk, s_norm, my_rows, warp)
+    return valid, vq, vk, vg
+
+
 def gate_constants(a_log: cute.Pointer, dt_bias: cute.Pointer, head, col0, lower_bound, lane, gate: Gate):
     """Phase B's per-CTA constants for the lane's columns, as (gate_scale, gate_bias per column,
     gamma_scale, ``row_scan``'s has_source factors): the gate's (``Gate.tile_constants``; γ in
@@ -667,6 +683,16 @@ def store_inverse(inv: cute.Pointer, p: list, lane):
         for c in cutlass.range_constexpr(4):
             acc[c] = p[n][c]
         store_fragment_bf16(inv, acc, n, lane)
+
+
+@cute.jit
+def reduce_and_invert(part, s_part: cute.Tensor, b, warp, inverse_warp, lane):
+    """Phase D: warp ``inverse_warp`` sums L's partials and stores INV = (I + L)⁻¹ from its
+    registers, warps 2–3 sum Mqk's meanwhile; ``part(name, dtype)`` points at the record's part."""
+    if warp == inverse_warp:
+        store_inverse(part("inv", cutlass.BFloat16), register_inverse(reduce_l(s_part, b, lane), lane), lane)
+    elif warp >= 2:
+        reduce_mqk(s_part, part("mqk", cutlass.BFloat16), warp % 2, lane)
 
 
 def input_tile(inputs: cute.Pointer, buffer, which: int) -> cute.Pointer:

@@ -3,6 +3,8 @@ consumers (``fused_prefill.py``): the state's load and store (key pairs where th
 the v staging, the wgmma state products, W, U and the state update, and the longest-first grid
 order.  See ``k2_recurrence``'s docstring for the fragment layouts."""
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 
@@ -15,6 +17,7 @@ from ..layout import (
     FLAG_INDEXED_FINAL,
     FLAG_INDEXED_INIT,
     FLAG_INITIAL_STATE,
+    FLAG_LONGEST_FIRST,
     FLAG_STATUS,
     ORDER_MAX_SEQS,
     STATUS_SLOT_OUT_OF_RANGE,
@@ -126,6 +129,19 @@ def write_state(state: cute.Tensor, final_state: cute.Pointer, index, strides: S
     strided_io(True, state, final_state, index, strides, head, t, v_col, (flags & FLAG_BF16_FINAL) != 0)
 
 
+class StatePlace(NamedTuple):
+    """Where this thread's Sᵀ values lie in a state tensor: state ``index`` of ``base`` (slots
+    ``slot_stride`` elements apart), head ``head``, from key 2t and V column ``v_col`` on
+    (``state_entry``)."""
+
+    base: cute.Pointer
+    index: cutlass.Int32
+    slot_stride: cutlass.Int32
+    head: cutlass.Int32
+    t: cutlass.Int32
+    v_col: cutlass.Int32
+
+
 @cute.jit
 def strided_io(
     write: cutlass.Constexpr[bool],
@@ -139,19 +155,8 @@ def strided_io(
     dtype_is_bf16,
 ):
     """``state_io`` of a state tensor with strides ``strides``."""
-    state_io(
-        write,
-        state,
-        base,
-        index,
-        strides.slot_stride,
-        head,
-        t,
-        v_col,
-        strides.stride_k,
-        strides.stride_v,
-        dtype_is_bf16,
-    )
+    place = StatePlace(base, index, strides.slot_stride, head, t, v_col)
+    state_io(write, state, place, strides.stride_k, strides.stride_v, dtype_is_bf16)
 
 
 @cute.jit
@@ -237,15 +242,18 @@ def store_checkpoint(
     if wanted:
         slot, usable, out_of_range = pool_slot(checkpoint.indices, index, checkpoint.slots)
         if usable:
-            state_io(
-                True,
-                state,
+            place = StatePlace(
                 checkpoint.pool,
                 slot,
                 opaque_i32(checkpoint.strides.slot_stride),
                 opaque_i32(head),
                 opaque_i32(t),
                 opaque_i32(v_col),
+            )
+            state_io(
+                True,
+                state,
+                place,
                 opaque_i32(checkpoint.strides.stride_k),
                 opaque_i32(checkpoint.strides.stride_v),
                 (flags & FLAG_BF16_CHECKPOINT) != 0,
@@ -257,39 +265,27 @@ def store_checkpoint(
 
 
 @cute.jit
-def state_io(
-    write: cutlass.Constexpr[bool],
-    state: cute.Tensor,
-    base: cute.Pointer,
-    index,
-    slot_stride,
-    head,
-    t,
-    v_col,
-    stride_k,
-    stride_v,
-    dtype_is_bf16,
-):
-    """The case split ``read_state`` and ``write_state`` share (``write``: ``state`` into state
-    ``index`` of ``base``, else from it): layout and dtype are runtime values ([.., V, K]:
+def state_io(write: cutlass.Constexpr[bool], state: cute.Tensor, place: StatePlace, stride_k, stride_v, dtype_is_bf16):
+    """The case split ``read_state`` and ``write_state`` share (``write``: ``state`` into the
+    state at ``place``, else from it): layout and dtype are runtime values ([.., V, K]:
     ``stride_k`` 1, ``stride_v`` 128; [.., K, V]: 128, 1), but an access's width, element type and
     offsets are fixed when it is traced, so each case is its own branch: ``pairs_io`` on a
     ``paired`` layout, else ``elements_io`` with the layout's strides, each bf16 or fp32."""
-    if paired(stride_k, slot_stride):
+    if paired(stride_k, place.slot_stride):
         if dtype_is_bf16:
-            pairs_io(write, state, base, index, slot_stride, head, t, v_col, cutlass.BFloat16)
+            pairs_io(write, state, place, cutlass.BFloat16)
         else:
-            pairs_io(write, state, base, index, slot_stride, head, t, v_col, cutlass.Float32)
+            pairs_io(write, state, place, cutlass.Float32)
     elif stride_k == 1:
         if dtype_is_bf16:
-            elements_io(write, state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.BFloat16)
+            elements_io(write, state, place, 1, D, cutlass.BFloat16)
         else:
-            elements_io(write, state, base, index, slot_stride, head, t, v_col, 1, D, cutlass.Float32)
+            elements_io(write, state, place, 1, D, cutlass.Float32)
     else:
         if dtype_is_bf16:
-            elements_io(write, state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.BFloat16)
+            elements_io(write, state, place, D, 1, cutlass.BFloat16)
         else:
-            elements_io(write, state, base, index, slot_stride, head, t, v_col, D, 1, cutlass.Float32)
+            elements_io(write, state, place, D, 1, cutlass.Float32)
 
 
 def paired(stride_k, slot_stride):
@@ -298,16 +294,13 @@ def paired(stride_k, slot_stride):
     return (stride_k == 1) & ((slot_stride % 2) == 0)
 
 
-def _thread_origin(
-    base: cute.Pointer, index, slot_stride, head, t, v_col, stride_k: int, stride_v: int, dtype, align: int = 1
-):
-    """This thread's first state element (key 2t, V column ``v_col``) of state ``index``, head
-    ``head`` (``common.state_element``'s addressing): every value of its fragments lies a
+def _thread_origin(place: StatePlace, stride_k: int, stride_v: int, dtype, align: int = 1):
+    """This thread's first state element at ``place`` (``common.state_element``'s addressing): every value of its fragments lies a
     trace-time constant away (``_value_offset``), so the accesses take immediate offsets from
     one register pair."""
-    ptr = base if dtype is cutlass.Float32 else cute.recast_ptr(base, dtype=dtype)
-    at = cutlass.Int64(index) * cutlass.Int64(slot_stride) + cutlass.Int64(
-        head * (D * D) + (2 * t) * stride_k + v_col * stride_v
+    ptr = place.base if dtype is cutlass.Float32 else cute.recast_ptr(place.base, dtype=dtype)
+    at = cutlass.Int64(place.index) * cutlass.Int64(place.slot_stride) + cutlass.Int64(
+        place.head * (D * D) + (2 * place.t) * stride_k + place.v_col * stride_v
     )
     if align > 1:
         at = cute.assume(at, divby=align)
@@ -320,11 +313,9 @@ def _value_offset(i: int, stride_k: int, stride_v: int) -> int:
 
 
 @cute.jit
-def pairs_io(
-    write: cutlass.Constexpr[bool], state: cute.Tensor, base: cute.Pointer, index, slot_stride, head, t, v_col, dtype
-):
+def pairs_io(write: cutlass.Constexpr[bool], state: cute.Tensor, place: StatePlace, dtype):
     """``state_io`` on a ``paired`` layout ([.., V, K]): values i, i + 1 in one access."""
-    origin = _thread_origin(base, index, slot_stride, head, t, v_col, 1, D, dtype, 2)
+    origin = _thread_origin(place, 1, D, dtype, 2)
     for i in cutlass.range_constexpr(0, 4 * N_TILES, 2):
         if cutlass.const_expr(write):
             pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
@@ -340,20 +331,10 @@ def pairs_io(
 
 @cute.jit
 def elements_io(
-    write: cutlass.Constexpr[bool],
-    state: cute.Tensor,
-    base: cute.Pointer,
-    index,
-    slot_stride,
-    head,
-    t,
-    v_col,
-    stride_k: int,
-    stride_v: int,
-    dtype,
+    write: cutlass.Constexpr[bool], state: cute.Tensor, place: StatePlace, stride_k: int, stride_v: int, dtype
 ):
     """``state_io`` on either layout: one value per access."""
-    origin = _thread_origin(base, index, slot_stride, head, t, v_col, stride_k, stride_v, dtype)
+    origin = _thread_origin(place, stride_k, stride_v, dtype)
     for i in cutlass.range_constexpr(4 * N_TILES):
         element = cute.make_tensor(origin + _value_offset(i, stride_k, stride_v), cute.make_layout(1))
         if cutlass.const_expr(write):
@@ -417,29 +398,34 @@ def issue_state_update(
 
 
 @cute.jit
-def longest_first(cu_seqlens: cute.Pointer, num_seqs, row, scratch: cute.Pointer, tid, threads: int, num_tokens):
-    """The sequence grid row ``row`` runs under ``FLAG_LONGEST_FIRST``: the one whose rank by
-    length (longest first, ties in index order) is ``row``.  The CTA stages the lengths in
-    ``scratch`` (shared, ``ORDER_MAX_SEQS`` + 1 words) and each thread ranks its sequences.
-    Ranks are a permutation for any lengths, so every sequence still runs exactly once."""
-    cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
-    lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
-    i = tid
-    while i < num_seqs:
-        start, end = sequence_bounds(cu, i, num_tokens)
-        lengths[i] = end - start
-        i = i + threads
-    cute.arch.sync_threads()
-    i = tid
-    while i < num_seqs:
-        mine = lengths[i]
-        rank = cutlass.Int32(0)
-        for j in cutlass.range(num_seqs, unroll=1):
-            other = lengths[j]
-            if (other > mine) | ((other == mine) & (j < i)):
-                rank = rank + 1
-        if rank == row:
-            lengths[ORDER_MAX_SEQS] = i
-        i = i + threads
-    cute.arch.sync_threads()
-    return lengths[ORDER_MAX_SEQS]
+def longest_first(cu_seqlens: cute.Pointer, num_seqs, row, flags, scratch: cute.Pointer, tid, threads: int, num_tokens):
+    """The sequence grid row ``row`` runs: under ``FLAG_LONGEST_FIRST`` (and at most
+    ``ORDER_MAX_SEQS`` sequences) the one whose rank by length (longest first, ties in index
+    order) is ``row``, else ``row`` itself.  The CTA stages the lengths in ``scratch`` (shared,
+    ``ORDER_MAX_SEQS`` + 1 words, free until the caller's barriers are set up) and each thread
+    ranks its sequences.  Ranks are a permutation for any lengths, so every sequence still runs
+    exactly once."""
+    if (flags & FLAG_LONGEST_FIRST) != 0:
+        if num_seqs <= ORDER_MAX_SEQS:
+            cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+            lengths = cute.make_tensor(scratch, cute.make_layout(ORDER_MAX_SEQS + 1))
+            i = tid
+            while i < num_seqs:
+                start, end = sequence_bounds(cu, i, num_tokens)
+                lengths[i] = end - start
+                i = i + threads
+            cute.arch.sync_threads()
+            i = tid
+            while i < num_seqs:
+                mine = lengths[i]
+                rank = cutlass.Int32(0)
+                for j in cutlass.range(num_seqs, unroll=1):
+                    other = lengths[j]
+                    if (other > mine) | ((other == mine) & (j < i)):
+                        rank = rank + 1
+                if rank == row:
+                    lengths[ORDER_MAX_SEQS] = i
+                i = i + threads
+            cute.arch.sync_threads()
+            row = lengths[ORDER_MAX_SEQS]
+    return row
