@@ -8,19 +8,19 @@ from ..specs import KernelSpec, Param
 from ..specs.decode_layer import layer_smem_bytes
 from . import cp_merge, decode, decode_chunk, decode_layer, fused_prefill, k1_prepare, k2_recurrence
 
-# kernel name → (host launch function or kernel class, device kernel, dynamic shared memory bytes of a
-# spec).  A kernel class (docs/DESIGN.md, Kernels as classes) takes the codegen arguments in
-# ``__init__`` and launches in ``__call__``; its ``kernel`` is the device method.
+# kernel name → (kernel class, device kernel, dynamic shared memory bytes of a spec).  A kernel class
+# (docs/DESIGN.md, Kernels as classes) takes the codegen arguments in ``__init__`` and launches in
+# ``__call__``; its ``kernel`` is the device method.
 _KERNELS = {
-    "k1_prepare": (k1_prepare.k1_prepare_launch, k1_prepare.k1_prepare_kernel, lambda spec: k1_prepare.SMEM_BYTES),
+    "k1_prepare": (k1_prepare.K1Prepare, k1_prepare.K1Prepare.kernel, lambda spec: k1_prepare.SMEM_BYTES),
     "k2_recurrence": (
         k2_recurrence.K2Recurrence,
         k2_recurrence.K2Recurrence.kernel,
         lambda spec: k2_recurrence.smem_bytes(spec.v_block, spec.stages, spec.prescan),
     ),
     "fused_prefill": (
-        fused_prefill.fused_prefill_launch,
-        fused_prefill.fused_prefill_kernel,
+        fused_prefill.FusedPrefill,
+        fused_prefill.FusedPrefill.kernel,
         lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers),
     ),
     "cp_merge": (cp_merge.CpMerge, cp_merge.CpMerge.kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
@@ -62,20 +62,18 @@ def _fake_argument(param: Param):
 
 def declared_names_match(spec: KernelSpec) -> None:
     """The spec's parameter list is the one the kernel module writes out: the device kernel's
-    runtime parameters in order (the list is written there, once); the launch function takes
-    the tensors its descriptors are built from, then every other parameter as ``*params``, then
-    the stream and the codegen arguments by keyword; and it passes the kernel the descriptors,
-    ``*params``, the static arguments and the codegen arguments, in the kernel's order."""
+    runtime parameters in order (the list is written there, once); the class takes the codegen
+    arguments in ``__init__``; its ``__call__`` takes the tensors its descriptors are built from,
+    then every other parameter as ``*params``, then the stream by keyword, and passes the kernel
+    the descriptors, ``*params``, the static arguments and the codegen arguments the device
+    method takes, in the kernel's order."""
     launch, kernel, _ = _KERNELS[spec.kernel]
-    as_class = inspect.isclass(launch)
-    kernel_params = _flat_parameter_names(kernel)
-    if as_class:
-        kernel_params = kernel_params[1:]  # self
-        init = list(inspect.signature(launch.__init__).parameters)[1:]
-        if init != list(spec.args):
-            raise ValueError(
-                f"{spec.name}: {launch.__name__}.__init__ takes {init}, the spec's codegen arguments are {list(spec.args)}"
-            )
+    kernel_params = _flat_parameter_names(kernel)[1:]  # less self
+    init = list(inspect.signature(launch.__init__).parameters)[1:]
+    if init != list(spec.args):
+        raise ValueError(
+            f"{spec.name}: {launch.__name__}.__init__ takes {init}, the spec's codegen arguments are {list(spec.args)}"
+        )
     runtime = [n for n in kernel_params if n not in spec.args and n not in spec.static_args]
     declared = [p.name for p in spec.params]
     if runtime != declared:
@@ -84,19 +82,18 @@ def declared_names_match(spec: KernelSpec) -> None:
     if spec.params[: len(descriptors)] != tuple(descriptors):
         raise ValueError(f"{spec.name}: the TMA descriptors must lead the parameter list")
     sources = [dict(p.recipe)["source"] for p in descriptors]
-    host = inspect.unwrap(launch.__call__ if as_class else launch)
+    host = inspect.unwrap(launch.__call__)
     shape = [(p.name, p.kind) for p in inspect.signature(host).parameters.values()]
     expected = (
-        [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] * as_class
+        [("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         + [(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in sources]
         + [("params", inspect.Parameter.VAR_POSITIONAL)]
-        + [(name, inspect.Parameter.KEYWORD_ONLY) for name in ("stream", *([] if as_class else spec.args))]
+        + [("stream", inspect.Parameter.KEYWORD_ONLY)]
     )
     if shape != expected:
         raise ValueError(f"{spec.name}: launch parameters {shape} != {expected}")
-    passed = _kernel_call_arguments(host, "self.kernel" if as_class else kernel.__name__)
-    # A kernel class passes the codegen arguments its device method takes (a function: all of them).
-    codegen = [name for name in spec.args if name in kernel_params] if as_class else list(spec.args)
+    passed = _kernel_call_arguments(host)
+    codegen = [name for name in spec.args if name in kernel_params]
     wanted = [p.name for p in descriptors] + ["*params"] + list(spec.static_args) + codegen
     if passed != wanted:
         raise ValueError(f"{spec.name}: the launch passes {passed} to its kernel, expected {wanted}")
@@ -123,11 +120,11 @@ def _flat_parameter_names(kernel) -> list:
     return names
 
 
-def _kernel_call_arguments(launch, kernel_name: str) -> list:
-    """The names the launch function passes, positionally, to its kernel (from its source);
-    a starred name as ``*name``, an attribute ``self.name`` (a kernel class's configuration) as
-    ``name``, and ``*grouped(kernel, a, *params)`` (``kernels.params``) as the arguments it groups.
-    ``kernel_name``: a function's name, or ``self.kernel`` for a kernel class."""
+def _kernel_call_arguments(launch) -> list:
+    """The names a kernel class's ``__call__`` passes, positionally, to its kernel (from its
+    source); a starred name as ``*name``, an attribute ``self.name`` (the class's configuration)
+    as ``name``, and ``*grouped(kernel, a, *params)`` (``kernels.params``) as the arguments it
+    groups."""
     import ast
     import textwrap
 
@@ -136,11 +133,11 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and ast.unparse(node.func) == kernel_name
+        and ast.unparse(node.func) == "self.kernel"
         and isinstance(node.func, (ast.Name, ast.Attribute))
     ]
     if len(calls) != 1 or calls[0].keywords:
-        raise ValueError(f"{launch.__name__}: expected one call {kernel_name}(name, *params, name, ...)")
+        raise ValueError(f"{launch.__name__}: expected one call self.kernel(name, *params, name, ...)")
     names = []
     args = list(calls[0].args)
     while args:
@@ -150,7 +147,7 @@ def _kernel_call_arguments(launch, kernel_name: str) -> list:
             and isinstance(arg.value, ast.Call)
             and ast.unparse(arg.value.func) == "grouped"
             and arg.value.args
-            and ast.unparse(arg.value.args[0]) == kernel_name
+            and ast.unparse(arg.value.args[0]) == "self.kernel"
             and not arg.value.keywords
         ):
             args[:0] = arg.value.args[1:]
@@ -173,14 +170,10 @@ def compile_spec(spec: KernelSpec, arch: str, dump_dir: str) -> tuple[str, str]:
     declared_names_match(spec)
     launch, _, _ = _KERNELS[spec.kernel]
     args = [_fake_argument(p) for p in spec.params]
-    codegen = spec.args
-    if inspect.isclass(launch):  # a kernel class: configured by the codegen arguments
-        launch, codegen = launch(**spec.args), {}
     cute.compile(
-        launch,
+        launch(**spec.args),
         *args,
         stream=cuda.CUstream(0),
-        **codegen,
         options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump_dir}",
     )
     ptx = glob.glob(os.path.join(dump_dir, "*.ptx"))

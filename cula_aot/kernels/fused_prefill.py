@@ -54,10 +54,11 @@ from ..layout import (
     IMAGE_BYTES,
 )
 from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, TRACE_HEADS, make_token_tma, sigmoid, varlen_sequence
-from .params import Checkpoints, PoolBounds, StateStrides, grouped
+from .common import CHUNK, D, sigmoid, varlen_sequence
+from .params import Checkpoints, PoolBounds, StateStrides
 from .gate import Gate
 from .prepare_tile import (
+    TokenTileKernel,
     gate_constants,
     decayed_partials,
     LANE_COLS,
@@ -85,6 +86,7 @@ from .tile_chain import (
     square_lane_offset,
     stage_pointer,
     stage_v_rows,
+    VStaging,
     v_chunk,
     issue_state_update,
     read_state,
@@ -205,13 +207,10 @@ class _ConsumerContext:
     s_stages: object
     seq_start: object
     square_lane: object
+    staging: object
     stages: object
     state: object
     t: object
-    v: object
-    v_base: object
-    v_row_stride: object
-    v_stage_bytes: object
     warp_col0: object
 
 
@@ -223,22 +222,17 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     stage_base = stage_pointer(ctx.s_stages, stage, STAGE_BYTES)
     ahead = tile + (ctx.stages - 1)
     stage_v_rows(
-        ctx.v,
-        ctx.v_row_stride,
-        ctx.v_base + ahead_stage * ctx.v_stage_bytes,
+        ctx.staging,
+        ctx.staging.slot(ahead_stage),
         ctx.seq_start + cutlass.Int64(ahead * CHUNK),
         ctx.length - ahead * CHUNK,
-        ctx.head,
-        ctx.warp_col0,
-        ctx.lane,
-        True,
     )
     cute.arch.cp_async_commit_group()
     rows_valid = cutlass.min(ctx.length - tile * CHUNK, CHUNK)
     token0 = ctx.seq_start + cutlass.Int64(tile * CHUNK)
     cute.arch.cp_async_wait_group(ctx.stages - 1)
     cute.arch.sync_warp()
-    v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
+    v_regs = ldmatrix_x4(ctx.staging.slot(stage) + ctx.square_lane, transpose=True)
     cute.arch.mbarrier_wait(ctx.full + stage, phase)
     base = stage_base.toint()
     b_rows = _stage_part_view(stage_base, "b", cutlass.Float32)
@@ -270,7 +264,7 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     for n in cutlass.range_constexpr(2):
         d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n : 2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
         o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
-    o_slot = ctx.v_base + stage * ctx.v_stage_bytes
+    o_slot = ctx.staging.slot(stage)
     stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
     cute.arch.sync_warp()
     words = ld_shared_v4(o_slot + ctx.lane * 16)
@@ -296,300 +290,282 @@ def _load_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, ba
     copy_tiles(atoms, token_coords, inputs, buffer, barriers + buffer, token0, head)
 
 
-@cute.kernel
-def fused_prefill_kernel(
-    tma_q: cute.CopyAtom,
-    tma_k: cute.CopyAtom,
-    tma_g: cute.CopyAtom,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    v: cute.Pointer,
-    out: cute.Pointer,
-    initial_state: cute.Pointer,
-    final_state: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    state_indices: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    beta_row_stride: cutlass.Int32,
-    v_row_stride: cutlass.Int32,
-    out_row_stride: cutlass.Int32,
-    init: StateStrides,
-    final: StateStrides,
-    flags: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    bounds: PoolBounds,
-    checkpoint: Checkpoints,
-    token_coords: cute.Tensor,
-    stages: cutlass.Constexpr[int],
-    producers: cutlass.Constexpr[int],
-    gate: cutlass.Constexpr[str],
-    checkpointing: cutlass.Constexpr[bool],
-):
-    tid, _, _ = cute.arch.thread_idx()
-    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
-    _, head, seq = cute.arch.block_idx()
-    warp = tid // WARP
-    lane = tid % WARP
+class FusedPrefill(TokenTileKernel):
+    """The fused prefill of one variant (``specs.FusedSpec``): the codegen arguments here, the
+    launch in ``TokenTileKernel.__call__``, the device code in ``kernel`` (docs/DESIGN.md, Kernels
+    as classes).  The entry symbol is the former function's, ``kernel_cutlass_fused_prefill_kernel_<the
+    parameters' types, cut at 180 characters>_0``."""
 
-    smem = cutlass.utils.SmemAllocator()
-    s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * STAGE_BYTES), 128)
-    s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(stages * CONSUMER_WARPS * V_WARP_BYTES), 128)
-    full = smem.allocate_array(cutlass.Int64, stages)
-    empty = smem.allocate_array(cutlass.Int64, stages)
-    # Each producer's own K1 buffers, side by side: two load buffers and their barriers, the
-    # norm and product exchanges.
-    all_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(producers * INPUT_ELEMS), 128)
-    all_load_barriers = smem.allocate_array(cutlass.Int64, 2 * producers)
-    all_norms = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * NORM_PARTIALS), 16)
-    all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(producers * PRODUCT_PARTIALS), 16)
+    min_blocks_per_mp = 1
 
-    # ---- this work item: first token, length (as K2's serial path) ------------------------
-    seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
-    length = seq_len
-    malformed = cutlass.Boolean(False)
-    if (flags & FLAG_VARLEN) != 0:
-        scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
-        seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, fused_threads(producers), seq_len)
-        seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
-    num_tiles = (length + (CHUNK - 1)) // CHUNK
+    def __init__(self, stages: int, producers: int, gate: str, checkpointing: bool):
+        self.stages = stages
+        self.producers = producers
+        self.gate = gate
+        self.checkpointing = checkpointing
 
-    if tid == 0:
-        for b in cutlass.range_constexpr(2 * producers):
-            cute.arch.mbarrier_init(all_load_barriers + b, 1)
-        for s in cutlass.range_constexpr(stages):
-            cute.arch.mbarrier_init(full + s, PRODUCER_THREADS)
-            cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * WARP)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
+    @property
+    def threads(self) -> int:
+        return fused_threads(self.producers)
 
-    if warp < WARPS * producers:
-        # ================= producers: K1's phases per tile, the record into a stage ==========
-        # Producer p (warps 4p .. 4p + 3) prepares tiles p, p + P, p + 2P, …
-        if cutlass.const_expr(producers > 1):
-            cute.arch.setmaxregister_decrease(FUSED_PRODUCER_REGISTERS)
-        producer = warp // WARPS
-        pw = warp % WARPS  # the warp within its producer (K1's warp index)
-        # The warp that inverts (I + L): producer p's warp p, on another scheduler than p − 1's.
-        inverse_warp = producer % 2
-        s_inputs = _slice(all_inputs, producer, INPUT_ELEMS)
-        load_barriers = all_load_barriers + 2 * producer
-        s_norm = _slice(all_norms, producer, NORM_PARTIALS)
-        s_part = _slice(all_parts, producer, PRODUCT_PARTIALS)
-        atoms = (tma_q, tma_k, tma_g)
-        my_tiles = (num_tiles - producer + (producers - 1)) // producers
-        if pw == 0:
-            for b in cutlass.range_constexpr(2):
-                if b < my_tiles:
-                    first = seq_start + (producer + b * producers) * CHUNK
-                    _load_tiles(atoms, token_coords, s_inputs, load_barriers, b, first, head, lane)
-        col0 = lane_columns(pw, lane)
-        my_rows = lane_rows(lane)
-        # The softplus producers recompute their gate constants every tile (L1 hits): held across
-        # the loop, two of them spilled and the kernel ran 4-5% slower.  The safe producers keep
-        # them hoisted: recomputed, they spill instead.
-        constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
-        for mine in cutlass.range(my_tiles, unroll=1):
-            if cutlass.const_expr(gate.recomputes_constants):
-                constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
-            gate_scale, gate_bias, gamma_scale, has_source = constants
-            i = producer + mine * producers
-            buffer = mine % 2
-            stage = i % stages
-            token0 = seq_start + cutlass.Int64(i * CHUNK)
-            rows = cutlass.min(length - i * CHUNK, CHUNK)
-            cute.arch.mbarrier_wait(load_barriers + buffer, (mine // 2) % 2)
+    @property
+    def smem_bytes(self) -> int:
+        return smem_bytes(self.stages, self.producers)
 
-            # ---- phase A (K1): the lane's fragments, row norms -----------------------------
-            valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, pw)
-            logit = cutlass.Float32(-float("inf"))
-            if pw == inverse_warp:
-                if lane < rows:
-                    beta_at = beta + (token0 + lane) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
-                    logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
-            _producer_sync(producer)
-            # Every thread of this producer has read the buffer: refill it with its tile after next.
+    @cute.kernel
+    def fused_prefill(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_g: cute.CopyAtom,
+        beta: cute.Pointer,
+        a_log: cute.Pointer,
+        dt_bias: cute.Pointer,
+        v: cute.Pointer,
+        out: cute.Pointer,
+        initial_state: cute.Pointer,
+        final_state: cute.Pointer,
+        cu_seqlens: cute.Pointer,
+        state_indices: cute.Pointer,
+        seq_len: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        beta_row_stride: cutlass.Int32,
+        v_row_stride: cutlass.Int32,
+        out_row_stride: cutlass.Int32,
+        init: StateStrides,
+        final: StateStrides,
+        flags: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        bounds: PoolBounds,
+        checkpoint: Checkpoints,
+        token_coords: cute.Tensor,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        gate = Gate(self.gate)  # asked, not compared by name (kernels/gate.py)
+        _, head, seq = cute.arch.block_idx()
+        warp = tid // WARP
+        lane = tid % WARP
+
+        smem = cutlass.utils.SmemAllocator()
+        s_stages = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * STAGE_BYTES), 128)
+        s_v = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(self.stages * CONSUMER_WARPS * V_WARP_BYTES), 128)
+        full = smem.allocate_array(cutlass.Int64, self.stages)
+        empty = smem.allocate_array(cutlass.Int64, self.stages)
+        # Each producer's own K1 buffers, side by side: two load buffers and their barriers, the
+        # norm and product exchanges.
+        all_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(self.producers * INPUT_ELEMS), 128)
+        all_load_barriers = smem.allocate_array(cutlass.Int64, 2 * self.producers)
+        all_norms = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.producers * NORM_PARTIALS), 16)
+        all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.producers * PRODUCT_PARTIALS), 16)
+
+        # ---- this work item: first token, length (as K2's serial path) ------------------------
+        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+        length = seq_len
+        malformed = cutlass.Boolean(False)
+        if (flags & FLAG_VARLEN) != 0:
+            scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
+            seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, self.threads, seq_len)
+            seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
+        num_tiles = (length + (CHUNK - 1)) // CHUNK
+
+        if tid == 0:
+            for b in cutlass.range_constexpr(2 * self.producers):
+                cute.arch.mbarrier_init(all_load_barriers + b, 1)
+            for s in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(full + s, PRODUCER_THREADS)
+                cute.arch.mbarrier_init(empty + s, CONSUMER_WARPS * WARP)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp < WARPS * self.producers:
+            # ================= producers: K1's phases per tile, the record into a stage ==========
+            # Producer p (warps 4p .. 4p + 3) prepares tiles p, p + P, p + 2P, …
+            if cutlass.const_expr(self.producers > 1):
+                cute.arch.setmaxregister_decrease(FUSED_PRODUCER_REGISTERS)
+            producer = warp // WARPS
+            pw = warp % WARPS  # the warp within its producer (K1's warp index)
+            # The warp that inverts (I + L): producer p's warp p, on another scheduler than p − 1's.
+            inverse_warp = producer % 2
+            s_inputs = _slice(all_inputs, producer, INPUT_ELEMS)
+            load_barriers = all_load_barriers + 2 * producer
+            s_norm = _slice(all_norms, producer, NORM_PARTIALS)
+            s_part = _slice(all_parts, producer, PRODUCT_PARTIALS)
+            atoms = (tma_q, tma_k, tma_g)
+            my_tiles = (num_tiles - producer + (self.producers - 1)) // self.producers
             if pw == 0:
-                if mine + 2 < my_tiles:
-                    ahead = token0 + 2 * producers * CHUNK
-                    _load_tiles(atoms, token_coords, s_inputs, load_barriers, buffer, ahead, head, lane)
-            # The stage is free once both consumer warpgroups are done with tile i − stages.
-            if i >= stages:
-                cute.arch.mbarrier_wait(empty + stage, ((i // stages) + 1) % 2)
-            record = stage_pointer(s_stages, stage, STAGE_BYTES)
+                for b in cutlass.range_constexpr(2):
+                    if b < my_tiles:
+                        first = seq_start + (producer + b * self.producers) * CHUNK
+                        _load_tiles(atoms, token_coords, s_inputs, load_barriers, b, first, head, lane)
+            col0 = lane_columns(pw, lane)
+            my_rows = lane_rows(lane)
+            # The softplus producers recompute their gate constants every tile (L1 hits): held across
+            # the loop, two of them spilled and the kernel ran 4-5% slower.  The safe producers keep
+            # them hoisted: recomputed, they spill instead.
+            constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
+            for mine in cutlass.range(my_tiles, unroll=1):
+                if cutlass.const_expr(gate.recomputes_constants):
+                    constants = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
+                gate_scale, gate_bias, gamma_scale, has_source = constants
+                i = producer + mine * self.producers
+                buffer = mine % 2
+                stage = i % self.stages
+                token0 = seq_start + cutlass.Int64(i * CHUNK)
+                rows = cutlass.min(length - i * CHUNK, CHUNK)
+                cute.arch.mbarrier_wait(load_barriers + buffer, (mine // 2) % 2)
 
-            # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
-            qhat, khat, gamma = normalised_and_gates(
-                vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate
-            )
-            cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
-            if lane < 4:
-                vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+                # ---- phase A (K1): the lane's fragments, row norms -----------------------------
+                valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, pw)
+                logit = cutlass.Float32(-float("inf"))
+                if pw == inverse_warp:
+                    if lane < rows:
+                        beta_at = beta + (token0 + lane) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+                        logit = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+                _producer_sync(producer)
+                # Every thread of this producer has read the buffer: refill it with its tile after next.
+                if pw == 0:
+                    if mine + 2 < my_tiles:
+                        ahead = token0 + 2 * self.producers * CHUNK
+                        _load_tiles(atoms, token_coords, s_inputs, load_barriers, buffer, ahead, head, lane)
+                # The stage is free once both consumer warpgroups are done with tile i − stages.
+                if i >= self.stages:
+                    cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) + 1) % 2)
+                record = stage_pointer(s_stages, stage, STAGE_BYTES)
 
-            def store_images(half, qd, kd, kr):
-                for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
-                    _store_stage_image_row(record, part, values, my_rows[half], col0)
+                # ---- phase B (K1): q̂, k̂, γ, the cumsum G and the decayed operands -------------
+                qhat, khat, gamma = normalised_and_gates(
+                    vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate
+                )
+                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
+                if lane < 4:
+                    vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
-            # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
-            decayed_partials(
-                qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
-            )
-            b = cutlass.Float32(0.0)
-            if pw == inverse_warp:
-                b = sigmoid(logit)
-                if lane < CHUNK:
-                    cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
-            _producer_sync(producer)
-            # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
-            reduce_and_invert(lambda name, dtype: _stage_part(record, name, dtype), s_part, b, pw, inverse_warp, lane)
+                def store_images(half, qd, kd, kr):
+                    for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
+                        _store_stage_image_row(record, part, values, my_rows[half], col0)
 
-            # The record's generic stores before the consumers' wgmma reads (async proxy).
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.mbarrier_arrive(full + stage)
-    else:
-        # ================= consumers: K2's wgmma tile chain, 64 V columns per warpgroup =====
-        if cutlass.const_expr(producers > 1):
-            cute.arch.setmaxregister_increase(FUSED_CONSUMER_REGISTERS)
-        cw = warp - WARPS * producers
-        g = lane // 4
-        t = lane % 4
-        warp_col0 = cw * 16
-        v_col = warp_col0 + g
-        init_index = seq
-        final_index = seq
-        init_index, read_init, final_index, write_final, bad_slot = state_slots(
-            state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
-        )
-        checkpoint_tile = cutlass.Int32(-1)
-        checkpoint_misaligned = cutlass.Boolean(False)
-        if cutlass.const_expr(checkpointing):
-            checkpoint_tile, checkpoint_column, checkpoint_misaligned = checkpoint_schedule(
-                checkpoint.offsets, flags, seq, checkpoint.every, cutlass.Int32(0)
+                # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
+                decayed_partials(
+                    qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
+                )
+                b = cutlass.Float32(0.0)
+                if pw == inverse_warp:
+                    b = sigmoid(logit)
+                    if lane < CHUNK:
+                        cute.make_tensor(_stage_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
+                _producer_sync(producer)
+                # ---- phases C–D: one warp sums L and inverts (I + L) in registers; warps 2–3 Mqk ---
+                reduce_and_invert(
+                    lambda name, dtype: _stage_part(record, name, dtype), s_part, b, pw, inverse_warp, lane
+                )
+
+                # The record's generic stores before the consumers' wgmma reads (async proxy).
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(full + stage)
+        else:
+            # ================= consumers: K2's wgmma tile chain, 64 V columns per warpgroup =====
+            if cutlass.const_expr(self.producers > 1):
+                cute.arch.setmaxregister_increase(FUSED_CONSUMER_REGISTERS)
+            cw = warp - WARPS * self.producers
+            g = lane // 4
+            t = lane % 4
+            warp_col0 = cw * 16
+            v_col = warp_col0 + g
+            init_index = seq
+            final_index = seq
+            init_index, read_init, final_index, write_final, bad_slot = state_slots(
+                state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
             )
-            # What the writes need, derived here: nothing both roles read stays live to them.
-            checkpoint_row = seq * checkpoint.columns
-            whole_tiles = length // CHUNK
-        if (cw == 0) & (lane == 0):
-            report_item_status(bounds.status, flags, malformed, bad_slot, checkpoint_misaligned)
-        state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
-        state.fill(0.0)
-        if read_init != 0:
-            read_state(state, initial_state, init_index, init, head, t, v_col, flags)
-        v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
-        v_stage_bytes = CONSUMER_WARPS * V_WARP_BYTES
-        for s in cutlass.range_constexpr(stages - 1):
-            stage_v_rows(
-                v,
-                v_row_stride,
-                v_base + s * v_stage_bytes,
-                seq_start + cutlass.Int64(s * CHUNK),
-                length - s * CHUNK,
-                head,
-                warp_col0,
-                lane,
-                True,
+            checkpoint_tile = cutlass.Int32(-1)
+            checkpoint_misaligned = cutlass.Boolean(False)
+            if cutlass.const_expr(self.checkpointing):
+                checkpoint_tile, checkpoint_column, checkpoint_misaligned = checkpoint_schedule(
+                    checkpoint.offsets, flags, seq, checkpoint.every, cutlass.Int32(0)
+                )
+                # What the writes need, derived here: nothing both roles read stays live to them.
+                checkpoint_row = seq * checkpoint.columns
+                whole_tiles = length // CHUNK
+            if (cw == 0) & (lane == 0):
+                report_item_status(bounds.status, flags, malformed, bad_slot, checkpoint_misaligned)
+            state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
+            state.fill(0.0)
+            if read_init != 0:
+                read_state(state, initial_state, init_index, init, head, t, v_col, flags)
+            v_base = s_v.iterator.toint() + cw * V_WARP_BYTES
+            staging = VStaging(v, v_row_stride, head, warp_col0, lane, True, v_base, CONSUMER_WARPS * V_WARP_BYTES)
+            for s in cutlass.range_constexpr(self.stages - 1):
+                stage_v_rows(staging, staging.slot(s), seq_start + cutlass.Int64(s * CHUNK), length - s * CHUNK)
+                cute.arch.cp_async_commit_group()
+            square_lane = square_lane_offset(lane)
+            out_stride = cutlass.Int64(out_row_stride)
+            ctx = _ConsumerContext(
+                empty=empty,
+                full=full,
+                head=head,
+                lane=lane,
+                length=length,
+                out=out,
+                out_stride=out_stride,
+                s_stages=s_stages,
+                seq_start=seq_start,
+                square_lane=square_lane,
+                staging=staging,
+                stages=self.stages,
+                state=state,
+                t=t,
+                warp_col0=warp_col0,
             )
-            cute.arch.cp_async_commit_group()
-        square_lane = square_lane_offset(lane)
-        out_stride = cutlass.Int64(out_row_stride)
-        ctx = _ConsumerContext(
-            empty=empty,
-            full=full,
-            head=head,
-            lane=lane,
-            length=length,
-            out=out,
-            out_stride=out_stride,
-            s_stages=s_stages,
-            seq_start=seq_start,
-            square_lane=square_lane,
-            stages=stages,
-            state=state,
-            t=t,
-            v=v,
-            v_base=v_base,
-            v_row_stride=v_row_stride,
-            v_stage_bytes=v_stage_bytes,
-            warp_col0=warp_col0,
-        )
-        if cutlass.const_expr(checkpointing):
-            # Runs of tiles up to each checkpoint, the write between runs, as in K2.
-            run_start = cutlass.Int32(0)
-            while run_start < num_tiles:
-                run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
-                for tile in cutlass.range(run_start, run_end, unroll=1):
-                    at = cutlass.Uint32(tile)
+            if cutlass.const_expr(self.checkpointing):
+                # Runs of tiles up to each checkpoint, the write between runs, as in K2.
+                run_start = cutlass.Int32(0)
+                while run_start < num_tiles:
+                    run_end = checkpoint_run_end(checkpoint_tile, num_tiles)
+                    for tile in cutlass.range(run_start, run_end, unroll=1):
+                        at = cutlass.Uint32(tile)
+                        _consumer_tile(
+                            ctx,
+                            tile,
+                            cutlass.Int32(at % self.stages),
+                            cutlass.Int32((at + (self.stages - 1)) % self.stages),
+                            cutlass.Int32((at // self.stages) % 2),
+                        )
+                    if run_end - 1 == checkpoint_tile:
+                        store_checkpoint(
+                            state,
+                            (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint.columns),
+                            checkpoint_row + checkpoint_column,
+                            checkpoint,
+                            head,
+                            t,
+                            v_col,
+                            flags,
+                            bounds.status,
+                            (cw == 0) & (lane == 0),
+                        )
+                        checkpoint_tile = checkpoint_tile + checkpoint.every // CHUNK
+                        checkpoint_column = checkpoint_column + 1
+                    run_start = run_end
+            else:
+                for tile in cutlass.range(num_tiles, unroll=1):
                     _consumer_tile(
                         ctx,
                         tile,
-                        cutlass.Int32(at % stages),
-                        cutlass.Int32((at + (stages - 1)) % stages),
-                        cutlass.Int32((at // stages) % 2),
+                        tile % self.stages,
+                        (tile + (self.stages - 1)) % self.stages,
+                        (tile // self.stages) % 2,
                     )
-                if run_end - 1 == checkpoint_tile:
-                    store_checkpoint(
-                        state,
-                        (checkpoint_tile < whole_tiles) & (checkpoint_column < checkpoint.columns),
-                        checkpoint_row + checkpoint_column,
-                        checkpoint,
-                        head,
-                        t,
-                        v_col,
-                        flags,
-                        bounds.status,
-                        (cw == 0) & (lane == 0),
-                    )
-                    checkpoint_tile = checkpoint_tile + checkpoint.every // CHUNK
-                    checkpoint_column = checkpoint_column + 1
-                run_start = run_end
-        else:
-            for tile in cutlass.range(num_tiles, unroll=1):
-                _consumer_tile(ctx, tile, tile % stages, (tile + (stages - 1)) % stages, (tile // stages) % 2)
 
-        if write_final != 0:
-            write_state(
-                state,
-                final_state,
-                final_index,
-                final,
-                head,
-                t,
-                v_col,
-                flags,
-            )
+            if write_final != 0:
+                write_state(
+                    state,
+                    final_state,
+                    final_index,
+                    final,
+                    head,
+                    t,
+                    v_col,
+                    flags,
+                )
 
-
-@cute.jit
-def fused_prefill_launch(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
-    *params,
-    stream,
-    stages: cutlass.Constexpr[int],
-    producers: cutlass.Constexpr[int],
-    gate: cutlass.Constexpr[str],
-    checkpointing: cutlass.Constexpr[bool],
-):
-    # ``params``: the kernel's runtime parameters after its descriptors (``specs.FUSED_PARAMS``);
-    # descriptors and grid as in ``k1_prepare_launch``.
-    tma_q, token_coords = make_token_tma(q)
-    tma_k, _ = make_token_tma(k)
-    tma_g, _ = make_token_tma(g)
-    fused_prefill_kernel(
-        *grouped(fused_prefill_kernel, tma_q, tma_k, tma_g, *params),
-        token_coords,
-        stages,
-        producers,
-        gate,
-        checkpointing,
-    ).launch(
-        grid=[1, TRACE_HEADS, 1],
-        block=[fused_threads(producers), 1, 1],
-        smem=smem_bytes(stages, producers),
-        stream=stream,
-        min_blocks_per_mp=1,
-        preferred_smem_carveout=100,
-    )
+    kernel = fused_prefill

@@ -65,10 +65,8 @@ from .common import (
     D,
     IMAGE_BYTES,
     THREADS,
-    TRACE_HEADS,
     beta_weight,
     k_inter_index,
-    make_token_tma,
     record_part,
     sequence_bounds,
     slot_base,
@@ -79,6 +77,7 @@ from ..specs import K1_CTAS_PER_SM
 from .warp_mma import pack_bf16x2
 from .gate import Gate
 from .prepare_tile import (
+    TokenTileKernel,
     gate_constants,
     decayed_partials,
     LANE_COLS,
@@ -155,161 +154,153 @@ def _publish_tile(s_info: cute.Tensor, barriers: cute.Pointer, buffer, token0, r
         cute.arch.mbarrier_arrive_and_expect_tx(barriers + buffer, 3 * IMAGE_BYTES)
 
 
-@cute.kernel
-def k1_prepare_kernel(
-    tma_q: cute.CopyAtom,
-    tma_k: cute.CopyAtom,
-    tma_g: cute.CopyAtom,
-    beta: cute.Pointer,
-    a_log: cute.Pointer,
-    dt_bias: cute.Pointer,
-    cu_seqlens: cute.Pointer,
-    workspace: cute.Pointer,
-    seq_len: cutlass.Int32,
-    num_seqs: cutlass.Int32,
-    total_slots: cutlass.Int32,
-    beta_row_stride: cutlass.Int32,
-    tiles_per_cta: cutlass.Int32,
-    scale: cutlass.Float32,
-    lower_bound: cutlass.Float32,
-    flags: cutlass.Int32,
-    token_coords: cute.Tensor,
-    varlen: cutlass.Constexpr[bool],
-    gate: cutlass.Constexpr[str],
-):
-    tid, _, _ = cute.arch.thread_idx()
-    gate = Gate(gate)  # asked, not compared by name (kernels/gate.py)
-    cta, head, _ = cute.arch.block_idx()
-    warp = tid // 32
-    lane = tid % 32
-    first_slot = cta * tiles_per_cta
-    count = cutlass.min(tiles_per_cta, total_slots - first_slot)
-    atoms = (tma_q, tma_k, tma_g)
+class K1Prepare(TokenTileKernel):
+    """K1 of one variant (``specs.K1Spec``): the codegen arguments here, the launch in
+    ``TokenTileKernel.__call__``, the device code in ``kernel`` (docs/DESIGN.md, Kernels as
+    classes).  The entry symbol is the former function's, ``kernel_cutlass_k1_prepare_kernel_<the
+    parameters' types, cut at 180 characters>_0``."""
 
-    smem = cutlass.utils.SmemAllocator()
-    # Two load buffers of q, k, g tiles: the next tile's loads fly while this one is computed.
-    s_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * 3 * CHUNK * D), 128)
-    load_barriers = smem.allocate_array(cutlass.Int64, 2)
-    s_info = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
-    s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
-    s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
+    # Caps registers at 128 (ptxas .minnctapersm).
+    threads = THREADS
+    smem_bytes = SMEM_BYTES
+    min_blocks_per_mp = CTAS_PER_SM
 
-    # ---- TMA: this CTA's first two tiles --------------------------------------------------
-    # Warp 0 is the producer: it walks the tile cursor over the CTA's slots in order, and for
-    # each tile records (first token, valid rows) in s_info[buffer] before arming the buffer's
-    # barrier (its arrive releases them to the threads that wait on it) and issuing the loads.
-    # Rows past a sequence's end (the next sequence, or zero fill past the tensor) are masked
-    # in compute; a gap slot's tiles are loaded too, so every buffer use has one completion.
-    if tid == 0:
-        for b in cutlass.range_constexpr(2):
-            cute.arch.mbarrier_init(load_barriers + b, 1)
-        cute.arch.mbarrier_init_fence()
-    cute.arch.sync_threads()
-    seq = cutlass.Int32(0)
-    base = cutlass.Int32(0)
-    next_base = cutlass.Int32(0)
-    if cute.arch.warp_idx() == 0:
-        if cutlass.const_expr(varlen):
-            cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
-            seq = varlen_slot_sequence(cu_seqlens, num_seqs, first_slot, seq_len)
-            base = slot_base(cu, seq, seq_len)
-            next_base = slot_base(cu, seq + 1, seq_len)
-        for b in cutlass.range_constexpr(2):
-            if b < count:
-                token0, rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, varlen
-                )
-                _publish_tile(s_info, load_barriers, b, token0, rows, lane)
-                copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
+    def __init__(self, varlen: bool, gate: str):
+        self.varlen = varlen
+        self.gate = gate
 
-    col0 = lane_columns(warp, lane)
-    my_rows = lane_rows(lane)
-    gate_scale, gate_bias, gamma_scale, has_source = gate_constants(a_log, dt_bias, head, col0, lower_bound, lane, gate)
-    beta_probability = (flags & FLAG_BETA_PROBABILITY) != 0
-    qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
-    for i in range(count):
-        slot = first_slot + i
-        buffer = i % 2
-        slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
-        record = workspace + cute.assume(slot_index * WORKSPACE_RECORD_BYTES, divby=16)
-        cute.arch.mbarrier_wait(load_barriers + buffer, (i // 2) % 2)
-        token0 = s_info[2 * buffer]
-        rows = s_info[2 * buffer + 1]
+    @cute.kernel
+    def k1_prepare(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_g: cute.CopyAtom,
+        beta: cute.Pointer,
+        a_log: cute.Pointer,
+        dt_bias: cute.Pointer,
+        cu_seqlens: cute.Pointer,
+        workspace: cute.Pointer,
+        seq_len: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        total_slots: cutlass.Int32,
+        beta_row_stride: cutlass.Int32,
+        tiles_per_cta: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        flags: cutlass.Int32,
+        token_coords: cute.Tensor,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        gate = Gate(self.gate)  # asked, not compared by name (kernels/gate.py)
+        cta, head, _ = cute.arch.block_idx()
+        warp = tid // 32
+        lane = tid % 32
+        first_slot = cta * tiles_per_cta
+        count = cutlass.min(tiles_per_cta, total_slots - first_slot)
+        atoms = (tma_q, tma_k, tma_g)
 
-        # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
-        valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, warp)
-        # β of rows tid < 16: loaded here, used only at the end of phase C, so their global
-        # latency overlaps phases A-C instead of holding the next barrier.
-        beta_row = cutlass.Float32(0.0)
-        if tid < rows:
-            if tid < CHUNK:
-                # A one-element view at the element itself: a size-1 layout has stride 0.
-                beta_at = beta + (cutlass.Int64(token0) + tid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
-                beta_row = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
+        smem = cutlass.utils.SmemAllocator()
+        # Two load buffers of q, k, g tiles: the next tile's loads fly while this one is computed.
+        s_inputs = smem.allocate_tensor(cutlass.BFloat16, cute.make_layout(2 * 3 * CHUNK * D), 128)
+        load_barriers = smem.allocate_array(cutlass.Int64, 2)
+        s_info = smem.allocate_tensor(cutlass.Int32, cute.make_layout(4), 16)
+        s_norm = smem.allocate_tensor(cutlass.Float32, cute.make_layout(NORM_PARTIALS), 16)
+        s_part = smem.allocate_tensor(cutlass.Float32, cute.make_layout(PRODUCT_PARTIALS), 16)
+
+        # ---- TMA: this CTA's first two tiles --------------------------------------------------
+        # Warp 0 is the producer: it walks the tile cursor over the CTA's slots in order, and for
+        # each tile records (first token, valid rows) in s_info[buffer] before arming the buffer's
+        # barrier (its arrive releases them to the threads that wait on it) and issuing the loads.
+        # Rows past a sequence's end (the next sequence, or zero fill past the tensor) are masked
+        # in compute; a gap slot's tiles are loaded too, so every buffer use has one completion.
+        if tid == 0:
+            for b in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(load_barriers + b, 1)
+            cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        # Every thread has read this buffer and its s_info: refill both with tile i + 2.
+        seq = cutlass.Int32(0)
+        base = cutlass.Int32(0)
+        next_base = cutlass.Int32(0)
         if cute.arch.warp_idx() == 0:
-            if i + 2 < count:
-                next_token0, next_rows, seq, base, next_base = _next_tile(
-                    cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, varlen
-                )
-                _publish_tile(s_info, load_barriers, buffer, next_token0, next_rows, lane)
-                copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
+            if cutlass.const_expr(self.varlen):
+                cu = cute.make_tensor(cu_seqlens, cute.make_layout(num_seqs + 1))
+                seq = varlen_slot_sequence(cu_seqlens, num_seqs, first_slot, seq_len)
+                base = slot_base(cu, seq, seq_len)
+                next_base = slot_base(cu, seq + 1, seq_len)
+            for b in cutlass.range_constexpr(2):
+                if b < count:
+                    token0, rows, seq, base, next_base = _next_tile(
+                        cu_seqlens, num_seqs, seq_len, first_slot + b, seq, base, next_base, self.varlen
+                    )
+                    _publish_tile(s_info, load_barriers, b, token0, rows, lane)
+                    copy_tiles(atoms, token_coords, s_inputs, b, load_barriers + b, token0, head)
 
-        if rows > 0:
-            # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
-            qhat, khat, gamma = normalised_and_gates(
-                vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate, qk_as_given
-            )
-            cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
-            if lane < 4:
-                vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
+        col0 = lane_columns(warp, lane)
+        my_rows = lane_rows(lane)
+        gate_scale, gate_bias, gamma_scale, has_source = gate_constants(
+            a_log, dt_bias, head, col0, lower_bound, lane, gate
+        )
+        beta_probability = (flags & FLAG_BETA_PROBABILITY) != 0
+        qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
+        for i in range(count):
+            slot = first_slot + i
+            buffer = i % 2
+            slot_index = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(slot)
+            record = workspace + cute.assume(slot_index * WORKSPACE_RECORD_BYTES, divby=16)
+            cute.arch.mbarrier_wait(load_barriers + buffer, (i // 2) % 2)
+            token0 = s_info[2 * buffer]
+            rows = s_info[2 * buffer + 1]
 
-            def store_images(half, qd, kd, kr):
-                for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
-                    _store_image_row(record, part, values, my_rows[half], col0)
-
-            # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
-            # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-            decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
-            b = cutlass.Float32(0.0)
-            if warp == 0:
-                b = cutlass.Float32(
-                    cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability), cutlass.Float32(0.0))
-                )
-                if lane < CHUNK:
-                    cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
+            # ---- phase A: the lane's fragments, row norms (shuffles + a cross-warp exchange) ------
+            valid, vq, vk, vg = load_fragments(s_inputs.iterator, buffer, my_rows, col0, rows, s_norm, warp)
+            # β of rows tid < 16: loaded here, used only at the end of phase C, so their global
+            # latency overlaps phases A-C instead of holding the next barrier.
+            beta_row = cutlass.Float32(0.0)
+            if tid < rows:
+                if tid < CHUNK:
+                    # A one-element view at the element itself: a size-1 layout has stride 0.
+                    beta_at = (
+                        beta + (cutlass.Int64(token0) + tid) * cutlass.Int64(beta_row_stride) + cutlass.Int64(head)
+                    )
+                    beta_row = cute.make_tensor(beta_at, cute.make_layout(1))[0].to(cutlass.Float32)
             cute.arch.sync_threads()
+            # Every thread has read this buffer and its s_info: refill both with tile i + 2.
+            if cute.arch.warp_idx() == 0:
+                if i + 2 < count:
+                    next_token0, next_rows, seq, base, next_base = _next_tile(
+                        cu_seqlens, num_seqs, seq_len, slot + 2, seq, base, next_base, self.varlen
+                    )
+                    _publish_tile(s_info, load_barriers, buffer, next_token0, next_rows, lane)
+                    copy_tiles(atoms, token_coords, s_inputs, buffer, load_barriers + buffer, next_token0, head)
 
-            # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) in warp 0's registers -----------
-            # (it sums L's partials first); warps 2-3 sum Mqk's meanwhile.  No barrier: the next
-            # tile's exchange is written after its phase A barrier, which warp 0 reaches last.
-            reduce_and_invert(lambda name, dtype: record_part(record, name, dtype), s_part, b, warp, 0, lane)
+            if rows > 0:
+                # ---- phase B: q̂, k̂, γ (log2 units), the cumsum G over rows and the decayed operands --
+                qhat, khat, gamma = normalised_and_gates(
+                    vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate, qk_as_given
+                )
+                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
+                if lane < 4:
+                    vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
+                def store_images(half, qd, kd, kr):
+                    for part, values in (("qd", qd), ("kd", kd), ("kr", kr)):
+                        _store_image_row(record, part, values, my_rows[half], col0)
 
-@cute.jit
-def k1_prepare_launch(
-    q: cute.Pointer,
-    k: cute.Pointer,
-    g: cute.Pointer,
-    *params,
-    stream,
-    varlen: cutlass.Constexpr[bool],
-    gate: cutlass.Constexpr[str],
-):
-    # ``params``: the kernel's runtime parameters after its descriptors (``specs.K1_PARAMS``).
-    # The descriptors built here and the grid only fix the kernel's types: the runtime encodes
-    # the real descriptors per call from the manifest recipe and launches the spec's grid.
-    tma_q, token_coords = make_token_tma(q)
-    tma_k, _ = make_token_tma(k)
-    tma_g, _ = make_token_tma(g)
-    k1_prepare_kernel(tma_q, tma_k, tma_g, *params, token_coords, varlen, gate).launch(
-        grid=[1, TRACE_HEADS, 1],
-        block=[THREADS, 1, 1],
-        smem=SMEM_BYTES,
-        stream=stream,
-        # Caps registers at 128 (ptxas .minnctapersm); the carveout is given so that tracing
-        # does not ask a GPU for the SM's shared memory (the runtime sets it on load).
-        min_blocks_per_mp=CTAS_PER_SM,
-        preferred_smem_carveout=100,
-    )
+                # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
+                # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
+                decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
+                b = cutlass.Float32(0.0)
+                if warp == 0:
+                    b = cutlass.Float32(
+                        cutlass.select_(tid < rows, beta_weight(beta_row, beta_probability), cutlass.Float32(0.0))
+                    )
+                    if lane < CHUNK:
+                        cute.make_tensor(record_part(record, "b", cutlass.Float32), cute.make_layout(CHUNK))[lane] = b
+                cute.arch.sync_threads()
+
+                # ---- phase D: INV = (I - L)(I + L²)(I + L⁴)(I + L⁸) in warp 0's registers -----------
+                # (it sums L's partials first); warps 2-3 sum Mqk's meanwhile.  No barrier: the next
+                # tile's exchange is written after its phase A barrier, which warp 0 reaches last.
+                reduce_and_invert(lambda name, dtype: record_part(record, name, dtype), s_part, b, warp, 0, lane)
+
+    kernel = k1_prepare

@@ -126,6 +126,7 @@ from .tile_chain import (
     square_lane_offset,
     stage_pointer,
     stage_v_rows,
+    VStaging,
     state_entry,
     tile_u,
     tile_w,
@@ -239,7 +240,6 @@ class _ChainContext:
     image_trans_lane: object
     lane: object
     length: object
-    load_v: object
     multicast: object
     num_tiles: object
     out: object
@@ -250,15 +250,12 @@ class _ChainContext:
     seq_start: object
     slot0: object
     square_lane: object
+    staging: object
     stage_nbytes: object
     stages: object
     state: object
     t: object
     tid: object
-    v: object
-    v_base: object
-    v_row_stride: object
-    v_stage_bytes: object
     warp: object
     warp_col0: object
     wgmma: object
@@ -347,23 +344,13 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
                 ctx.cluster_ctas,
                 ctx.rank,
             )
-    stage_v_rows(
-        ctx.v,
-        ctx.v_row_stride,
-        ctx.v_base + ahead_stage * ctx.v_stage_bytes,
-        ahead_token0,
-        ahead_rows,
-        ctx.head,
-        ctx.warp_col0,
-        ctx.lane,
-        ctx.load_v,
-    )
+    stage_v_rows(ctx.staging, ctx.staging.slot(ahead_stage), ahead_token0, ahead_rows)
     # One group per tile, empty past the end, so "all but the newest stages − 1" is tile t.
     cute.arch.cp_async_commit_group()
     rows_valid = cutlass.min(rows_left, CHUNK)
     cute.arch.cp_async_wait_group(ctx.stages - 1)
     cute.arch.sync_warp()  # every lane's v rows visible to the whole warp
-    v_regs = ldmatrix_x4(ctx.v_base + stage * ctx.v_stage_bytes + ctx.square_lane, transpose=True)
+    v_regs = ldmatrix_x4(ctx.staging.slot(stage) + ctx.square_lane, transpose=True)
     cute.arch.mbarrier_wait(ctx.full + stage, phase)
     base = stage_base.toint()
     b_rows = _stage_view(stage_base, "b", cutlass.Float32)
@@ -462,7 +449,7 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         # O leaves through this warp's v slot of the tile (read above, refilled only at the
         # next tile): stmatrix.trans lays it out token-major, then each lane stores 16 bytes of
         # one token row, whole 32-byte sectors per row (off the state chain, after its MMAs).
-        o_slot = ctx.v_base + stage * ctx.v_stage_bytes
+        o_slot = ctx.staging.slot(stage)
         stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
         cute.arch.sync_warp()
         words = ld_shared_v4(o_slot + ctx.lane * 16)
@@ -661,9 +648,9 @@ class K2Recurrence:
             # only (lengths, pool indices, the start state), so it overlaps K1's tail; the workspace
             # records are K1's and come after its grid is done.
             cute.arch.griddepcontrol_wait()
-        # This warp's v block of stage s starts at v_base + s · v_stage_bytes.
+        # This warp's v block of stage s starts at v_base + s · warps · V_WARP_BYTES.
         v_base = s_v.iterator.toint() + warp * V_WARP_BYTES
-        v_stage_bytes = warps * V_WARP_BYTES
+        staging = VStaging(v, v_row_stride, head, warp_col0, lane, load_v, v_base, warps * V_WARP_BYTES)
         for s in cutlass.range_constexpr(self.stages - 1):
             if tid == 0:
                 if s < num_tiles:
@@ -676,17 +663,7 @@ class K2Recurrence:
                         cluster_ctas,
                         rank,
                     )
-            stage_v_rows(
-                v,
-                v_row_stride,
-                v_base + s * v_stage_bytes,
-                seq_start + cutlass.Int64(s * CHUNK),
-                length - s * CHUNK,
-                head,
-                warp_col0,
-                lane,
-                load_v,
-            )
+            stage_v_rows(staging, staging.slot(s), seq_start + cutlass.Int64(s * CHUNK), length - s * CHUNK)
             cute.arch.cp_async_commit_group()
 
         image_lane = _image_lane_offset(lane)
@@ -702,7 +679,6 @@ class K2Recurrence:
             image_trans_lane=image_trans_lane,
             lane=lane,
             length=length,
-            load_v=load_v,
             multicast=self.multicast,
             num_tiles=num_tiles,
             out=out,
@@ -713,15 +689,12 @@ class K2Recurrence:
             seq_start=seq_start,
             slot0=slot0,
             square_lane=square_lane,
+            staging=staging,
             stage_nbytes=stage_nbytes,
             stages=self.stages,
             state=state,
             t=t,
             tid=tid,
-            v=v,
-            v_base=v_base,
-            v_row_stride=v_row_stride,
-            v_stage_bytes=v_stage_bytes,
             warp=warp,
             warp_col0=warp_col0,
             wgmma=self.wgmma,

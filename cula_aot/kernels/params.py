@@ -3,8 +3,8 @@
 A kernel takes a group as one argument (``checkpoint: Checkpoints``) and its helpers take the same
 bundle, where the flat list would repeat a dozen names in every kernel and helper.  The groups are
 ``typing.NamedTuple`` classes made with ``param_group``, each tied to the ``specs`` declaration of
-its parameters (``abi``), and launch functions build them from their flat ``*params`` with
-``grouped`` (docs/DESIGN.md, Parameter groups).
+its parameters (``abi``), and the kernel classes' launches build them from their flat ``*params``
+with ``grouped`` (docs/DESIGN.md, Parameter groups).
 
 What CuTeDSL 4.8.1 does with a NamedTuple argument of a ``@cute.kernel`` (checked by compiling the
 kernels and comparing the cubins): it flattens the fields, depth first, into the ``.entry``'s
@@ -67,8 +67,8 @@ def _build(group: type, values: list):
 
 def grouped(kernel, *params) -> list:
     """``params``, the flat runtime arguments of ``kernel`` in its order, with each run a group
-    parameter stands for built into that group (launch functions: ``kernel(*grouped(kernel,
-    ..., *params), static and codegen arguments)``)."""
+    parameter stands for built into that group (a kernel class's launch: ``self.kernel(*grouped(
+    self.kernel, ..., *params), static and codegen arguments)``)."""
     import inspect
 
     values, out = list(params), []

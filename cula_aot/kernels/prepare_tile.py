@@ -12,13 +12,16 @@ from .common import (
     CHUNK,
     D,
     THREADS,
+    TRACE_HEADS,
     exp2_fast,
     INPUT_BLOCKS,
     input_tile_layout,
     input_element_offset,
+    make_token_tma,
     vector,
 )
 from .gate import Gate
+from .params import grouped
 from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
 WARPS = THREADS // 32
@@ -711,3 +714,34 @@ def copy_tiles(atoms: tuple, token_coords: cute.Tensor, inputs: cute.Tensor, buf
             atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 3), cute.group_modes(g_tile, 0, 3)
         )
         cute.copy(atom, t_gmem, t_smem, tma_bar_ptr=barrier)
+
+
+class TokenTileKernel:
+    """The launch K1 and the fused prefill share: both read q, k and g as 16-token tiles through
+    TMA.  ``__call__`` builds the three descriptors from the q, k, g pointers and passes them
+    ahead of the kernel's runtime parameters (``*params``, the spec's list after the
+    descriptors), the token coordinates after them.  The descriptors and grid built here only
+    fix the kernel's types: the runtime encodes the real descriptors per call from the manifest
+    recipe and launches the spec's grid.  A subclass gives ``threads``, ``smem_bytes`` and
+    ``min_blocks_per_mp``, and its device method as ``kernel``, defined under the former
+    function's name less ``_kernel``: with ``str(self)`` ``"kernel"`` the entry symbol stays
+    ``kernel_cutlass_<name>_kernel_<the parameters' types>_0``."""
+
+    def __str__(self) -> str:
+        return "kernel"  # the entry symbol's component for ``self``
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, k: cute.Pointer, g: cute.Pointer, *params, stream):
+        tma_q, token_coords = make_token_tma(q)
+        tma_k, _ = make_token_tma(k)
+        tma_g, _ = make_token_tma(g)
+        # The carveout is given so that tracing does not ask a GPU for the SM's shared memory
+        # (the runtime sets it on load).
+        self.kernel(*grouped(self.kernel, tma_q, tma_k, tma_g, *params), token_coords).launch(
+            grid=[1, TRACE_HEADS, 1],
+            block=[self.threads, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=self.min_blocks_per_mp,
+            preferred_smem_carveout=100,
+        )

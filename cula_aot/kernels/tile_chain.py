@@ -66,10 +66,31 @@ def v_chunk(lane):
     return lane // 2, lane % 2
 
 
+class VStaging(NamedTuple):
+    """A warp's v staging (``stage_v_rows``): its 16 columns from ``warp_col0`` of head ``head`` of
+    v (token rows ``row_stride`` elements apart) into its slot of each stage, stage s's at
+    ``base + s · stage_bytes`` (``slot``); every row reads as 0 where not ``enabled``."""
+
+    v: cute.Pointer
+    row_stride: cutlass.Int32
+    head: cutlass.Int32
+    warp_col0: cutlass.Int32
+    lane: cutlass.Int32
+    enabled: cutlass.Boolean
+    base: cutlass.Int32
+    stage_bytes: int
+
+    def slot(self, stage):
+        """The shared address of this warp's v slot of stage ``stage``."""
+        return self.base + stage * self.stage_bytes
+
+
 @cute.jit
-def stage_v_rows(v: cute.Pointer, v_row_stride, smem_address, token0, rows_valid, head, warp_col0, lane, enabled):
+def stage_v_rows(staging: VStaging, smem_address, token0, rows_valid):
     """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
-    of a tile into 32-byte smem rows; rows past the end (or all, if not ``enabled``) read as 0."""
+    of a tile into 32-byte smem rows at ``smem_address`` (a ``staging.slot``); rows past the end
+    (or all, if not ``staging.enabled``) read as 0."""
+    v, v_row_stride, head, warp_col0, lane, enabled = staging[:6]
     row, half = v_chunk(lane)
     # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
     # at worst a row of the same tensor when the whole tile is past the end).

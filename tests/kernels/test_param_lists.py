@@ -1,6 +1,6 @@
 """Each kernel's parameter list is declared once, in its spec (``cula_aot/specs/``), and written
-out once in its kernel module, as the device kernel's signature; the launch function forwards
-it as ``*params`` (after the tensors its TMA descriptors are built from).
+out once in its kernel module, as the device kernel's signature; the kernel class's ``__call__``
+forwards it as ``*params`` (after the tensors its TMA descriptors are built from).
 ``kernels.declared_names_match`` checks the kernel signature against the spec by name and order,
 and the launch function's shape and its call of the kernel (the build runs it before every
 compile; CPU only).  The runtime takes each launch's per-call values by name from the
@@ -24,10 +24,10 @@ def test_every_kernel_module_writes_its_spec_parameter_list(spec):
 def test_a_reordered_kernel_call_is_caught(monkeypatch):
     from cula_aot.kernels import _kernel_call_arguments, k1_prepare
 
-    passed = _kernel_call_arguments(k1_prepare.k1_prepare_launch, "k1_prepare_kernel")
-    assert passed == ["tma_q", "tma_k", "tma_g", "*params", "token_coords", "varlen", "gate"]
+    passed = _kernel_call_arguments(k1_prepare.K1Prepare.__call__)
+    assert passed == ["tma_q", "tma_k", "tma_g", "*params", "token_coords"]
     swapped = [passed[1], passed[0], *passed[2:]]
-    monkeypatch.setattr("cula_aot.kernels._kernel_call_arguments", lambda launch, name: swapped)
+    monkeypatch.setattr("cula_aot.kernels._kernel_call_arguments", lambda launch: swapped)
     with pytest.raises(ValueError, match="the launch passes"):
         declared_names_match(K1Spec(varlen=True))
 
