@@ -392,7 +392,7 @@ def zero_outputs(
 def head_state(tile: Tile, tensors, geometry, slot, head_elems):
     """The head state's address in pool slot ``slot`` (``head_elems`` = head·128·128): the slot
     stride is a multiple of 16 bytes (validated), so every head state is 16-byte aligned."""
-    return tensors.state_pool + cute.assume(
+    return tensors.step.state_pool + cute.assume(
         cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + head_elems, divby=tile.ce
     )
 
@@ -537,7 +537,7 @@ class KdaDecode(DecodeKernel):
         for r in cutlass.range_constexpr(rounds):
             io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
             v_at = token_offset(n64, geometry.v_stride_n, geometry.v_stride_t, io_tc, head)
-            v_row = bf16_row8(tensors.v, v_at + v0 + io_col)
+            v_row = bf16_row8(tensors.step.v, v_at + v0 + io_col)
             for e in cutlass.range_constexpr(8):
                 v_rows[8 * r + e] = v_row[e]
 

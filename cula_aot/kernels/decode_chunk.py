@@ -427,13 +427,13 @@ class KdaDecodeChunk(DecodeKernel):
         for item in cutlass.range_constexpr(items):
             for r in cutlass.range_constexpr(2):
                 at = v_at + item * ROWS * warps + 8 * r
-                v_rows[2 * item + r] = cute.make_tensor(tensors.v + at, cute.make_layout(1))[0].to(cutlass.Float32)
+                v_rows[2 * item + r] = cute.make_tensor(tensors.step.v + at, cute.make_layout(1))[0].to(cutlass.Float32)
 
         state = cute.make_rmem_tensor(cute.make_layout(2 * PAIRS), cutlass.Int32)  # [row g pairs, row g + 8 pairs]
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
             # slot_stride is a multiple of 16 bytes (validated): every head state is 16-byte aligned.
             head_at = cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + cutlass.Int64(head) * (D * D)
-            pool_words = cute.recast_ptr(tensors.state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
+            pool_words = cute.recast_ptr(tensors.step.state_pool + cute.assume(head_at, divby=8), dtype=cutlass.Int32)
             for r in cutlass.range_constexpr(2):
                 for m in cutlass.range_constexpr(4):
                     words = _load_pairs(pool_words, _state_word(cta_row0 + gl, r, m, cl), 4)
@@ -441,7 +441,7 @@ class KdaDecodeChunk(DecodeKernel):
                         state[r * PAIRS + 4 * m + e] = words[e]
             if cutlass.const_expr(items > 1):  # the next item streams into shared memory meanwhile
                 _stage_item(
-                    tensors.state_pool + cute.assume(head_at, divby=8),
+                    tensors.step.state_pool + cute.assume(head_at, divby=8),
                     cta_row0 + ROWS * warps + gl,
                     cl,
                     s_stage.iterator.toint(),
@@ -484,7 +484,7 @@ class KdaDecodeChunk(DecodeKernel):
         )
         if seq < geometry.num_seqs and slot >= 0 and slot < num_slots:
             head_at = cutlass.Int64(slot) * cutlass.Int64(geometry.slot_stride) + cutlass.Int64(head) * (D * D)
-            pool_head = tensors.state_pool + cute.assume(head_at, divby=8)
+            pool_head = tensors.step.state_pool + cute.assume(head_at, divby=8)
             pool_words = cute.recast_ptr(pool_head, dtype=cutlass.Int32)
             for item in cutlass.range_constexpr(items):
                 row0 = cta_row0 + item * ROWS * warps

@@ -247,20 +247,38 @@ class KdaDecodeLayer(DecodeKernel):
             (tensors.draft_records, draft_offset(slot, bank, 0, head, DRAFT_X + s) + col, accepted) for s in (0, 1)
         ]
         vq = conv8(
-            tensors.q, q_at, geometry.q_stride_t, tensors.conv_state_q, state_at, history[0], *q_params, t, conv, flags
+            tensors.step.q,
+            q_at,
+            geometry.q_stride_t,
+            tensors.conv_state_q,
+            state_at,
+            history[0],
+            *q_params,
+            t,
+            conv,
+            flags,
         )
         vk = conv8(
-            tensors.k, k_at, geometry.k_stride_t, tensors.conv_state_k, state_at, history[1], *k_params, t, conv, flags
+            tensors.step.k,
+            k_at,
+            geometry.k_stride_t,
+            tensors.conv_state_k,
+            state_at,
+            history[1],
+            *k_params,
+            t,
+            conv,
+            flags,
         )
         g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head)
         beta_at = beta_offset(geometry, n64, t, head)
         return (
             vq.load(),
             vk.load(),
-            bf16_row8(tensors.g, g_at + col),
-            f32x8(tensors.dt_bias, head * D + col),
-            cute.make_tensor(tensors.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
-            cute.make_tensor(tensors.a_log + head, cute.make_layout(1))[0],
+            bf16_row8(tensors.step.g, g_at + col),
+            f32x8(tensors.step.dt_bias, head * D + col),
+            cute.make_tensor(tensors.step.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(tensors.step.a_log + head, cute.make_layout(1))[0],
         )
 
     @cute.kernel
@@ -363,7 +381,7 @@ class KdaDecodeLayer(DecodeKernel):
             for r in cutlass.range_constexpr(rounds):
                 io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
                 v_conv = conv8(
-                    tensors.v,
+                    tensors.step.v,
                     v_at,
                     geometry.v_stride_t,
                     tensors.conv_state_v,
@@ -505,9 +523,9 @@ class KdaDecodeLayer(DecodeKernel):
         num_tokens = geometry.num_tokens
         first = accepted + cutlass.select_(verify, cutlass.Int32(0), num_tokens)
         streams = (
-            (tensors.q, geometry.q_stride_n, geometry.q_stride_t, tensors.conv_state_q),
-            (tensors.k, geometry.k_stride_n, geometry.k_stride_t, tensors.conv_state_k),
-            (tensors.v, geometry.v_stride_n, geometry.v_stride_t, tensors.conv_state_v),
+            (tensors.step.q, geometry.q_stride_n, geometry.q_stride_t, tensors.conv_state_q),
+            (tensors.step.k, geometry.k_stride_n, geometry.k_stride_t, tensors.conv_state_k),
+            (tensors.step.v, geometry.v_stride_n, geometry.v_stride_t, tensors.conv_state_v),
         )
         for s, (x, stride_n, stride_t, state) in enumerate(streams):
             for m in cutlass.range_constexpr(-(-self.rows // self.threads)):

@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..specs.abi import CHECKPOINT_PARAMS, TOKEN_SCALARS, bound_params, state_params
-from ..specs.decode import DECODE_GEOMETRY, DECODE_TENSORS
+from ..specs.decode import DECODE_GEOMETRY, DECODE_TENSORS, STEP_TENSORS
 from ..specs.decode_layer import LAYER_CONV_GEOMETRY, LAYER_TENSORS
 
 
@@ -130,11 +130,10 @@ class TokenScalars(NamedTuple):
     flags: cutlass.Int32
 
 
-@param_group(lambda name: DECODE_TENSORS)
-class DecodeTensors(NamedTuple):
-    """The decode kernels' tensors (``specs.DECODE_TENSORS``): the token inputs, the gate
-    parameters, the state pool and its slot indices, the intermediate states, the outputs, the
-    status word and the accepted tokens per sequence."""
+@param_group(lambda name: STEP_TENSORS)
+class StepTensors(NamedTuple):
+    """The KDA step's tensors (``specs.STEP_TENSORS``), the decode kernels' and the fused layer's
+    first parameters: the token inputs, the gate parameters, the slot indices and the pool."""
 
     q: cute.Pointer
     k: cute.Pointer
@@ -145,6 +144,14 @@ class DecodeTensors(NamedTuple):
     dt_bias: cute.Pointer
     state_indices: cute.Pointer
     state_pool: cute.Pointer
+
+
+@param_group(lambda name: DECODE_TENSORS)
+class DecodeTensors(NamedTuple):
+    """The decode kernels' tensors (``specs.DECODE_TENSORS``): the step's, the intermediate states,
+    the outputs, the status word and the accepted tokens per sequence."""
+
+    step: StepTensors
     intermediate: cute.Pointer
     out: cute.Pointer
     status: cute.Pointer
@@ -179,19 +186,12 @@ class DecodeGeometry(NamedTuple):
 
 @param_group(lambda name: LAYER_TENSORS)
 class LayerTensors(NamedTuple):
-    """The fused decode layer's tensors (``specs.LAYER_TENSORS``): ``DecodeTensors``' inputs, pool,
-    output and status word (less the intermediate states), the output gate's input, and q's, k's
-    and v's conv states, conv weights and biases, and the RMSNorm weight (dtypes by ``flags``)."""
+    """The fused decode layer's tensors (``specs.LAYER_TENSORS``): the step's, the output and the
+    status word, the output gate's input, and q's, k's and v's conv states, conv weights and
+    biases, the RMSNorm weight (dtypes by ``flags``), the draft records and marks and the
+    accepted tokens per sequence."""
 
-    q: cute.Pointer
-    k: cute.Pointer
-    v: cute.Pointer
-    g: cute.Pointer
-    beta: cute.Pointer
-    a_log: cute.Pointer
-    dt_bias: cute.Pointer
-    state_indices: cute.Pointer
-    state_pool: cute.Pointer
+    step: StepTensors
     out: cute.Pointer
     status: cute.Pointer
     out_gate: cute.Pointer

@@ -57,18 +57,18 @@ class DecodeKernel:
         beta_at = beta_offset(geometry, n64, t, head)
         col = hl * 8
         return (
-            bf16_row8(tensors.q, q_at + col),
-            bf16_row8(tensors.k, k_at + col),
-            bf16_row8(tensors.g, g_at + col),
-            f32x8(tensors.dt_bias, head * D + col),
-            cute.make_tensor(tensors.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
-            cute.make_tensor(tensors.a_log + head, cute.make_layout(1))[0],
+            bf16_row8(tensors.step.q, q_at + col),
+            bf16_row8(tensors.step.k, k_at + col),
+            bf16_row8(tensors.step.g, g_at + col),
+            f32x8(tensors.step.dt_bias, head * D + col),
+            cute.make_tensor(tensors.step.beta + beta_at, cute.make_layout(1))[0].to(cutlass.Float32),
+            cute.make_tensor(tensors.step.a_log + head, cute.make_layout(1))[0],
         )
 
     def slot(self, tensors: DecodeTensors, geometry: DecodeGeometry, at):
         """Entry ``at`` of the slot indices, ``state_indices[index_offset + at]``: sequence ``at``'s
         slot, or an entry of ``[N, T]`` indices."""
-        return cute.make_tensor(tensors.state_indices + geometry.index_offset + at, cute.make_layout(1))[0]
+        return cute.make_tensor(tensors.step.state_indices + geometry.index_offset + at, cute.make_layout(1))[0]
 
     def report_padding(self, tensors: DecodeTensors, flags, slot, num_slots):
         """A padding row's report: a slot other than -1 (outside the pool) into the status word."""
