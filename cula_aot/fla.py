@@ -274,7 +274,7 @@ def _recurrent(
             beta,
             initial_state=initial_state,
             final_state=initial_state,
-            state_indices=slots.to(torch.int32),
+            state_indices=_slot_table(slots),
             **options,
         )
         return o, initial_state
@@ -294,13 +294,20 @@ def _token_slots(q, k, v, g, beta, pool, slots, num_accepted, out, options):
         *(per_sequence(x) for x in (q, k, v, g, beta)),
         **options,
         state_pool=pool,
-        state_indices=slots.to(torch.int32),
-        num_accepted=None if num_accepted is None else num_accepted.to(torch.int32),
+        state_indices=_slot_table(slots),
+        num_accepted=None if num_accepted is None else _slot_table(num_accepted),
         out=per_sequence(out),
     )
     if out is not None:
         return out, pool
     return (o.view(1, n * tokens, *o.shape[2:]) if varlen else o), pool
+
+
+def _slot_table(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor as the kernels read it: int32 and contiguous.  vLLM passes slices of its
+    block table outside full CUDA graphs (``block_table[:, 0]``, ``block_table[:, :T]``), whose
+    rows are the table's width apart: those are copied (N·T integers, one small kernel)."""
+    return t.to(torch.int32).contiguous()
 
 
 def _identity_slots(n: int, device):

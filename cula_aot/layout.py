@@ -55,7 +55,9 @@ FLAG_CHECKPOINT_OFFSETS = 32768
 STATUS_CU_SEQLENS_MALFORMED = 1  # an entry outside [0, T], a decrease, or a first entry other than 0
 STATUS_SLOT_OUT_OF_RANGE = 2  # a state index >= the pool's slots, or negative other than -1
 STATUS_CHECKPOINT_MISALIGNED = 4  # a checkpoint offset negative or not a multiple of 16: none written
-STATUS_DRAFT_OUT_OF_RANGE = 8  # a num_accepted outside [0, the pending draft's T] (clamped), or a bad mark (none)
+# A num_accepted outside its range, clamped: the layer's [0, the pending draft's T] (or a bad draft
+# mark: none committed), kda_decode's [1, T] with [N, T] state_indices.
+STATUS_DRAFT_OUT_OF_RANGE = 8
 
 # A K2 segment table row (int32): which tokens and tile slots a work item runs over, which
 # state rows it reads and writes, and its flags.  Segments never cross a sequence boundary.

@@ -176,6 +176,32 @@ def test_per_token_state_indices_run_kda_decodes_token_slots(monkeypatch):
     assert list(o.shape) == [1, 12, 2, 128]
 
 
+def test_block_table_slices_reach_the_kernels_as_contiguous_int32(x, calls, monkeypatch):
+    """vLLM outside full CUDA graphs passes column slices of its int32 block table (rows the
+    table's width apart), which ``check_slot_indices`` refuses as they are: the mapping copies."""
+    table = torch.arange(40, dtype=torch.int32).view(5, 8)
+    state = torch.zeros(8, 2, 128, 128)
+    fla_route._recurrent(
+        *_qkvgb(x),
+        A_log=x["A_log"],
+        dt_bias=x["dt_bias"],
+        initial_state=state,
+        ssm_state_indices=table[:1, 3],
+        **_flags(),
+    )
+    ((_, kwargs),) = calls
+    assert kwargs["state_indices"].is_contiguous() and kwargs["state_indices"].tolist() == [3]
+    seen = []
+    monkeypatch.setattr(
+        fla_route, "kda_decode", lambda *a, **kw: seen.append(kw) or torch.zeros(*a[0].shape, dtype=torch.bfloat16)
+    )
+    s, extra = _speculative()
+    extra["ssm_state_indices"] = table[:3, 2:6]
+    fla_route._recurrent(*_qkvgb(s), **_flags(), **extra)
+    (kwargs,) = seen
+    assert kwargs["state_indices"].is_contiguous() and kwargs["state_indices"].equal(table[:3, 2:6])
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
