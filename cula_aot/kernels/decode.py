@@ -464,12 +464,13 @@ class KdaDecode(DecodeKernel):
             column = cutlass.Int32(0)
             if (flags & DECODE_FLAG_ACCEPTED) != 0:
                 accepted = cute.make_tensor(tensors.num_accepted + seq, cute.make_layout(1))[0]
-                column = cutlass.min(cutlass.max(accepted - 1, 0), geometry.num_tokens - 1)
+                # Clamped before the subtraction, which would wrap INT32_MIN to the last column.
+                column = cutlass.min(cutlass.max(accepted, 1), geometry.num_tokens) - 1
                 if tid == 0:
                     report_status(
                         tensors.status,
                         (flags & DECODE_FLAG_STATUS) != 0,
-                        cutlass.select_(column != accepted - 1, STATUS_DRAFT_OUT_OF_RANGE, 0),
+                        cutlass.select_(column + 1 != accepted, STATUS_DRAFT_OUT_OF_RANGE, 0),
                     )
             at = seq * geometry.num_tokens + column
         return self.slot(tensors, geometry, at)

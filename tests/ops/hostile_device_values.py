@@ -1,5 +1,6 @@
 """Hostile device values: the cu_seqlens and state_indices a broken scheduler could pass, on
-every path (serial K1 + K2, fused, intracard CP, decode), with guard regions around every output.
+every path (serial K1 + K2, fused, intracard CP, decode, and decode's per-token slots with
+vLLM's ``[N, T]`` tables and ``num_accepted`` counts), with guard regions around every output.
 
 Each hostile call must finish without a CUDA error, leave every guard bitwise unchanged and set
 the status bits its values call for; the correct call after it must return bitwise what it
@@ -17,7 +18,13 @@ import random
 
 import torch
 
-from cula_aot import STATUS_CU_SEQLENS_MALFORMED, STATUS_SLOT_OUT_OF_RANGE, kda_decode, reference
+from cula_aot import (
+    STATUS_CU_SEQLENS_MALFORMED,
+    STATUS_DRAFT_OUT_OF_RANGE,
+    STATUS_SLOT_OUT_OF_RANGE,
+    kda_decode,
+    reference,
+)
 from cula_aot.ops.prefill import prefill
 from tests.helpers import cu_seqlens_of, fresh_seed, standard_inputs
 
@@ -52,6 +59,20 @@ HOSTILE_INDICES = [
 ]
 
 
+# Per-token slots: 3 sequences of TOKENS tokens, a pool of TOKEN_SLOTS slots; (table, counts).
+TOKENS = 3
+TOKEN_SLOTS = 3 * TOKENS + 2
+GOOD_TABLE = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+GOOD_COUNTS = [1, 3, 2]
+HOSTILE_TOKEN_SLOTS = [
+    (GOOD_TABLE, [INT32_MIN, 0, INT32_MAX]),  # counts clamped to [1, T]
+    (GOOD_TABLE, [-1, TOKENS + 1, 2**20]),
+    ([[INT32_MAX, 1, 2], [3, INT32_MIN, 5], [6, 7, 2**20]], GOOD_COUNTS),  # bad write slots
+    ([[-2, 1, 2], [3, 4, TOKEN_SLOTS], [-1, 7, 8]], [1, 3, 1]),  # bad or -1 read slots: padding rows
+    ([[-1, 1, INT32_MIN], [3, 4, 5], [6, 7, 8]], [1, 1, INT32_MIN]),  # a padding row's writes go unread
+]
+
+
 def random_cases(rng: random.Random, count: int) -> tuple[list, list]:
     """More hostile draws: entries around [0, T] and at the int32 extremes, indices around the pool."""
     values = [INT32_MIN, -1, 0, 1, 15, 16, 17, TOTAL - 1, TOTAL, TOTAL + 1, INT32_MAX]
@@ -79,6 +100,32 @@ def malformed(cu: list, total: int) -> bool:
 
 def slot_bad(indices: list) -> bool:
     return any(i >= SLOTS or i < -1 for i in indices)
+
+
+def token_slot_cases(rng: random.Random, count: int) -> list:
+    """More hostile tables and counts: entries around the pool and at the int32 extremes."""
+    slots = [INT32_MIN, -2, -1, TOKEN_SLOTS, TOKEN_SLOTS + 7, INT32_MAX]
+    counts = [INT32_MIN, -1, 0, 1, TOKENS, TOKENS + 1, INT32_MAX]
+    cases = []
+    for _ in range(count):
+        free = rng.sample(range(TOKEN_SLOTS), 3 * TOKENS)  # in-pool slots distinct: no two writes race
+        table = [[rng.choice(slots) if rng.random() < 0.3 else free.pop() for _ in range(TOKENS)] for _ in range(3)]
+        cases.append((table, [rng.choice(counts) if rng.random() < 0.5 else rng.randint(1, TOKENS) for _ in range(3)]))
+    return cases
+
+
+def token_slot_status(table: list, counts: list) -> int:
+    """The bits kda_decode's per-token slots report (CONTRACT §10): a count outside [1, T]
+    (clamped); a read slot outside the pool other than -1 (the row is padding, its write slots
+    unread); in any other row, a write slot outside the pool other than -1."""
+    bits = 0
+    for row, count in zip(table, counts):
+        column = min(max(count - 1, 0), TOKENS - 1)
+        bits |= STATUS_DRAFT_OUT_OF_RANGE if column != count - 1 else 0
+        read = row[column]
+        checked = [read] if not 0 <= read < TOKEN_SLOTS else row
+        bits |= STATUS_SLOT_OUT_OF_RANGE if any(s >= TOKEN_SLOTS or s < -1 for s in checked) else 0
+    return bits
 
 
 class Guarded:
@@ -206,6 +253,49 @@ def _decode_path(x):
     return call
 
 
+def check_token_slots(seed: int, cases: list) -> list:
+    """Decode's per-token slots under hostile tables and counts: the status bits of
+    ``token_slot_status``, every guard intact, and the correct call after each bitwise unchanged."""
+    x = standard_inputs(3, TOKENS, HEADS, device="cuda", seed=seed + 5, slow_decay=True)
+    out = Guarded((3, TOKENS, HEADS, 128), 0, 3, torch.bfloat16, seed + 6)
+    pool = Guarded((TOKEN_SLOTS, HEADS, 128, 128), 0, 1, torch.float32, seed + 7)
+    start = 0.1 * torch.randn(TOKEN_SLOTS, HEADS, 128, 128, device="cuda")
+    status = torch.zeros(4, dtype=torch.int32, device="cuda")[:1]
+
+    def call(table, counts):
+        pool.view.copy_(start)
+        out.view.fill_(float("nan"))
+        status.zero_()
+        kda_decode(
+            *(x[name] for name in ("q", "k", "v", "g", "beta")),
+            A_log=x["A_log"],
+            dt_bias=x["dt_bias"],
+            lower_bound=x["lower_bound"],
+            state_pool=pool.view,
+            state_indices=torch.tensor(table, dtype=torch.int32, device="cuda"),
+            num_accepted=torch.tensor(counts, dtype=torch.int32, device="cuda"),
+            out=out.view,
+            status=status,
+        )
+        torch.cuda.synchronize()  # a CUDA error surfaces here
+        return out.view.clone(), pool.view.clone(), int(status.item())
+
+    expected = call(GOOD_TABLE, GOOD_COUNTS)
+    failures = [] if expected[2] == 0 else [f"token slots: a correct call set status {expected[2]}"]
+    for table, counts in cases:
+        label = f"token slots table={table} counts={counts}"
+        _, _, got = call(table, counts)
+        want = token_slot_status(table, counts)
+        if got != want:
+            failures.append(f"{label}: status {got}, want {want}")
+        if not (out.intact() and pool.intact()):
+            failures.append(f"{label}: a guard region was written")
+        again = call(GOOD_TABLE, GOOD_COUNTS)
+        if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(again[:2], expected[:2])) or again[2]:
+            failures.append(f"{label}: the correct call after it changed")
+    return failures
+
+
 def harnesses(seed: int) -> list:
     x = standard_inputs(1, TOTAL, HEADS, device="cuda", seed=seed, slow_decay=True)
     fixed = standard_inputs(3, 160, HEADS, device="cuda", seed=seed + 1, slow_decay=True)
@@ -304,6 +394,10 @@ def run(seed=None, with_reference=True, random_count=6) -> tuple[int, list]:
             h.check(cu, idx, failures)
         calls += len(cases)
         print(f"{h.name}: {len(cases)} hostile calls, {len(failures)} failures so far", flush=True)
+    token_cases = HOSTILE_TOKEN_SLOTS + token_slot_cases(rng, random_count)
+    failures += check_token_slots(seed, token_cases)
+    calls += len(token_cases)
+    print(f"decode token slots: {len(token_cases)} hostile calls, {len(failures)} failures so far", flush=True)
     return calls, failures
 
 

@@ -215,6 +215,18 @@ def test_per_token_slots_take_the_token_kernel_and_their_flags(launches):
     assert "chunk" in names[0] and not any("chunk" in name for name in names[1:])
 
 
+def test_an_offset_slot_table_is_passed_as_a_16_byte_base_and_an_element_offset(launches):
+    """[N, T] indices and counts at any int32 boundary, as a view into a larger table: the
+    kernel takes the table's 16-byte base and its offset in elements, the counts' address as is."""
+    buffer = torch.arange(3 + N * T + 5, dtype=torch.int32)
+    slots, counts = buffer[3 : 3 + N * T].view(N, T), buffer[1 : 1 + N]
+    _call(_args(seed=7, state_pool=torch.zeros(N * T + 3, H, D, D), state_indices=slots, num_accepted=counts))
+    ((values, _),) = launches
+    assert values["state_indices"] % 16 == 0 and values["index_offset"] == 3
+    assert values["state_indices"] + 4 * values["index_offset"] == slots.data_ptr()
+    assert values["num_accepted"] == counts.data_ptr()
+
+
 def test_the_plan_supplies_the_per_call_parameters_in_the_specs_order():
     from cula_aot.specs import DECODE_PARAMS
 

@@ -51,6 +51,14 @@ def _accepted(n, tokens, gen):
     return torch.randint(1, tokens + 1, (n,), generator=gen, dtype=torch.int32)
 
 
+def _at_offset(t, offset):
+    """``t`` (CPU int32) on the GPU as a view ``offset`` elements into a buffer of -7s."""
+    buffer = torch.full((offset + t.numel() + 3,), -7, dtype=torch.int32, device="cuda")
+    view = buffer[offset : offset + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 def _gate_args(x, gate):
     if gate == "softplus":
         return dict(gate="softplus", A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=None)
@@ -121,10 +129,13 @@ def _run_case(
     gate="safe",
     slow_decay=False,
     accepted=True,
+    index_offset=0,
     label="",
 ):
     """One 2-D call: ``padding`` rows get read slot -1 (their other columns keep real slots, which
     must stay untouched), ``skipped`` rows get write slot -1 in a column other than their read one.
+    ``index_offset``: the table and the counts start that many int32 elements into larger buffers
+    (their pointers off 16-byte boundaries: the kernel adds the element offset on the device).
     A status word is passed and must stay clear (-1 is never reported)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -147,9 +158,9 @@ def _run_case(
         x,
         gate_args,
         pool,
-        table.cuda(),
+        _at_offset(table, index_offset),
         layout=layout,
-        accepted=counts.cuda() if accepted else None,
+        accepted=_at_offset(counts, index_offset) if accepted else None,
         variant=variant,
         out=out,
         status=status,
@@ -166,7 +177,8 @@ def _run_case(
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 def test_every_variant_writes_each_token_state(variant, dtype, layout):
     """Every (v_block, items) kernel, both pool dtypes and layouts, T = 1, 3 and 8 (a padded slot
-    stride at T = 8): a padding row and a row with a skipped write slot."""
+    stride at T = 8, index tables 12 bytes off a 16-byte boundary at T = 3): a padding row and a
+    row with a skipped write slot."""
     for tokens in (1, 3, 8):
         _run_case(
             6,
@@ -178,6 +190,7 @@ def test_every_variant_writes_each_token_state(variant, dtype, layout):
             pad=8 if tokens == 8 else 0,
             padding=(4,),
             skipped=(1,),
+            index_offset=3 if tokens == 3 else 0,
             label=f"variant={variant} T={tokens} {str(dtype)[6:]} {layout}",
         )
 
@@ -310,8 +323,8 @@ def test_equals_plain_decode_with_intermediates(layout, dtype, variant, accepted
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_hostile_counts_and_slots(variant):
-    """num_accepted of 0, T + 3 and −5 set ``STATUS_DRAFT_OUT_OF_RANGE`` and read the clamped
-    column (0, T − 1, 0); a write slot of slots + 7 sets ``STATUS_SLOT_OUT_OF_RANGE`` and stores
+    """num_accepted of 0, T + 3, INT32_MIN and INT32_MAX set ``STATUS_DRAFT_OUT_OF_RANGE`` and read
+    the clamped column (0, T − 1, 0, T − 1); a write slot of slots + 7 sets ``STATUS_SLOT_OUT_OF_RANGE`` and stores
     nothing (the guard slots past the pool stay bitwise the same); a read slot past the pool makes
     its row padding.  Each anomaly alone, so each bit is attributed."""
     n, tokens, heads, dtype, layout = 5, 4, 8, torch.float32, "vk"
@@ -344,8 +357,8 @@ def test_hostile_counts_and_slots(variant):
         _verify(x, gate_args, out, pool, before, table, cols, layout, report)
         return int(status.item())
 
-    counts = torch.tensor([0, tokens + 3, -5, 2, 1], dtype=torch.int32)
-    cols = torch.tensor([0, tokens - 1, 0, 1, 0], dtype=torch.int32)
+    counts = torch.tensor([0, tokens + 3, -(2**31), 2, 2**31 - 1], dtype=torch.int32)
+    cols = torch.tensor([0, tokens - 1, 0, 1, tokens - 1], dtype=torch.int32)
     assert run(counts, cols, table, "bad counts") == STATUS_DRAFT_OUT_OF_RANGE
 
     good = torch.tensor([1, 4, 2, 3, 2], dtype=torch.int32)
@@ -356,7 +369,12 @@ def test_hostile_counts_and_slots(variant):
     past = table.clone()
     past[1, 3] = slots + 2  # row 1's read slot (count 4): the whole row is padding
     status = run(good, good - 1, past, "read slot past the pool")
-    assert status & STATUS_DRAFT_OUT_OF_RANGE == 0, f"status {status}"
+    assert status == STATUS_SLOT_OUT_OF_RANGE, f"status {status}"
+
+    padded = table.clone()
+    padded[1, 3] = -1  # row 1 is padding: its write slots are not examined (CONTRACT §10)
+    padded[1, 0] = slots + 9
+    assert run(good, good - 1, padded, "padding row with a write slot past the pool") == 0
 
 
 def test_refusals_write_nothing():
