@@ -1,7 +1,7 @@
 """A CPU model (float64) of the seed truncation in cuDNN's fused Hopper KDA prefill, on the rows and
 decay regimes of ``benchmarks/bench_cudnn.py``: how much work its piece schedule saves or wastes.
 
-    python -m benchmarks.truncation_model [--rows a,b] [--regimes standard,mixed,slow] [--json PATH]
+    python -m benchmarks.truncation_model [--rows a,b] [--regimes standard,mixed,slow] [--probe] [--json PATH]
 
 The rule, as nvidia-cudnn-frontend 1.32.0's ``kda_hopper_cuda`` engine runs it (restated, not
 copied).  A launch cuts every (sequence, head) chain into P pieces, P = clamp(264 // (N·H), 1,
@@ -19,6 +19,12 @@ The rigorous certificate of this model needs no allowance: with ‖k‖ ≤ 1 an
 delta-rule factor (I − β k kᵀ) is non-expansive in the spectral norm, so the dropped state reaches
 the end of a window attenuated by at most Π_t max_d α[t, d] (α = e^γ); per chunk that is
 Σ_t max_d γ[t, d]·log2(e), walked back the same way to the same 2^-20.
+
+A third certificate, the exact one (``exact_warmups``, on a probe row only: it walks 128×128
+matrices back token by token): the Frobenius norm of the warm-up tokens' own transition product
+M = A_last ⋯ A_first, A_t = (I − b_t k̂_t k̂_tᵀ)·diag(α_t) (``reference.kda_recurrent``'s order), a
+sound upper bound of ‖M‖₂ that a kernel could track per chunk (a chunk's map is diagonal plus
+rank 16), against the same 2^-20; and the true ‖M‖₂ where cuDNN's rule stops.
 
 Per row and regime (all heads of the row; the inputs are ``draw_inputs(..., seed=0)``, the timed
 rows' draw, and γ is ``cula_aot.gates.log_decay``): the certified fraction of the pieces that need a
@@ -40,6 +46,7 @@ import torch
 from benchmarks.bench_cudnn import REGIMES, ROWS, draw_inputs
 from benchmarks.bench_prefill import lengths_label
 from cula_aot.gates import log_decay
+from cula_aot.reference import conventions
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "docs" / "bench" / "truncation_model.json"
@@ -50,6 +57,8 @@ LOG_EPS = -20.0  # log2 of the attenuation a warm-up must prove
 MIX_LOG2 = 3.5  # cuDNN's per-chunk allowance, log2 sqrt(128)
 LOG2E = 1.0 / math.log(2.0)
 RULES = ("cudnn", "rigorous")
+PROBE = (4, [8192])  # the exact certificate's row: H, lengths
+PROBE_PIECE = 16  # its pieces: one per 16 chunks
 
 
 # -- the schedule --------------------------------------------------------------------------------
@@ -119,6 +128,71 @@ def model_chains(gammas: list, p: int, rule: str) -> dict:
     }
 
 
+def exact_warmups(gamma: torch.Tensor, kn: torch.Tensor, b: torch.Tensor, starts: list, stop_at: torch.Tensor):
+    """For pieces starting at the chunks ``starts`` (each c0 ≥ 1, every head; one sequence's
+    float64 ``gamma`` and ``kn`` [T, H, K], ``b`` [T, H]): ``(w, certified, log2_spectral_at)``,
+    each [len(starts), H].  w: the warm-up chunks after which the transition product M of the
+    warm-up tokens has ‖M‖_F ≤ 2^LOG_EPS (c0 where it never does); ``log2_spectral_at``: log2 ‖M‖₂
+    after ``stop_at`` [len(starts), H] chunks (another rule's warm-up; NaN past the start)."""
+    heads, c0s = gamma.shape[1], torch.tensor(starts)
+    n = len(starts) * heads
+    first = c0s.repeat_interleave(heads) * CHUNK  # each walk's first token past its window
+    head = torch.arange(heads).repeat(len(starts))
+    stop = stop_at.reshape(-1)
+    m = torch.eye(gamma.shape[-1], dtype=torch.float64).repeat(n, 1, 1)
+    w, done = c0s.repeat_interleave(heads).clone(), torch.zeros(n, dtype=torch.bool)
+    spectral = torch.full((n,), float("nan"), dtype=torch.float64)
+    for j in range(1, int(c0s.max()) + 1):
+        live = ((~done) | (stop >= j)) & (j <= first // CHUNK)
+        if not live.any():
+            break
+        i = live.nonzero().squeeze(1)
+        for t in range(CHUNK):  # M ← M·A_s for the chunk's tokens, last first
+            tok = first[i] - (j - 1) * CHUNK - 1 - t
+            k, h = kn[tok, head[i]], head[i]
+            mk = torch.einsum("nij,nj->ni", m[i], k)
+            m[i] = (m[i] - b[tok, h][:, None, None] * mk[:, :, None] * k[:, None, :]) * torch.exp(gamma[tok, h])[
+                :, None, :
+            ]
+        log2_f = torch.linalg.matrix_norm(m[i]).log2()
+        hit = (~done[i]) & (log2_f <= LOG_EPS)
+        w[i[hit]], done[i[hit]] = j, True
+        at = i[stop[i] == j]
+        spectral[at] = torch.linalg.matrix_norm(m[at], ord=2).log2()
+    shape = (len(starts), heads)
+    return w.view(shape), done.view(shape), spectral.view(shape)
+
+
+def model_probe(regime: str) -> dict:
+    """The three certificates on ``PROBE``'s pieces (one per ``PROBE_PIECE`` chunks) in ``regime``."""
+    heads, lengths = PROBE
+    x = draw_inputs(heads, lengths, regime, "cpu", seed=0)
+    gamma = log_decay(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])[0]
+    _, kn, b = conventions(x["q"], x["k"], x["beta"])
+    starts = list(range(PROBE_PIECE, math.ceil(lengths[0] / CHUNK), PROBE_PIECE))
+    walks = {rule: [warmup(chunk_bounds(gamma, rule), c0) for c0 in starts] for rule in RULES}
+    w = {rule: torch.stack([v[0] for v in walks[rule]]) for rule in RULES}
+    ok = {rule: torch.stack([v[1] for v in walks[rule]]) for rule in RULES}
+    w["exact"], ok["exact"], spectral = exact_warmups(
+        gamma, kn[0], b[0], starts, torch.where(ok["cudnn"], w["cudnn"], 0)
+    )
+
+    def summary(rule):
+        done = w[rule][ok[rule]].double()
+        stats = [None] * 3 if not done.numel() else [int(done.min()), float(done.median()), int(done.max())]
+        return {"certified_fraction": float(ok[rule].double().mean()), "warmup_min_median_max": stats}
+
+    cudnn_spectral = spectral[ok["cudnn"]]
+    return {
+        "workload": f"h{heads}-{lengths_label(lengths)}",
+        "regime": regime,
+        "pieces": len(starts) * heads,
+        **{rule: summary(rule) for rule in (*RULES, "exact")},
+        "cudnn_log2_spectral_worst": float(cudnn_spectral.max()) if cudnn_spectral.numel() else None,
+        "cudnn_unsound_fraction": float((cudnn_spectral > LOG_EPS).double().mean()) if cudnn_spectral.numel() else None,
+    }
+
+
 # -- the rows ------------------------------------------------------------------------------------
 def row_gammas(heads: int, lengths: list, regime: str) -> list:
     """bench_cudnn's inputs of a row in ``regime`` as per-sequence float64 γ [T_s, H, K]."""
@@ -185,6 +259,24 @@ def render_markdown(res: dict) -> str:
                 ]
             out.append("| " + " | ".join(str(c) for c in cells) + " |")
         out.append("")
+    if res.get("probe"):
+        out += [
+            f"## The exact certificate on h{PROBE[0]}-{lengths_label(PROBE[1])} (a piece per {PROBE_PIECE} chunks)",
+            "",
+            "cert / warm-up chunks min, median, max of the certified pieces; exact: ‖M‖_F ≤ 2^-20 of the warm-up's "
+            "transition product; last two columns: ‖M‖₂ where cuDNN's rule stops.",
+            "",
+            "| regime | pieces | cuDNN | rigorous | exact | cuDNN worst log2 ‖M‖₂ | cuDNN stops above 2^-20 |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in res["probe"]:
+            cells = [r["regime"], r["pieces"]]
+            for rule in (*RULES, "exact"):
+                lo, mid, hi = r[rule]["warmup_min_median_max"]
+                cells.append(f"{r[rule]['certified_fraction']:.3f} / {_f(lo, 'd')}, {_f(mid, '.0f')}, {_f(hi, 'd')}")
+            cells += [_f(r["cudnn_log2_spectral_worst"], ".1f"), _f(r["cudnn_unsound_fraction"], ".3f")]
+            out.append("| " + " | ".join(str(c) for c in cells) + " |")
+        out.append("")
     return "\n".join(out)
 
 
@@ -193,6 +285,7 @@ def main(argv=None):
     p.add_argument("--rows", default="all", help=f"comma list or 'all': {', '.join(ROWS)}")
     p.add_argument("--regimes", default="all", help=f"comma list or 'all': {', '.join(REGIMES)}")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="results file")
+    p.add_argument("--probe", action="store_true", help="also the exact certificate on PROBE's pieces (minutes)")
     args = p.parse_args(argv)
     rows = list(ROWS) if args.rows == "all" else args.rows.split(",")
     regimes = list(REGIMES) if args.regimes == "all" else args.regimes.split(",")
@@ -214,6 +307,12 @@ def main(argv=None):
                 + f"  ({time.time() - start:.1f} s)",
                 flush=True,
             )
+    if args.probe:
+        res["probe"] = []
+        for regime in regimes:
+            start = time.time()
+            res["probe"].append(model_probe(regime))
+            print(f"probe {regime}: {time.time() - start:.0f} s", flush=True)
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1) + "\n")

@@ -108,3 +108,30 @@ def test_bench_regimes_on_the_smallest_row(tm):
     assert standard["pieces_per_chain"] == 64 and standard["cudnn"]["certified_fraction"] > 0.9
     assert mixed["cudnn"]["certified_fraction"] == 0.0
     assert mixed["cudnn"]["work_factor"] == pytest.approx((64 + sum(range(64))) / 64)
+
+
+def test_exact_certificate_of_a_pure_decay_is_its_frobenius_norm(tm):
+    """b = 0 leaves M = diag(α^n): ‖M‖_F = √128 · 2^(-rate·n), ‖M‖₂ = 2^(-rate·n)."""
+    gamma = uniform(160, 0.25, heads=2)  # -4 per chunk: 3.5 - 4j <= -20 first at j = 6
+    kn = torch.nn.functional.normalize(torch.randn(160, 2, 128, dtype=torch.float64), dim=-1)
+    w, ok, spectral = tm.exact_warmups(
+        gamma, kn, torch.zeros(160, 2, dtype=torch.float64), [8, 10], torch.full((2, 2), 2)
+    )
+    assert ok.all() and w.tolist() == [[6, 6], [6, 6]]
+    assert torch.allclose(spectral, torch.full((2, 2), -8.0, dtype=torch.float64))
+
+
+def test_exact_certificate_walks_the_reference_transition_product(tm):
+    """The walk's M is A_last ⋯ A_first with A = (I − b k̂k̂ᵀ)·diag(α), built explicitly here."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = 48
+    gamma = -0.05 * torch.rand(tokens, 1, 128, generator=gen, dtype=torch.float64)
+    kn = torch.nn.functional.normalize(torch.randn(tokens, 1, 128, generator=gen, dtype=torch.float64), dim=-1)
+    b = torch.rand(tokens, 1, generator=gen, dtype=torch.float64)
+    m = torch.eye(128, dtype=torch.float64)
+    for t in range(tokens):  # the state at the window's start carried to its end
+        k = kn[t, 0][:, None]
+        m = (torch.eye(128, dtype=torch.float64) - b[t, 0] * k @ k.T) @ torch.diag(gamma[t, 0].exp()) @ m
+    w, ok, spectral = tm.exact_warmups(gamma, kn, b, [3], torch.tensor([[3]]))
+    assert not ok.any() and w.tolist() == [[3]]  # slow decay: never certified within 3 chunks
+    assert abs(float(spectral) - float(torch.linalg.matrix_norm(m, ord=2).log2())) < 1e-9
