@@ -12,6 +12,9 @@ CUDA-graph replays (one call captured, static pointers):
 * ``ours``: kda_decode updating the pool in place (state read + write once, outputs per token);
 * ``ours_inter`` (T > 1): the same with ``intermediate_states`` (the state after every token,
   the pool dtype: T more state writes), what speculative-decoding verification needs;
+* ``ours_slots`` (T > 1): vLLM's form of it, ``state_indices`` ``[N, T]`` (a pool slot per token,
+  a random permutation of a pool of N·T slots) and ``num_accepted`` = T: one state read, T
+  written, no final write-back;
 * ``fla``: flash-linear-attention's ``fused_recurrent_kda_fwd`` (Triton) with the same
   semantics, when importable: V-first ``[V, K]`` states (``state_v_first=True``), gate, q/k
   l2norm and β sigmoid in the kernel.  T = 1: the pool updated in place through
@@ -31,7 +34,8 @@ A decode step in a model runs between other layers, so cold-L2 is the honest cas
 N·H ≥ 1024 the pool (≥ 32 MB) is L2-sized or larger anyway.
 
 Bytes moved (the floor of HBM traffic): state read + write (64 KB each per fp32 head state,
-32 KB bf16) of the non-padding rows, + T states for ``ours_inter``, + q, k, v, g, out (bf16,
+32 KB bf16) of the non-padding rows, + T states for ``ours_inter``, + T − 1 for ``ours_slots``,
++ q, k, v, g, out (bf16,
 T·128 per head) + β + indices.  ``% copy`` = (bytes / time) / the device-to-device copy rate
 measured in this run (read + write per second, 4 GB copy).  ``vs fla`` = fla time / ours
 (> 1: we are faster).
@@ -128,8 +132,12 @@ class Bench:
         x["out"] = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
         return x
 
-    def ours_call(self, x, inter=None, variant=None):
+    def ours_call(self, x, inter=None, variant=None, slots=None):
+        """kda_decode on ``x`` (``slots``: ``(pool, [N, T] indices, counts)`` for vLLM's per-token
+        slots instead of ``x``'s pool and indices)."""
         from cula_aot.ops.decode import decode
+
+        pool, indices, accepted = slots if slots is not None else (x["pool"], x["indices"], None)
 
         def run():
             decode(
@@ -142,8 +150,9 @@ class Bench:
                 dt_bias=x["dt_bias"],
                 lower_bound=self.lower_bound,
                 gate=self.args.gate,
-                state_pool=x["pool"],
-                state_indices=x["indices"],
+                state_pool=pool,
+                state_indices=indices,
+                num_accepted=accepted,
                 out=x["out"],
                 state_layout=self.args.layout,
                 intermediate_states=inter,
@@ -211,6 +220,7 @@ class Bench:
             )
         # Like for like on one pool state: ours vs fla outputs and new states.
         row["bytes_inter"] = row["bytes"] + tokens * state_bytes
+        row["bytes_slots"] = row["bytes"] + (tokens - 1) * state_bytes + 4 * n * (tokens - 1)
         if self.fla is not None and self.args.mode != "ours":
             # Like for like from one pool state: the identity permutation, so that fla's plain
             # path (T > 1) reads the same states as the indexed kernels.
@@ -232,6 +242,12 @@ class Bench:
                 inter = torch.empty(n, tokens, heads, D, D, dtype=dtype, device="cuda")
                 row["ours_inter_ms"] = self.time_replay(capture_graph(self.ours_call(x, inter)))
                 del inter
+                table = torch.randperm(n * tokens, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+                pool = torch.empty(n * tokens, heads, D, D, dtype=dtype, device="cuda")
+                pool.view(n, tokens, heads, D, D).copy_(x["pool"][:, None])  # every slot a real state
+                slots = (pool, table.view(n, tokens).cuda(), torch.full((n,), tokens, dtype=torch.int32, device="cuda"))
+                row["ours_slots_ms"] = self.time_replay(capture_graph(self.ours_call(x, slots=slots)))
+                del slots, pool
             if n * heads >= self.args.variants_min_nh:
                 row["variants"] = {
                     variant_name(v): (
@@ -390,8 +406,8 @@ def render_markdown(res) -> str:
         f"states in / new states out); state layout {meta.get('layout')}",
         "",
         "| pool | H | N | T | N·H | v_block | ours µs | GB/s | % copy | fla µs | vs fla | ours+inter µs | % copy "
-        "| o vs fla | state vs fla |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| [N, T] slots µs | % copy | o vs fla | state vs fla |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["rows"]:
         if "ours_ms" not in r:
@@ -404,12 +420,15 @@ def render_markdown(res) -> str:
         fla_us = f"{1e3 * fla:.1f}" if fla else "—"
         ratio = f"{fla / r['ours_ms']:.2f}×" if fla else "—"
         inter_us = f"{1e3 * inter:.1f}" if inter else "—"
+        slots = r.get("ours_slots_ms")
+        slots_us = f"{1e3 * slots:.1f}" if slots else "—"
+        slots_pct = f"{100 * r['bytes_slots'] / (slots * 1e-3) / bw:.0f}%" if slots and bw else ""
         rmse_o = r.get("rmse_o_vs_fla", float("nan"))
         rmse_s = r.get("rmse_state_vs_fla", float("nan"))
         lines.append(
             f"| {r['dtype']} | {r['heads']} | {r['seqs']} | {r['tokens']} | {r['nh']} | {r['v_block']} "
             f"| {1e3 * r['ours_ms']:.1f} | {gbs:.0f} | {pct} | {fla_us} | {ratio} | {inter_us} | {inter_pct} "
-            f"| {rmse_o:.1e} | {rmse_s:.1e} |"
+            f"| {slots_us} | {slots_pct} | {rmse_o:.1e} | {rmse_s:.1e} |"
         )
     with_variants = [r for r in res["rows"] if r.get("variants")]
     if with_variants:
