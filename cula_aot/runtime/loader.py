@@ -109,25 +109,28 @@ class LoadedKernel:
             self.check_dependent()
         buffers = getattr(self._thread, "buffers", None)
         if buffers is None:
-            buffer = ctypes.create_string_buffer(self.packer.size)
+            # A bytearray under a ctypes view: a slice assignment fills it in place (a third of
+            # ctypes.memmove's cost), and the view's address stays the driver's parameter buffer.
+            buffer = bytearray(self.packer.size)
+            view = (ctypes.c_char * self.packer.size).from_buffer(buffer)
             size = ctypes.c_size_t(self.packer.size)
             extra = (ctypes.c_void_p * 5)(
                 cu.CU_LAUNCH_PARAM_BUFFER_POINTER,
-                ctypes.addressof(buffer),
+                ctypes.addressof(view),
                 cu.CU_LAUNCH_PARAM_BUFFER_SIZE,
                 ctypes.addressof(size),
                 cu.CU_LAUNCH_PARAM_END,
             )
-            buffers = self._thread.buffers = (buffer, size, extra, ctypes.addressof(extra))
-        ctypes.memmove(buffers[0], packed, self.packer.size)
+            buffers = self._thread.buffers = (buffer, (view, size, extra), ctypes.addressof(extra))
+        buffers[0][:] = packed
         if dependent or self.cluster != (1, 1, 1):
             config = self._ex_config(grid, smem_bytes, stream, dependent)
-            check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[3]), self.what)
+            check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[2]), self.what)
             return
-        check(
-            cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, cu.CUstream(stream), 0, buffers[3]),
-            self.what,
-        )
+        # The result's first entry is the CUresult, 0 on success: ``check`` only for an error.
+        result = cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, stream, 0, buffers[2])
+        if result[0]:
+            check(result, self.what)
 
     def check_dependent(self) -> None:
         """Refuse a programmatic dependent launch of a kernel that does not wait for its predecessor."""

@@ -288,6 +288,39 @@ def test_cluster_kernel_launches_with_its_cluster_shape(manifest_path):
         kernel._ex_config((3, 4, 3), 4096, 0, dependent=False)
 
 
+def test_a_launch_hands_the_driver_its_packed_bytes_and_names_a_failure(manifest_path, monkeypatch):
+    """``launch_packed`` fills the thread's parameter buffer in place and passes the driver the
+    ``extra`` array pointing at it (CU_LAUNCH_PARAM_BUFFER_POINTER, its size); a launch error
+    raises ``CudaError`` naming the kernel."""
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    from cula_aot.runtime.driver import CudaError
+
+    name, record = Manifest(manifest_path).record(K1Spec(varlen=False))
+    kernel = LoadedKernel(name, record, function=None)
+    seen, results = [], [(cu.CUresult.CUDA_SUCCESS,)] * 2 + [(cu.CUresult.CUDA_ERROR_INVALID_VALUE,)]
+
+    def launch(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        words = (ctypes.c_size_t * 5).from_address(extra)
+        assert words[0] == cu.CU_LAUNCH_PARAM_BUFFER_POINTER and words[4] == cu.CU_LAUNCH_PARAM_END
+        size = ctypes.c_size_t.from_address(words[3]).value
+        seen.append(((gx, gy, gz), (bx, by, bz), smem, int(stream), ctypes.string_at(words[1], size)))
+        return results[len(seen) - 1]
+
+    monkeypatch.setattr(cu, "cuLaunchKernel", launch)
+    monkeypatch.setattr(cu, "cuGetErrorName", lambda err: (0, b"CUDA_ERROR_INVALID_VALUE"))
+    monkeypatch.setattr(cu, "cuGetErrorString", lambda err: (0, b"invalid argument"))
+    first, second = os.urandom(kernel.packer.size), os.urandom(kernel.packer.size)
+    kernel.launch_packed(first, (3, 2, 1), 0x7F00DEADBEE0)
+    kernel.launch_packed(second, (5, 2, 1), 0, smem_bytes=1024)
+    assert seen[0] == ((3, 2, 1), tuple(record["block"]), kernel.smem, 0x7F00DEADBEE0, first)
+    assert seen[1] == ((5, 2, 1), tuple(record["block"]), 1024, 0, second)
+    with pytest.raises(CudaError, match=f"cuLaunchKernel\\({name}\\) failed: CUDA_ERROR_INVALID_VALUE"):
+        kernel.launch_packed(first, (1, 1, 1), 0)
+
+
 def _fake_record(params) -> dict:
     records = abi_layout(params)
     return {
