@@ -123,12 +123,12 @@ class LoadedKernel:
             )
             buffers = self._thread.buffers = (buffer, (view, size, extra), ctypes.addressof(extra))
         buffers[0][:] = packed
+        # The result's first entry is the CUresult, 0 on success: ``check`` only for an error.
         if dependent or self.cluster != (1, 1, 1):
             config = self._ex_config(grid, smem_bytes, stream, dependent)
-            check(cu.cuLaunchKernelEx(config, self.function, 0, buffers[2]), self.what)
-            return
-        # The result's first entry is the CUresult, 0 on success: ``check`` only for an error.
-        result = cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, stream, 0, buffers[2])
+            result = cu.cuLaunchKernelEx(config, self.function, 0, buffers[2])
+        else:
+            result = cu.cuLaunchKernel(self.function, *grid, *self.block, smem_bytes, stream, 0, buffers[2])
         if result[0]:
             check(result, self.what)
 
