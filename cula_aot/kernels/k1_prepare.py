@@ -160,10 +160,9 @@ class K1Prepare(TokenTileKernel):
     classes).  The entry symbol is the former function's, ``kernel_cutlass_k1_prepare_kernel_<the
     parameters' types, cut at 180 characters>_0``."""
 
-    # Caps registers at 128 (ptxas .minnctapersm).
     threads = THREADS
     smem_bytes = SMEM_BYTES
-    min_blocks_per_mp = CTAS_PER_SM
+    min_blocks_per_mp = CTAS_PER_SM  # caps registers at 128 (ptxas .minnctapersm)
 
     def __init__(self, varlen: bool, gate: str):
         self.varlen = varlen
