@@ -170,7 +170,8 @@ def model_probe(regime: str) -> dict:
     gamma = log_decay(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])[0]
     _, kn, b = conventions(x["q"], x["k"], x["beta"])
     starts = list(range(PROBE_PIECE, math.ceil(lengths[0] / CHUNK), PROBE_PIECE))
-    walks = {rule: [warmup(chunk_bounds(gamma, rule), c0) for c0 in starts] for rule in RULES}
+    bounds = {rule: chunk_bounds(gamma, rule) for rule in RULES}
+    walks = {rule: [warmup(bounds[rule], c0) for c0 in starts] for rule in RULES}
     w = {rule: torch.stack([v[0] for v in walks[rule]]) for rule in RULES}
     ok = {rule: torch.stack([v[1] for v in walks[rule]]) for rule in RULES}
     w["exact"], ok["exact"], spectral = exact_warmups(

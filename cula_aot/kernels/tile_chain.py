@@ -90,17 +90,16 @@ def stage_v_rows(staging: VStaging, smem_address, token0, rows_valid):
     """Lane l copies half ``l % 2`` (8 columns) of row ``l // 2`` of this warp's 16 × 16 v block
     of a tile into 32-byte smem rows at ``smem_address`` (a ``staging.slot``); rows past the end
     (or all, if not ``staging.enabled``) read as 0."""
-    v, v_row_stride, head, warp_col0, lane, enabled = staging[:6]
-    row, half = v_chunk(lane)
+    row, half = v_chunk(staging.lane)
     # Invalid rows still form an address: the tile's first row (the token of a valid tile, and
     # at worst a row of the same tensor when the whole tile is past the end).
     src_row = token0
     nbytes = cutlass.Int32(0)
-    if row < rows_valid and enabled:
+    if row < rows_valid and staging.enabled:
         src_row = token0 + cutlass.Int64(row)
         nbytes = cutlass.Int32(16)
-    at = src_row * cutlass.Int64(v_row_stride) + cutlass.Int64(head * D + warp_col0 + half * 8)
-    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (v + at).toint(), nbytes)
+    at = src_row * cutlass.Int64(staging.row_stride) + cutlass.Int64(staging.head * D + staging.warp_col0 + half * 8)
+    cp_async_16(smem_address + row * (WARP_COLUMNS * 2) + half * 16, (staging.v + at).toint(), nbytes)
 
 
 @cute.jit
