@@ -228,6 +228,7 @@ def prepare_tiles(
     * ``gt``: ``[n_tiles, H, K]``, ``gtot = exp(G[15])``, the decay of the whole tile
     * ``L, inv, mqk``: ``[n_tiles, H, 16, 16]``
     * ``b``: ``[n_tiles, H, 16]`` = σ(β) (0 on padded rows); ``beta``: the raw logits (−inf there)
+    * ``gamma``, ``kn``: ``[n_tiles, H, 16, K]``, each row's log-decay and k̂ (0 on padded rows)
     * ``tile_seq, tile_index, tile_rows``: int64 ``[n_tiles]``: sequence, tile number in the
       sequence, valid rows (1..16)
 
@@ -291,6 +292,8 @@ def prepare_tiles(
         "mqk": mqk,
         "b": b,
         "beta": logit,
+        "gamma": gam,
+        "kn": kn,
         "tile_seq": lay.tile_seq,
         "tile_index": lay.tile_index,
         "tile_rows": lay.tile_rows,
@@ -376,6 +379,118 @@ def kda_chunked(
     o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
     o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
     return bf16(o).view(B, T, H, Vd), S
+
+
+TRUNCATION_LOG2 = -20.0  # a piece's warm-up must attenuate the state it drops by 2^-20
+
+
+def tile_transition(tiles) -> torch.Tensor:
+    """Each tile's map of the state it receives, ``A = diag(gtot) − krᵀ·INV·diag(b)·kd``, as
+    ``[n_tiles, H, K, K]`` (the tile recurrence with V = 0: ``S ← A·S``)."""
+    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
+    return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ x
+
+
+def tile_decay_bound(tiles) -> torch.Tensor:
+    """log2 of an upper bound of each tile map's spectral norm ‖A‖₂ (:func:`tile_transition`),
+    ``[n_tiles, H]``: the smaller of two sound bounds, neither assuming normalised keys or b ∈ [0, 1].
+
+    * Frobenius, from 16×16 Gram matrices (no K×K product): with ``X = INV·diag(b)·kd``,
+      ``‖A‖_F² = Σ gtot² − 2·Σ_d gtot_d·(krᵀX)_dd + ⟨kr·krᵀ, X·Xᵀ⟩``.  Tight where every channel
+      forgets within the tile (standard decay).
+    * Token by token: ``A = Π_r (I − b_r k̂_r k̂_rᵀ)·diag(e^γ_r)`` and ``‖I − b k̂ k̂ᵀ‖₂ =
+      max(1, |1 − b‖k̂‖²|)``, so ``log2 ‖A‖₂ ≤ Σ_r (max_d γ_r,d·log2 e + log2 max(1, |1 − b_r‖k̂_r‖²|))``.
+      Free of the Frobenius norm's √K: tight where every channel decays slowly alike.
+
+    Spectral norms multiply sub-multiplicatively, so the sum of these over consecutive tiles
+    bounds log2 ‖M‖₂ of their product M: the factor by which a state dropped before them can
+    still reach the state after them."""
+    gt, kr = tiles["gt"], tiles["kr"]
+    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
+    frobenius_sq = (
+        (gt * gt).sum(-1)
+        - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
+        + ((kr @ kr.transpose(-1, -2)) * (x @ x.transpose(-1, -2))).sum((-1, -2))
+    )
+    frobenius = 0.5 * torch.log2(frobenius_sq.clamp(min=torch.finfo(torch.float64).tiny))
+    kn = tiles["kn"]
+    mixing = (1.0 - tiles["b"] * (kn * kn).sum(-1)).abs().clamp(min=1.0)
+    tokens = (tiles["gamma"].amax(-1) / math.log(2.0) + torch.log2(mixing)).sum(-1)
+    return torch.minimum(frobenius, tokens)
+
+
+def kda_pieces(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    piece_tiles,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    gate_kind=DEFAULT_GATE,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
+    """The tile recurrence run as independent pieces of ``piece_tiles`` tiles per (sequence,
+    head) chain -> ``(o [B, T, H, V], final_state [N, H, K, V], warmup [n_pieces, H])``, float64.
+
+    A piece starting at tile c0 > 0 walks back over the tiles before it, summing
+    :func:`tile_decay_bound`, until the sum is ≤ ``TRUNCATION_LOG2``; it then starts from a zero
+    state that many tiles back: the state it drops reaches c0 attenuated by at most 2^-20.  A walk
+    that reaches the sequence's start starts from its initial state at tile 0 (exact).  Warm-up
+    tiles write no output; a sequence's last piece writes its final state.  ``warmup``: the tiles
+    each piece walked back (c0 when uncertified), pieces in sequence order."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    tiles = prepare_tiles(
+        q,
+        k,
+        g,
+        beta,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        scale=scale,
+        cu_seqlens=cu_seqlens,
+        gate_kind=gate_kind,
+        beta_sigmoid=beta_sigmoid,
+        qk_l2norm=qk_l2norm,
+    )
+    bounds = tile_decay_bound(tiles)
+    lay = _layout(B, T, cu_seqlens, q.device)
+    N = len(lay.lengths)
+    vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)
+    S0 = _initial_state(initial_state, N, H, K, Vd, q.device)
+    final = S0.clone()
+    o_tiles = torch.zeros_like(vt)
+    warmups = []
+    for n, (first, count) in enumerate(zip(lay.tile_first, lay.tile_count)):
+        for c0 in range(0, count, piece_tiles):
+            c1 = min(c0 + piece_tiles, count)
+            walked = torch.zeros(H, dtype=torch.int64)
+            for h in range(H):
+                acc = bounds[first : first + c0, h].flip(0).cumsum(0)  # over the c0 − j tiles back
+                hit = (acc <= TRUNCATION_LOG2).nonzero()
+                w = int(hit[0]) + 1 if len(hit) else c0
+                walked[h] = w
+                s = torch.zeros_like(S0[n, h]) if w < c0 else S0[n, h]
+                for j in range(first + c0 - w, first + c1):
+                    u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+                    if j >= first + c0:
+                        o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
+                    s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+                if c1 == count:
+                    final[n, h] = s
+            warmups.append(walked)
+    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
+    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    return o.view(B, T, H, Vd), final, torch.stack(warmups) if warmups else torch.zeros(0, H, dtype=torch.int64)
 
 
 def kda_recurrent(

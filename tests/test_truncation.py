@@ -1,0 +1,164 @@
+"""The certified truncation of a piece's incoming state (``reference.tile_transition``,
+``tile_decay_bound``, ``kda_pieces``): the tile maps, the soundness of their bound, and the
+piecewise recurrence against the serial one in every decay regime.  CPU only, seconds."""
+
+import math
+
+import pytest
+import torch
+
+from cula_aot import reference
+from cula_aot.reference import CHUNK, TRUNCATION_LOG2, rel_rmse
+from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
+
+REGIMES = ("standard", "mixed", "slow")
+LONG_MEMORY = -12.0  # dt_bias of a channel that keeps its memory (|γ| < 1e-4 a token)
+
+
+def regime_inputs(regime, lengths, heads, *, seed=None, gate="safe"):
+    """``kda_chunked`` keyword arguments for one varlen batch in a decay regime: standard (CONTRACT
+    §8), mixed (standard, but key channels 0-3 of every head keep their memory) or slow."""
+    x = standard_inputs(
+        1, sum(lengths), heads, seed=fresh_seed() if seed is None else seed, slow_decay=regime == "slow",
+        n_states=len(lengths), gate=gate,
+    )  # fmt: skip
+    if regime == "mixed":
+        x["dt_bias"][:, :4] = LONG_MEMORY
+    x.setdefault("lower_bound", None)
+    x["cu_seqlens"] = cu_seqlens_of(lengths)
+    return x
+
+
+def tiles_of(x, **conventions):
+    return reference.prepare_tiles(
+        x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"],
+        cu_seqlens=x["cu_seqlens"], gate_kind=x.get("gate", "safe"), **conventions,
+    )  # fmt: skip
+
+
+def token_products(x, tiles, **conventions):
+    """Each tile's map as the product of its tokens' maps ``(I − b k̂ k̂ᵀ)·diag(e^γ)`` (last token
+    leftmost), from the gate and the conventions directly: ``[n_tiles, H, K, K]``."""
+    gamma = reference.gate(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"], x.get("gate", "safe"))[0]
+    _, kn, b = (t[0] for t in reference.conventions(x["q"], x["k"], x["beta"], **conventions))
+    starts = x["cu_seqlens"].tolist()[:-1]
+    heads, dim = kn.shape[1], kn.shape[2]
+    out = torch.eye(dim, dtype=torch.float64).repeat(len(tiles["tile_seq"]), heads, 1, 1)
+    for i, (n, j, rows) in enumerate(zip(*(tiles[f].tolist() for f in ("tile_seq", "tile_index", "tile_rows")))):
+        for t in range(starts[n] + j * CHUNK, starts[n] + j * CHUNK + rows):
+            erase = torch.eye(dim, dtype=torch.float64) - b[t][:, None, None] * kn[t][:, :, None] * kn[t][:, None, :]
+            out[i] = erase @ (torch.exp(gamma[t])[:, :, None] * out[i])
+    return out
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_tile_transition_is_the_token_product(regime, gate):
+    x = regime_inputs(regime, [40, 16, 3], 2, gate=gate)  # partial tiles, an exact one, a short one
+    tiles = tiles_of(x)
+    expected = token_products(x, tiles)
+    assert (reference.tile_transition(tiles) - expected).abs().max() <= 1e-12
+
+
+CONVENTIONS = {
+    "kernel": {},
+    "raw beta": {"beta_sigmoid": False},  # b = β itself: negative and > 1 values (not non-expansive)
+    "raw keys": {"qk_l2norm": False},  # ‖k‖² ≈ 128: b·‖k‖² far above 2
+}
+
+
+@pytest.mark.parametrize("conventions", list(CONVENTIONS))
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_tile_decay_bound_is_sound(regime, gate, conventions):
+    """The bound is never below the tile map's spectral norm, whatever the keys and β."""
+    options = CONVENTIONS[conventions]
+    x = regime_inputs(regime, [96, 23], 2, gate=gate)
+    if conventions == "raw beta":
+        x["beta"] = (3 * x["beta"].float()).to(torch.bfloat16)
+    tiles = tiles_of(x, **options)
+    spectral = torch.linalg.matrix_norm(token_products(x, tiles, **options), ord=2).log2()
+    assert (reference.tile_decay_bound(tiles) >= spectral - 1e-9).all()
+
+
+def test_tile_decay_bound_certifies_standard_decay_in_two_or_three_tiles():
+    """The premise of short warm-ups: under standard decay the bounds of two consecutive tiles
+    (a 32-token warm-up) already sum to ≤ 2^-20 almost everywhere, three nearly always (the
+    Frobenius part: a tile's token-by-token part alone is rarely below 1)."""
+    x = regime_inputs("standard", [4096], 4)
+    bounds = reference.tile_decay_bound(tiles_of(x))
+    two, three = bounds[1:] + bounds[:-1], bounds[2:] + bounds[1:-1] + bounds[:-2]
+    assert (two <= TRUNCATION_LOG2).double().mean() >= 0.9
+    assert (three <= TRUNCATION_LOG2).double().mean() >= 0.98
+
+
+def serial(x):
+    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
+    return reference.kda_chunked(**{n: x[n] for n in keep}, gate_kind=x.get("gate", "safe"))
+
+
+def pieces(x, piece_tiles):
+    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
+    return reference.kda_pieces(**{n: x[n] for n in keep}, gate_kind=x.get("gate", "safe"), piece_tiles=piece_tiles)
+
+
+def piece_starts(lengths, piece_tiles):
+    return [c0 for n in lengths for c0 in range(0, math.ceil(n / CHUNK), piece_tiles)]
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_pieces_match_the_serial_recurrence(regime):
+    lengths, piece_tiles = [300, 17, 1100], 8  # slow decay certifies after ~36 tiles
+    x = regime_inputs(regime, lengths, 2)
+    o, final = serial(x)
+    o_p, final_p, warmup = pieces(x, piece_tiles)
+    starts = torch.tensor(piece_starts(lengths, piece_tiles))[:, None].expand_as(warmup)
+    assert (warmup <= starts).all()
+    if regime == "mixed":  # no piece certifies: each starts from its sequence's start, exactly
+        assert (warmup == starts).all()
+        assert rel_rmse(o_p, o) <= 1e-13 and rel_rmse(final_p, final) <= 1e-13
+        return
+    certified = (warmup < starts) & (starts > 0)
+    if regime == "standard":
+        assert certified[starts > 0].all() and (warmup[certified] <= 4).all()
+    else:
+        assert certified.any()
+    # Each dropped state reaches the output attenuated by ≤ 2^-20 (states ~ 0.1-1, outputs ~ 1).
+    assert rel_rmse(o_p, o) <= 2e-6 and rel_rmse(final_p, final) <= 2e-6
+
+
+@pytest.mark.parametrize("regime", ["standard", "slow"])
+def test_a_dropped_state_reaches_the_end_attenuated_by_the_bound(regime):
+    """The certificate itself: the last piece's final state differs from the serial one by at most
+    2^-20 of the state it dropped (the serial state where its warm-up starts)."""
+    length, piece_tiles = 1024, 16
+    x = regime_inputs(regime, [length], 2)
+    _, final = serial(x)
+    _, final_p, warmup = pieces(x, piece_tiles)
+    last_start = piece_starts([length], piece_tiles)[-1]
+    for h in range(2):
+        w = int(warmup[-1, h])
+        assert w < last_start, "the last piece should certify in this regime"
+        prefix = {**x, "cu_seqlens": None}
+        cut = (last_start - w) * CHUNK
+        for name in ("q", "k", "v", "g", "beta"):
+            prefix[name] = x[name][:, :cut]
+        _, dropped = serial(prefix)
+        error = (final_p[0, h] - final[0, h]).norm()
+        assert error <= 2.0**TRUNCATION_LOG2 * dropped[0, h].norm() * (1 + 1e-9)
+
+
+def test_one_long_memory_channel_makes_its_head_exact():
+    """Just outside the certified region: standard decay but one key channel of head 1 keeps its
+    memory, so none of head 1's pieces certifies and each runs from its sequence's start (exact);
+    head 0 certifies within a few tiles as usual."""
+    lengths, piece_tiles = [700], 4
+    x = regime_inputs("standard", lengths, 2)
+    x["dt_bias"][1, 77] = LONG_MEMORY
+    o, final = serial(x)
+    o_p, final_p, warmup = pieces(x, piece_tiles)
+    starts = torch.tensor(piece_starts(lengths, piece_tiles))
+    assert (warmup[:, 1] == starts).all()
+    assert (warmup[1:, 0] <= 4).all()
+    assert rel_rmse(o_p[:, :, 1], o[:, :, 1]) <= 1e-13 and rel_rmse(final_p[:, 1], final[:, 1]) <= 1e-13
+    assert rel_rmse(o_p[:, :, 0], o[:, :, 0]) <= 2e-6
