@@ -1,5 +1,6 @@
-"""A CPU model (float64) of the seed truncation in cuDNN's fused Hopper KDA prefill, on the rows and
-decay regimes of ``benchmarks/bench_cudnn.py``: how much work its piece schedule saves or wastes.
+"""A CPU model (float64) of the seed truncation in cuDNN's fused Hopper KDA prefill, and of our
+tile certificate, on the rows and decay regimes of ``benchmarks/bench_cudnn.py``: how much work a
+piece schedule saves or wastes under each rule.
 
     python -m benchmarks.truncation_model [--rows a,b] [--regimes standard,mixed,slow] [--probe] [--json PATH]
 
@@ -20,7 +21,12 @@ delta-rule factor (I − β k kᵀ) is non-expansive in the spectral norm, so th
 the end of a window attenuated by at most Π_t max_d α[t, d] (α = e^γ); per chunk that is
 Σ_t max_d γ[t, d]·log2(e), walked back the same way to the same 2^-20.
 
-A third certificate, the exact one (``exact_warmups``, on a probe row only: it walks 128×128
+Ours (``tile``, ``reference.tile_decay_bound``): per 16-token chunk (our tile) the smaller of two
+sound bounds of the chunk map's spectral norm, the Frobenius norm of the map (diagonal plus rank 16,
+formed from 16×16 Gram matrices) and the token-by-token product above (which it never exceeds, and
+which also covers keys that are not normalised and b outside [0, 1]); walked back the same way.
+
+A fourth certificate, the exact one (``exact_warmups``, on a probe row only: it walks 128×128
 matrices back token by token): the Frobenius norm of the warm-up tokens' own transition product
 M = A_last ⋯ A_first, A_t = (I − b_t k̂_t k̂_tᵀ)·diag(α_t) (``reference.kda_recurrent``'s order), a
 sound upper bound of ‖M‖₂ that a kernel could track per chunk (a chunk's map is diagonal plus
@@ -45,6 +51,7 @@ import torch
 
 from benchmarks.bench_cudnn import REGIMES, ROWS, draw_inputs
 from benchmarks.bench_prefill import lengths_label
+from cula_aot import reference
 from cula_aot.gates import log_decay
 from cula_aot.reference import conventions
 
@@ -56,7 +63,8 @@ TARGET_CTAS = 264  # cuDNN's fixed CTA target (2 per SM × 132 SMs)
 LOG_EPS = -20.0  # log2 of the attenuation a warm-up must prove
 MIX_LOG2 = 3.5  # cuDNN's per-chunk allowance, log2 sqrt(128)
 LOG2E = 1.0 / math.log(2.0)
-RULES = ("cudnn", "rigorous")
+RULES = ("cudnn", "rigorous", "tile")
+HEAD_GROUP = 8  # heads per prepare_tiles call (bounds the float64 tile tensors of the long rows)
 PROBE = (4, [8192])  # the exact certificate's row: H, lengths
 PROBE_PIECE = 16  # its pieces: one per 16 chunks
 
@@ -76,11 +84,14 @@ def piece_ranges(chunks: int, p: int) -> list:
     return [(c0, min(c0 + size, chunks)) for c0 in range(0, chunks, size)] if size else []
 
 
-def chunk_bounds(gamma: torch.Tensor, rule: str) -> torch.Tensor:
+def chunk_bounds(gamma: torch.Tensor, rule: str, tile: torch.Tensor | None = None) -> torch.Tensor:
     """Per full chunk and head, log2 of the attenuation bound of ``rule`` for one sequence's
     ``gamma`` [T, H, K] (float64 natural log-decay): ``[T // 16, H]``.  Only full chunks: the walk
-    probes chunks before a piece's start, and only a sequence's last chunk can be partial."""
+    probes chunks before a piece's start, and only a sequence's last chunk can be partial.
+    ``tile``: the sequence's ``reference.tile_decay_bound`` [chunks, H] (the "tile" rule's)."""
     full = gamma.shape[0] // CHUNK
+    if rule == "tile":
+        return tile[:full]
     g = gamma[: full * CHUNK].reshape(full, CHUNK, *gamma.shape[1:])
     if rule == "cudnn":  # the least-decaying channel of the chunk sum, plus the mixing allowance
         return g.sum(1).amax(-1) * LOG2E + MIX_LOG2
@@ -100,14 +111,15 @@ def warmup(bounds: torch.Tensor, c0: int):
     return w, certified
 
 
-def model_chains(gammas: list, p: int, rule: str) -> dict:
-    """``rule`` on the chains of one call: ``gammas`` one [T_s, H, K] log-decay per sequence, ``p``
-    pieces per chain.  Totals over every (sequence, head) chain; warm-up statistics over the pieces
-    that need a certificate (c0 > 0), None where there are none."""
+def model_chains(gammas: list, tiles: list, p: int, rule: str) -> dict:
+    """``rule`` on the chains of one call: ``gammas`` one [T_s, H, K] log-decay per sequence and
+    ``tiles`` its ``tile_decay_bound`` [chunks, H], ``p`` pieces per chain.  Totals over every
+    (sequence, head) chain; warm-up statistics over the pieces that need a certificate (c0 > 0),
+    None where there are none."""
     probed = certified = warm_sum = warm_max = work = serial = longest = serial_longest = 0
-    for gamma in gammas:
+    for gamma, tile in zip(gammas, tiles):
         chunks, heads = math.ceil(gamma.shape[0] / CHUNK), gamma.shape[1]
-        bounds = chunk_bounds(gamma, rule)
+        bounds = chunk_bounds(gamma, rule, tile)
         serial += chunks * heads
         serial_longest = max(serial_longest, chunks)
         for c0, c1 in piece_ranges(chunks, p):
@@ -170,7 +182,8 @@ def model_probe(regime: str) -> dict:
     gamma = log_decay(x["g"], x["A_log"], x["dt_bias"], x["lower_bound"])[0]
     _, kn, b = conventions(x["q"], x["k"], x["beta"])
     starts = list(range(PROBE_PIECE, math.ceil(lengths[0] / CHUNK), PROBE_PIECE))
-    bounds = {rule: chunk_bounds(gamma, rule) for rule in RULES}
+    tile = row_tile_bounds(x)[0]
+    bounds = {rule: chunk_bounds(gamma, rule, tile) for rule in RULES}
     walks = {rule: [warmup(bounds[rule], c0) for c0 in starts] for rule in RULES}
     w = {rule: torch.stack([v[0] for v in walks[rule]]) for rule in RULES}
     ok = {rule: torch.stack([v[1] for v in walks[rule]]) for rule in RULES}
@@ -202,9 +215,29 @@ def row_gammas(heads: int, lengths: list, regime: str) -> list:
     return list(gamma.split(list(lengths)))
 
 
+def row_tile_bounds(x: dict) -> list:
+    """``reference.tile_decay_bound`` of a row's inputs, per sequence [chunks, H], a group of heads
+    at a time."""
+    heads = x["q"].shape[2]
+    groups = []
+    for h0 in range(0, heads, HEAD_GROUP):
+        h = slice(h0, h0 + HEAD_GROUP)
+        tiles = reference.prepare_tiles(
+            *(x[n][:, :, h] for n in ("q", "k", "g", "beta")),
+            A_log=x["A_log"][h],
+            dt_bias=x["dt_bias"][h],
+            lower_bound=x["lower_bound"],
+            cu_seqlens=x["cu_cpu"],
+        )
+        groups.append(reference.tile_decay_bound(tiles))
+    chunks = [math.ceil(n / CHUNK) for n in x["lengths"]]
+    return list(torch.cat(groups, dim=1).split(chunks))
+
+
 def model_row(name: str, regime: str) -> dict:
     heads, lengths = ROWS[name]
     gammas = row_gammas(heads, lengths, regime)
+    tiles = row_tile_bounds(draw_inputs(heads, lengths, regime, "cpu", seed=0))
     p = pieces_per_chain(sum(lengths), len(lengths), heads)
     chunks = [math.ceil(n / CHUNK) for n in lengths]
     out = {
@@ -220,7 +253,7 @@ def model_row(name: str, regime: str) -> dict:
         "ideal_critical_path_ratio": max(c1 - c0 for c in chunks for c0, c1 in piece_ranges(c, p)) / max(chunks),
     }
     for rule in RULES:
-        out[rule] = model_chains(gammas, p, rule)
+        out[rule] = model_chains(gammas, tiles, p, rule)
     return out
 
 
@@ -236,7 +269,8 @@ def render_markdown(res: dict) -> str:
         "certificate (c0 > 0); warm-up = mean / max chunks walked back (to the start when uncertified); "
         "work = chunks processed (own + warm-up) ÷ serial chunks; crit = longest piece with warm-up ÷ longest "
         "chain (ideal: no warm-up at all). cuDNN: max_d Σ_chunk γ·log2 e + 3.5 per chunk ≤ -20; rigorous: "
-        "Σ_t max_d γ·log2 e ≤ -20."
+        "Σ_t max_d γ·log2 e ≤ -20; tile: reference.tile_decay_bound (min of the chunk map's Frobenius norm and "
+        "the token-by-token bound) ≤ -20."
     )
     out = ["# cuDNN's seed truncation, modelled on the CPU", "", command, "", legend, ""]
     header = ["row", "H", "N", "T", "P", "pieces", "crit ideal"]
@@ -267,8 +301,8 @@ def render_markdown(res: dict) -> str:
             "cert / warm-up chunks min, median, max of the certified pieces; exact: ‖M‖_F ≤ 2^-20 of the warm-up's "
             "transition product; last two columns: ‖M‖₂ where cuDNN's rule stops.",
             "",
-            "| regime | pieces | cuDNN | rigorous | exact | cuDNN worst log2 ‖M‖₂ | cuDNN stops above 2^-20 |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "| regime | pieces | cuDNN | rigorous | tile | exact | cuDNN worst log2 ‖M‖₂ | cuDNN stops above 2^-20 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in res["probe"]:
             cells = [r["regime"], r["pieces"]]
