@@ -91,6 +91,8 @@ def chunk_bounds(gamma: torch.Tensor, rule: str, tile: torch.Tensor | None = Non
     ``tile``: the sequence's ``reference.tile_decay_bound`` [chunks, H] (the "tile" rule's)."""
     full = gamma.shape[0] // CHUNK
     if rule == "tile":
+        if tile is None:
+            raise ValueError("the tile rule needs the sequence's tile_decay_bound (tile=)")
         return tile[:full]
     g = gamma[: full * CHUNK].reshape(full, CHUNK, *gamma.shape[1:])
     if rule == "cudnn":  # the least-decaying channel of the chunk sum, plus the mixing allowance
@@ -111,13 +113,13 @@ def warmup(bounds: torch.Tensor, c0: int):
     return w, certified
 
 
-def model_chains(gammas: list, tiles: list, p: int, rule: str) -> dict:
-    """``rule`` on the chains of one call: ``gammas`` one [T_s, H, K] log-decay per sequence and
-    ``tiles`` its ``tile_decay_bound`` [chunks, H], ``p`` pieces per chain.  Totals over every
-    (sequence, head) chain; warm-up statistics over the pieces that need a certificate (c0 > 0),
-    None where there are none."""
+def model_chains(gammas: list, p: int, rule: str, tiles: list | None = None) -> dict:
+    """``rule`` on the chains of one call: ``gammas`` one [T_s, H, K] log-decay per sequence, ``p``
+    pieces per chain, ``tiles`` (the "tile" rule's) each sequence's ``tile_decay_bound`` [chunks, H].
+    Totals over every (sequence, head) chain; warm-up statistics over the pieces that need a
+    certificate (c0 > 0), None where there are none."""
     probed = certified = warm_sum = warm_max = work = serial = longest = serial_longest = 0
-    for gamma, tile in zip(gammas, tiles):
+    for gamma, tile in zip(gammas, tiles or [None] * len(gammas)):
         chunks, heads = math.ceil(gamma.shape[0] / CHUNK), gamma.shape[1]
         bounds = chunk_bounds(gamma, rule, tile)
         serial += chunks * heads
@@ -253,7 +255,7 @@ def model_row(name: str, regime: str) -> dict:
         "ideal_critical_path_ratio": max(c1 - c0 for c in chunks for c0, c1 in piece_ranges(c, p)) / max(chunks),
     }
     for rule in RULES:
-        out[rule] = model_chains(gammas, tiles, p, rule)
+        out[rule] = model_chains(gammas, p, rule, tiles)
     return out
 
 
