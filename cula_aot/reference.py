@@ -430,6 +430,7 @@ def kda_pieces(
     dt_bias,
     lower_bound,
     piece_tiles,
+    max_warmup=None,
     scale=None,
     initial_state=None,
     cu_seqlens=None,
@@ -437,15 +438,17 @@ def kda_pieces(
     beta_sigmoid=True,
     qk_l2norm=True,
 ):
-    """The tile recurrence run as independent pieces of ``piece_tiles`` tiles per (sequence,
-    head) chain -> ``(o [B, T, H, V], final_state [N, H, K, V], warmup [n_pieces, H])``, float64.
+    """The tile recurrence run as pieces of ``piece_tiles`` tiles per (sequence, head) chain ->
+    ``(o [B, T, H, V], final_state [N, H, K, V], warmup [n_pieces, H])``, float64.
 
     A piece starting at tile c0 > 0 walks back over the tiles before it, summing
     :func:`tile_decay_bound`, until the sum is ≤ ``TRUNCATION_LOG2``; it then starts from a zero
-    state that many tiles back: the state it drops reaches c0 attenuated by at most 2^-20.  A walk
-    that reaches the sequence's start starts from its initial state at tile 0 (exact).  Warm-up
-    tiles write no output; a sequence's last piece writes its final state.  ``warmup``: the tiles
-    each piece walked back (c0 when uncertified), pieces in sequence order."""
+    state that many tiles back (a free piece): the state it drops reaches c0 attenuated by at most
+    2^-20.  A walk longer than ``max_warmup`` tiles (None: no limit) or one that reaches the
+    sequence's start does not certify: the piece starts at c0 from the end state of the piece
+    before it (an exact carry, as CP's affine summaries or a look-back deliver it; the first piece
+    from the sequence's initial state).  Warm-up tiles write no output; a sequence's last piece
+    writes its final state.  ``warmup``: the tiles each piece walked back, 0 for a carried one."""
     B, T, H, K = q.shape
     Vd = v.shape[-1]
     tiles = prepare_tiles(
@@ -470,21 +473,24 @@ def kda_pieces(
     final = S0.clone()
     o_tiles = torch.zeros_like(vt)
     warmups = []
+    reach = math.inf if max_warmup is None else max_warmup
     for n, (first, count) in enumerate(zip(lay.tile_first, lay.tile_count)):
+        carried = S0[n].clone()  # the exact state at the next piece's first tile
         for c0 in range(0, count, piece_tiles):
             c1 = min(c0 + piece_tiles, count)
             walked = torch.zeros(H, dtype=torch.int64)
             for h in range(H):
                 acc = bounds[first : first + c0, h].flip(0).cumsum(0)  # over the c0 − j tiles back
                 hit = (acc <= TRUNCATION_LOG2).nonzero()
-                w = int(hit[0]) + 1 if len(hit) else c0
+                w = int(hit[0]) + 1 if len(hit) and int(hit[0]) + 1 <= reach else 0
                 walked[h] = w
-                s = torch.zeros_like(S0[n, h]) if w < c0 else S0[n, h]
+                s = torch.zeros_like(S0[n, h]) if w else carried[h]
                 for j in range(first + c0 - w, first + c1):
                     u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
                     if j >= first + c0:
                         o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
                     s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+                carried[h] = s
                 if c1 == count:
                     final[n, h] = s
             warmups.append(walked)
