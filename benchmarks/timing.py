@@ -45,6 +45,34 @@ def kernel_medians_us(fn, calls=20, warmup=5) -> dict:
     return {name: sorted(times)[len(times) // 2] for name, times in by_name.items()}
 
 
+class ColdReplay:
+    """Milliseconds per replay of a CUDA graph with the L2 evicted before each, what a decode step
+    between other layers sees: a ``flush_bytes`` buffer is *read* (evicting without leaving dirty
+    lines to write back during the timed kernel), then events around the replay alone; ``warmup``
+    replays first, the interquartile mean of ``iters``."""
+
+    def __init__(self, warmup=25, iters=100, flush_bytes=256 << 20):
+        self.warmup, self.iters, self.flush_bytes = warmup, iters, flush_bytes
+        self.flush = self.sink = None
+
+    def __call__(self, graph) -> float:
+        if self.flush is None:
+            self.flush = torch.ones(self.flush_bytes // 4, device="cuda")
+            self.sink = torch.empty((), device="cuda")
+        for _ in range(self.warmup):
+            graph.replay()
+        events = []
+        for _ in range(self.iters):
+            torch.sum(self.flush, dim=0, out=self.sink)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return iqm([s.elapsed_time(e) for s, e in events])
+
+
 _CAPTURE_STREAM = {}
 
 
