@@ -17,6 +17,11 @@ import cula_aot
 from cula_aot.testing import cu_seqlens_of, standard_inputs
 
 
+def step_inputs(x: dict) -> tuple:
+    """``standard_inputs``' q, k, v, g, β (positional) and the safe gate's keyword arguments."""
+    return [x[n] for n in ("q", "k", "v", "g", "beta")], {n: x[n] for n in ("A_log", "dt_bias", "lower_bound")}
+
+
 def prefill_call(varlen: bool):
     heads = 8
     if varlen:
@@ -34,21 +39,10 @@ def prefill_call(varlen: bool):
             final_state=torch.zeros(1, heads, 128, 128, device="cuda"),
         )
     out = torch.empty_like(x["v"])
+    inputs, gate = step_inputs(x)
 
     def call():
-        cula_aot.kda_prefill(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
-            A_log=x["A_log"],
-            dt_bias=x["dt_bias"],
-            lower_bound=x["lower_bound"],
-            out=out,
-            intracard_cp=False,
-            **extra,
-        )
+        cula_aot.kda_prefill(*inputs, **gate, out=out, intracard_cp=False, **extra)
 
     return call, "varlen pool prefill" if varlen else "fixed prefill"
 
@@ -60,21 +54,10 @@ def decode_call(tokens: int):
     pool = torch.zeros(2 * requests, heads, 128, 128, device="cuda")
     slots = torch.arange(1, 2 * requests, 2, dtype=torch.int32, device="cuda")
     out = torch.empty_like(x["v"])
+    inputs, gate = step_inputs(x)
 
     def call():
-        cula_aot.kda_decode(
-            x["q"],
-            x["k"],
-            x["v"],
-            x["g"],
-            x["beta"],
-            A_log=x["A_log"],
-            dt_bias=x["dt_bias"],
-            lower_bound=x["lower_bound"],
-            state_pool=pool,
-            state_indices=slots,
-            out=out,
-        )
+        cula_aot.kda_decode(*inputs, **gate, state_pool=pool, state_indices=slots, out=out)
 
     return call, f"decode N{requests} H{heads} T{tokens}"
 
