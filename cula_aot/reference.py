@@ -300,6 +300,15 @@ def prepare_tiles(
     }
 
 
+def _tiled(q, k, v, g, beta, cu_seqlens, **options):
+    """What the tile recurrences start from: :func:`prepare_tiles` of the inputs (``options``: its
+    keyword arguments), the sequence layout, and v as tiles ``[n_tiles, H, 16, V]``."""
+    B, T, H, _ = q.shape
+    tiles = prepare_tiles(q, k, g, beta, cu_seqlens=cu_seqlens, **options)
+    lay = _layout(B, T, cu_seqlens, q.device)
+    return tiles, lay, _to_tiles(v.to(torch.float64).reshape(B * T, H, v.shape[-1]), lay, 0.0)
+
+
 def _initial_state(initial_state, N, H, K, V, device):
     if initial_state is None:
         return torch.zeros(N, H, K, V, dtype=torch.float64, device=device)
@@ -339,24 +348,10 @@ def kda_chunked(
     """
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    tiles = prepare_tiles(
-        q,
-        k,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        recipe=recipe,
-        gate_kind=gate_kind,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-    )
-    lay = _layout(B, T, cu_seqlens, q.device)
+    gates = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate_kind=gate_kind)
+    conventions = dict(scale=scale, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    tiles, lay, vt = _tiled(q, k, v, g, beta, cu_seqlens, recipe=recipe, **gates, **conventions)
     N = len(lay.lengths)
-    vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)  # [n_tiles, H, 16, V]
 
     def bf16(x):
         return _round(x, torch.bfloat16) if recipe else x
@@ -451,24 +446,11 @@ def kda_pieces(
     writes its final state.  ``warmup``: the tiles each piece walked back, 0 for a carried one."""
     B, T, H, K = q.shape
     Vd = v.shape[-1]
-    tiles = prepare_tiles(
-        q,
-        k,
-        g,
-        beta,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        scale=scale,
-        cu_seqlens=cu_seqlens,
-        gate_kind=gate_kind,
-        beta_sigmoid=beta_sigmoid,
-        qk_l2norm=qk_l2norm,
-    )
+    gates = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate_kind=gate_kind)
+    conventions = dict(scale=scale, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    tiles, lay, vt = _tiled(q, k, v, g, beta, cu_seqlens, **gates, **conventions)
     bounds = tile_decay_bound(tiles)
-    lay = _layout(B, T, cu_seqlens, q.device)
     N = len(lay.lengths)
-    vt = _to_tiles(v.to(torch.float64).reshape(B * T, H, Vd), lay, 0.0)
     S0 = _initial_state(initial_state, N, H, K, Vd, q.device)
     final = S0.clone()
     o_tiles = torch.zeros_like(vt)
