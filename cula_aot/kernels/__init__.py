@@ -6,7 +6,7 @@ import os
 
 from ..specs import KernelSpec, Param
 from ..specs.decode_layer import layer_smem_bytes
-from . import cp_merge, decode, decode_chunk, decode_layer, fused_prefill, k1_prepare, k2_recurrence
+from . import cp_merge, decode, decode_chunk, decode_layer, fused_prefill, k1_prepare, k2_recurrence, tile_bound
 
 # kernel name → (kernel class, device kernel, dynamic shared memory bytes of a spec).  A kernel class
 # (docs/DESIGN.md, Kernels as classes) takes the codegen arguments in ``__init__`` and launches in
@@ -24,6 +24,7 @@ _KERNELS = {
         lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers),
     ),
     "cp_merge": (cp_merge.CpMerge, cp_merge.CpMerge.kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
+    "tile_bound": (tile_bound.TileBound, tile_bound.TileBound.kernel, lambda spec: tile_bound.SMEM_BYTES),
     "kda_decode": (
         decode.KdaDecode,
         decode.KdaDecode.kernel,

@@ -116,6 +116,8 @@ from .tile_chain import (
     report_item_status,
     checkpoint_run_end,
     checkpoint_schedule,
+    image_lane_offset,
+    image_trans_lane_offset,
     state_slots,
     N_TILES,
     STAGE_ALIGN,
@@ -214,18 +216,6 @@ def _issue_stage_loads(
             mbar_ptr=barrier,
             mcast_mask=cutlass.Int16((1 << cluster_ctas) - 1),
         )
-
-
-def _image_lane_offset(lane):
-    """Byte offset of this lane's ldmatrix row in a K_INTER image for k-step 0: matrix
-    m = lane // 8 is (token block m // 2, column block m % 2), row lane % 8 of it."""
-    return ((lane // 8) % 2) * (CHUNK * 16) + ((lane // 16) * 8 + lane % 8) * 16
-
-
-def _image_trans_lane_offset(lane):
-    """Byte offset of this lane's ``ldmatrix.trans`` row in a K_INTER image for n-tile pair 0:
-    matrix m = lane // 8 is (column block m // 2, token block m % 2)."""
-    return (lane // 16) * (CHUNK * 16) + (((lane // 8) % 2) * 8 + lane % 8) * 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -666,8 +656,8 @@ class K2Recurrence:
             stage_v_rows(staging, staging.slot(s), seq_start + cutlass.Int64(s * CHUNK), length - s * CHUNK)
             cute.arch.cp_async_commit_group()
 
-        image_lane = _image_lane_offset(lane)
-        image_trans_lane = _image_trans_lane_offset(lane)
+        image_lane = image_lane_offset(lane)
+        image_trans_lane = image_trans_lane_offset(lane)
         square_lane = square_lane_offset(lane)
         out_stride = cutlass.Int64(out_row_stride)
 

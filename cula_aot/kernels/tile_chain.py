@@ -60,6 +60,18 @@ def square_lane_offset(lane):
     return ((lane // 16) * 8 + lane % 8) * (CHUNK * 2) + ((lane // 8) % 2) * 16
 
 
+def image_lane_offset(lane):
+    """Byte offset of this lane's ldmatrix row in a K_INTER image for k-step 0: matrix
+    m = lane // 8 is (token block m // 2, column block m % 2), row lane % 8 of it."""
+    return ((lane // 8) % 2) * (CHUNK * 16) + ((lane // 16) * 8 + lane % 8) * 16
+
+
+def image_trans_lane_offset(lane):
+    """Byte offset of this lane's ``ldmatrix.trans`` row in a K_INTER image for n-tile pair 0:
+    matrix m = lane // 8 is (column block m // 2, token block m % 2)."""
+    return (lane // 16) * (CHUNK * 16) + (((lane // 8) % 2) * 8 + lane % 8) * 16
+
+
 def v_chunk(lane):
     """(token row, 8-column half) of the 16-byte piece of a warp's 16 × 16 v block that lane
     ``lane`` stages: the 32 lanes cover the block once."""

@@ -7,7 +7,7 @@ import torch
 
 from ..layout import INPUT_BLOCK_COLS, D, fixed_total_slots, varlen_total_slots
 from ..runtime.loader import default_loader
-from ..specs import K1Spec, k1_grid
+from ..specs import K1Spec, TileBoundSpec, k1_grid, tile_bound_grid
 from .call import PrefillCall
 from .checks import DEFAULT_SCALE
 from .workspace import ARENA
@@ -124,3 +124,23 @@ __all__ = [
     "sm_count",
     "workspace_values",
 ]
+
+
+def tile_bounds(workspaces: Workspaces, heads: int, device) -> torch.Tensor:
+    """log2 of a bound of each tile's state map, per head and tile slot, from the workspaces
+    ``prepare`` wrote on the current stream (``kernels/tile_bound.py``): fp32 ``[H, total_slots]``
+    (slots in varlen gaps hold garbage).  For tests and diagnostics of certified truncation."""
+    stream = torch.cuda.current_stream(device).cuda_stream
+    total_slots = workspaces.total_slots
+    bounds = torch.empty(heads, total_slots, dtype=torch.float32, device=device)
+    default_loader().get(device, TileBoundSpec()).launch(
+        {
+            "workspace": ARENA.pointers(device, heads * total_slots, stream)[0],
+            "bounds": bounds.data_ptr(),
+            "total_slots": total_slots,
+            "heads": heads,
+            **tile_bound_grid(total_slots),
+        },
+        stream,
+    )
+    return bounds

@@ -83,6 +83,13 @@ from .cp_merge import (  # noqa: F401
     merge_v_block,
     MergeSpec,
 )
+from .tile_bound import (  # noqa: F401
+    TILE_BOUND_MARGIN_LOG2,
+    TILE_BOUND_PARAMS,
+    TILE_BOUND_WARPS,
+    TileBoundSpec,
+    tile_bound_grid,
+)
 from .decode import (  # noqa: F401
     DECODE_MAX_TOKENS,
     DECODE_FLAG_ACCEPTED,
@@ -152,6 +159,7 @@ def default_specs() -> list[KernelSpec]:
     specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(segmented_k2_spec(vb, checkpointing=True) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(MergeSpec(v_block=vb) for vb in MERGE_V_BLOCKS)
+    specs.append(TileBoundSpec())
     specs.extend(decode_specs())
     specs.extend(decode_layer_specs())
     return specs

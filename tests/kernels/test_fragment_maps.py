@@ -46,7 +46,7 @@ def _token_key(r, c):
 def test_kd_qd_b_fragments_come_straight_from_the_k_inter_image():
     memory = _k_inter_memory(_token_key)
     for kt in range(D // 16):
-        addresses = [k2_recurrence._image_lane_offset(lane) + kt * 2 * CHUNK * 16 for lane in range(LANES)]
+        addresses = [tile_chain.image_lane_offset(lane) + kt * 2 * CHUNK * 16 for lane in range(LANES)]
         regs = _ldmatrix_x4(memory, addresses)
         for lane in range(LANES):
             g, t = lane // 4, lane % 4
@@ -62,7 +62,7 @@ def test_kd_qd_b_fragments_come_straight_from_the_k_inter_image():
 def test_kr_transposed_b_fragments_for_the_state_update():
     memory = _k_inter_memory(_token_key)
     for pair in range(D // 16):
-        addresses = [k2_recurrence._image_trans_lane_offset(lane) + pair * 2 * CHUNK * 16 for lane in range(LANES)]
+        addresses = [tile_chain.image_trans_lane_offset(lane) + pair * 2 * CHUNK * 16 for lane in range(LANES)]
         regs = _ldmatrix_x4(memory, addresses, transpose=True)
         for lane in range(LANES):
             g, t = lane // 4, lane % 4

@@ -14,12 +14,14 @@ from cula_aot.specs import (
     K1Spec,
     K2Spec,
     MergeSpec,
+    TileBoundSpec,
     abi_layout,
     default_specs,
 )
 
 SPEC_CLASSES = {
-    cls.kernel: cls for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, DecodeSpec, DecodeChunkSpec, DecodeLayerSpec)
+    cls.kernel: cls
+    for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, TileBoundSpec, DecodeSpec, DecodeChunkSpec, DecodeLayerSpec)
 }
 
 
