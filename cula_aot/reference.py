@@ -55,6 +55,7 @@ import torch
 from .gates import DEFAULT_GATE, bounded, log_decay
 
 from .layout import CHUNK
+from .specs import TRUNCATION_LOG2  # a piece's warm-up attenuates the state it drops by 2^-20
 
 __all__ = [
     "CHUNK",
@@ -374,9 +375,6 @@ def kda_chunked(
     o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
     o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
     return bf16(o).view(B, T, H, Vd), S
-
-
-TRUNCATION_LOG2 = -20.0  # a piece's warm-up must attenuate the state it drops by 2^-20
 
 
 def tile_transition(tiles) -> torch.Tensor:

@@ -100,8 +100,9 @@ from ..layout import (
 )
 from ..specs import K2_WARP_COLUMNS as WARP_COLUMNS
 from ..specs import k2_threads
-from .common import CHUNK, D, TRACE_HEADS, record_part, varlen_sequence
+from .common import CHUNK, D, TRACE_HEADS, grid_heads, record_part, varlen_sequence
 from .params import Checkpoints, PoolBounds, StateStrides, grouped
+from .tile_bound import certified_warmup
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 from .warp_mma import (
     accumulators_as_a,
@@ -251,6 +252,8 @@ class _ChainContext:
     wgmma: object
     workspace: object
     write_out: object
+    walk: object  # certified-truncation pieces: no output before ``first_out`` (the warm-up)
+    first_out: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,7 +447,10 @@ def _chain_tile(ctx, tile, stage, ahead_stage, phase, cursor=None):
         cute.arch.sync_warp()
         words = ld_shared_v4(o_slot + ctx.lane * 16)
         out_row, out_half = v_chunk(ctx.lane)
-        if out_row < rows_valid and ctx.write_out:
+        writes = ctx.write_out
+        if cutlass.const_expr(ctx.walk):
+            writes = ctx.write_out & (tile >= ctx.first_out)
+        if out_row < rows_valid and writes:
             if cutlass.const_expr(cursor is None):
                 at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(
                     ctx.head * D + ctx.warp_col0 + out_half * 8
@@ -491,6 +497,7 @@ class K2Recurrence:
         stages: int,
         multicast: bool,
         wgmma: bool,
+        walk: bool,
         checkpointing: bool,
     ):
         self.varlen = varlen
@@ -501,6 +508,7 @@ class K2Recurrence:
         self.multicast = multicast
         self.wgmma = wgmma
         self.checkpointing = checkpointing
+        self.walk = walk
 
     def __str__(self) -> str:
         return "kernel"  # the entry symbol's component for ``self`` (see the class docstring)
@@ -611,6 +619,23 @@ class K2Recurrence:
             # Launched as a programmatic dependent (``ops.prefill``): the start state of a CP segment
             # is the merge's output, so nothing of the predecessor's is read before its grid is done.
             cute.arch.griddepcontrol_wait()
+        first_out = cutlass.Int32(0)
+        if cutlass.const_expr(self.walk):
+            # A piece walks back over the tile bounds (they follow the H·total_slots records):
+            # certified w tiles back, it starts there from zero; else from its sequence's start and
+            # initial state.  The warm-up tiles write no output.
+            c0 = tokens_before // CHUNK
+            records = cutlass.Int64(grid_heads()) * cutlass.Int64(total_slots)
+            bounds = cute.recast_ptr(workspace + records * WORKSPACE_RECORD_BYTES, dtype=cutlass.Float32)
+            slot = cutlass.Int64(head) * cutlass.Int64(total_slots) + cutlass.Int64(first_slot)
+            walked = certified_warmup(bounds + slot, c0, lane)
+            if walked < c0:
+                read_init = cutlass.Int32(0)
+            seq_start = seq_start - cutlass.Int64(walked * CHUNK)
+            first_slot = first_slot - walked
+            length = length + walked * CHUNK
+            num_tiles = num_tiles + walked
+            first_out = walked
         state = cute.make_rmem_tensor(cute.make_layout(4 * N_TILES), cutlass.Float32)
         state.fill(0.0)
         if read_init != 0:
@@ -690,6 +715,8 @@ class K2Recurrence:
             wgmma=self.wgmma,
             workspace=workspace,
             write_out=write_out,
+            walk=self.walk,
+            first_out=first_out,
         )
         if cutlass.const_expr(self.checkpointing):
             # The tiles run up to each checkpoint (one run without any), the write between runs; a

@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from ..layout import PRESCAN_RECORD_BYTES, WORKSPACE_PART_OFFSETS, WORKSPACE_RECORD_BYTES
 from ..specs import TILE_BOUND_MARGIN_LOG2 as MARGIN_LOG2
 from ..specs import TILE_BOUND_WARPS as WARPS
+from ..specs import TRUNCATION_LOG2, WALK_TILES
 from .common import CHUNK, D, TRACE_HEADS, record_part
 from .tile_chain import image_lane_offset, image_trans_lane_offset, square_lane_offset, tile_u
 from .warp_mma import bf16_as_f32, cp_async_16, ldmatrix_x4, mma_bf16_m16n8k16, movmatrix_trans
@@ -117,6 +118,34 @@ def frobenius_log2(base, b_rows: cute.Tensor, gt: cute.Tensor, lane):
         diagonal = diagonal + cute.arch.shuffle_sync_bfly(diagonal, offset=1 << b)
     norm = cute.math.sqrt(diagonal) + cute.math.sqrt(cutlass.max(inner, cutlass.Float32(0.0)))
     return cute.math.log2(norm) + cutlass.Float32(MARGIN_LOG2)
+
+
+@cute.jit
+def certified_warmup(bounds: cute.Pointer, c0, lane):
+    """The tiles a piece starting at tile ``c0`` of its sequence walks back: the fewest whose
+    bounds (``bounds`` points at the piece's first tile's; those before it precede it) sum to
+    ≤ ``TRUNCATION_LOG2``, or ``c0`` (its sequence's start) when none within ``min(c0,
+    WALK_TILES)`` does.  One warp: a shuffle prefix sum per 32 tiles and a ballot for the first
+    that certifies (a NaN sum never does); every lane returns it."""
+    walked = cutlass.Int32(c0)
+    acc = cutlass.Float32(0.0)
+    found = cutlass.Boolean(False)
+    for round in cutlass.range_constexpr(WALK_TILES // 32):
+        back = round * 32 + lane + 1
+        value = cutlass.Float32(0.0)
+        if back <= c0:
+            value = cute.make_tensor(bounds - back, cute.make_layout(1))[0]
+        for b in cutlass.range_constexpr(5):
+            below = cute.arch.shuffle_sync_up(value, offset=1 << b)
+            if lane >= (1 << b):
+                value = value + below
+        hit = cute.arch.vote_ballot_sync((acc + value <= cutlass.Float32(TRUNCATION_LOG2)) & (back <= c0))
+        if hit != 0:
+            if not found:
+                walked = cutlass.Int32(round * 32 + 1) + cutlass.Int32(cute.arch.clz(cute.arch.brev(hit)))
+                found = cutlass.Boolean(True)
+        acc = acc + cute.arch.shuffle_sync(value, offset=31)
+    return walked
 
 
 class TileBound:

@@ -32,6 +32,7 @@ grid of others, against a benchmark run's forced splits.
 import dataclasses
 
 from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
+from ..specs import K2_CTAS_PER_SM
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
@@ -107,3 +108,14 @@ def auto_split(lengths, heads: int, sm_count: int, v_blocks: int) -> int:
         if c < best_cost:
             best, best_cost = s, c
     return best if best_cost * MIN_GAIN <= serial else 1
+
+
+# Certified-truncation pieces (``intracard_cp="truncated"``): enough per chain for about two waves of
+# segmented K2 CTAs (K2_CTAS_PER_SM per SM, ``v_blocks`` per piece and head).
+PIECE_WAVES = 2
+
+
+def pieces_split(num_seqs: int, heads: int, sm_count: int, v_blocks: int) -> int:
+    """Pieces per chain for ``intracard_cp="truncated"`` (at least 2; ``plan`` keeps each piece
+    at ≥ MIN_SEGMENT_TILES tiles)."""
+    return max(2, PIECE_WAVES * K2_CTAS_PER_SM * sm_count // (v_blocks * heads * max(num_seqs, 1)))

@@ -30,6 +30,10 @@ def resolve_split(intracard_cp, batch, seq_len, heads, cu_seqlens, host_cu, devi
         )
     if type(intracard_cp) is int:
         return intracard_cp
+    if intracard_cp == "truncated":
+        return cp_plan.pieces_split(
+            batch if host_cu is None else len(host_cu) - 1, heads, prepare.sm_count(device), D // K2_SEGMENTED_V_BLOCK
+        )
     lengths = [seq_len] * batch if host_cu is None else [b - a for a, b in zip(host_cu, host_cu[1:])]
     s_split = planned_split(lengths, heads, device)
     return max(s_split, 2) if intracard_cp is True else s_split
@@ -53,7 +57,9 @@ def _cached_split(lengths: tuple, heads: int, sms: int) -> int:
 class Path:
     """Which path a validated call takes (``choose_path``) and that path's options."""
 
-    kind: str  # "serial" (K1 then K2), "fused" (one kernel) or "cp" (K1, pre_scan, merge, segmented K2)
+    # "serial" (K1 then K2), "fused" (one kernel), "cp" (K1, pre_scan, merge, segmented K2) or
+    # "pieces" (K1, tile bounds, segmented K2 walking them: ``intracard_cp="truncated"``)
+    kind: str
     split: int | None  # the s_split a later call of this signature takes; None: planned from its host lengths
     # Serial paths: None when the fused choice is the signature's alone; else whether these host
     # lengths have equal tile counts, the one thing about them that ``auto_fused`` reads.
@@ -109,6 +115,10 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
         host_cu_seqlens(cu_seqlens, call.cu_seqlens_cpu, c.seq_len)
     if s_split > 1:
         segments = cp_plan.plan(cp_plan.sequences(c.batch, c.seq_len, c.host_cu), s_split)
+        if intracard_cp == "truncated":
+            if c.checkpoints.every:
+                fail("intracard_cp='truncated' writes no prefix checkpoints: pass intracard_cp='auto' or False")
+            return Path("pieces", None if varlen else s_split, s_split=s_split, segments=segments)
         if not all(len(s) == 1 for s in segments):
             return Path("cp", None if varlen else s_split, s_split=s_split, segments=segments, reached=reached)
         # Nothing long enough to split: the serial path is the same work, faster.

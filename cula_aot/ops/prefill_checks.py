@@ -209,8 +209,8 @@ def validate(call: PrefillCall) -> Checked:
 
     # Identity tests: 0 == False and 1 == True, but 0 is no s_split.
     cp = call.intracard_cp
-    if not (cp is True or cp is False or (isinstance(cp, str) and cp == "auto") or (type(cp) is int and cp >= 1)):
-        fail(f"intracard_cp must be 'auto', True, False or an int s_split >= 1, got {cp!r}")
+    if not (cp is True or cp is False or cp in ("auto", "truncated") or (type(cp) is int and cp >= 1)):
+        fail(f"intracard_cp must be 'auto', 'truncated', True, False or an int s_split >= 1, got {cp!r}")
 
     num_seqs = batch
     host_cu = None

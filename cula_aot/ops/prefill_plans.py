@@ -1,6 +1,7 @@
 """The prefill's launch plans, one per call signature: the serial path (K1 then K2, ``_SerialPlan``),
-the fused kernel (``_FusedPlan``) and the intracard-CP chain (K1, pre_scan, merge, segmented K2,
-``_CPPlan``), with what they launch: the kernels' launch templates and static values, the K2 /
+the fused kernel (``_FusedPlan``), the intracard-CP chain (K1, pre_scan, merge, segmented K2,
+``_CPPlan``) and the certified-truncation pieces (K1, tile bounds, segmented K2 walking them,
+``_PiecesPlan``), with what they launch: the kernels' launch templates and static values, the K2 /
 merge flag bits, the CP segment tables, and each call's checks, allocations and launches.
 """
 
@@ -23,6 +24,7 @@ from ..layout import (
     FLAG_VARLEN,
     FLAG_ZERO_V,
     SEGMENT_FIELDS,
+    WORKSPACE_RECORD_BYTES,
     D,
 )
 from ..runtime.loader import raw_stream as _raw_stream
@@ -30,12 +32,14 @@ from ..specs import (
     WORKSPACE_POINTERS,
     K1Spec,
     MergeSpec,
+    TileBoundSpec,
     fused_spec,
     k1_grid,
     merge_v_block,
     segmented_k2_spec,
     segmented_v_block,
     serial_k2_spec,
+    tile_bound_grid,
 )
 from .call import PrefillCall
 from .checks import check_scalars, fail, host_cu_seqlens
@@ -148,6 +152,8 @@ def make_plan(call: PrefillCall, c: Checked, path: Path, loader, device):
     k1 = loader.get(device, K1Spec(varlen=varlen, gate=call.inputs.gate.name))
     if path.kind == "cp":
         return _CPPlan(call, c, path, loader, k1, device)
+    if path.kind == "pieces":
+        return _PiecesPlan(call, c, path, loader, k1, device)
     k2 = loader.get(device, serial_k2_spec(varlen, path.v_block, checkpointing))
     return _SerialPlan(call, c, path, k1, k2, device)
 
@@ -470,4 +476,95 @@ class _CPPlan(_Plan):
         self.prescan.launch({**values, "final_state": pp, "status": 0, "segments": rows}, stream)
         self.merge.launch({**values, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
         self.recurrence.launch({**values, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
+        return out, final_state
+
+
+def _piece_rows(segments, init_flags: int, final_flags: int) -> list:
+    """One segmented-K2 row per piece: every piece may start from its sequence's initial state
+    (``init_flags``, read only where its walk does not certify), a sequence's last writes the
+    final state (``final_flags``)."""
+    rows = []
+    for seq_pieces in segments:
+        start = seq_pieces[0].first_token
+        for n, seg in enumerate(seq_pieces):
+            last = n + 1 == len(seq_pieces)
+            rows.append(_segment_row(seg, start, seg.seq, seg.seq, init_flags | (final_flags if last else 0)))
+    return rows
+
+
+class _PiecesPlan(_Plan):
+    """Certified-truncation pieces (``intracard_cp="truncated"``) for one call signature, one set of
+    lengths and one split: K1, the tile bounds (``kernels/tile_bound.py``, written after the H·total_slots
+    records in the stream's arena), then the walk variant of the segmented K2 over one row per
+    piece, which starts a piece from zero where the bounds before it certify and from its
+    sequence's start elsewhere (docs/DESIGN.md, Certified truncation).  Not yet run on a GPU."""
+
+    serial = False
+
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, loader, k1, device):
+        super().__init__(call, c, path, k1, device)
+        self.segments, self.s_split, self.host_cu = path.segments, path.s_split, c.host_cu
+        heads, total_slots = c.heads, self.geometry["total_slots"]
+        n_rows = sum(len(seq) for seq in self.segments)
+        walk_k2 = loader.get(
+            device, segmented_k2_spec(segmented_v_block(heads, n_rows, prepare.sm_count(device)), walk=True)
+        )
+        bound = loader.get(device, TileBoundSpec())
+        self.table_key = (
+            "pieces",
+            device.index,
+            c.batch,
+            c.seq_len,
+            None if c.host_cu is None else tuple(c.host_cu),
+            self.s_split,
+            self.init_flags,
+            self.final_flags,
+        )
+        self.cu_at = 16 * -(-4 * SEGMENT_FIELDS * n_rows // 16)
+        self.bound = bound.template({"total_slots": total_slots, "heads": heads, **tile_bound_grid(total_slots)})
+        stride_k, stride_v = (1, D) if self.state_layout == "vk" else (D, 1)
+        self.recurrence = walk_k2.template(
+            {
+                **self.geometry,
+                **_checkpoint_values(NO_CHECKPOINTS, self.state_layout),
+                "num_seqs": n_rows,
+                "v_row_stride": c.strides["v"],
+                "out_row_stride": c.strides.get("out", heads * D),
+                "init_slots": c.init_slots,
+                "init_slot_stride": c.init_slot_stride,
+                "init_stride_k": stride_k,
+                "init_stride_v": stride_v,
+                "final_slots": c.num_seqs if self.alloc_final else c.final_slots,
+                "final_slot_stride": heads * D * D if self.alloc_final else c.final_slot_stride,
+                "final_stride_k": stride_k,
+                "final_stride_v": stride_v,
+                "flags": self.status_flag,
+            },
+            dependent=DEPENDENT_LAUNCH,
+        )
+
+    def _table_values(self) -> list[int]:
+        values = [v for row in _piece_rows(self.segments, self.init_flags, self.final_flags) for v in row]
+        if self.host_cu is not None:
+            values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
+        return values
+
+    def run(self, call: PrefillCall, host_cu=None):
+        device = self.device
+        torch_stream = torch.cuda.current_stream(device)
+        stream = torch_stream.cuda_stream
+        # The arena holds the records, then one fp32 bound per record (before it is carved).
+        ARENA.buffer(device, self.slots * (WORKSPACE_RECORD_BYTES + 4), stream)
+        out, final_state, _cu32, values = self._begin(stream, call, host_cu)
+        table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
+        if table is None:
+            fail(
+                "intracard_cp='truncated' under CUDA-graph capture needs its piece plan built eagerly first: run "
+                "the same call (same lengths) once before capturing"
+            )
+        rows = table.data_ptr()
+        k1_values = values if self.host_cu is None else {**values, "cu_seqlens": rows + self.cu_at}
+        self.k1.launch(k1_values, stream)
+        self.bound.launch({**values, "bounds": values["workspace"] + self.slots * WORKSPACE_RECORD_BYTES}, stream)
+        self.recurrence.launch({**values, "segments": rows}, stream)
         return out, final_state

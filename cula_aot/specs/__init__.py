@@ -87,6 +87,8 @@ from .tile_bound import (  # noqa: F401
     TILE_BOUND_MARGIN_LOG2,
     TILE_BOUND_PARAMS,
     TILE_BOUND_WARPS,
+    TRUNCATION_LOG2,
+    WALK_TILES,
     TileBoundSpec,
     tile_bound_grid,
 )
@@ -158,6 +160,7 @@ def default_specs() -> list[KernelSpec]:
     # and varlen input.
     specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(segmented_k2_spec(vb, checkpointing=True) for vb in K2_SEGMENTED_V_BLOCKS)
+    specs.extend(segmented_k2_spec(vb, walk=True) for vb in K2_SEGMENTED_V_BLOCKS)
     specs.extend(MergeSpec(v_block=vb) for vb in MERGE_V_BLOCKS)
     specs.append(TileBoundSpec())
     specs.extend(decode_specs())

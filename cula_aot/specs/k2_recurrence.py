@@ -104,6 +104,10 @@ class K2Spec(KernelSpec):
     # Sᵀ·kdᵀ, Sᵀ·qdᵀ and the state update as warpgroup MMAs (``wgmma``, B read from the stage
     # once per warpgroup instead of once per warp): v_block 64, the one warpgroup of 4 warps.
     wgmma: bool = False
+    # Certified truncation (segmented rows: the pieces of ``intracard_cp="truncated"``): a row walks
+    # back over the tile bounds before its first tile and starts from a zero state where they prove
+    # the dropped state negligible, else from its sequence's start (docs/DESIGN.md).
+    walk: bool = False
     # Prefix-cache checkpoint writes (``kda_prefill(checkpoint_every=...)``) in the tile loop: a
     # twin of the serial and segmented recurrence variants, so calls without checkpoints run a
     # chain with no checkpoint code (in one, the loop's cold write cost 2–6%: PERFORMANCE.md).
@@ -111,6 +115,8 @@ class K2Spec(KernelSpec):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.walk and (not self.segmented or self.prescan or self.checkpointing):
+            raise ValueError("K2Spec: walk=True is a segmented recurrence variant without pre_scan or checkpoints")
         if self.checkpointing and self.prescan:
             raise ValueError("K2Spec: checkpointing=True has no pre_scan variant (its states are not the sequence's)")
         if self.wgmma and self.v_block != K2_WGMMA_V_BLOCK:
@@ -148,11 +154,11 @@ def serial_k2_spec(varlen: bool, v_block: int, checkpointing: bool = False) -> K
 
 
 def segmented_k2_spec(
-    v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False, checkpointing: bool = False
+    v_block: int = K2_SEGMENTED_V_BLOCK, prescan: bool = False, checkpointing: bool = False, walk: bool = False
 ) -> K2Spec:
     """The CP segmented K2: the segment recurrence, or (``prescan``) the pre_scan
-    jobs, which write states only."""
-    return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan, checkpointing=checkpointing)
+    jobs, which write states only, or (``walk``) the certified-truncation pieces."""
+    return K2Spec(varlen=True, v_block=v_block, segmented=True, prescan=prescan, checkpointing=checkpointing, walk=walk)
 
 
 def segmented_v_block(heads: int, rows: int, sm_count: int) -> int:

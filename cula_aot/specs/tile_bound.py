@@ -10,6 +10,11 @@ TILE_BOUND_WARPS = 4  # slots per CTA, a warp each
 # Added to every bound: covers the kernel's bf16 roundings of X and of the Grams' operands (≤ 0.01
 # bits in float64 studies; docs/DESIGN.md, Certified truncation).
 TILE_BOUND_MARGIN_LOG2 = 0.25
+# A piece's warm-up must attenuate the state it drops by 2^TRUNCATION_LOG2 (``reference.kda_pieces``).
+TRUNCATION_LOG2 = -20.0
+# The most tiles a piece's walk looks back for that certificate (two warp rounds); one that finds
+# none runs from its sequence's start.
+WALK_TILES = 64
 
 
 def tile_bound_grid(total_slots: int) -> dict:

@@ -30,9 +30,10 @@ def test_the_spec_list_names_no_head_count():
     # One K2 warp per 16 V columns: blocks are whole warps and tile the 128 columns.
     assert all(128 % b == 0 and b % K2_WARP_COLUMNS == 0 for b in K2_V_BLOCKS)
     segmented = [s for s in specs if isinstance(s, K2Spec) and s.segmented]
-    assert sorted((s.v_block, s.prescan, s.checkpointing) for s in segmented) == sorted(
-        [(b, p, False) for b in K2_SEGMENTED_V_BLOCKS for p in (False, True)]
-        + [(b, False, True) for b in K2_SEGMENTED_V_BLOCKS]
+    assert sorted((s.v_block, s.prescan, s.checkpointing, s.walk) for s in segmented) == sorted(
+        [(b, p, False, False) for b in K2_SEGMENTED_V_BLOCKS for p in (False, True)]
+        + [(b, False, True, False) for b in K2_SEGMENTED_V_BLOCKS]
+        + [(b, False, False, True) for b in K2_SEGMENTED_V_BLOCKS]
     )
     # Every chain the runtime launches has its checkpoint twin, and nothing else does.
     from cula_aot.specs import fused_spec, segmented_k2_spec, serial_k2_spec
@@ -67,14 +68,14 @@ def test_names_cover_every_codegen_argument():
             try:
                 other = dataclasses.replace(spec, **{field: changed})
             except ValueError:  # not a valid specialization (a pre_scan that is not segmented)
-                assert field in ("prescan", "segmented", "multicast", "v_block", "wgmma", "checkpointing")
+                assert field in ("prescan", "segmented", "multicast", "v_block", "wgmma", "checkpointing", "walk")
                 continue
             assert other.name != spec.name
     assert K1Spec(varlen=True).name == "k1_prepare_varlen1_gatesafe"
     assert K1Spec(varlen=False, gate="softplus").name == "k1_prepare_varlen0_gatesoftplus"
     assert (
         K2Spec(varlen=False, v_block=32).name
-        == "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0_checkpointing0"
+        == "k2_recurrence_varlen0_v_block32_segmented0_prescan0_stages3_multicast0_wgmma0_walk0_checkpointing0"
     )
     assert K2Spec(varlen=False, v_block=32).grid == (4, "heads", "num_seqs")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cula_aot
-from cula_aot import KDAInputError
+from cula_aot import KDAInputError, layout
 from cula_aot.layout import (
     FLAG_BETA_PROBABILITY,
     FLAG_BF16_FINAL,
@@ -744,4 +744,53 @@ def test_a_fixed_length_batch_shorter_than_the_period_runs_the_plain_kernel(reco
         kernel, values, _ = recorder.values(1)
         assert kernel.name.endswith(f"checkpointing{int(twin)}") and values["checkpoint_every"] == (
             every if twin else 0
+        )
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["varlen", "fixed"])
+def test_truncated_pieces_launch_k1_the_bounds_and_the_walking_k2(recorder, tables, fixed):
+    heads = 4
+    x = standard_inputs(1, 8192 if fixed else 4096, heads, seed=13)
+    out, final = torch.empty_like(x["v"]), torch.zeros(1 if fixed else 2, heads, 128, 128)
+    init = torch.zeros_like(final)
+    cu = None if fixed else cu_seqlens_of(_SPLIT)
+    lengths = {} if fixed else {"cu_seqlens": cu, "cu_seqlens_cpu": cu.clone()}
+    for _ in range(2):  # the second call reuses the plan and its table
+        _call(x, out=out, initial_state=init, final_state=final, intracard_cp="truncated", **lengths)
+    assert len(recorder.launches) == 6 and len(tables.entries) == 1
+    (k1, k1_values, _), (bound, bound_values, bound_grid), (k2, k2_values, k2_grid) = (
+        recorder.values(i) for i in range(3)
+    )
+    assert [recorder.launches[i][3] for i in range(3)] == [False, False, True]
+    assert k1.name.startswith("k1_prepare") and bound.name == "tile_bound" and "_walk1_" in k2.name
+    total_slots = prepare.plan_slots(1, 8192 if fixed else 4096, cu)
+    # The bounds follow the H·total_slots records in the arena, where the walking K2 finds them.
+    workspace = k1_values["workspace"]
+    assert bound_values["workspace"] == workspace == k2_values["workspace"]
+    assert bound_values["bounds"] == workspace + heads * total_slots * prefill_plans.WORKSPACE_RECORD_BYTES
+    assert bound_grid == (-(-total_slots // 4), heads, 1) and bound_values["total_slots"] == total_slots
+    split = cp_plan.pieces_split(1 if fixed else 2, heads, 132, 4)
+    host_cu = [0, 8192] if fixed else [0, *_SPLIT[:1], 4096]
+    pieces = cp_plan.plan(cp_plan.sequences(1, 8192 if fixed else 4096, None if fixed else host_cu), split)
+    rows = prefill_plans._piece_rows(pieces, FLAG_INITIAL_STATE, FLAG_FINAL_STATE)
+    table = next(iter(tables.entries.values()))
+    assert table.tolist()[: len(rows) * len(rows[0])] == [v for row in rows for v in row]
+    assert k2_values["segments"] == table.data_ptr() and k2_grid[1:] == (heads, len(rows))
+    assert k2_values["initial_state"] == init.data_ptr() and k2_values["final_state"] == final.data_ptr()
+    # Every piece may start from its sequence's initial state; only each sequence's last writes the final one.
+    assert all(row[layout.SEG_FLAGS] & FLAG_INITIAL_STATE for row in rows)
+    last = {len(seq) - 1 + sum(len(s) for s in pieces[:n]) for n, seq in enumerate(pieces)}
+    assert [i for i, row in enumerate(rows) if row[layout.SEG_FLAGS] & FLAG_FINAL_STATE] == sorted(last)
+
+
+def test_truncated_pieces_refuse_checkpoints(recorder, tables):
+    x = standard_inputs(1, 4096, 2, seed=14)
+    pool = torch.zeros(4, 2, 128, 128)
+    with pytest.raises(KDAInputError, match="truncated"):
+        _call(
+            x,
+            intracard_cp="truncated",
+            checkpoint_every=1024,
+            checkpoint_pool=pool,
+            checkpoint_indices=torch.zeros(1, 4, dtype=torch.int32),
         )

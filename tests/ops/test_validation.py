@@ -125,7 +125,10 @@ def test_valid_cpu_input_is_refused_only_for_its_device(inputs):
             "cu_seqlens_cpu has 2 entries",
         ),
         (lambda x: {"cu_seqlens_cpu": torch.tensor([0, 40])}, "cu_seqlens_cpu was given without cu_seqlens"),
-        (lambda x: {"intracard_cp": "yes"}, "intracard_cp must be 'auto', True, False or an int s_split >= 1"),
+        (
+            lambda x: {"intracard_cp": "yes"},
+            "intracard_cp must be 'auto', 'truncated', True, False or an int s_split >= 1",
+        ),
         (lambda x: {"intracard_cp": 0}, "intracard_cp must be"),
         (lambda x: {"intracard_cp": 2.0}, "intracard_cp must be"),
         (lambda x: {"status": torch.zeros(1, dtype=torch.int64)}, "status must be a one-element torch.int32 tensor"),

@@ -76,6 +76,7 @@ def test_manifest_record_lookup(manifest_path):
         "stages": 3,
         "multicast": False,
         "wgmma": False,
+        "walk": False,
         "checkpointing": False,
     }
 
