@@ -142,9 +142,10 @@ def draw_inputs(heads, lengths, regime, device, seed=0) -> dict:
 
 
 # -- the two implementations -------------------------------------------------------------------
-def ours_runner(x):
+def ours_runner(x, intracard_cp="auto"):
     """A no-argument call of ``cula_aot.kda_prefill`` on ``x`` returning ``(o [1, T, H, V], final
-    [N, H, V, K])``; fresh outputs per call, as a caller gets them."""
+    [N, H, V, K])``; fresh outputs per call, as a caller gets them.  ``intracard_cp``: "auto", or
+    "truncated" (``--truncated``: the certified-truncation pieces)."""
     import cula_aot
 
     single = len(x["lengths"]) == 1
@@ -165,7 +166,7 @@ def ours_runner(x):
             output_final_state=True,
             cu_seqlens=None if single else x["cu"],
             cu_seqlens_cpu=None if single else x["cu_cpu"],
-            intracard_cp="auto",
+            intracard_cp=intracard_cp,
         )
 
     return run
@@ -539,6 +540,9 @@ class Bench:
         o, s = ours_runner(x)()
         row["ours_o"], row["ours_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
         row["ours_ok"] = max(row["ours_o"], row["ours_state"]) <= CHECK_BOUND
+        if self.args.truncated:
+            o, s = ours_runner(x, "truncated")()
+            row["truncated_o"], row["truncated_state"] = reference.rel_rmse(o, ref_o), reference.rel_rmse(s, ref_s)
         if self.cudnn is None:
             return
         _, out, seconds, variant, reason = self.cudnn_call(x, f"check {x['regime']} H{row['H']} {row['lengths']}")
@@ -583,6 +587,16 @@ class Bench:
         if not self.args.no_eager:
             row["ours_eager_ms"] = self.time(ours)
         row["ours_graph_ms"] = self.time_graph(ours, f"ours {what}")
+        if self.args.truncated:
+            truncated = ours_runner(x, "truncated")
+            try:
+                o, s = truncated()
+                row["truncated_agree_o"], row["truncated_agree_state"] = rel_rmse(o, o_ours), rel_rmse(s, s_ours)
+                del o, s
+                row["ours_truncated_graph_ms"] = self.time_graph(truncated, f"ours truncated {what}")
+            except Exception as exc:  # noqa: BLE001 - a failing path is a result: recorded, the rest runs
+                torch.cuda.synchronize()
+                self.error(f"ours truncated {what} failed: {type(exc).__name__}: {str(exc)[:300]}")
         if self.cudnn is None:
             row["cudnn_error"] = self.cudnn_reason
             return
@@ -666,7 +680,8 @@ def _check_line(r):
 
 def _row_line(r):
     cells = [f"{r['row']} {r['regime']}:"]
-    for key in ("ours_graph_ms", "cudnn_graph_ms", "cudnn_fp32_graph_ms", "ours_eager_ms", "cudnn_eager_ms"):
+    keys = ("ours_graph_ms", "ours_truncated_graph_ms", "cudnn_graph_ms", "cudnn_fp32_graph_ms", "ours_eager_ms")
+    for key in (*keys, "cudnn_eager_ms"):
         cells.append(f"{key[:-3]}={_f(r.get(key))}")
     cells.append(f"cuDNN/ours graph={_x(ratio(_cudnn_graph(r), r.get('ours_graph_ms')))}")
     if r.get("cudnn_error"):
@@ -843,6 +858,7 @@ def parse_args(argv=None):
     p.add_argument("--markdown", default=None, help="markdown file (default: the JSON path with .md)")
     p.add_argument("--quick", action="store_true", help="5 warm-up / 20 timed instead of 25 / 100")
     p.add_argument("--no-eager", action="store_true", help="graph replay only")
+    p.add_argument("--truncated", action="store_true", help='also time intracard_cp="truncated" (pieces)')
     p.add_argument("--no-check", action="store_true", help="skip the float64 reference checks")
     p.add_argument("--dry-run", action="store_true", help="list what would run and exit")
     p.add_argument("--render", metavar="JSON", help="write the markdown of a results file and exit")
