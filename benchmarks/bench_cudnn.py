@@ -578,7 +578,7 @@ class Bench:
                 self.save()
 
     def measure(self, row, x):
-        from cula_aot.ops.prefill import planned_split
+        from cula_aot.ops.paths import planned_split
 
         what = f"{row['row']} {row['regime']}"
         ours = ours_runner(x)

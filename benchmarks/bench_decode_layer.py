@@ -21,12 +21,15 @@ Per row, CUDA-graph replays with the L2 evicted before each (``timing.ColdReplay
 * ``verify_graph_us`` (T > 1): the layer's speculative step: it commits the previous replay's
   draft (all T tokens accepted: the most commit work) and verifies T new draft tokens, writing
   their records instead of the pool's state;
-* ``fla_graph_us``: fla's decode of the same layer: T = 1 its serving path (three
-  ``causal_conv1d_update`` on per-request caches, ``fused_recurrent_kda`` in place on the pool
-  through ``ssm_state_indices``, ``FusedRMSNormGated``); T > 1 ``causal_conv1d`` from the caches as
-  initial states (each cache then written back) in place of the update.  fla's own convolution
-  caches are dense per request (no slot gather), which only favours it.  A failure is recorded in
-  ``fla_error`` and the row goes on;
+* ``fla_graph_us``: fla's decode of the same layer as vLLM calls it: three
+  ``causal_conv1d_update`` on per-request caches (T > 1: ``causal_conv1d`` from the caches as
+  initial states, each cache then written back), ``fused_recurrent_kda_fwd`` with the state read
+  from and written to the pool in place through ``ssm_state_indices`` (T = 1: ``[N]``, the pool's
+  slots; T > 1: vLLM's speculative contract, ``[N, T]`` slots of a pool of N·T states, one state
+  written per token, ``num_accepted_tokens`` 1), then ``FusedRMSNormGated``.  (fla's public
+  ``fused_recurrent_kda`` drops ``ssm_state_indices`` and ``inplace_final_state``: it reads the
+  first N states and writes none.)  fla's convolution caches are dense per request (no slot
+  gather), which only favours it.  A failure is recorded in ``fla_error`` and the row goes on;
 * ``ours_eager_host_us`` / ``ours_bound_host_us``: the median host time of one eager call in a
   burst with no synchronisation inside (what an engine that runs the layer outside its graph
   pays), plain and through a ``DecodeLayerStep``;
@@ -155,12 +158,15 @@ def step_call(x):
 
 
 def fla_call(x):
-    """fla's decode of the same layer (the module docstring): its conv update for T = 1, its
-    causal convolution from the caches for T > 1."""
+    """fla's decode of the same layer (the module docstring)."""
+    import importlib
+    import inspect
+
     from fla.modules import FusedRMSNormGated
     from fla.modules.causal_conv1d.ops import causal_conv1d, causal_conv1d_update
-    from fla.ops.kda import fused_recurrent_kda
 
+    # fla's own Triton entry, past any backend dispatch wrapped around it.
+    recurrent = inspect.unwrap(importlib.import_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd)
     n, tokens, heads, _ = x["q"].shape
     c = heads * D
     # fla keeps [N, C, W] caches per request; dense here (no gather by slot).
@@ -168,7 +174,16 @@ def fla_call(x):
     weights = x["conv_weight"].split(c)
     norm = FusedRMSNormGated(D, activation="sigmoid", eps=1e-5).to("cuda", torch.bfloat16)
     a_log, dt_bias = x["A_log"], x["dt_bias"].flatten()
-    slots = x["slots"].long()
+    if tokens == 1:
+        pool, state_args = x["pool"], dict(ssm_state_indices=x["slots"])
+    else:
+        # vLLM's speculative contract: a state slot per draft token, the first read back.
+        pool = torch.zeros(n * tokens, *x["pool"].shape[1:], device="cuda", dtype=x["pool"].dtype)
+        state_args = dict(
+            ssm_state_indices=torch.arange(n * tokens, device="cuda", dtype=torch.int32).view(n, tokens),
+            num_accepted_tokens=torch.ones(n, device="cuda", dtype=torch.int32),
+            cu_seqlens=torch.arange(n + 1, device="cuda") * tokens,
+        )
 
     def convolve(t, cache, weight):
         if tokens == 1:
@@ -179,27 +194,30 @@ def fla_call(x):
         cache.copy_(final)
         return y
 
+    def flat(t):
+        return t if tokens == 1 else t.reshape(1, n * tokens, *t.shape[2:])
+
     def run():
         convolved = [
-            convolve(t, cache, w).unflatten(-1, (heads, D))
+            flat(convolve(t, cache, w).unflatten(-1, (heads, D)))
             for t, cache, w in zip((x["q"], x["k"], x["v"]), caches, weights)
         ]
-        o, _ = fused_recurrent_kda(
+        o, _ = recurrent(
             *convolved,
-            x["g"],
-            x["beta"],
+            flat(x["g"]),
+            flat(x["beta"]),
             A_log=a_log,
             dt_bias=dt_bias,
-            initial_state=x["pool"],
+            initial_state=pool,
             inplace_final_state=True,
-            ssm_state_indices=slots,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
             lower_bound=LOWER_BOUND,
             state_v_first=True,
+            **state_args,
         )
-        return norm(o, x["z"])
+        return norm(o.view(n, tokens, heads, D), x["z"])
 
     return run
 
