@@ -497,7 +497,7 @@ class _PiecesPlan(_Plan):
     lengths and one split: K1, the tile bounds (``kernels/tile_bound.py``, written after the H·total_slots
     records in the stream's arena), then the walk variant of the segmented K2 over one row per
     piece, which starts a piece from zero where the bounds before it certify and from its
-    sequence's start elsewhere (docs/DESIGN.md, Certified truncation).  Not yet run on a GPU."""
+    sequence's start elsewhere (docs/DESIGN.md, Certified truncation)."""
 
     serial = False
 
