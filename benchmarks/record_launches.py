@@ -132,13 +132,18 @@ from cula_aot.ops import workspace  # noqa: E402
 
 
 class Arena:
+    def buffer(self, device, nbytes, stream):
+        t = TENSORS.get("workspace")
+        if t is None or t.numel() < nbytes:
+            t = torch.zeros(nbytes, dtype=torch.uint8)
+            TENSORS["workspace"] = t
+        return t
+
     def carve(self, device, slots, stream):
         return {}
 
     def pointers(self, device, slots, stream):
-        t = torch.zeros(max(slots, 1) * 64, dtype=torch.uint8)
-        TENSORS["workspace"] = t
-        return (t.data_ptr(),)
+        return (self.buffer(device, max(slots, 1) * 64, stream).data_ptr(),)
 
 
 workspace.ARENA = Arena()
@@ -213,7 +218,7 @@ def prefill_case(
         kw.update(beta_sigmoid=False, qk_l2norm=False)
     if not fwd:
         kw["state_layout"] = layout
-        kw["intracard_cp"] = 2 if cp else False
+        kw["intracard_cp"] = (2 if cp is True else cp) if cp else False  # cp: True (s = 2) or "truncated"
         return lambda: cula_aot.kda_prefill(q, k, v, g, beta, **kw)
     names = ("scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state", "final_state", "cu_seqlens")
     positional = [kw.pop(name, None) for name in names]
@@ -306,6 +311,7 @@ def run_cases():
     case("checkpoints fixed fused", prefill_case(2, 1024, 64, ckpt=True))
     case("cp varlen", prefill_case(1, 4096, 4, lengths=[1024, 3072], cp=True))
     case("cp fixed ckpt", prefill_case(1, 4096, 4, cp=True, ckpt=True))
+    case("pieces varlen pool", prefill_case(1, 2048, 4, lengths=[1500, 548], pool_dtype=torch.float32, cp="truncated"))
     case("fwd pool", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.float32, fwd=True))
     case("k1 alone softplus", k1_case([40, 60], "softplus", False))
     case("k1 alone safe conventions", k1_case([100], "safe", True))

@@ -455,18 +455,7 @@ class _CPPlan(_Plan):
         torch_stream = torch.cuda.current_stream(device)  # read once: every launch goes here
         stream = torch_stream.cuda_stream
         out, final_state, _cu32, values = self._begin(stream, call, host_cu)
-        # The tables before any launch, so nothing on the GPU waits for Python between them.
-        # Looked up on every call, not held: the lookup records this call's stream and marks a
-        # table a capture uses, which is then never evicted.
-        table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
-        if table is None:
-            fail(
-                "intracard CP under CUDA-graph capture needs its segment plan built eagerly first: run the same "
-                "call (same lengths) once before capturing, or pass intracard_cp=False"
-            )
-        rows = table.data_ptr()
-        # K1 places the records by the lengths the table was planned from.
-        k1_values = values if self.host_cu is None else {**values, "cu_seqlens": rows + self.cu_at}
+        rows, k1_values = _tabled(self, values, torch_stream, "intracard CP", ", or pass intracard_cp=False")
         # Transition pairs (M_i, B_i) and merged start states.
         prescan = torch.empty(2 * self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
         carries = torch.empty(self.n_segments, c.heads, D, D, dtype=torch.float32, device=device)
@@ -477,6 +466,21 @@ class _CPPlan(_Plan):
         self.merge.launch({**values, "prescan": pp, "carries": cp, "seq_segments": rows + self.bounds_at}, stream)
         self.recurrence.launch({**values, "initial_state": cp, "segments": rows + self.main_rows_at}, stream)
         return out, final_state
+
+
+def _tabled(plan, values: dict, torch_stream, what: str, alternative: str = "") -> tuple:
+    """A CP or pieces plan's device table (the address of its rows) and K1's launch values, which
+    place the records by the lengths the table was planned from.  Looked up before any launch, so
+    nothing on the GPU waits for Python between them, and on every call, not held: the lookup
+    records this call's stream and marks a table a capture uses, which is then never evicted."""
+    table = SEGMENT_TABLES.get(plan.table_key, plan._table_values, plan.device, torch_stream)
+    if table is None:
+        fail(
+            f"{what} under CUDA-graph capture needs its segment plan built eagerly first: run the same call "
+            f"(same lengths) once before capturing{alternative}"
+        )
+    rows = table.data_ptr()
+    return rows, values if plan.host_cu is None else {**values, "cu_seqlens": rows + plan.cu_at}
 
 
 def _piece_rows(segments, init_flags: int, final_flags: int) -> list:
@@ -556,14 +560,7 @@ class _PiecesPlan(_Plan):
         # The arena holds the records, then one fp32 bound per record (before it is carved).
         ARENA.buffer(device, self.slots * (WORKSPACE_RECORD_BYTES + 4), stream)
         out, final_state, _cu32, values = self._begin(stream, call, host_cu)
-        table = SEGMENT_TABLES.get(self.table_key, self._table_values, device, torch_stream)
-        if table is None:
-            fail(
-                "intracard_cp='truncated' under CUDA-graph capture needs its piece plan built eagerly first: run "
-                "the same call (same lengths) once before capturing"
-            )
-        rows = table.data_ptr()
-        k1_values = values if self.host_cu is None else {**values, "cu_seqlens": rows + self.cu_at}
+        rows, k1_values = _tabled(self, values, torch_stream, "intracard_cp='truncated'")
         self.k1.launch(k1_values, stream)
         self.bound.launch({**values, "bounds": values["workspace"] + self.slots * WORKSPACE_RECORD_BYTES}, stream)
         self.recurrence.launch({**values, "segments": rows}, stream)
