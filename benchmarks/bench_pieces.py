@@ -60,7 +60,7 @@ def measure(name, regime, waves, cudnn_plan) -> dict:
     try:
         for w in waves:
             cp_plan.PIECE_WAVES = w
-            PLANS._plans.clear()  # a cached plan keeps the split it was built with
+            PLANS.clear()  # a cached plan keeps the split it was built with
             run = bench_cudnn.ours_runner(x, "truncated")
             run()
             row["pieces"].append(
@@ -73,7 +73,7 @@ def measure(name, regime, waves, cudnn_plan) -> dict:
             )
     finally:
         cp_plan.PIECE_WAVES = default_waves
-        PLANS._plans.clear()
+        PLANS.clear()
     if cudnn_plan is not None:
         row["cudnn_fp32_graph_ms"] = graph_ms(bench_cudnn.cudnn_runner(x, cudnn_plan, fp32_gate=True))
     return row

@@ -59,6 +59,11 @@ class PlanCache:
     def plans(self) -> list:
         return list(self._plans.values())
 
+    def clear(self) -> None:
+        """Forget every plan: the next call of each signature plans again (a benchmark that
+        changes a planning constant between calls)."""
+        self._plans.clear()
+
     @staticmethod
     def key(call: PrefillCall):
         """The signature key of ``call``, or None when an argument is not a tensor (validation
