@@ -1,12 +1,13 @@
 """Helpers shared by the tests: the input generators of ``cula_aot.testing`` (CONTRACT §8
-distributions) under the names the tests import, and the kernels' tile slots."""
+distributions) under the names the tests import, the kernels' tile slots, and a checked prefill."""
 
 import torch
 
+import cula_aot
 from cula_aot.layout import CHUNK, varlen_slot_base
 from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
-__all__ = ["bits", "cu_seqlens_of", "fresh_seed", "in_layout", "standard_inputs", "tile_slots"]
+__all__ = ["bits", "cu_seqlens_of", "fresh_seed", "in_layout", "prefill_kv", "standard_inputs", "tile_slots"]
 
 
 def in_layout(state_kv, layout):
@@ -31,3 +32,33 @@ def tile_slots(lengths_or_batch, seq_len=None):
     for s, n in enumerate(lengths_or_batch):
         slots.extend(varlen_slot_base(cu, s) + t for t in range(-(-n // CHUNK)))
     return slots
+
+
+def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk"):
+    """``kda_prefill`` of ``standard_inputs`` from initial states ``s0`` ([N, H, K, V], or None)
+    in ``layout``, outputs and final states poisoned with NaN first; (o, final state [N, H, K, V]),
+    each checked finite (every element written)."""
+    init = None if s0 is None else in_layout(s0, layout).contiguous()
+    out = torch.full_like(inputs["v"], float("nan"))
+    n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
+    final = torch.full((n, inputs["q"].shape[2], 128, 128), float("nan"), device="cuda")
+    o, fs = cula_aot.kda_prefill(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"],
+        lower_bound=inputs["lower_bound"],
+        initial_state=init,
+        cu_seqlens=cu,
+        cu_seqlens_cpu=None if cu is None else cu.cpu(),
+        state_layout=layout,
+        out=out,
+        final_state=final,
+        intracard_cp=intracard_cp,
+    )
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(fs).all(), f"intracard_cp={intracard_cp!r}: unwritten output"
+    return o, in_layout(fs, layout)

@@ -9,7 +9,7 @@ import torch
 
 import cula_aot
 from cula_aot import reference
-from tests.helpers import cu_seqlens_of, fresh_seed, standard_inputs
+from tests.helpers import cu_seqlens_of, fresh_seed, prefill_kv, standard_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,33 +19,6 @@ BOUND = 1e-2
 def _states(n, heads):
     gen = torch.Generator(device="cpu").manual_seed(fresh_seed())
     return (0.1 * torch.randn(n, heads, 128, 128, generator=gen)).cuda()
-
-
-def _run(inputs, s0, cu, split, layout="vk"):
-    init = None if s0 is None else (s0.transpose(-1, -2).contiguous() if layout == "vk" else s0)
-    out = torch.full_like(inputs["v"], float("nan"))
-    n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
-    final = torch.full((n, inputs["q"].shape[2], 128, 128), float("nan"), device="cuda")
-    o, fs = cula_aot.kda_prefill(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        A_log=inputs["A_log"],
-        dt_bias=inputs["dt_bias"],
-        lower_bound=inputs["lower_bound"],
-        initial_state=init,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=None if cu is None else cu.cpu(),
-        state_layout=layout,
-        out=out,
-        final_state=final,
-        intracard_cp=split,
-    )
-    torch.cuda.synchronize()
-    assert torch.isfinite(o).all() and torch.isfinite(fs).all(), f"split={split}: unwritten or non-finite output"
-    return o, (fs.transpose(-1, -2) if layout == "vk" else fs)
 
 
 CASES = [  # the merge runs 16-column blocks on the first (5 sequences × 4 heads), 8 on the others
@@ -69,8 +42,8 @@ def test_cp_matches_serial_and_float64(case, split):
         cu, n = None, shape[0]
     s0 = _states(n, heads)
     layout = ("vk", "kv")[(case + split) % 2]
-    o_cp, s_cp = _run(inputs, s0, cu, split, layout)
-    o_serial, s_serial = _run(inputs, s0, cu, False, layout)
+    o_cp, s_cp = prefill_kv(inputs, s0, cu, split, layout)
+    o_serial, s_serial = prefill_kv(inputs, s0, cu, False, layout)
     ref_o, ref_s = reference.kda_chunked(
         inputs["q"],
         inputs["k"],
@@ -101,8 +74,8 @@ def test_cp_is_deterministic_and_handles_no_initial_state():
     lengths = [5000, 3000]
     inputs = standard_inputs(1, sum(lengths), 4, device="cuda", slow_decay=True)
     cu = cu_seqlens_of(lengths, "cuda")
-    a = _run(inputs, None, cu, 8)
-    b = _run(inputs, None, cu, 8)
+    a = prefill_kv(inputs, None, cu, 8)
+    b = prefill_kv(inputs, None, cu, 8)
     assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16))
     assert torch.equal(a[1].view(torch.int32), b[1].view(torch.int32))
     ref_o, _ = reference.kda_chunked(
@@ -122,8 +95,8 @@ def test_cp_is_deterministic_and_handles_no_initial_state():
 def test_auto_mode_runs_cp_for_few_heads():
     inputs = standard_inputs(1, 8192, 4, device="cuda", slow_decay=True)
     cu = cu_seqlens_of([8192], "cuda")
-    o_auto, _ = _run(inputs, _states(1, 4), cu, "auto")
-    o_true, _ = _run(inputs, _states(1, 4), cu, True)
+    o_auto, _ = prefill_kv(inputs, _states(1, 4), cu, "auto")
+    o_true, _ = prefill_kv(inputs, _states(1, 4), cu, True)
     assert torch.isfinite(o_auto).all() and torch.isfinite(o_true).all()
 
 
@@ -183,7 +156,7 @@ def test_cp_graph_replay_with_new_values(plan_seen_before_capture):
     final.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    o_eager, s_eager = _run(fresh, s0.transpose(-1, -2), cu, 4)
+    o_eager, s_eager = prefill_kv(fresh, s0.transpose(-1, -2), cu, 4)
     assert torch.equal(out, o_eager) and torch.equal(final.transpose(-1, -2), s_eager)
     ref_o, _ = reference.kda_chunked(
         fresh["q"],

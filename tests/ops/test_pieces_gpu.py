@@ -7,41 +7,13 @@ be exact."""
 import pytest
 import torch
 
-import cula_aot
 from cula_aot import reference
-from tests.helpers import cu_seqlens_of, fresh_seed, standard_inputs
+from tests.helpers import cu_seqlens_of, fresh_seed, prefill_kv, standard_inputs
 
 pytestmark = pytest.mark.gpu
 
 BOUND = 1e-2  # CONTRACT §8
 LONG_MEMORY = -12.0
-
-
-def _run(x, s0, cu, intracard_cp, layout):
-    init = s0.transpose(-1, -2).contiguous() if layout == "vk" else s0
-    n, heads = s0.shape[:2]
-    out = torch.full_like(x["v"], float("nan"))
-    final = torch.full((n, heads, 128, 128), float("nan"), device="cuda")
-    o, fs = cula_aot.kda_prefill(
-        x["q"],
-        x["k"],
-        x["v"],
-        x["g"],
-        x["beta"],
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        lower_bound=x["lower_bound"],
-        initial_state=init,
-        cu_seqlens=cu,
-        cu_seqlens_cpu=None if cu is None else cu.cpu(),
-        state_layout=layout,
-        out=out,
-        final_state=final,
-        intracard_cp=intracard_cp,
-    )
-    torch.cuda.synchronize()
-    assert torch.isfinite(o).all() and torch.isfinite(fs).all(), "unwritten or non-finite output"
-    return o, (fs.transpose(-1, -2) if layout == "vk" else fs)
 
 
 CASES = [("varlen", [4096, 1, 63, 1100, 129], 4), ("fixed", (2, 4100), 3), ("varlen", [16384], 2)]
@@ -62,8 +34,8 @@ def test_pieces_match_float64_and_the_serial_path(case, regime):
     gen = torch.Generator(device="cpu").manual_seed(fresh_seed())
     s0 = (0.1 * torch.randn(n, heads, 128, 128, generator=gen)).cuda()
     layout = ("vk", "kv")[case % 2]
-    o, s = _run(x, s0, cu, "truncated", layout)
-    o_serial, s_serial = _run(x, s0, cu, False, layout)
+    o, s = prefill_kv(x, s0, cu, "truncated", layout)
+    o_serial, s_serial = prefill_kv(x, s0, cu, False, layout)
     ref_o, ref_s = reference.kda_chunked(
         *(x[name] for name in ("q", "k", "v", "g", "beta")),
         A_log=x["A_log"],
