@@ -5,7 +5,7 @@ import torch
 from .errors import fail
 from .gates import DEFAULT_GATE
 from .ops import decode, decode_layer, prefill
-from .ops.call import DecodeCall, DecodeLayerCall, Inputs, PrefillCall
+from .ops.call import DecodeCall, Inputs, PrefillCall
 from .runtime.loader import default_loader
 
 
@@ -295,11 +295,29 @@ def kda_decode_layer(
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""
-    inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
     conv = (conv_weight, conv_bias, conv_state, conv_layout)
     norm = (out_gate, norm_weight, norm_eps)
     speculation = (drafts, num_accepted, verify)
-    call = DecodeLayerCall.bind(
-        inputs, state_pool, state_indices, out, num_tokens, state_layout, status, conv, norm, speculation
+    return decode_layer.launch(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        gate,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        beta_sigmoid,
+        qk_l2norm,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        status,
+        conv,
+        norm,
+        speculation,
     )
-    return decode_layer.run(call)

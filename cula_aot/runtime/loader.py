@@ -238,6 +238,14 @@ class LaunchTemplate:
 
     def launch_values(self, dynamic, stream: int) -> None:
         """Launch with the per-call values in ``per_call`` order (a descriptor's by its base address)."""
+        packed = self.pack(dynamic)
+        if not self._empty:  # as ``launch_buffer``, a call frame less on decode's path
+            self.kernel.launch_packed(packed, self.grid, stream, self.smem_bytes, self.dependent)
+
+    def pack(self, dynamic) -> bytes:
+        """The parameter buffer of the per-call values in ``per_call`` order (a descriptor's by its
+        base address) over the static ones: a caller whose values repeat keeps it for
+        ``launch_buffer``."""
         descriptors = self._descriptors
         if descriptors:
             dynamic = list(dynamic)
@@ -251,10 +259,12 @@ class LaunchTemplate:
                         f"{self.kernel.name}: pointer '{name}' is not {align}-byte aligned; "
                         "pass tensors whose storage starts on a 16-byte boundary"
                     )
-        if self._empty:
-            return
-        packed = (bits | self._static_bits).to_bytes(self._size, "little")
-        self.kernel.launch_packed(packed, self.grid, stream, self.smem_bytes, self.dependent)
+        return (bits | self._static_bits).to_bytes(self._size, "little")
+
+    def launch_buffer(self, packed: bytes, stream: int) -> None:
+        """Launch with a buffer ``pack`` made."""
+        if not self._empty:
+            self.kernel.launch_packed(packed, self.grid, stream, self.smem_bytes, self.dependent)
 
 
 class KernelLoader:

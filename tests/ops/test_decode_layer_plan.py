@@ -8,7 +8,6 @@ import torch
 import cula_aot
 from cula_aot import KDAInputError
 from cula_aot.ops import checks, decode_layer
-from cula_aot.ops.plan_cache import SignaturePlans
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
 from tests.decode_helpers import fused_inputs
@@ -36,7 +35,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(decode_layer, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
     monkeypatch.setattr(decode_layer, "raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode_layer, "_PLANS", SignaturePlans(decode_layer._LayerPlan))
+    monkeypatch.setattr(decode_layer, "_PLANS", decode_layer._LayerPlans())
     return recorded
 
 
@@ -117,3 +116,26 @@ def test_a_cached_plan_still_checks_each_calls_addresses(launches):
     with pytest.raises(KDAInputError, match=r"out must not alias conv_state_q"):
         _step_call(step, per_call, out=aliased)
     assert len(launches) == 1
+
+
+def test_a_repeated_layer_call_launches_its_checked_parameters(launches):
+    """``kda_decode_layer`` keeps what a call's check gave by its arguments: the repeat launches the
+    same parameters; a changed address or option is checked again before any launch; a call whose
+    binding makes tensors (g converted to bf16) launches without being kept."""
+    fixed, per_call = _fixed(), _per_call(1)
+    out = torch.empty(N, T, H, D, dtype=torch.bfloat16)
+    _layer_call(fixed, per_call, verify=True, out=out)
+    _layer_call(fixed, per_call, verify=True, out=out)
+    assert len(launches) == 2 and launches[0] == launches[1]
+    assert len(decode_layer._PLANS.launches) == 1
+    aliased = fixed["conv_state"].view(-1)[: out.numel()].view(out.shape)
+    with pytest.raises(KDAInputError, match=r"out must not alias conv_state_q"):
+        _layer_call(fixed, per_call, verify=True, out=aliased)
+    with pytest.raises(KDAInputError, match=r"beta_sigmoid must be True or False, got 1"):
+        _layer_call(fixed, per_call, verify=True, out=out, beta_sigmoid=1)
+    assert len(launches) == 2
+    _layer_call(fixed, {**per_call, "g": per_call["g"].float()}, verify=True, out=out)
+    assert len(launches) == 3 and len(decode_layer._PLANS.launches) == 1
+    _layer_call(fixed, per_call, verify=True)  # out allocated: the kept values with its address
+    assert len(launches) == 4 and launches[3]["out"] != launches[0]["out"]
+    assert {**launches[3], "out": 0} == {**launches[0], "out": 0}
