@@ -87,10 +87,12 @@ def kda_prefill(
     (serial), True (CP with the planner's split, at least 2) or an int ``s_split`` (cut each
     sequence into at most that many tile-aligned segments); CP plans on the host, so varlen CP
     needs ``cu_seqlens_cpu`` (or ``check_seqlens="host"``), whose values are then always checked.
-    "truncated": pieces that start from a zero state where the gates prove the dropped state
-    attenuated below 2^-20, from their sequence's start elsewhere (docs/DESIGN.md, Certified
-    truncation): faster than "auto" on few-head prompts whose heads forget within a few tiles,
-    several times slower where a head keeps a long memory; host lengths as for CP, no checkpoints.
+    "truncated": each sequence cut into pieces that fill the machine, run by the fused kernel; a
+    piece starts two tiles early from a zero state and goes on from there where the gates prove
+    the dropped state attenuated below 2^-20, else from the exact end state of the piece before
+    it (docs/DESIGN.md, Certified truncation): for few-head prompts whose heads forget within a
+    few tiles; where a head keeps a long memory the pieces run one after another.  Host lengths
+    as for CP, no checkpoints.
 
     ``status``: an optional one-element int32 tensor on the device, owned (and zeroed) by the
     caller: the kernels OR ``cula_aot.STATUS_CU_SEQLENS_MALFORMED`` (an entry outside [0, T], a

@@ -66,6 +66,10 @@ STATUS_DRAFT_OUT_OF_RANGE = 8
     range(8)
 )
 SEGMENT_FIELDS = 8  # 32 bytes
+# The fused pieces kernel's rows are segment rows, but it has no K1 workspace: its tile-slot field
+# holds the row of the piece before it in its sequence (-1 for a sequence's first), whose
+# published end state it takes when its own warm-up does not certify.
+SEG_PREDECESSOR = SEG_FIRST_SLOT
 
 # The per-slot workspaces: element dtype and bytes per (tile, head) slot.
 WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "b": "f32"}

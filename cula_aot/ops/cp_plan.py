@@ -30,9 +30,10 @@ grid of others, against a benchmark run's forced splits.
 """
 
 import dataclasses
+import heapq
 
 from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
-from ..specs import K2_CTAS_PER_SM
+from ..specs import K2_CTAS_PER_SM, PIECE_WARMUP_TILES
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
@@ -119,3 +120,75 @@ def pieces_split(num_seqs: int, heads: int, sm_count: int, v_blocks: int) -> int
     """Pieces per chain for ``intracard_cp="truncated"`` (at least 2; ``plan`` keeps each piece
     at ≥ MIN_SEGMENT_TILES tiles)."""
     return max(2, PIECE_WAVES * K2_CTAS_PER_SM * sm_count // (v_blocks * heads * max(num_seqs, 1)))
+
+
+# The fused pieces (``intracard_cp="truncated"`` on the fused kernel): every sequence cut into
+# equal pieces of about ``fused_piece_tiles`` tiles, each (piece, head) one CTA of the fused
+# kernel.  The piece length is the one whose items, dealt in launch order onto one CTA per SM,
+# finish first at the fused kernel's rates: a tile per FUSED_TILE_US and FUSED_ITEM_US per item
+# (PERFORMANCE.md, K1 alone and the fused kernel's timeline).  Candidates: the whole sequence,
+# and the lengths that make 1 .. FUSED_PIECE_WAVES waves of items.
+FUSED_TILE_US = 1.45
+FUSED_ITEM_US = 9.0
+FUSED_PIECE_MIN_TILES = 8
+FUSED_PIECE_WAVES = 8
+
+
+def piece_counts(tiles: list[int], piece: int) -> list[int]:
+    """Pieces per sequence (tile counts ``tiles``) for pieces of at most ``piece`` tiles."""
+    return [max(1, -(-t // piece)) for t in tiles]
+
+
+def piece_items(lengths, heads: int, piece: int, warmup: int = PIECE_WARMUP_TILES) -> list[int]:
+    """The tiles each (piece, head) item runs, warm-up included, in the fused pieces' launch order
+    (``fused_pieces``: piece index first, then sequence)."""
+    tiles = [-(-n // CHUNK) for n in lengths]
+    rows = []
+    for seq, (t, count) in enumerate(zip(tiles, piece_counts(tiles, piece))):
+        size = -(-t // count)
+        for i in range(count):
+            own = min(size, t - i * size)
+            rows.append((i, seq, own + min(warmup, i * size)))
+    return [run for _, _, run in sorted(rows) for _ in range(heads)]
+
+
+def makespan_us(items, sms: int, tile_us: float = FUSED_TILE_US, item_us: float = FUSED_ITEM_US) -> float:
+    """When ``items`` (tiles each), dealt in order to whichever of ``sms`` SMs frees first, finish."""
+    finish = [0.0] * sms
+    for tiles in items:
+        heapq.heapreplace(finish, finish[0] + item_us + tiles * tile_us)
+    return max(finish)
+
+
+def fused_piece_tiles(lengths, heads: int, sm_count: int) -> int:
+    """The piece length (tiles) the makespan model prefers; the longer of equals."""
+    tiles = [-(-n // CHUNK) for n in lengths]
+    longest, work = max(max(tiles), 1), sum(tiles) * heads
+    candidates = {longest}
+    for waves in range(1, FUSED_PIECE_WAVES + 1):
+        candidates.add(min(longest, max(FUSED_PIECE_MIN_TILES, -(-work // (waves * sm_count)))))
+    scored = [(makespan_us(piece_items(lengths, heads, p), sm_count), -p) for p in candidates]
+    return -min(scored)[1]
+
+
+def fused_pieces(seqs, piece_tiles: int) -> list[list[Segment]]:
+    """Every sequence (``sequences``) cut into equal tile-aligned pieces of at most
+    ``piece_tiles`` tiles (the last may be shorter, its last tile partial)."""
+    out = []
+    for seq, (first_token, length, first_slot) in enumerate(seqs):
+        tiles = -(-length // CHUNK)
+        count = max(1, -(-tiles // piece_tiles))
+        size = -(-tiles // count)
+        out.append(
+            [
+                Segment(
+                    seq,
+                    first_token + i * size * CHUNK,
+                    min(size * CHUNK, length - i * size * CHUNK),
+                    first_slot + i * size,
+                )
+                for i in range(count)
+                if i * size < tiles or i == 0  # an empty sequence: one empty piece (its final state)
+            ]
+        )
+    return out

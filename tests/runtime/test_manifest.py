@@ -11,6 +11,7 @@ from cula_aot.specs import (
     DecodeLayerSpec,
     DecodeSpec,
     FusedSpec,
+    FusedPiecesSpec,
     K1Spec,
     K2Spec,
     MergeSpec,
@@ -21,7 +22,17 @@ from cula_aot.specs import (
 
 SPEC_CLASSES = {
     cls.kernel: cls
-    for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, TileBoundSpec, DecodeSpec, DecodeChunkSpec, DecodeLayerSpec)
+    for cls in (
+        K1Spec,
+        K2Spec,
+        FusedSpec,
+        FusedPiecesSpec,
+        MergeSpec,
+        TileBoundSpec,
+        DecodeSpec,
+        DecodeChunkSpec,
+        DecodeLayerSpec,
+    )
 }
 
 
@@ -57,7 +68,7 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
         check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
         descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
         assert [p["recipe"]["source"] for p in descriptors] == (
-            ["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill") else []
+            ["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill", "fused_pieces") else []
         )
         assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
         assert record["grid"] == list(spec.grid) and record["dynamic_smem_bytes"] <= 227 * 1024
