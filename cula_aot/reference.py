@@ -54,7 +54,16 @@ import torch
 
 from .gates import DEFAULT_GATE, bounded, log_decay
 
-from .layout import CHUNK
+from .layout import (
+    CHUNK,
+    FLAG_FINAL_STATE,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_PREDECESSOR,
+    SEG_SEQ,
+    SEG_SEQ_OFFSET,
+    SEG_TOKENS,
+)
 from .specs import TRUNCATION_LOG2  # a piece's warm-up attenuates the state it drops by 2^-20
 
 __all__ = [
@@ -384,6 +393,18 @@ def tile_transition(tiles) -> torch.Tensor:
     return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ x
 
 
+def tile_frobenius_bound(tiles) -> torch.Tensor:
+    """log2 ‖A‖_F of each tile map (:func:`tile_decay_bound`'s Frobenius part), ``[n_tiles, H]``."""
+    gt, kr = tiles["gt"], tiles["kr"]
+    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
+    frobenius_sq = (
+        (gt * gt).sum(-1)
+        - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
+        + ((kr @ kr.transpose(-1, -2)) * (x @ x.transpose(-1, -2))).sum((-1, -2))
+    )
+    return 0.5 * torch.log2(frobenius_sq.clamp(min=torch.finfo(torch.float64).tiny))
+
+
 def tile_decay_bound(tiles) -> torch.Tensor:
     """log2 of an upper bound of each tile map's spectral norm ‖A‖₂ (:func:`tile_transition`),
     ``[n_tiles, H]``: the smaller of two sound bounds, neither assuming normalised keys or b ∈ [0, 1].
@@ -398,14 +419,7 @@ def tile_decay_bound(tiles) -> torch.Tensor:
     Spectral norms multiply sub-multiplicatively, so the sum of these over consecutive tiles
     bounds log2 ‖M‖₂ of their product M: the factor by which a state dropped before them can
     still reach the state after them."""
-    gt, kr = tiles["gt"], tiles["kr"]
-    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
-    frobenius_sq = (
-        (gt * gt).sum(-1)
-        - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
-        + ((kr @ kr.transpose(-1, -2)) * (x @ x.transpose(-1, -2))).sum((-1, -2))
-    )
-    frobenius = 0.5 * torch.log2(frobenius_sq.clamp(min=torch.finfo(torch.float64).tiny))
+    frobenius = tile_frobenius_bound(tiles)
     kn = tiles["kn"]
     mixing = (1.0 - tiles["b"] * (kn * kn).sum(-1)).abs().clamp(min=1.0)
     tokens = (tiles["gamma"].amax(-1) / math.log(2.0) + torch.log2(mixing)).sum(-1)
@@ -477,6 +491,70 @@ def kda_pieces(
     o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
     o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
     return o.view(B, T, H, Vd), final, torch.stack(warmups) if warmups else torch.zeros(0, H, dtype=torch.int64)
+
+
+def kda_piece_table(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    rows,
+    warmup_tiles,
+    margin_log2=0.0,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    gate_kind=DEFAULT_GATE,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
+    """The fused pieces' rule over their table, float64 -> ``(o, final_state [N, H, K, V],
+    certified [rows, H] (bool))``.  ``rows``: segment rows in launch order (``layout.SEG_*``, the
+    predecessor's row in ``SEG_PREDECESSOR``).  A row whose piece starts at tile c0 of its
+    sequence runs w = min(warmup_tiles, c0) tiles before it without output: from the sequence's
+    initial state where w = c0 (exact); else from zero, kept where the tiles' Frobenius bounds
+    (:func:`tile_frobenius_bound`, plus ``margin_log2`` each, as the kernel adds) sum to ≤
+    ``TRUNCATION_LOG2`` (certified), replaced at c0 by the predecessor's end state otherwise.  A
+    row with the final-state flag writes its sequence's final state."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    gates = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate_kind=gate_kind)
+    conventions = dict(scale=scale, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    tiles, lay, vt = _tiled(q, k, v, g, beta, cu_seqlens, **gates, **conventions)
+    bounds = tile_frobenius_bound(tiles) + margin_log2
+    N = len(lay.lengths)
+    S0 = _initial_state(initial_state, N, H, K, Vd, q.device)
+    final = S0.clone()
+    o_tiles = torch.zeros_like(vt)
+    ends, certified = {}, torch.zeros(len(rows), H, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        n, own_first = row[SEG_SEQ], lay.tile_first[row[SEG_SEQ]]
+        c0 = row[SEG_SEQ_OFFSET] // CHUNK
+        assert row[SEG_FIRST_TOKEN] == int(lay.starts[n]) + row[SEG_SEQ_OFFSET]
+        c1 = -(-(row[SEG_SEQ_OFFSET] + row[SEG_TOKENS]) // CHUNK)
+        w = min(warmup_tiles, c0)
+        for h in range(H):
+            s = S0[n, h].clone() if w == c0 else torch.zeros_like(S0[n, h])
+            for j in range(own_first + c0 - w, own_first + c1):
+                if j == own_first + c0 and w < c0:
+                    certified[r, h] = bool(bounds[j - w : j, h].sum() <= TRUNCATION_LOG2)
+                    if not certified[r, h]:
+                        s = ends[(row[SEG_PREDECESSOR], h)].clone()
+                u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+                if j >= own_first + c0:
+                    o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
+                s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+            ends[(r, h)] = s
+            if row[SEG_FLAGS] & FLAG_FINAL_STATE:
+                final[n, h] = s
+    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
+    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    return o.view(B, T, H, Vd), final, certified
 
 
 def kda_recurrent(
