@@ -515,13 +515,14 @@ class _PieceTablePlan(_Plan):
         self.segments, self.s_split, self.host_cu = path.segments, path.s_split, c.host_cu
         self.n_rows = sum(len(seq) for seq in self.segments)
         self.cu_at = 16 * -(-4 * SEGMENT_FIELDS * self.n_rows // 16)
+        # The pieces themselves, not the split: the fused pieces' lengths turn on H as well.
         self.table_key = (
             self.kind,
             device.index,
             c.batch,
             c.seq_len,
             None if c.host_cu is None else tuple(c.host_cu),
-            self.s_split,
+            tuple(seg.num_tokens for seq in self.segments for seg in seq),
             self.init_flags,
             self.final_flags,
         )

@@ -846,3 +846,23 @@ def test_truncated_pieces_with_the_fused_kernel_refuse_other_conventions(recorde
     x = standard_inputs(1, 4096, 2, seed=16)
     with pytest.raises(KDAInputError, match="fused kernel runs beta as logits"):
         _call(x, intracard_cp="truncated", fused=True, beta_sigmoid=False)
+
+
+def test_fused_pieces_of_other_head_counts_get_their_own_tables(recorder, tables):
+    # The same lengths at H64 and H96 cut into different pieces (the planner weighs H) under the
+    # same walking split (2): each call must launch over its own rows, not a table cached for the
+    # other.
+    cu = cu_seqlens_of(_SPLIT)
+    grids = []
+    assert cp_plan.pieces_split(2, 64, 132, 4) == cp_plan.pieces_split(2, 96, 132, 4)
+    for heads in (64, 96):
+        x = standard_inputs(1, 4096, heads, seed=17)
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), output_final_state=True, intracard_cp="truncated")
+        kernel, values, grid = recorder.values(len(recorder.launches) - 1)
+        seqs = cp_plan.sequences(1, 4096, cu.tolist())
+        pieces = cp_plan.fused_pieces(seqs, cp_plan.fused_piece_tiles([n for _, n, _ in seqs], heads, 132))
+        rows = prefill_plans._fused_piece_rows(pieces, 0, FLAG_FINAL_STATE)
+        table = next(t for t in tables.entries.values() if t.data_ptr() == values["segments"])
+        assert table.tolist()[: len(rows) * len(rows[0])] == [v for row in rows for v in row]
+        grids.append(grid)
+    assert len(tables.entries) == 2 and grids[0][2] != grids[1][2]
