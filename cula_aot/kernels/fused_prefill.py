@@ -50,8 +50,8 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (
-    FLAG_FINAL_STATE,
     FLAG_STATUS,
+    FLAG_SUCCESSOR,
     FLAG_VARLEN,
     IMAGE_BYTES,
     SEG_FINAL_INDEX,
@@ -343,6 +343,11 @@ def _consumer_sync(producers: int):
     cute.arch.barrier(barrier_id=1 + producers, number_of_threads=CONSUMER_WARPS * WARP)
 
 
+def _ready_flag(pieces: PieceTables, item):
+    """Item ``item``'s ready flag (after the H ticket counters)."""
+    return pieces.ready + grid_heads() + item
+
+
 def _carry_address(pieces: PieceTables, item, consumer, chunk: int):
     """Global address of 16-byte chunk ``chunk`` of consumer thread ``consumer``'s state values in
     item ``item``'s published end state (thread-fastest, so each chunk's stores coalesce)."""
@@ -359,7 +364,7 @@ def _publish_carry(state: cute.Tensor, pieces: PieceTables, item, consumer, prod
     cute.arch.fence_acq_rel_gpu()
     _consumer_sync(producers)
     if consumer == 0:
-        cute.arch.store(pieces.ready + item, cutlass.Int32(1), sem="release", scope="gpu")
+        cute.arch.store(_ready_flag(pieces, item), cutlass.Int32(1), sem="release", scope="gpu")
 
 
 @cute.jit
@@ -369,8 +374,8 @@ def _unless_certified_take_carry(
     """The consumers' start after a warm-up from zero: kept where the warm-up tiles' bounds
     (``bound``, their log2 sum, on the bound warp) certify that the dropped state reaches the
     piece's first tile attenuated by ≤ 2^TRUNCATION_LOG2; else replaced by item
-    ``predecessor``'s published end state, the exact state there, once its flag is set (it
-    precedes this item in launch order, so it is running or done).  A NaN bound never certifies."""
+    ``predecessor``'s published end state, the exact state there, once its flag is set (it took
+    an earlier ticket, so it is running or done).  A NaN bound never certifies."""
     if consumer == 0:
         cute.make_tensor(decision, cute.make_layout(1))[0] = cutlass.select_(
             bound <= cutlass.Float32(TRUNCATION_LOG2), 1, 0
@@ -380,7 +385,7 @@ def _unless_certified_take_carry(
         if consumer == 0:
             seen = cutlass.Int32(0)
             while seen == 0:
-                seen = cute.arch.load(pieces.ready + predecessor, cutlass.Int32, sem="acquire", scope="gpu")
+                seen = cute.arch.load(_ready_flag(pieces, predecessor), cutlass.Int32, sem="acquire", scope="gpu")
         _consumer_sync(producers)
         for chunk in cutlass.range_constexpr(4 * N_TILES // 4):
             values = ld_global_cg_v4_f32(_carry_address(pieces, predecessor, consumer, chunk))
@@ -535,6 +540,17 @@ class FusedPrefill(TokenTileKernel):
                 seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, self.threads, seq_len)
                 seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
         else:
+            # The row by ticket, one counter per head: the head's rows in the table's order
+            # whatever order the CTAs start in, so a row waited on (an earlier one of the same head)
+            # has started: it is running or done.  The head stays the grid's (no register to hold).
+            s_item = smem.allocate_array(cutlass.Int32, 4)  # [0]: the ticket, [1]: the certificate
+            if tid == 0:
+                cute.make_tensor(s_item, cute.make_layout(1))[0] = cute.arch.atomic_add(
+                    pieces.ready + head, cutlass.Int32(1), sem="relaxed", scope="gpu"
+                )
+            cute.arch.sync_threads()
+            num_heads = grid_heads()
+            seq = cute.make_tensor(s_item, cute.make_layout(1))[0]
             # Piece row ``seq``: its own tokens after ``warm`` tiles of its sequence that it runs
             # without output, from a zero state, or from the sequence's initial state where they
             # reach its start (exact).
@@ -545,7 +561,6 @@ class FusedPrefill(TokenTileKernel):
             length = row[SEG_TOKENS] + warm * CHUNK
             malformed = cutlass.Boolean(False)
             flags = row[SEG_FLAGS] | (flags & FLAG_STATUS)  # the row's, and the launch's status bit
-            decision = smem.allocate_array(cutlass.Int32, 4)
         num_tiles = (length + (CHUNK - 1)) // CHUNK
 
         if tid == 0:
@@ -683,8 +698,11 @@ class FusedPrefill(TokenTileKernel):
                 cute.arch.cp_async_commit_group()
             square_lane = square_lane_offset(lane)
             out_stride = cutlass.Int64(out_row_stride)
+            bound_warp = cw == 0
+            if cutlass.const_expr(pieces is not None):
+                bound_warp = bound_warp & (warm < c0)  # an exact start needs no certificate
             ctx = _ConsumerContext(
-                bound_warp=cw == 0,
+                bound_warp=bound_warp,
                 empty=empty,
                 full=full,
                 head=head,
@@ -745,10 +763,11 @@ class FusedPrefill(TokenTileKernel):
                         warm_up=True,
                     )
                 consumer = tid - WARPS * WARP * self.producers
-                num_heads = grid_heads()
                 if warm < c0:
                     predecessor = row[SEG_PREDECESSOR] * num_heads + head
-                    _unless_certified_take_carry(state, bound, decision, pieces, predecessor, consumer, self.producers)
+                    _unless_certified_take_carry(
+                        state, bound, s_item + 1, pieces, predecessor, consumer, self.producers
+                    )
                 for tile in cutlass.range(warm, num_tiles, unroll=1):
                     _consumer_tile(
                         ctx,
@@ -779,7 +798,7 @@ class FusedPrefill(TokenTileKernel):
                     flags,
                 )
             if cutlass.const_expr(pieces is not None):
-                if (flags & FLAG_FINAL_STATE) == 0:  # not its sequence's last piece
+                if (flags & FLAG_SUCCESSOR) != 0:
                     _publish_carry(state, pieces, seq * num_heads + head, consumer, self.producers)
 
     kernel = fused_prefill
@@ -791,10 +810,11 @@ class FusedPieces(FusedPrefill):
     truncation).  A piece runs ``PIECE_WARMUP_TILES`` tiles of its sequence before its own from a
     zero state, no output, while the bound warp (consumer warp 0) forms each warm-up tile's bound
     from the stage the producers wrote; certified, the piece goes on from there, else it waits for
-    its predecessor's published end state.  Every piece but its sequence's last publishes its
-    end state and sets its ready flag.  Rows carry absolute tokens (fixed and varlen alike) and
-    are ordered so that a predecessor's items come first: the launch order then guarantees that
-    an item waited on is running or done.  No checkpoint writes."""
+    its predecessor's published end state.  Every piece with a successor publishes its
+    end state and sets its ready flag.  Rows carry absolute tokens (fixed and varlen alike); a CTA
+    takes its row by ticket (an atomic counter per head), in the table's order, where a
+    predecessor comes first: a row waited on has started, so it is running or done.  No
+    checkpoint writes."""
 
     def __init__(self, stages: int, producers: int, gate: str, checkpointing: bool):
         assert not checkpointing, "the fused pieces kernel writes no checkpoints"

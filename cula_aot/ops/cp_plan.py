@@ -139,17 +139,26 @@ def piece_counts(tiles: list[int], piece: int) -> list[int]:
     return [max(1, -(-t // piece)) for t in tiles]
 
 
+def piece_order(counts: list[int]) -> list[tuple[int, int]]:
+    """The fused pieces' launch order of (sequence, piece index), sequence s cut into counts[s]:
+    the pieces with a successor first, then each sequence's last; piece index first within each
+    (a predecessor always comes before its successor)."""
+    pieces = [(n, s) for s, count in enumerate(counts) for n in range(count)]
+    order = sorted(pieces, key=lambda p: (p[0] + 1 == counts[p[1]], p[0], p[1]))
+    return [(s, n) for n, s in order]
+
+
 def piece_items(lengths, heads: int, piece: int, warmup: int = PIECE_WARMUP_TILES) -> list[int]:
     """The tiles each (piece, head) item runs, warm-up included, in the fused pieces' launch order
-    (``fused_pieces``: piece index first, then sequence)."""
+    (``piece_order``)."""
     tiles = [-(-n // CHUNK) for n in lengths]
-    rows = []
-    for seq, (t, count) in enumerate(zip(tiles, piece_counts(tiles, piece))):
-        size = -(-t // count)
-        for i in range(count):
-            own = min(size, t - i * size)
-            rows.append((i, seq, own + min(warmup, i * size)))
-    return [run for _, _, run in sorted(rows) for _ in range(heads)]
+    counts = piece_counts(tiles, piece)
+    sizes = [-(-t // count) for t, count in zip(tiles, counts)]
+    runs = []
+    for s, n in piece_order(counts):
+        own = min(sizes[s], tiles[s] - n * sizes[s])
+        runs += [own + min(warmup, n * sizes[s])] * heads
+    return runs
 
 
 def makespan_us(items, sms: int, tile_us: float = FUSED_TILE_US, item_us: float = FUSED_ITEM_US) -> float:

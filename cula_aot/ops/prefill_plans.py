@@ -24,6 +24,7 @@ from ..layout import (
     FLAG_STATUS,
     FLAG_VARLEN,
     FLAG_ZERO_V,
+    FLAG_SUCCESSOR,
     SEG_PREDECESSOR,
     SEGMENT_FIELDS,
     WORKSPACE_RECORD_BYTES,
@@ -49,7 +50,7 @@ from .call import PrefillCall
 from .checks import check_scalars, fail, host_cu_seqlens
 from .paths import Path
 from .prefill_checks import NO_CHECKPOINTS, Checked, CheckpointPlan, check_addresses
-from . import prepare
+from . import cp_plan, prepare
 from .prepare import input_geometry, plan_slots
 from .workspace import ARENA, SEGMENT_TABLES
 
@@ -588,17 +589,19 @@ class _PiecesPlan(_PieceTablePlan):
 
 
 def _fused_piece_rows(segments, init_flags: int, final_flags: int) -> list:
-    """One fused-pieces row per piece, as ``_piece_rows`` but ordered piece index first, then
-    sequence (``cp_plan.piece_items``' order: a predecessor's items launch before its
-    successor's), each naming its predecessor's row (``layout.SEG_PREDECESSOR``; -1: none)."""
-    order = sorted((n, s) for s, seq_pieces in enumerate(segments) for n in range(len(seq_pieces)))
+    """One fused-pieces row per piece, as ``_piece_rows`` but in ``cp_plan.piece_order`` (a
+    predecessor's items take their tickets before its successor's; the pieces with a successor,
+    ``FLAG_SUCCESSOR``, first), each naming its predecessor's row (``layout.SEG_PREDECESSOR``;
+    -1: none)."""
+    order = cp_plan.piece_order([len(seq_pieces) for seq_pieces in segments])
     row_of = {piece: r for r, piece in enumerate(order)}
     rows = []
-    for n, s in order:
+    for s, n in order:
         seq_pieces = segments[s]
         seg, last = seq_pieces[n], n + 1 == len(seq_pieces)
-        row = _segment_row(seg, seq_pieces[0].first_token, seg.seq, seg.seq, init_flags | (final_flags if last else 0))
-        row[SEG_PREDECESSOR] = row_of[(n - 1, s)] if n else -1
+        flags = init_flags | (final_flags if last else FLAG_SUCCESSOR)
+        row = _segment_row(seg, seq_pieces[0].first_token, seg.seq, seg.seq, flags)
+        row[SEG_PREDECESSOR] = row_of[(s, n - 1)] if n else -1
         rows.append(row)
     return rows
 
@@ -606,8 +609,9 @@ def _fused_piece_rows(segments, init_flags: int, final_flags: int) -> list:
 class _FusedPiecesPlan(_PieceTablePlan):
     """The fused kernel over certified pieces (``intracard_cp="truncated"``,
     ``kernels/fused_prefill.FusedPieces``) for one call signature, one set of lengths and one
-    split: one launch over a piece table, after zeroing the items' ready flags.  The flags and
-    the published end states (fp32, one 64 KB state per item) live in the stream's arena."""
+    split: one launch over a piece table, after zeroing the ticket counters and the ready flags.
+    Those and the published end states (fp32, 64 KB per item of a piece with a successor) live in
+    the stream's arena."""
 
     kind = "fused_pieces"
     _rows = staticmethod(_fused_piece_rows)
@@ -615,7 +619,11 @@ class _FusedPiecesPlan(_PieceTablePlan):
     def __init__(self, call: PrefillCall, c: Checked, path: Path, kernel, device):
         super().__init__(call, c, path, None, device)
         self.items = self.n_rows * c.heads
-        self.ready_bytes = 256 * -(-4 * self.items // 256)
+        # A ticket counter per head, then the ready flags of the items of the rows with a
+        # successor (the first rows).
+        self.publishing = sum(len(seq) - 1 for seq in self.segments) * c.heads
+        self.control_words = c.heads + self.publishing
+        self.ready_bytes = 256 * -(-4 * self.control_words // 256)
         chain = _serial_chain_values(c, self.state_layout, self.init_flags, self.final_flags, self.status_flag, 0)
         chain["flags"] = self.status_flag  # the rows carry the state flags
         self.kernel = kernel.template(
@@ -631,10 +639,10 @@ class _FusedPiecesPlan(_PieceTablePlan):
         device = self.device
         torch_stream = torch.cuda.current_stream(device)
         stream = torch_stream.cuda_stream
-        exchange = ARENA.buffer(device, self.ready_bytes + self.items * D * D * 4, stream).data_ptr()
+        exchange = ARENA.buffer(device, self.ready_bytes + self.publishing * D * D * 4, stream).data_ptr()
         out, final_state, _cu32, values = self._begin(stream, call, host_cu)
         rows, values = _tabled(self, values, torch_stream, "intracard_cp='truncated'")
-        _zero_words(exchange, self.items, stream)
+        _zero_words(exchange, self.control_words, stream)
         self.kernel.launch(
             {**values, "segments": rows, "ready": exchange, "carries": exchange + self.ready_bytes}, stream
         )

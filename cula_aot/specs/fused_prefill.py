@@ -30,8 +30,9 @@ FUSED_PARAMS = (
     *CHECKPOINT_PARAMS,
 )
 # The fused pieces kernel's tables (``kernels/fused_prefill.py``, ``FusedPieces``): its rows
-# (``layout.SEG_*``), one ready flag per (row, head) item, zeroed before each launch, and the
-# items' published end states (fp32, 128·128 each, in the consumer threads' register order).
+# (``layout.SEG_*``); a ticket counter per head, then one ready flag per (row, head) item of the
+# rows with a successor (the first rows), zeroed before each launch; those items' published end
+# states (fp32, 128·128 each, in the consumer threads' register order).
 PIECE_PARAMS = (pointer("segments", "i32"), pointer("ready", "i32"), pointer("carries", "f32"))
 FUSED_PIECES_PARAMS = (*FUSED_PARAMS, *PIECE_PARAMS)
 # The tiles a piece runs from a zero state before its own; their bounds must sum to

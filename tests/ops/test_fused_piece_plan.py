@@ -12,13 +12,20 @@ from cula_aot.specs import PIECE_WARMUP_TILES
 
 def test_pieces_are_equal_cuts_and_later_pieces_warm_up():
     # 20 tiles in pieces of at most 8: 7, 7 and 6 tiles, the later two plus the warm-up; items in
-    # launch order (piece index first), each row's heads together.
+    # launch order, each row's heads together.
     w = PIECE_WARMUP_TILES
     assert cp_plan.piece_items([20 * 16], heads=2, piece=8) == [7, 7, 7 + w, 7 + w, 6 + w, 6 + w]
-    # A partial last tile counts as a tile; a sequence shorter than a piece is one item; piece 0
-    # of every sequence launches before any piece 1.
+    # A partial last tile counts as a tile; a sequence shorter than a piece is one item; the
+    # pieces with a successor launch before every sequence's last.
     assert cp_plan.piece_items([17, 5], heads=1, piece=8) == [2, 1]
     assert cp_plan.piece_items([32 * 16, 8 * 16], heads=1, piece=16, warmup=3) == [16, 8, 19]
+
+
+def test_launch_order_puts_pieces_with_a_successor_first_and_predecessors_before():
+    # Sequences of 3, 1 and 2 pieces: (sequence, piece index).
+    order = cp_plan.piece_order([3, 1, 2])
+    assert order == [(0, 0), (2, 0), (0, 1), (1, 0), (2, 1), (0, 2)]
+    assert all(order.index((s, n - 1)) < order.index((s, n)) for s, n in order if n)
     # A warm-up never reaches before its sequence's start.
     assert cp_plan.piece_items([4 * 16], heads=1, piece=1, warmup=3) == [1, 2, 3, 4]
 

@@ -823,23 +823,28 @@ def test_truncated_pieces_zero_the_ready_flags_then_launch_the_fused_pieces(reco
     table = next(iter(tables.entries.values()))
     assert table.tolist()[: len(rows) * len(rows[0])] == [v for row in rows for v in row]
     assert values["segments"] == table.data_ptr() and grid == (1, heads, len(rows))
-    # The ready flags (one per item) are zeroed before the launch; the end states follow them.
-    items = len(rows) * heads
-    assert recorder.zeroed[0] == (values["ready"], items)
-    assert values["carries"] - values["ready"] >= 4 * items and (values["carries"] - values["ready"]) % 256 == 0
+    # The ticket counters (one per head) and the ready flags of the items of rows with a successor
+    # are zeroed before the launch; those items' end states follow.
+    successors = [bool(row[layout.SEG_FLAGS] & layout.FLAG_SUCCESSOR) for row in rows]
+    control = heads + sum(successors) * heads
+    assert recorder.zeroed[0] == (values["ready"], control)
+    gap = values["carries"] - values["ready"]
+    assert gap >= 4 * control and gap % 256 == 0
     assert values["initial_state"] == init.data_ptr() and values["final_state"] == final.data_ptr()
     assert values["flags"] == 0  # the rows carry the state flags
-    # Piece index first: every row's predecessor comes before it, and is the piece before it in
-    # the same sequence.
+    # The rows with a successor first (their exchange slots are the first), and every row's
+    # predecessor before it: the piece before it in the same sequence.
+    assert successors == sorted(successors, reverse=True) and sum(successors) == len(rows) - len(pieces)
     for r, row in enumerate(rows):
         before = row[layout.SEG_PREDECESSOR]
         if row[layout.SEG_SEQ_OFFSET] == 0:
             assert before == -1
         else:
-            assert 0 <= before < r and rows[before][layout.SEG_SEQ] == row[layout.SEG_SEQ]
+            assert 0 <= before < r and successors[before] and rows[before][layout.SEG_SEQ] == row[layout.SEG_SEQ]
             assert rows[before][layout.SEG_SEQ_OFFSET] + rows[before][layout.SEG_TOKENS] == row[layout.SEG_SEQ_OFFSET]
     assert all(row[layout.SEG_FLAGS] & FLAG_INITIAL_STATE for row in rows)
-    assert sum(1 for row in rows if row[layout.SEG_FLAGS] & FLAG_FINAL_STATE) == len(pieces)
+    finals = [bool(row[layout.SEG_FLAGS] & FLAG_FINAL_STATE) for row in rows]
+    assert sum(finals) == len(pieces) and all(f != s for f, s in zip(finals, successors))
 
 
 def test_truncated_pieces_with_the_fused_kernel_refuse_other_conventions(recorder, tables):
