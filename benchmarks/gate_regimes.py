@@ -6,7 +6,7 @@ kernel and of K1 + K2 under each gate and decay regime, so what fast decay costs
     python3 -m benchmarks.gate_regimes [--tag NAME] [--set all|safe|unbounded]
 
 Regimes of the softplus gate's A_log on the benchmark inputs (``bench_prefill.make_inputs``):
-"std" (log U(1, 16): the fast heads put many tokens at the gate's floor, 2^-15), "A0"
+"std" (log U(1, 16): the fast heads put many tokens at the gate's floor, 2^-14), "A0"
 (e^A_log = 1: none at the floor) and "A16" (e^A_log = 16 on every head: about half at it);
 "precomputed" takes the standard inputs' softplus log-decay.  Initial and final state, serial
 path.

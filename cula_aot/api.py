@@ -61,7 +61,7 @@ def kda_prefill(
     * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16
       or fp32; A_log, dt_bias and lower_bound must be None.
 
-    The unbounded gates' decay per token is floored at 2^-15 (≈ 3e-5, below bf16's resolution):
+    The unbounded gates' decay per token is floored at 2^-14 (≈ 6e-5, below bf16's resolution):
     a token that decays faster keeps that much of the state it should drop.
 
     Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host

@@ -291,7 +291,7 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
 # 2^(G_i − P)·2^(P − G_j) around P = G[15]/2, the midpoint of the tile's span [G[15], 0].  A span
 # of at most BLOCK_RANGE (log2 units) keeps both factors ≤ 2^(BLOCK_RANGE / 2) and c = 2^(G[15]/2)
 # ≥ 2^(−BLOCK_RANGE / 2) normal, so no factor overflows or flushes.  The gate's per-token floor
-# bounds every tile's span, in every column, by 16·15 = 240: no warp needs another form.
+# bounds every tile's span, in every column, by 16·14 = 224: no warp needs another form.
 BLOCK_RANGE = 248.0
 assert CHUNK * -UNBOUNDED_GAMMA_FLOOR <= BLOCK_RANGE
 

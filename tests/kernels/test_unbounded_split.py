@@ -16,8 +16,6 @@ from cula_aot.kernels.gate import UNBOUNDED_GAMMA_FLOOR  # noqa: E402
 from cula_aot.layout import CHUNK, D  # noqa: E402
 from tests.kernels.test_k1_fragments import LANES, _lane_values, _mma_m16n8k8  # noqa: E402
 
-FP32_MIN_NORMAL = 2.0**-126
-
 
 def _pairwise(a, kn, G, strict):
     decay = np.exp2(np.minimum(G[:, None, :] - G[None, :, :], 0.0))
@@ -110,10 +108,10 @@ def _tf32(x):
 
 
 def test_operands_at_the_floor_keep_tf32_accuracy():
-    """Every key at the floor on every token (a span of exactly 240): the last rows' operands
-    q̂·scale·2^-120 ≈ 2^-127 are subnormal in fp32 (the kernel's multiplies do not flush), yet L and
-    Mqk stay within tf32's accuracy of the pairwise products (rel. Frobenius; ~4e-4 off the floor).
-    This holds as long as the tensor cores keep subnormal tf32 operands."""
+    """Every key at the floor on every token (a span of exactly 224): the last rows' operands
+    q̂·scale·2^-112 ≈ 2^-119 stay normal in fp32 (no reliance on how the tensor cores treat
+    subnormal tf32 inputs), and L and Mqk stay within tf32's accuracy of the pairwise products
+    (rel. Frobenius; ~4e-4 off the floor)."""
     rng = np.random.default_rng(11)
     G = _floored_cumsum(np.full((CHUNK, D), -np.inf)).astype(np.float64)
     rise, fall = (np.exp2(x).astype(np.float32) for x in (G - G[15] / 2, G[15] / 2 - G))
@@ -122,9 +120,9 @@ def test_operands_at_the_floor_keep_tf32_accuracy():
         qs = q / np.linalg.norm(q, axis=1, keepdims=True) * D**-0.5
         kn = k / np.linalg.norm(k, axis=1, keepdims=True)
         kd, qd, kinv = (_tf32(x.astype(np.float32) * f) for x, f in ((kn, rise), (qs, rise), (kn, fall)))
-        assert (np.abs(qd[15]) < FP32_MIN_NORMAL).any()  # the case this test is about
+        assert np.abs(qd[15]).max() < 2.0**-100  # the floor's smallest operands
         for got, want in (
             (np.tril(kd @ kinv.T, -1), _pairwise(kn, kn, G, True)),
             (np.tril(qd @ kinv.T), _pairwise(qs, kn, G, False)),
         ):
-            assert np.linalg.norm(got - want) <= 1.5e-3 * np.linalg.norm(want)
+            assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)

@@ -2,7 +2,7 @@
 every path — K1 then K2, the fused kernel, intracard CP, decode — against the float64 reference.
 
 Inputs (``testing.standard_inputs``): standard (A_log = log U(1, 16): tiles would span ~20–400
-log2 units; the gate's floor, 2^-15 per token, caps them at 240, the most
+log2 units; the gate's floor, 2^-14 per token, caps them at 224, the most
 ``prepare_tile.unbounded_operands`` takes), slow decay (the state lives for thousands of tokens:
 carries show) and extreme (softplus arguments up to +30 with e^A_log = 16 beside channels that do
 not decay at all in the same tile: a third of the entries at the floor).  The reference's gates
