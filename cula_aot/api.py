@@ -61,8 +61,8 @@ def kda_prefill(
     * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16
       or fp32; A_log, dt_bias and lower_bound must be None.
 
-    Every pair of tokens of a 16-token tile gets its decay to fp32 accuracy however fast the
-    gate decays (a decay below 2^-256 per token counts as 2^-256: fp32 has forgotten either way).
+    The unbounded gates' decay per token is floored at 2^-14 (≈ 6e-5, below bf16's resolution):
+    a token that decays faster keeps that much of the state it should drop.
 
     Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host
     on the serial path: with only a device ``cu_seqlens`` its values are trusted
