@@ -348,17 +348,6 @@ class KdaDecodeLayer(DecodeKernel):
             new_bank = cutlass.select_(mark > 0, 1 - old_bank, cutlass.Int32(0))
             pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
             state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
-            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
-
-            # The RMSNorm's weight and output-gate rows of this thread's output chunks.
-            norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
-            gates_in = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
-            for r in cutlass.range_constexpr(rounds):
-                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-                z_at = token_offset(n64, conv.out_gate_stride_n, conv.out_gate_stride_t, io_tc, head) + v0 + io_col
-                z_row = bf16_row8(tensors.out_gate, z_at)
-                for e in cutlass.range_constexpr(8):
-                    gates_in[8 * r + e] = z_row[e]
 
             # ---- prologue: q̃, k̃ by the convolution, then q̂, k̂, α, k̂·q̂, b per token; ṽ staged --
             for base in cutlass.range(0, num_tokens, n_half, unroll=1):
@@ -414,6 +403,9 @@ class KdaDecodeLayer(DecodeKernel):
                 direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
             cute.arch.sync_threads()
 
+            # The state after the prologue: loaded before it, its 64 registers stayed live through
+            # the convolutions and capped the CTAs per SM (240-255 registers: 4 CTAs).
+            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
             for item in cutlass.range_constexpr(items):
                 item_off = lane_off + self.tile.row_offset(item * v_block)
                 if cutlass.const_expr(item > 0):
@@ -444,6 +436,17 @@ class KdaDecodeLayer(DecodeKernel):
                         state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay
                     )
             cute.arch.sync_threads()
+
+            # The RMSNorm's weight and output-gate rows of this thread's output chunks, loaded only
+            # now: live from the start they held 8 + 8·rounds registers through the token loop.
+            norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
+            gates_in = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
+            for r in cutlass.range_constexpr(rounds):
+                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+                z_at = token_offset(n64, conv.out_gate_stride_n, conv.out_gate_stride_t, io_tc, head) + v0 + io_col
+                z_row = bf16_row8(tensors.out_gate, z_at)
+                for e in cutlass.range_constexpr(8):
+                    gates_in[8 * r + e] = z_row[e]
 
             # ---- RMSNorm: Σ o² of this CTA's rows per token (a warp per token) ----------------
             for t in cutlass.range(warp, num_tokens, n_threads // 32, unroll=1):
