@@ -381,22 +381,38 @@ def kda_chunked(
         s = gt[..., None] * s + kr.transpose(-1, -2) @ U
         S[seqs] = _round(s, torch.float32) if recipe else s
 
-    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
-    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    o = _untiled(o_tiles, lay, B * T)
     return bf16(o).view(B, T, H, Vd), S
+
+
+def _tile_x(tiles) -> torch.Tensor:
+    """``X = INV·diag(b)·kd`` per tile [n_tiles, H, 16, K]: the tile map is diag(gtot) − krᵀ·X."""
+    return tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
 
 
 def tile_transition(tiles) -> torch.Tensor:
     """Each tile's map of the state it receives, ``A = diag(gtot) − krᵀ·INV·diag(b)·kd``, as
     ``[n_tiles, H, K, K]`` (the tile recurrence with V = 0: ``S ← A·S``)."""
-    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
-    return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ x
+    return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ _tile_x(tiles)
+
+
+def _tile_step(tiles, vt, j: int, h: int, s):
+    """Tile ``j`` of head ``h`` from state ``s`` [K, V], float64: (its output [16, V], the state
+    after it), the tile recurrence of :func:`kda_chunked` without its roundings."""
+    u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+    return tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u, tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+
+
+def _untiled(o_tiles, lay, tokens: int):
+    """Tile outputs ``[n_tiles, H, 16, V]`` back on the flat token axis ``[tokens, H, V]``."""
+    o = torch.zeros(tokens, *o_tiles.shape[1:2], o_tiles.shape[-1], dtype=torch.float64, device=o_tiles.device)
+    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    return o
 
 
 def tile_frobenius_bound(tiles) -> torch.Tensor:
     """log2 ‖A‖_F of each tile map (:func:`tile_decay_bound`'s Frobenius part), ``[n_tiles, H]``."""
-    gt, kr = tiles["gt"], tiles["kr"]
-    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
+    gt, kr, x = tiles["gt"], tiles["kr"], _tile_x(tiles)
     frobenius_sq = (
         (gt * gt).sum(-1)
         - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
@@ -480,16 +496,14 @@ def kda_pieces(
                 walked[h] = w
                 s = torch.zeros_like(S0[n, h]) if w else carried[h]
                 for j in range(first + c0 - w, first + c1):
-                    u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+                    o_j, s = _tile_step(tiles, vt, j, h, s)
                     if j >= first + c0:
-                        o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
-                    s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+                        o_tiles[j, h] = o_j
                 carried[h] = s
                 if c1 == count:
                     final[n, h] = s
             warmups.append(walked)
-    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
-    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    o = _untiled(o_tiles, lay, B * T)
     return o.view(B, T, H, Vd), final, torch.stack(warmups) if warmups else torch.zeros(0, H, dtype=torch.int64)
 
 
@@ -545,15 +559,13 @@ def kda_piece_table(
                     certified[r, h] = bool(bounds[j - w : j, h].sum() <= TRUNCATION_LOG2)
                     if not certified[r, h]:
                         s = ends[(row[SEG_PREDECESSOR], h)].clone()
-                u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+                o_j, s = _tile_step(tiles, vt, j, h, s)
                 if j >= own_first + c0:
-                    o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
-                s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+                    o_tiles[j, h] = o_j
             ends[(r, h)] = s
             if row[SEG_FLAGS] & FLAG_FINAL_STATE:
                 final[n, h] = s
-    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
-    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    o = _untiled(o_tiles, lay, B * T)
     return o.view(B, T, H, Vd), final, certified
 
 
