@@ -631,7 +631,7 @@ class FusedPrefill(TokenTileKernel):
                 qhat, khat, gamma = normalised_and_gates(
                     vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate
                 )
-                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
+                cum, total, gtot = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
                 if lane < 4:
                     vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -641,7 +641,7 @@ class FusedPrefill(TokenTileKernel):
 
                 # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
                 decayed_partials(
-                    qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
+                    qhat, khat, cum, total, gtot, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
                 )
                 b = cutlass.Float32(0.0)
                 if pw == inverse_warp:

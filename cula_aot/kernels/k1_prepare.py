@@ -277,7 +277,7 @@ class K1Prepare(TokenTileKernel):
                 qhat, khat, gamma = normalised_and_gates(
                     vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate, qk_as_given
                 )
-                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
+                cum, total, gtot = gate_cumsum(gamma, has_source, lane)
                 if lane < 4:
                     vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -287,7 +287,7 @@ class K1Prepare(TokenTileKernel):
 
                 # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
                 # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-                decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
+                decayed_partials(qhat, khat, cum, total, gtot, scale, store_images, s_part, warp, lane, gate)
                 b = cutlass.Float32(0.0)
                 if warp == 0:
                     b = cutlass.Float32(

@@ -181,11 +181,10 @@ def normalised_and_gates(
 @cute.jit
 def gate_cumsum(gamma: list, has_source: list, lane):
     """G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the first 8
-    rows' total, held by lane 28 + t), G[15] with 2^G[15] (gt) and G[7]: (cum, total, gtot, mid)."""
+    rows' total, held by lane 28 + t), G[15] with 2^G[15] (gt): (cum, total, gtot)."""
     cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    mid = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     totals_lane = last_row_lane(lane)
     for j in cutlass.range_constexpr(LANE_COLS):
         upper = row_scan(gamma[0][j], has_source)
@@ -196,8 +195,7 @@ def gate_cumsum(gamma: list, has_source: list, lane):
         cum[1][j] = upper_total + lower
         total[j] = upper_total + lower_total
         gtot[j] = exp2_fast(total[j])
-        mid[j] = upper_total
-    return cum, total, gtot, mid
+    return cum, total, gtot
 
 
 def decayed_operands(
@@ -245,7 +243,6 @@ def decayed_partials(
     cum: list,
     total: cute.Tensor,
     gtot: cute.Tensor,
-    mid: cute.Tensor,
     scale,
     store_images,
     s_part: cute.Tensor,
@@ -257,7 +254,7 @@ def decayed_partials(
     """Phases B and C after the cumsum, by ``gate``: the decayed images to ``store_images`` and
     the warp's partial products into the exchange (the safe gate: ``decayed_operands``, kr as
     ``kr_from_kinv`` says, then ``store_product_partials``; the unbounded ones:
-    ``unbounded_operands``).  ``mid`` (G[7]) is read by neither: the call sites still pass it."""
+    ``unbounded_operands``)."""
     if gate.bounded:
         kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, gtot, store_images, kr_from_kinv)
         store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
