@@ -171,3 +171,40 @@ def test_a_long_hand_off_chain():
     o, s = prefill_kv(x, s0, cu, "truncated")
     o_serial, s_serial = prefill_kv(x, s0, cu, False)
     assert reference.rel_rmse(o, o_serial) <= 5e-3 and reference.rel_rmse(s, s_serial) <= 5e-3
+
+
+def test_a_slot_out_of_range_is_reported_and_padding_is_not():
+    """The status word under the fused pieces: a pool slot past the pool (every piece of that
+    sequence reads it) sets STATUS_SLOT_OUT_OF_RANGE once, writes nothing there, and its sequence
+    starts from zero; -1 is padding and reports nothing."""
+    heads, lengths = 2, [3000, 900]
+    x = _inputs(lengths, heads, "standard")
+    cu = cu_seqlens_of(lengths, "cuda")
+    pool = 0.1 * torch.randn(4, heads, 128, 128, device="cuda")
+    before = pool.clone()
+    results = []
+    for slots in ([9, 2], [-1, 2]):
+        status = torch.zeros(1, dtype=torch.int32, device="cuda")
+        p = before.clone()
+        o, _ = cula_aot.kda_prefill(
+            *(x[name] for name in ("q", "k", "v", "g", "beta")),
+            **_gate(x),
+            initial_state=p,
+            final_state=p,
+            state_indices=torch.tensor(slots, dtype=torch.int32, device="cuda"),
+            cu_seqlens=cu,
+            cu_seqlens_cpu=cu.cpu(),
+            status=status,
+            out=torch.full_like(x["v"], float("nan")),
+            intracard_cp="truncated",
+        )
+        torch.cuda.synchronize()
+        results.append((int(status.item()), o, p))
+    (bad, o_bad, p_bad), (padded, o_pad, p_pad) = results
+    assert bad == cula_aot.STATUS_SLOT_OUT_OF_RANGE and padded == 0
+    # Both runs start sequence 0 from zero and write no state for it: the same outputs and pools.
+    assert torch.equal(o_bad, o_pad) and torch.equal(p_bad, p_pad)
+    assert torch.equal(p_bad[[0, 1, 3]], before[[0, 1, 3]])
+    ref_o, ref_s = _reference(x, torch.stack([torch.zeros_like(before[0]), before[2]]).transpose(-1, -2), cu)
+    assert reference.rel_rmse(o_bad, ref_o) <= BOUND
+    assert reference.rel_rmse(p_bad[2].transpose(-1, -2), ref_s[1]) <= BOUND
