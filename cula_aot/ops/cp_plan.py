@@ -67,17 +67,23 @@ def plan(seqs, s_split: int) -> list[list[Segment]]:
         raise ValueError(f"s_split must be >= 1, got {s_split}")
     out = []
     for seq, (first_token, length, first_slot) in enumerate(seqs):
-        tiles = -(-length // CHUNK)
-        parts = max(1, min(s_split, tiles // MIN_SEGMENT_TILES))
-        per = -(-tiles // parts)
-        segs, tile = [], 0
-        while tile < tiles:
-            n = min(per, tiles - tile)
-            tokens = min(n * CHUNK, length - tile * CHUNK)
-            segs.append(Segment(seq, first_token + tile * CHUNK, tokens, first_slot + tile))
-            tile += n
-        out.append(segs)
+        parts = max(1, min(s_split, -(-length // CHUNK) // MIN_SEGMENT_TILES))
+        out.append(_equal_cuts(seq, first_token, length, first_slot, parts))
     return out
+
+
+def _equal_cuts(seq: int, first_token: int, length: int, first_slot: int, parts: int) -> list[Segment]:
+    """Sequence ``seq`` cut into ``parts`` tile-aligned segments of ⌈tiles / parts⌉ tiles (fewer
+    where they run out; the last one's last tile partial); none for an empty sequence."""
+    tiles = -(-length // CHUNK)
+    per = -(-tiles // parts)
+    segs, tile = [], 0
+    while tile < tiles:
+        n = min(per, tiles - tile)
+        tokens = min(n * CHUNK, length - tile * CHUNK)
+        segs.append(Segment(seq, first_token + tile * CHUNK, tokens, first_slot + tile))
+        tile += n
+    return segs
 
 
 def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> float:
@@ -182,22 +188,10 @@ def fused_piece_tiles(lengths, heads: int, sm_count: int) -> int:
 
 def fused_pieces(seqs, piece_tiles: int) -> list[list[Segment]]:
     """Every sequence (``sequences``) cut into equal tile-aligned pieces of at most
-    ``piece_tiles`` tiles (the last may be shorter, its last tile partial)."""
-    out = []
-    for seq, (first_token, length, first_slot) in enumerate(seqs):
-        tiles = -(-length // CHUNK)
-        count = max(1, -(-tiles // piece_tiles))
-        size = -(-tiles // count)
-        out.append(
-            [
-                Segment(
-                    seq,
-                    first_token + i * size * CHUNK,
-                    min(size * CHUNK, length - i * size * CHUNK),
-                    first_slot + i * size,
-                )
-                for i in range(count)
-                if i * size < tiles or i == 0  # an empty sequence: one empty piece (its final state)
-            ]
-        )
-    return out
+    ``piece_tiles`` tiles (the last may be shorter, its last tile partial); an empty sequence is
+    one empty piece (it still writes its final state)."""
+    return [
+        _equal_cuts(seq, first_token, length, first_slot, -(-length // CHUNK // piece_tiles) or 1)
+        or [Segment(seq, first_token, 0, first_slot)]
+        for seq, (first_token, length, first_slot) in enumerate(seqs)
+    ]
