@@ -618,7 +618,6 @@ class _FusedPiecesPlan(_PieceTablePlan):
 
     def __init__(self, call: PrefillCall, c: Checked, path: Path, kernel, device):
         super().__init__(call, c, path, None, device)
-        self.items = self.n_rows * c.heads
         # A ticket counter per head, then the ready flags of the items of the rows with a
         # successor (the first rows).
         self.publishing = sum(len(seq) - 1 for seq in self.segments) * c.heads
