@@ -289,8 +289,11 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
 # of at most BLOCK_RANGE (log2 units) keeps both factors ≤ 2^(BLOCK_RANGE / 2) and c = 2^(G[15]/2)
 # ≥ 2^(−BLOCK_RANGE / 2) normal, so no factor overflows or flushes.  The gate's per-token floor
 # bounds every tile's span, in every column, by 16·14 = 224: no warp needs another form.
-BLOCK_RANGE = 248.0
+BLOCK_RANGE = 224.0
 assert CHUNK * -UNBOUNDED_GAMMA_FLOOR <= BLOCK_RANGE
+# Unit-norm rows' operands, k̂·2^(±BLOCK_RANGE/2) and q̂·scale·2^(−BLOCK_RANGE/2) (components down
+# to ~2^-7 typical), then stay above fp32's smallest normal, 2^-126.
+assert BLOCK_RANGE / 2 + 7 < 126
 
 
 @cute.jit

@@ -206,8 +206,9 @@ def defer_decay(
 def direct_decay(
     s_alpha: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n_threads: cutlass.Constexpr[int]
 ):
-    """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may fall
-    below fp32's range, where k̂/A_t is not finite, so the state is decayed token by token
+    """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may reach
+    2^-112 (8 tokens at the gate's floor), where k̂/A_t would be near fp32's limit, so the state
+    is decayed token by token
     (``s_decay`` = α_t, applied before each token's dot products) and updated with k̂ itself
     (``s_alpha`` ← k̂; ``s_khat`` and ``s_qhat`` stay k̂ and q̂)."""
     for i in cutlass.range_constexpr(D // n_threads):

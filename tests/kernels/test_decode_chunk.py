@@ -229,7 +229,7 @@ def test_emulated_warp_equals_the_token_recurrence(tokens):
 @pytest.mark.parametrize("tokens", [2, 3, 4])
 def test_unbounded_form_at_the_gate_floor(tokens):
     """Under the unbounded gates a key may decay by the gate's floor, 2^-14, on every token (A_t
-    down to 2^-60): the factored form still equals the recurrence."""
+    down to 2^-56 over 4 tokens): the factored form still equals the recurrence."""
     for seed in range(3):
         x = _problem(tokens, seed)
         rng = np.random.default_rng(100 + seed)

@@ -47,7 +47,6 @@ def _warp_partials(qs, kn, G, warp):
                 ref, g, k = g15[j] / 2, cum[half][j], k_regs[half][j]
                 rise, fall, c = np.exp2(g - ref), np.exp2(ref - g), np.exp2(ref)
                 assert max(rise, fall) <= 2.0 ** (k1.BLOCK_RANGE / 2) and c >= 2.0 ** (-k1.BLOCK_RANGE / 2)
-                np.testing.assert_allclose([rise * c, fall * c], [np.exp2(g), np.exp2(2 * ref - g)], rtol=1e-12)
                 regs[lane, half, j] = (k * rise, q_regs[half][j] * rise, k * fall)
     partial = np.zeros((4, LANES, 4))
     for s in range(k1.K_STEPS):
@@ -102,16 +101,19 @@ def test_phase_c_gives_the_pairwise_products(rate):
 
 def _tf32(x):
     """fp32 operands as the MMA reads them after ``warp_mma.tf32_ready`` (half a tf32 ulp added to
-    the bits, the low 13 ignored); subnormals kept."""
-    bits = (x.astype(np.float32).view(np.uint32).astype(np.uint64) + 0x1000) & 0xFFFFE000
+    the bits, the low 13 ignored), subnormals flushed to 0: the stricter of the two ways tensor
+    cores may treat them."""
+    x = x.astype(np.float32)
+    x = np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0.0), x)
+    bits = (x.view(np.uint32).astype(np.uint64) + 0x1000) & 0xFFFFE000
     return bits.astype(np.uint32).view(np.float32).astype(np.float64)
 
 
 def test_operands_at_the_floor_keep_tf32_accuracy():
-    """Every key at the floor on every token (a span of exactly 224): the last rows' operands
-    q̂·scale·2^-112 ≈ 2^-119 stay normal in fp32 (no reliance on how the tensor cores treat
-    subnormal tf32 inputs), and L and Mqk stay within tf32's accuracy of the pairwise products
-    (rel. Frobenius; ~4e-4 off the floor)."""
+    """Every key at the floor on every token (a span of exactly 224): the last rows' operands are
+    q̂·scale·2^-112 ≈ 2^-119 (a component below ~2^-14 of its row still goes subnormal, and is
+    flushed here), and L and Mqk stay within tf32's accuracy of the pairwise products (rel.
+    Frobenius; ~4e-4 off the floor)."""
     rng = np.random.default_rng(11)
     G = _floored_cumsum(np.full((CHUNK, D), -np.inf)).astype(np.float64)
     rise, fall = (np.exp2(x).astype(np.float32) for x in (G - G[15] / 2, G[15] / 2 - G))
