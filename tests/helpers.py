@@ -4,11 +4,21 @@ distributions) under the names the tests import, the kernels' tile slots, and a 
 import torch
 
 import cula_aot
+from cula_aot import reference
 from cula_aot.layout import CHUNK, varlen_slot_base
 from cula_aot.ops.prefill import prefill
 from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
-__all__ = ["bits", "cu_seqlens_of", "fresh_seed", "in_layout", "prefill_kv", "standard_inputs", "tile_slots"]
+__all__ = [
+    "bits",
+    "cu_seqlens_of",
+    "float64_prefill",
+    "fresh_seed",
+    "in_layout",
+    "prefill_kv",
+    "standard_inputs",
+    "tile_slots",
+]
 
 
 def in_layout(state_kv, layout):
@@ -33,6 +43,20 @@ def tile_slots(lengths_or_batch, seq_len=None):
     for s, n in enumerate(lengths_or_batch):
         slots.extend(varlen_slot_base(cu, s) + t for t in range(-(-n // CHUNK)))
     return slots
+
+
+def float64_prefill(inputs, s0, cu):
+    """``reference.kda_chunked`` of ``standard_inputs`` (its gate and the gate's arguments) from
+    initial states ``s0`` ([N, H, K, V], or None): prefill_kv's float64 twin."""
+    return reference.kda_chunked(
+        *(inputs[name] for name in ("q", "k", "v", "g", "beta")),
+        A_log=inputs.get("A_log"),
+        dt_bias=inputs.get("dt_bias"),
+        lower_bound=inputs.get("lower_bound"),
+        initial_state=s0,
+        cu_seqlens=cu,
+        gate_kind=inputs.get("gate", "safe"),
+    )
 
 
 def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk", fused=None):

@@ -9,7 +9,7 @@ import torch
 
 import cula_aot
 from cula_aot import reference
-from tests.helpers import cu_seqlens_of, fresh_seed, prefill_kv, standard_inputs
+from tests.helpers import cu_seqlens_of, float64_prefill, fresh_seed, prefill_kv, standard_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -44,18 +44,7 @@ def test_cp_matches_serial_and_float64(case, split):
     layout = ("vk", "kv")[(case + split) % 2]
     o_cp, s_cp = prefill_kv(inputs, s0, cu, split, layout)
     o_serial, s_serial = prefill_kv(inputs, s0, cu, False, layout)
-    ref_o, ref_s = reference.kda_chunked(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        A_log=inputs["A_log"],
-        dt_bias=inputs["dt_bias"],
-        lower_bound=inputs["lower_bound"],
-        initial_state=s0,
-        cu_seqlens=cu,
-    )
+    ref_o, ref_s = float64_prefill(inputs, s0, cu)
     errs = {
         "o_vs_f64": reference.rel_rmse(o_cp, ref_o),
         "state_vs_f64": reference.rel_rmse(s_cp, ref_s),
@@ -78,17 +67,7 @@ def test_cp_is_deterministic_and_handles_no_initial_state():
     b = prefill_kv(inputs, None, cu, 8)
     assert torch.equal(a[0].view(torch.int16), b[0].view(torch.int16))
     assert torch.equal(a[1].view(torch.int32), b[1].view(torch.int32))
-    ref_o, _ = reference.kda_chunked(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        A_log=inputs["A_log"],
-        dt_bias=inputs["dt_bias"],
-        lower_bound=inputs["lower_bound"],
-        cu_seqlens=cu,
-    )
+    ref_o, _ = float64_prefill(inputs, None, cu)
     assert reference.rel_rmse(a[0], ref_o) <= BOUND
 
 
@@ -158,16 +137,5 @@ def test_cp_graph_replay_with_new_values(plan_seen_before_capture):
     torch.cuda.synchronize()
     o_eager, s_eager = prefill_kv(fresh, s0.transpose(-1, -2), cu, 4)
     assert torch.equal(out, o_eager) and torch.equal(final.transpose(-1, -2), s_eager)
-    ref_o, _ = reference.kda_chunked(
-        fresh["q"],
-        fresh["k"],
-        fresh["v"],
-        fresh["g"],
-        fresh["beta"],
-        A_log=fresh["A_log"],
-        dt_bias=fresh["dt_bias"],
-        lower_bound=fresh["lower_bound"],
-        initial_state=s0.transpose(-1, -2),
-        cu_seqlens=cu,
-    )
+    ref_o, _ = float64_prefill(fresh, s0.transpose(-1, -2), cu)
     assert reference.rel_rmse(out, ref_o) <= BOUND

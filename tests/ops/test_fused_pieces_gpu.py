@@ -10,7 +10,7 @@ import torch
 
 import cula_aot
 from cula_aot import reference
-from tests.helpers import cu_seqlens_of, fresh_seed, in_layout, prefill_kv, standard_inputs
+from tests.helpers import cu_seqlens_of, float64_prefill, fresh_seed, in_layout, prefill_kv, standard_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -30,16 +30,6 @@ def _inputs(lengths, heads, regime, gate="safe"):
 def _gate(x):
     """The gate's arguments (no lower bound under the softplus gate)."""
     return {"A_log": x["A_log"], "dt_bias": x["dt_bias"], "lower_bound": x.get("lower_bound")}
-
-
-def _reference(x, s0, cu):
-    return reference.kda_chunked(
-        *(x[name] for name in ("q", "k", "v", "g", "beta")),
-        **_gate(x),
-        initial_state=s0,
-        cu_seqlens=cu,
-        gate_kind=x.get("gate", "safe"),
-    )
 
 
 def _states(n, heads):
@@ -85,7 +75,7 @@ def test_graph_replays_equal_the_eager_call(regime):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, o_eager) and torch.equal(final.transpose(-1, -2), s_eager)
-    ref_o, ref_s = _reference(static, s0.transpose(-1, -2), cu)
+    ref_o, ref_s = float64_prefill(static, s0.transpose(-1, -2), cu)
     assert reference.rel_rmse(out, ref_o) <= BOUND and reference.rel_rmse(s_eager, ref_s) <= BOUND
 
 
@@ -125,7 +115,7 @@ def test_pools_padding_and_an_empty_sequence(dtype, layout, regime):
     assert torch.equal(written[[0, 2, 4, 6]], pool.float()[[0, 2, 4, 6]])
     s0 = pool.float()[[5, 1, 3, 3]]
     s0[2] = 0.0
-    ref_o, ref_s = _reference(x, s0, cu)
+    ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o, ref_o) <= BOUND
     assert reference.rel_rmse(written[[5, 1, 3]], ref_s[[0, 1, 3]]) <= BOUND
     assert reference.rel_rmse(o, o_serial) <= 5e-3 and reference.rel_rmse(written, written_serial) <= 5e-3
@@ -156,7 +146,7 @@ def test_softplus_gate(regime):
         torch.cuda.synchronize()
         results.append((o, final.transpose(-1, -2)))
     (o, s), (o_serial, s_serial) = results
-    ref_o, ref_s = _reference(x, s0, cu)
+    ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o, ref_o) <= BOUND and reference.rel_rmse(s, ref_s) <= BOUND
     assert reference.rel_rmse(o, o_serial) <= 5e-3 and reference.rel_rmse(s, s_serial) <= 5e-3
 
@@ -205,6 +195,6 @@ def test_a_slot_out_of_range_is_reported_and_padding_is_not():
     # Both runs start sequence 0 from zero and write no state for it: the same outputs and pools.
     assert torch.equal(o_bad, o_pad) and torch.equal(p_bad, p_pad)
     assert torch.equal(p_bad[[0, 1, 3]], before[[0, 1, 3]])
-    ref_o, ref_s = _reference(x, torch.stack([torch.zeros_like(before[0]), before[2]]).transpose(-1, -2), cu)
+    ref_o, ref_s = float64_prefill(x, torch.stack([torch.zeros_like(before[0]), before[2]]).transpose(-1, -2), cu)
     assert reference.rel_rmse(o_bad, ref_o) <= BOUND
     assert reference.rel_rmse(p_bad[2].transpose(-1, -2), ref_s[1]) <= BOUND

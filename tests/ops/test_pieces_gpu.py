@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cula_aot import reference
-from tests.helpers import cu_seqlens_of, fresh_seed, prefill_kv, standard_inputs
+from tests.helpers import cu_seqlens_of, float64_prefill, fresh_seed, prefill_kv, standard_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -39,14 +39,7 @@ def test_pieces_match_float64_and_the_serial_path(case, regime, fused):
     layout = ("vk", "kv")[case % 2]
     o, s = prefill_kv(x, s0, cu, "truncated", layout, fused=fused)
     o_serial, s_serial = prefill_kv(x, s0, cu, False, layout)
-    ref_o, ref_s = reference.kda_chunked(
-        *(x[name] for name in ("q", "k", "v", "g", "beta")),
-        A_log=x["A_log"],
-        dt_bias=x["dt_bias"],
-        lower_bound=x["lower_bound"],
-        initial_state=s0,
-        cu_seqlens=cu,
-    )
+    ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o, ref_o) <= BOUND and reference.rel_rmse(s, ref_s) <= BOUND
     # Against the serial kernels: the same roundings except where a piece dropped a certified
     # state (≤ 2^-20 of it) or rounds S to bf16 at other tiles (pieces restart the state).
