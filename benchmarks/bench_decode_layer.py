@@ -56,7 +56,6 @@ import torch
 import cula_aot
 from benchmarks import peers
 from benchmarks.timing import ColdReplay, capture_graph
-from cula_aot.specs import DRAFT_ROWS
 
 D = 128
 W = 4
@@ -103,9 +102,9 @@ def layer_bytes(n, tokens, heads, pool_dtype) -> int:
 
 
 def record_vs_state(pool_dtype) -> dict:
-    """A verify record per token and head (``drafts``: DRAFT_ROWS × 128 fp32) against the full
-    state an intermediate-state verify writes per token and head."""
-    record = DRAFT_ROWS * D * 4
+    """A verify record per token and head (one token's and head's rows of ``draft_buffers``)
+    against the full state an intermediate-state verify writes per token and head."""
+    record = cula_aot.draft_buffers(1, 1).records[0, 0, 0, 0].nbytes
     state = D * D * torch.empty((), dtype=pool_dtype).element_size()
     return {"record_bytes": record, "state_bytes": state, "state_over_record": state / record}
 

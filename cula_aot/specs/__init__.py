@@ -131,6 +131,7 @@ from .decode import (  # noqa: F401
 from .decode_layer import (  # noqa: F401
     CONV_WIDTH,
     DRAFT_BANKS,
+    DRAFT_REPLAY_BYTES,
     DRAFT_ROWS,
     DRAFT_TOKENS,
     LAYER_FLAG_CONV_BIAS,
