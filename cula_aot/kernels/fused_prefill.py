@@ -357,13 +357,14 @@ def _carry_address(pieces: PieceTables, item, consumer, chunk: int):
 
 @cute.jit
 def _publish_carry(state: cute.Tensor, pieces: PieceTables, item, consumer, producers: int):
-    """Item ``item``'s end state out for its successor, then its ready flag (release): every
-    consumer thread's stores are fenced at GPU scope before the barrier that precedes the flag."""
+    """Item ``item``'s end state out for its successor, then its ready flag: the barrier orders
+    every consumer thread's stores before consumer 0's GPU-scope fence and release, which is
+    cumulative over them (one fence, not one per thread)."""
     for chunk in cutlass.range_constexpr(4 * N_TILES // 4):
         st_global_v4_f32(_carry_address(pieces, item, consumer, chunk), [state[4 * chunk + c] for c in range(4)])
-    cute.arch.fence_acq_rel_gpu()
     _consumer_sync(producers)
     if consumer == 0:
+        cute.arch.fence_acq_rel_gpu()
         cute.arch.store(_ready_flag(pieces, item), cutlass.Int32(1), sem="release", scope="gpu")
 
 
