@@ -293,7 +293,9 @@ def kda_decode_layer(
     with ``verify=False`` they are committed like any decode step.  So a serving step stays one
     launch and the pool one state per request.  Zero ``drafts.marks[slot]`` when a slot is given
     to a new request; commit a pending draft (any call on the slot) before another kernel reads
-    the slot's state.
+    the slot's state, with the layer parameters it was drafted with (conv weights and bias,
+    ``A_log``, ``dt_bias``, ``lower_bound``, gate and conventions): the commit recomputes the
+    draft's keys and decays from its recorded inputs.
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""

@@ -43,7 +43,7 @@ _KERNELS = {
     "kda_decode_layer": (
         decode_layer.KdaDecodeLayer,
         decode_layer.KdaDecodeLayer.kernel,
-        lambda spec: layer_smem_bytes(spec.v_block, spec.items, spec.bf16_state),
+        lambda spec: layer_smem_bytes(spec.v_block, spec.items, spec.bf16_state, drafts=True),
     ),
 }
 

@@ -224,7 +224,7 @@ class KdaDecodeLayer(DecodeKernel):
         self.gate = Gate(gate)
         self.tile = _tile(kv_layout, bf16_state)
         self.threads = threads(v_block)
-        self.smem_bytes = layer_smem_bytes(v_block, items, bf16_state)
+        self.smem_bytes = layer_smem_bytes(v_block, items, bf16_state, drafts=True)
         self.rows = items * v_block
         self.ctas = D // self.rows  # the cluster: the V blocks of one (request, head)
 

@@ -289,7 +289,7 @@ class _LayerPlan:
             "heads": heads,
         }
         self.template = decode.launch_template(
-            kernel, static, spec.launch_smem_bytes(tokens, self.has_drafts), _PER_CALL, "the layer's"
+            kernel, static, spec.launch_smem_bytes(tokens, drafts=self.has_drafts), _PER_CALL, "the layer's"
         )
         self.num_seqs = num_seqs
         conv = call.conv

@@ -93,7 +93,7 @@ LAYER_PARAMS = (
 NORM_SUM_BYTES = 64  # the per-token RMSNorm partial sums (8 fp32), with alignment slack
 
 
-def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None, drafts: bool = True) -> int:
+def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None, *, drafts: bool) -> int:
     """Dynamic shared memory of a layer CTA: the decode kernel's (``decode_smem_bytes``), the
     RMSNorm's per-token sums and, with ``drafts``, a commit's replay arrays; without ``tokens``,
     the most any launch asks for."""
@@ -112,8 +112,8 @@ class DecodeLayerSpec(TokenStepSpec):
     def cluster(self) -> tuple:
         return (self.ctas_per_head, 1, 1)
 
-    def launch_smem_bytes(self, tokens: int, drafts: bool = False) -> int:
-        return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens, drafts)
+    def launch_smem_bytes(self, tokens: int, *, drafts: bool) -> int:
+        return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens, drafts=drafts)
 
 
 def decode_layer_specs() -> list[KernelSpec]:
