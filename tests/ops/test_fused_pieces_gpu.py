@@ -151,6 +151,25 @@ def test_softplus_gate(regime):
     assert reference.rel_rmse(o, o_serial) <= 5e-3 and reference.rel_rmse(s, s_serial) <= 5e-3
 
 
+def test_one_long_memory_channel_hands_its_head_off_exactly():
+    """Inside and just outside the certified region, on the kernel: standard decay, but one key
+    channel of head 1 keeps its memory.  Head 1's pieces cannot certify and take their
+    predecessors' exact states: equal to the serial path to rounding (dropping that channel's
+    state would cost ~1e-2).  Head 0's pieces certify: within float64's bound."""
+    heads, lengths = 2, [8192]
+    x = _inputs(lengths, heads, "standard")
+    x["dt_bias"][1, 77] = LONG_MEMORY
+    cu = cu_seqlens_of(lengths, "cuda")
+    s0 = _states(1, heads)
+    o, s = prefill_kv(x, s0, cu, "truncated")
+    o_serial, s_serial = prefill_kv(x, s0, cu, False)
+    ref_o, ref_s = float64_prefill(x, s0, cu)
+    assert reference.rel_rmse(o[:, :, 1], o_serial[:, :, 1]) <= 1e-5
+    assert reference.rel_rmse(s[:, 1], s_serial[:, 1]) <= 1e-5
+    assert reference.rel_rmse(o[:, :, 0], ref_o[:, :, 0]) <= BOUND and reference.rel_rmse(s[:, 0], ref_s[:, 0]) <= BOUND
+    assert reference.rel_rmse(o, ref_o) <= BOUND and reference.rel_rmse(s, ref_s) <= BOUND
+
+
 def test_a_long_hand_off_chain():
     """Mixed decay at H2 over 32 768 tokens: the planner cuts each chain into many pieces, none
     certifies, so every piece waits for the one before it (a chain of hand-offs in launch order)."""
