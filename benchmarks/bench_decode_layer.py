@@ -38,6 +38,9 @@ Per row, CUDA-graph replays with the L2 evicted before each (``timing.ColdReplay
   dt_bias) and ``copy_bw_fraction`` = bytes / ``ours_graph_us`` / this run's device-to-device copy
   rate (``peers.copy_bandwidth``, read + write).
 
+With ``--variants``, ``variant`` (the one ``pick_layer_variant`` takes) and ``variant_graph_us``
+(graph µs with each built ``"v_blockxitems"`` forced): the data its thresholds come from.
+
 ``meta`` holds the copy rate, the launch floor of this harness (a graph replaying a one-element
 fill) and, per pool dtype, a verify record's bytes per token and head against a full state's
 (``record_vs_state``).  The JSON is rewritten after every row, so a run cut short keeps what it
@@ -56,6 +59,8 @@ import torch
 import cula_aot
 from benchmarks import peers
 from benchmarks.timing import ColdReplay, capture_graph
+from cula_aot.ops.decode_layer import decode_layer
+from cula_aot.specs import LAYER_VARIANTS, pick_layer_variant
 
 D = 128
 W = 4
@@ -128,6 +133,12 @@ def _layer_args(x) -> dict:
 def layer_call(x):
     inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
     return lambda: cula_aot.kda_decode_layer(*inputs, **_layer_args(x), **_step_args(x))
+
+
+def variant_call(x, variant):
+    """The layer with its (v_block, items) forced (``ops.decode_layer.decode_layer``'s override)."""
+    inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    return lambda: decode_layer(*inputs, **_layer_args(x), **_step_args(x), variant=variant)
 
 
 def verify_call(x):
@@ -271,6 +282,12 @@ class Bench:
         row["ours_graph_us"] = self.graph_us(layer_call, x)
         row["copy_bw_fraction"] = row["bytes"] / (row["ours_graph_us"] * 1e-6) / self.meta["copy_bandwidth"]
         row["step_graph_us"] = self.graph_us(step_call, x)
+        if self.args.variants:
+            row["variant"] = "x".join(map(str, pick_layer_variant(n, heads, tokens, pool_dtype == torch.bfloat16)))
+            row["variant_graph_us"] = {
+                f"{v_block}x{items}": self.graph_us(lambda x, v=(v_block, items): variant_call(x, v), x)
+                for v_block, items in LAYER_VARIANTS
+            }
         if tokens > 1:
             row["verify_graph_us"] = self.graph_us(verify_call, x)
         row["ours_eager_host_us"] = host_us(layer_call(x))
@@ -357,6 +374,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="5 warm-up / 30 timed replays instead of 25 / 100")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new row after this many seconds")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time every built (v_block, items) of the layer")
     return ap.parse_args(argv)
 
 
