@@ -52,7 +52,7 @@ def test_positional_entries_build_the_call_of_their_arguments_by_name(monkeypatc
     by name."""
     monkeypatch.setattr(call_module.Inputs, "bind", classmethod(lambda cls, *arguments: arguments))
     calls = []
-    monkeypatch.setattr(decode, "run", calls.append)
+    monkeypatch.setattr(decode, "_PLANS", _CapturedDecodePlans(calls))
     monkeypatch.setattr(decode_layer, "_PLANS", _CapturedLayerPlans(calls))
 
     def step(**given):  # not tensors: the step's full path
@@ -83,9 +83,22 @@ def test_an_unknown_or_missing_option_is_a_type_error():
 def captured(monkeypatch):
     calls = []
     monkeypatch.setattr(prefill, "run", lambda call: calls.append(call) or (call.inputs.v, None))
-    monkeypatch.setattr(decode, "run", lambda call: calls.append(call) or call.inputs.v)
+    monkeypatch.setattr(decode, "_PLANS", _CapturedDecodePlans(calls))
     monkeypatch.setattr(decode_layer, "_PLANS", _CapturedLayerPlans(calls))
     return calls
+
+
+class _CapturedDecodePlans(decode._DecodePlans):
+    """Decode's plan cache recording each bound call a plan is asked for (``kda_decode`` at its
+    arguments' first call, the op at every call) and launching nothing: each returns its v."""
+
+    def __init__(self, calls: list):
+        super().__init__()
+        self.calls = calls
+
+    def get(self, call):
+        self.calls.append(call)
+        return _NoLaunch(call.inputs[2])
 
 
 class _CapturedLayerPlans(decode_layer._LayerPlans):
@@ -109,6 +122,9 @@ class _NoLaunch:
         return None
 
     def launch_checked(self, checked, out):
+        return self.v
+
+    def run(self, call):
         return self.v
 
 
