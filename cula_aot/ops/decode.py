@@ -12,7 +12,6 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..runtime.loader import raw_stream as _raw_stream
 from ..runtime.manifest import ArtifactError
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
@@ -25,7 +24,7 @@ from ..specs import (
     pick_variant,
     variant_spec,
 )
-from .plan_cache import PLAN_LIMIT, SignaturePlans
+from .plan_cache import CheckedPlan, LaunchPlans
 from .call import DecodeCall, Inputs
 from . import checks
 from .checks import fail
@@ -272,11 +271,13 @@ def launch_template(kernel, spec, static: dict, tokens: int, per_call: tuple, wh
     return template
 
 
-class _DecodePlan:
+class _DecodePlan(CheckedPlan):
     """One decode call signature's launch: validated once, the kernel variant picked and its
     template packed with the signature's static values; a call supplies its addresses, scale and
     lower_bound, and the rules that depend on them are checked again (16-byte bases, ``out`` and
     ``intermediate_states`` aliasing nothing, by the extents the signature fixes)."""
+
+    OUT = _PER_CALL.index("out")
 
     def __init__(self, call: DecodeCall):
         x = call.inputs
@@ -355,20 +356,6 @@ class _DecodePlan:
         checked = self.checked.get(key)
         return self._check(call, key) if checked is None else checked
 
-    def launch_checked(self, checked: tuple, out):
-        """Launch a checked call's (per-call values, parameter buffer), the buffer None where the
-        call allocates ``out``.  Returns ``out`` shaped like v as given."""
-        values, packed = checked
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
-            values = (*values[:_OUT], out.data_ptr(), *values[_OUT + 1 :])
-        result = out.flatten(0, 1) if self.flat else out
-        if self.num_seqs:
-            if packed is None:
-                packed = self.template.pack(values)
-            self.template.launch_buffer(packed, _raw_stream(self.device))
-        return result
-
     def _check(self, call: DecodeCall, key: tuple) -> tuple:
         """The rules a call's addresses and scalars must meet; returns its per-call values and
         parameter buffer (``launch_checked``'s), kept for the next call with the same ``key``."""
@@ -402,27 +389,11 @@ class _DecodePlan:
             scale,
             lower_bound,
         )
-        # A call that gives out repeats its whole parameter buffer: packed once.
-        checked = values, self.template.pack(values) if op and self.num_seqs else None
-        if len(self.checked) >= PLAN_LIMIT:
-            self.checked.clear()
-        self.checked[key] = checked
-        return checked
+        return self.keep(key, values)
 
 
-class _DecodePlans(SignaturePlans):
-    """Decode's plans by signature, and what their checks gave each ``kda_decode`` call
-    (``launch``): ``launches`` by the call's arguments as given, the last one found apart."""
-
-    def __init__(self):
-        super().__init__(_DecodePlan)
-        self.launches: dict = {}  # the arguments' ``launch`` key → (plan, ``_DecodePlan.check``'s)
-        self.last_launch = (None, None)
-
-
-_PLANS = _DecodePlans()
+_PLANS = LaunchPlans(_DecodePlan)
 _BF16 = torch.bfloat16
-_OUT = _PER_CALL.index("out")
 
 
 def launch(
@@ -477,23 +448,14 @@ def launch(
             type(tokens), tokens, state_layout,
         )
         # fmt: on
-        last_key, found = plans.last_launch
-        if key != last_key:
-            found = plans.launches.get(key)
-            if found is not None:
-                plans.last_launch = key, found
+        found = plans.found(key)
     except (AttributeError, TypeError, ValueError, RuntimeError):  # what the key cannot read: validation names it
         key = found = None
     if found is None:
         inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
-        call = DecodeCall.bind(inputs, pool, slots, out, tokens, state_layout, inter, status, accepted)
-        plan = plans.get(call)
-        found = plan, plan.check(call)
-        if key is not None:
-            if len(plans.launches) >= plans.limit:
-                plans.launches.clear()
-            plans.launches[key] = found
-            plans.last_launch = key, found
+        found = plans.check(
+            DecodeCall.bind(inputs, pool, slots, out, tokens, state_layout, inter, status, accepted), key
+        )
     plan, checked = found
     return plan.launch_checked(checked, out)
 

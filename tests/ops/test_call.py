@@ -10,7 +10,7 @@ import torch
 import cula_aot
 from cula_aot import KDAInputError, api, torch_op
 from cula_aot.ops import call as call_module
-from cula_aot.ops import decode, decode_layer, prefill
+from cula_aot.ops import decode, decode_layer, plan_cache, prefill
 from cula_aot.ops.call import DECODE_OPTIONS, LAYER_OPTIONS, PREFILL_OPTIONS, DecodeCall, PrefillCall
 from tests.helpers import cu_seqlens_of, standard_inputs
 
@@ -88,12 +88,12 @@ def captured(monkeypatch):
     return calls
 
 
-class _CapturedDecodePlans(decode._DecodePlans):
+class _CapturedDecodePlans(plan_cache.LaunchPlans):
     """Decode's plan cache recording each bound call a plan is asked for (``kda_decode`` at its
     arguments' first call, the op at every call) and launching nothing: each returns its v."""
 
     def __init__(self, calls: list):
-        super().__init__()
+        super().__init__(decode._DecodePlan)
         self.calls = calls
 
     def get(self, call):
@@ -101,12 +101,12 @@ class _CapturedDecodePlans(decode._DecodePlans):
         return _NoLaunch(call.inputs[2])
 
 
-class _CapturedLayerPlans(decode_layer._LayerPlans):
+class _CapturedLayerPlans(plan_cache.LaunchPlans):
     """The layer's plan cache recording each bound call a plan is asked for (every layer entry,
     the eager one at its arguments' first call) and launching nothing: each returns its v."""
 
     def __init__(self, calls: list):
-        super().__init__()
+        super().__init__(decode_layer._LayerPlan)
         self.calls = calls
 
     def get(self, call):

@@ -7,8 +7,7 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.ops.plan_cache import SignaturePlans
-from cula_aot.ops import checks, decode
+from cula_aot.ops import checks, decode, plan_cache
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
 from tests.decode_helpers import fused_inputs
@@ -34,8 +33,8 @@ def launches(monkeypatch):
     loader = FakeLoader()
     monkeypatch.setattr(decode, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
-    monkeypatch.setattr(decode, "_raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode, "_PLANS", decode._DecodePlans())
+    monkeypatch.setattr(plan_cache, "raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode, "_PLANS", plan_cache.LaunchPlans(decode._DecodePlan))
     return recorded
 
 
