@@ -88,6 +88,7 @@ for m in [
     "cula_aot.ops.prefill_plans",
     "cula_aot.ops.prepare",
     "cula_aot.ops.paths",
+    "cula_aot.ops.plan_cache",
 ]:
     try:
         mod = importlib.import_module(m)

@@ -5,7 +5,7 @@ import torch
 from .errors import fail
 from .gates import DEFAULT_GATE
 from .ops import decode, decode_layer, prefill
-from .ops.call import DecodeCall, Inputs, PrefillCall
+from .ops.call import PrefillCall
 from .runtime.loader import default_loader
 
 
@@ -224,11 +224,28 @@ def kda_decode(
     out: optional bf16 like v (written in place); returns ``out`` (allocated when not given).
     Every rule is checked before anything is written (``KDAInputError`` names the argument).
     """
-    inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
-    call = DecodeCall.bind(
-        inputs, state_pool, state_indices, out, num_tokens, state_layout, intermediate_states, status, num_accepted
+    return decode.launch(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        gate,
+        A_log,
+        dt_bias,
+        lower_bound,
+        scale,
+        beta_sigmoid,
+        qk_l2norm,
+        state_pool,
+        state_indices,
+        out,
+        num_tokens,
+        state_layout,
+        intermediate_states,
+        status,
+        num_accepted,
     )
-    return decode.run(call)
 
 
 def kda_decode_layer(

@@ -280,9 +280,9 @@ class DecodeCall(NamedTuple):
 
     @classmethod
     def bind(cls, inputs, pool, slots, out, tokens, layout, inter, status, accepted, variant=None) -> "DecodeCall":
-        """The call of its fields by position (``kda_decode`` binds its arguments itself, after
-        ``Inputs.bind``: a dict of its ``locals()`` costs it a microsecond a call, and the
-        generated constructor a ``type.__call__``)."""
+        """The call of its fields by position (``ops.decode.launch`` binds ``kda_decode``'s
+        arguments itself, after ``Inputs.bind``, at their first call: a dict of its ``locals()``
+        costs a microsecond a call, and the generated constructor a ``type.__call__``)."""
         return _new(cls, (inputs, pool, slots, out, tokens, layout, inter, status, accepted, variant))
 
     def signature(self) -> tuple:

@@ -12,7 +12,6 @@ import torch
 
 from ..layout import D
 from ..runtime.loader import default_loader
-from ..runtime.loader import raw_stream as _raw_stream
 from ..runtime.manifest import ArtifactError
 from ..specs import (
     DECODE_CHUNK_MAX_TOKENS,
@@ -25,8 +24,8 @@ from ..specs import (
     pick_variant,
     variant_spec,
 )
-from .plan_cache import SignaturePlans
-from .call import DecodeCall
+from .plan_cache import CheckedPlan, LaunchPlans
+from .call import DecodeCall, Inputs
 from . import checks
 from .checks import fail
 
@@ -273,11 +272,13 @@ def launch_template(kernel, static: dict, smem_bytes: int, per_call: tuple, whos
     return template
 
 
-class _DecodePlan:
+class _DecodePlan(CheckedPlan):
     """One decode call signature's launch: validated once, the kernel variant picked and its
     template packed with the signature's static values; a call supplies its addresses, scale and
     lower_bound, and the rules that depend on them are checked again (16-byte bases, ``out`` and
     ``intermediate_states`` aliasing nothing, by the extents the signature fixes)."""
+
+    OUT = _PER_CALL.index("out")
 
     def __init__(self, call: DecodeCall):
         x = call.inputs
@@ -326,40 +327,49 @@ class _DecodePlan:
         inter = call.intermediate_states
         self.inter_bounds = None if inter is None else _overlap_bounds(_extent(inter), _extent(state_pool))
 
+        self.checked: dict = {}  # the call's addresses and raw scalars → ``_check``'s
+
     def run(self, call: DecodeCall):
+        return self.launch_checked(self.check(call), call.out)
+
+    def check(self, call: DecodeCall) -> tuple:
+        """The call's per-call values and parameter buffer (``launch_checked``'s), checked at the
+        first call with its addresses and scalars."""
         x, state_pool, state_indices, out, _, _, inter, status, accepted, _ = call
         q, k, v, g, beta, (_, a_log, dt_bias, lower_bound), scale, _ = x
-        lower_bound, scale = checks.check_scalars(lower_bound, scale)
-        qp, kp, vp, gp, bp = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr()
-        ap, dp, pp, xp = a_log.data_ptr(), dt_bias.data_ptr(), state_pool.data_ptr(), state_indices.data_ptr()
-        ip = 0 if inter is None else inter.data_ptr()
-        op = 0 if out is None else out.data_ptr()
-        sp = 0 if status is None else status.data_ptr()
-        np_ = 0 if accepted is None else accepted.data_ptr()
+        key = (
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            g.data_ptr(),
+            beta.data_ptr(),
+            a_log.data_ptr(),
+            dt_bias.data_ptr(),
+            state_indices.data_ptr(),
+            state_pool.data_ptr(),
+            0 if inter is None else inter.data_ptr(),
+            0 if out is None else out.data_ptr(),
+            0 if status is None else status.data_ptr(),
+            0 if accepted is None else accepted.data_ptr(),
+            lower_bound,
+            scale,
+        )
+        checked = self.checked.get(key)
+        return self._check(call, key) if checked is None else checked
+
+    def _check(self, call: DecodeCall, key: tuple) -> tuple:
+        """The rules a call's addresses and scalars must meet; returns its per-call values and
+        parameter buffer (``launch_checked``'s), kept for the next call with the same ``key``."""
+        qp, kp, vp, gp, bp, ap, dp, xp, pp, ip, op, sp, np_ = key[:-2]
+        lower_bound, scale = checks.check_scalars(key[-2], key[-1])
         if (qp | kp | vp | gp | ap | dp | pp | ip | op | sp) & (_ALIGN - 1):
             validate(call)  # names the misaligned argument
-        if inter is not None and self.inter_bounds[0] < pp - ip < self.inter_bounds[1]:
+        if ip and self.inter_bounds[0] < pp - ip < self.inter_bounds[1]:
             fail("intermediate_states must not overlap state_pool")
-        if out is not None:
-            # Spelled out (a loop costs ~0.3 µs more); the loop below only names the input.
-            (q0, q1), (k0, k1), (v0, v1), (g0, g1), (b0, b1), (p0, p1) = self.alias_bounds
-            if (
-                q0 < qp - op < q1
-                or k0 < kp - op < k1
-                or v0 < vp - op < v1
-                or g0 < gp - op < g1
-                or b0 < bp - op < b1
-                or p0 < pp - op < p1
-            ):
-                for name, tp, (lo, hi) in zip(_INPUT_NAMES, (qp, kp, vp, gp, bp, pp), self.alias_bounds):
-                    if lo < tp - op < hi:
-                        fail(f"out must not alias {name}")
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
-            op = out.data_ptr()
-        result = out.flatten(0, 1) if self.flat else out
-        if self.num_seqs == 0:
-            return result
+        if op:
+            for name, tp, (lo, hi) in zip(_INPUT_NAMES, (qp, kp, vp, gp, bp, pp), self.alias_bounds):
+                if lo < tp - op < hi:
+                    fail(f"out must not alias {name}")
         beta_skew, index_skew = bp & (_ALIGN - 1), xp & (_ALIGN - 1)
         values = (
             qp,
@@ -380,11 +390,75 @@ class _DecodePlan:
             scale,
             lower_bound,
         )
-        self.template.launch_values(values, _raw_stream(self.device))
-        return result
+        return self.keep(key, values)
 
 
-_PLANS = SignaturePlans(_DecodePlan)
+_PLANS = LaunchPlans(_DecodePlan)
+_BF16 = torch.bfloat16
+
+
+def launch(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    gate,
+    A_log,
+    dt_bias,
+    lower_bound,
+    scale,
+    beta_sigmoid,
+    qk_l2norm,
+    pool,
+    slots,
+    out,
+    tokens,
+    state_layout,
+    inter,
+    status,
+    accepted,
+):
+    """``kda_decode`` of its arguments by position: a call whose arguments (each tensor's layout
+    and address, every option) equal an earlier one's launches what that one's checks gave; any
+    other is bound, planned and checked first."""
+    plans = _PLANS
+    try:
+        if A_log is None or dt_bias is None or g.dtype is not _BF16 or beta.dtype is not _BF16:
+            raise TypeError  # binding would make new tensors; past here g and β are bf16 (unkeyed dtypes)
+        # Spelled out (the layout and address of each tensor, none of them read twice).
+        # fmt: off
+        key = (
+            q.shape, q.stride(), q.dtype, q.get_device(), q.data_ptr(),
+            k.shape, k.stride(), k.dtype, k.get_device(), k.data_ptr(),
+            v.shape, v.stride(), v.dtype, v.get_device(), v.data_ptr(),
+            g.shape, g.stride(), g.get_device(), g.data_ptr(),
+            beta.shape, beta.stride(), beta.get_device(), beta.data_ptr(),
+            A_log.shape, A_log.stride(), A_log.dtype, A_log.get_device(), A_log.data_ptr(),
+            dt_bias.shape, dt_bias.stride(), dt_bias.dtype, dt_bias.get_device(), dt_bias.data_ptr(),
+            pool.shape, pool.stride(), pool.dtype, pool.get_device(), pool.data_ptr(),
+            slots.shape, slots.stride(), slots.dtype, slots.get_device(), slots.data_ptr(),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.get_device(), out.data_ptr()),
+            None if inter is None else (inter.shape, inter.stride(), inter.dtype, inter.get_device(), inter.data_ptr()),
+            None if status is None else (status.shape, status.stride(), status.dtype, status.get_device(),
+                                         status.data_ptr()),
+            None if accepted is None else (accepted.shape, accepted.stride(), accepted.dtype,
+                                           accepted.get_device(), accepted.data_ptr()),
+            # The types where binding refuses what the values equal: 1 == True, but only True passes.
+            gate, lower_bound, scale, type(beta_sigmoid), beta_sigmoid, type(qk_l2norm), qk_l2norm,
+            type(tokens), tokens, state_layout,
+        )
+        # fmt: on
+        found = plans.found(key)
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # what the key cannot read: validation names it
+        key = found = None
+    if found is None:
+        inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
+        found = plans.check(
+            DecodeCall.bind(inputs, pool, slots, out, tokens, state_layout, inter, status, accepted), key
+        )
+    plan, checked = found
+    return plan.launch_checked(checked, out)
 
 
 def decode(q, k, v, g, beta, **options):

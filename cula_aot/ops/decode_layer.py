@@ -16,11 +16,11 @@ import torch
 
 from ..gates import DEFAULT_GATE
 from ..layout import D
-from ..runtime.loader import default_loader, raw_stream
+from ..runtime.loader import default_loader
 from .. import specs  # the layer's ``specs.LAYER_FLAG_*`` bits
 from ..specs import CONV_WIDTH, DecodeLayerSpec, pick_layer_variant
 from ..drafts import Drafts, draft_shape
-from .plan_cache import PLAN_LIMIT, SignaturePlans
+from .plan_cache import PLAN_LIMIT, CheckedPlan, LaunchPlans
 from .call import DecodeLayerCall, Inputs, _parts
 from . import checks, decode
 from .checks import fail
@@ -222,7 +222,6 @@ _PER_CALL = (
     "lower_bound",
     "norm_eps",
 )
-_OUT = _PER_CALL.index("out")
 # Addresses the kernel reads element by element (any alignment of their dtype).
 _UNALIGNED = frozenset(("beta", "state_indices", "draft_marks", "num_accepted", *(f"conv_state_{s}" for s in _STREAMS)))
 
@@ -244,13 +243,15 @@ def _three_addresses(argument, recipe) -> tuple:
     return argument[0].data_ptr() + a, argument[1].data_ptr() + b, argument[2].data_ptr() + c
 
 
-class _LayerPlan:
+class _LayerPlan(CheckedPlan):
     """One layer call signature's launch, validated once (as ``decode._DecodePlan``).  A call of
     the signature supplies its addresses (a packed argument's channel slices at the byte offsets
     the plan recorded) and scalars; the rules that depend on them (16-byte bases, nothing written
     aliasing anything else addressed, the scalars' ranges) are checked for each new combination
     and the combinations that passed are kept, so a serving loop that reuses its buffers pays a
     dictionary lookup."""
+
+    OUT = _PER_CALL.index("out")
 
     def __init__(self, call: DecodeLayerCall):
         step, x = call.step, call.step.inputs
@@ -387,20 +388,6 @@ class _LayerPlan:
             checked = self._check(make_call(), key)
         return self.launch_checked(checked, out)
 
-    def launch_checked(self, checked: tuple, out):
-        """Launch a checked call's (per-call values, parameter buffer), the buffer None where the
-        call allocates ``out``."""
-        values, packed = checked
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
-            values = (*values[:_OUT], out.data_ptr(), *values[_OUT + 1 :])
-        result = out.flatten(0, 1) if self.flat else out
-        if self.num_seqs:
-            if packed is None:
-                packed = self.template.pack(values)
-            self.template.launch_buffer(packed, raw_stream(self.device))
-        return result
-
     def _check(self, call: DecodeLayerCall, key: tuple) -> tuple:
         """The rules a call's addresses and scalars must meet; returns its per-call values and
         parameter buffer (``launch_checked``'s), kept for the next call with the same ``key``."""
@@ -425,25 +412,10 @@ class _LayerPlan:
             lower_bound,
             eps,
         )
-        # A call that gives out repeats its whole parameter buffer: packed once.
-        checked = values, self.template.pack(values) if key[_OUT] and self.num_seqs else None
-        if len(self.checked) >= PLAN_LIMIT:
-            self.checked.clear()
-        self.checked[key] = checked
-        return checked
+        return self.keep(key, values)
 
 
-class _LayerPlans(SignaturePlans):
-    """The layer's plans by signature, and what their checks gave each ``kda_decode_layer`` call
-    (``launch``): ``launches`` by the call's arguments as given, the last one found apart."""
-
-    def __init__(self):
-        super().__init__(_LayerPlan)
-        self.launches: dict = {}  # the arguments' ``launch`` key → (plan, ``_LayerPlan.check``'s)
-        self.last_launch = (None, None)
-
-
-_PLANS = _LayerPlans()
+_PLANS = LaunchPlans(_LayerPlan)
 _BF16 = torch.bfloat16
 
 
@@ -526,23 +498,13 @@ def launch(
             type(tokens), tokens, state_layout, conv_layout, eps, verify,
         )
         # fmt: on
-        last_key, found = plans.last_launch
-        if key != last_key:
-            found = plans.launches.get(key)
-            if found is not None:
-                plans.last_launch = key, found
+        found = plans.found(key)
     except (AttributeError, TypeError, ValueError, RuntimeError):  # what the key cannot read: validation names it
         key = found = None
     if found is None:
         inputs = Inputs.bind(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, scale, beta_sigmoid, qk_l2norm)
         call = DecodeLayerCall.bind(inputs, pool, slots, out, tokens, state_layout, status, conv, norm, speculation)
-        plan = plans.get(call)
-        found = plan, plan.check(call)
-        if key is not None:
-            if len(plans.launches) >= plans.limit:
-                plans.launches.clear()
-            plans.launches[key] = found
-            plans.last_launch = key, found
+        found = plans.check(call, key)
     plan, checked = found
     return plan.launch_checked(checked, out)
 

@@ -1,5 +1,7 @@
 """The plan caches: the prefill's (``PlanCache``: launch plans by call, the cache owning every
-key) and decode's and the fused layer's (``SignaturePlans``: by signature alone).
+key) and decode's and the fused layer's (``SignaturePlans``: by signature alone; ``LaunchPlans``
+adds what each plan's checks gave an eager call, by its arguments as given, and ``CheckedPlan``
+the plans' side of it).
 
 A call's ``PrefillCall.signature`` (shapes, strides, dtypes, devices and options) finds the plan
 its first call built.  Where that plan's choice turned on the call's host lengths
@@ -8,6 +10,9 @@ twin's elision), ``find`` reads this call's lengths and looks up the plan they p
 that adds them; ``keep`` files a new plan under every key that should find it.
 """
 
+import torch
+
+from ..runtime.loader import raw_stream
 from .call import PrefillCall
 from .checks import read_host_cu
 from .paths import equal_tile_counts, longest, resolve_split
@@ -46,6 +51,72 @@ class SignaturePlans:
                 self._plans[key] = plan
                 self._last = key, plan
         return plan
+
+
+class LaunchPlans(SignaturePlans):
+    """``SignaturePlans`` and, for the eager entry (``ops.decode.launch``,
+    ``ops.decode_layer.launch``), each call's (plan, the plan's ``check`` of it) by a key of the
+    call's arguments as given (every tensor's layout and address, every option): a repeat binds
+    nothing.  The last key found is compared before the dict is hashed."""
+
+    def __init__(self, make):
+        super().__init__(make)
+        self.launches: dict = {}
+        self.last_launch = (None, None)
+
+    def found(self, key):
+        """(plan, checked) kept for the arguments' ``key``, or None."""
+        last_key, found = self.last_launch
+        if key != last_key:
+            found = self.launches.get(key)
+            if found is not None:
+                self.last_launch = key, found
+        return found
+
+    def check(self, call, key):
+        """The plan of ``call`` and its ``check`` of it, kept under ``key`` unless None (arguments
+        a key cannot read, or that binding had to convert)."""
+        plan = self.get(call)
+        found = plan, plan.check(call)
+        if key is not None:
+            if len(self.launches) >= self.limit:
+                self.launches.clear()
+            self.launches[key] = found
+            self.last_launch = key, found
+        return found
+
+
+class CheckedPlan:
+    """A token-step plan's (decode's, the layer's) side of ``LaunchPlans``: per combination of a
+    call's addresses and scalars, the per-call values its checks gave and, when the call gives
+    ``out``, the packed parameter buffer.  A plan sets ``out_shape``, ``flat``, ``num_seqs``,
+    ``template``, ``device`` and ``OUT`` (out's index among its per-call values)."""
+
+    OUT: int
+
+    def keep(self, key: tuple, values: tuple) -> tuple:
+        """(values, their parameter buffer, or None where the call allocates out), kept under
+        ``key``: a call that gives out repeats its whole buffer, packed once."""
+        checked = values, self.template.pack(values) if values[self.OUT] and self.num_seqs else None
+        if len(self.checked) >= PLAN_LIMIT:
+            self.checked.clear()
+        self.checked[key] = checked
+        return checked
+
+    def launch_checked(self, checked: tuple, out):
+        """Launch a checked call's (per-call values, parameter buffer), ``out`` allocated when
+        None.  Returns ``out`` as the caller shaped q (token-major input: token-major output)."""
+        values, packed = checked
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
+            values = (*values[: self.OUT], out.data_ptr(), *values[self.OUT + 1 :])
+            packed = None
+        result = out.flatten(0, 1) if self.flat else out
+        if self.num_seqs:
+            if packed is None:
+                packed = self.template.pack(values)
+            self.template.launch_buffer(packed, raw_stream(self.device))
+        return result
 
 
 class PlanCache:

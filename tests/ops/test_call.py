@@ -10,7 +10,7 @@ import torch
 import cula_aot
 from cula_aot import KDAInputError, api, torch_op
 from cula_aot.ops import call as call_module
-from cula_aot.ops import decode, decode_layer, prefill
+from cula_aot.ops import decode, decode_layer, plan_cache, prefill
 from cula_aot.ops.call import DECODE_OPTIONS, LAYER_OPTIONS, PREFILL_OPTIONS, DecodeCall, PrefillCall
 from tests.helpers import cu_seqlens_of, standard_inputs
 
@@ -52,7 +52,7 @@ def test_positional_entries_build_the_call_of_their_arguments_by_name(monkeypatc
     by name."""
     monkeypatch.setattr(call_module.Inputs, "bind", classmethod(lambda cls, *arguments: arguments))
     calls = []
-    monkeypatch.setattr(decode, "run", calls.append)
+    monkeypatch.setattr(decode, "_PLANS", _CapturedDecodePlans(calls))
     monkeypatch.setattr(decode_layer, "_PLANS", _CapturedLayerPlans(calls))
 
     def step(**given):  # not tensors: the step's full path
@@ -83,17 +83,30 @@ def test_an_unknown_or_missing_option_is_a_type_error():
 def captured(monkeypatch):
     calls = []
     monkeypatch.setattr(prefill, "run", lambda call: calls.append(call) or (call.inputs.v, None))
-    monkeypatch.setattr(decode, "run", lambda call: calls.append(call) or call.inputs.v)
+    monkeypatch.setattr(decode, "_PLANS", _CapturedDecodePlans(calls))
     monkeypatch.setattr(decode_layer, "_PLANS", _CapturedLayerPlans(calls))
     return calls
 
 
-class _CapturedLayerPlans(decode_layer._LayerPlans):
+class _CapturedDecodePlans(plan_cache.LaunchPlans):
+    """Decode's plan cache recording each bound call a plan is asked for (``kda_decode`` at its
+    arguments' first call, the op at every call) and launching nothing: each returns its v."""
+
+    def __init__(self, calls: list):
+        super().__init__(decode._DecodePlan)
+        self.calls = calls
+
+    def get(self, call):
+        self.calls.append(call)
+        return _NoLaunch(call.inputs[2])
+
+
+class _CapturedLayerPlans(plan_cache.LaunchPlans):
     """The layer's plan cache recording each bound call a plan is asked for (every layer entry,
     the eager one at its arguments' first call) and launching nothing: each returns its v."""
 
     def __init__(self, calls: list):
-        super().__init__()
+        super().__init__(decode_layer._LayerPlan)
         self.calls = calls
 
     def get(self, call):
@@ -109,6 +122,9 @@ class _NoLaunch:
         return None
 
     def launch_checked(self, checked, out):
+        return self.v
+
+    def run(self, call):
         return self.v
 
 

@@ -7,7 +7,7 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.ops import checks, decode_layer
+from cula_aot.ops import checks, decode_layer, plan_cache
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
 from tests.decode_helpers import fused_inputs
@@ -34,8 +34,8 @@ def launches(monkeypatch):
     loader = FakeLoader()
     monkeypatch.setattr(decode_layer, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
-    monkeypatch.setattr(decode_layer, "raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode_layer, "_PLANS", decode_layer._LayerPlans())
+    monkeypatch.setattr(plan_cache, "raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode_layer, "_PLANS", plan_cache.LaunchPlans(decode_layer._LayerPlan))
     return recorded
 
 

@@ -7,8 +7,7 @@ import torch
 
 import cula_aot
 from cula_aot import KDAInputError
-from cula_aot.ops.plan_cache import SignaturePlans
-from cula_aot.ops import checks, decode
+from cula_aot.ops import checks, decode, plan_cache
 from cula_aot.runtime.loader import LoadedKernel
 from cula_aot.runtime.manifest import Manifest
 from tests.decode_helpers import fused_inputs
@@ -34,8 +33,8 @@ def launches(monkeypatch):
     loader = FakeLoader()
     monkeypatch.setattr(decode, "default_loader", lambda: loader)
     monkeypatch.setattr(checks, "check_device", lambda device: None)
-    monkeypatch.setattr(decode, "_raw_stream", lambda device: 0)
-    monkeypatch.setattr(decode, "_PLANS", SignaturePlans(decode._DecodePlan))
+    monkeypatch.setattr(plan_cache, "raw_stream", lambda device: 0)
+    monkeypatch.setattr(decode, "_PLANS", plan_cache.LaunchPlans(decode._DecodePlan))
     return recorded
 
 
@@ -231,3 +230,28 @@ def test_the_plan_supplies_the_per_call_parameters_in_the_specs_order():
     from cula_aot.specs import DECODE_PARAMS
 
     assert decode._PER_CALL == tuple(p.name for p in DECODE_PARAMS if p.per_call)
+
+
+def test_a_repeated_decode_call_launches_its_checked_parameters(launches):
+    """``kda_decode`` keeps what a call's check gave by its arguments: the repeat launches the same
+    parameters; a changed address or option is checked again before any launch; a call whose
+    binding makes tensors (g converted to bf16) launches without being kept."""
+    out = torch.empty(N, T, H, D, dtype=torch.bfloat16)
+    args = _args(seed=5, out=out)
+    _call(args)
+    _call(args)
+    assert len(launches) == 2 and launches[0] == launches[1]
+    assert len(decode._PLANS.launches) == 1
+    alias = torch.as_strided(args["v"], (N, T, H, D), out.stride())
+    with pytest.raises(KDAInputError, match="out must not alias"):
+        _call({**args, "out": alias})
+    with pytest.raises(KDAInputError, match=r"beta_sigmoid must be True or False, got 1"):
+        _call({**args, "beta_sigmoid": 1})
+    with pytest.raises(KDAInputError, match=r"lower_bound must be in \[-5, 0\)"):
+        _call({**args, "lower_bound": 0.5})
+    assert len(launches) == 2
+    _call({**args, "g": args["g"].float()})
+    assert len(launches) == 3 and len(decode._PLANS.launches) == 1
+    _call({**args, "out": None})  # out allocated: the kept values with its address
+    assert len(launches) == 4 and launches[3][0]["out"] != launches[0][0]["out"]
+    assert {**launches[3][0], "out": 0} == {**launches[0][0], "out": 0}
