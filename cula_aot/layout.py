@@ -7,6 +7,7 @@ numbered ``head · total_slots + tile_slot`` (see ``cula_aot/kernels/k1_prepare.
 
 D = 128
 CHUNK = 16
+MAX_SEQS = 65535  # the CUDA grid's z extent: every kernel runs a sequence (or a piece of one) per z index
 IMAGE_BYTES = CHUNK * D * 2
 # Input tiles (q, k, g) reach shared memory as blocks of 32 columns (``kernels.common``'s
 # ``input_tile_layout``; the TMA recipe ``specs.token_tma`` and its runtime values follow it).

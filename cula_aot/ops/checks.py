@@ -6,11 +6,19 @@ values).  Each raises ``KDAInputError`` naming the argument and the fix."""
 import torch
 
 from ..errors import KDAInputError, fail  # noqa: F401 (KDAInputError: re-exported)
-from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, D
+from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, MAX_SEQS, D
 
 DEFAULT_SCALE = D**-0.5
 STATE_LAYOUTS = ("vk", "kv")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_num_seqs(num_seqs: int, what: str) -> None:
+    """The sequences of one call fit the grid (every kernel puts them on its z axis)."""
+    if num_seqs > MAX_SEQS:
+        fail(f"{what} has {num_seqs} sequences; one call runs at most {MAX_SEQS}: split the batch into calls")
+
+
 INT32_MAX = 2**31 - 1
 
 

@@ -134,6 +134,7 @@ def validate(call: DecodeCall, device_check: bool = True):
         beta = _as_4d("beta", beta, tokens)
         out = None if out is None else _as_4d("out", out, tokens)
     num_seqs, tokens, heads, dim = q.shape
+    checks.check_num_seqs(num_seqs, "q")
     if dim != D:
         fail(f"head dim must be {D} (cula_aot builds D = K = V = {D} only), got q.shape[-1] = {dim}")
     if num_tokens is not None and tokens != num_tokens:

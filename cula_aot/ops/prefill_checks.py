@@ -18,6 +18,7 @@ from .checks import (
     check_cu_seqlens,
     check_device,
     check_dtype_shape,
+    check_num_seqs,
     check_scalars,
     check_slot_indices,
     check_state,
@@ -222,6 +223,7 @@ def validate(call: PrefillCall) -> Checked:
         host_cu = read_host_cu(cu_seqlens, cu_seqlens_cpu, seqlens_checked, seq_len)
     elif cu_seqlens_cpu is not None:
         fail("cu_seqlens_cpu was given without cu_seqlens")
+    check_num_seqs(num_seqs, "cu_seqlens" if cu_seqlens is not None else "q")
 
     # States: plain [N, H, 128, 128], or pools [slots, H, 128, 128] addressed by state_indices.
     initial_state, final_state = call.initial_state, call.final_state

@@ -223,3 +223,9 @@ def test_every_pick_is_a_built_kernel():
     assert pick_variant(16, 64, 5, True)[0] != "chunk" and pick_variant(16, 64, 4, False)[0] != "chunk"
     # every gate has the chunk kernel (the unbounded ones without the deferred decay)
     assert all(pick_variant(16, 64, 3, True, gate=gate) == ("chunk", 2, 4) for gate in GATES)
+
+
+def test_more_sequences_than_the_grid_holds_is_refused(args):
+    q = torch.zeros(65536, T, H, D, dtype=torch.bfloat16)
+    with pytest.raises(KDAInputError, match="q has 65536 sequences; one call runs at most 65535: split the batch"):
+        _call(args, q=q)

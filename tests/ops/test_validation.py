@@ -240,3 +240,13 @@ def test_unbounded_gates_take_fla_defaults_and_reach_the_device_check(inputs, ga
     extra = {"A_log": None, "dt_bias": None} if gate == "precomputed" else {"A_log": None}
     with pytest.raises(KDAInputError, match="inputs are on cpu"):
         _call(inputs, gate=gate, lower_bound=None, **extra)
+
+
+def test_more_sequences_than_the_grid_holds_is_refused():
+    inputs = standard_inputs(1, 65536, 1, seed=2)
+    cu = torch.arange(65537, dtype=torch.int64)
+    with pytest.raises(KDAInputError, match="cu_seqlens has 65536 sequences; one call runs at most 65535"):
+        _call(inputs, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    fixed = {name: t.view(65536, 1, *t.shape[2:]) for name, t in inputs.items() if name in ("q", "k", "v", "g", "beta")}
+    with pytest.raises(KDAInputError, match="q has 65536 sequences"):
+        _call({**inputs, **fixed})
