@@ -32,7 +32,7 @@ grid of others, against a benchmark run's forced splits.
 import dataclasses
 import heapq
 
-from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
+from ..layout import CHUNK, MAX_SEQS, fixed_total_slots, varlen_slot_base
 from ..specs import K2_CTAS_PER_SM, PIECE_WARMUP_TILES
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
@@ -176,13 +176,18 @@ def makespan_us(items, sms: int, tile_us: float = FUSED_TILE_US, item_us: float 
 
 
 def fused_piece_tiles(lengths, heads: int, sm_count: int) -> int:
-    """The piece length (tiles) the makespan model prefers; the longer of equals."""
+    """The piece length (tiles) the makespan model prefers, the longer of equals, among those that
+    keep the pieces on the grid's z axis (``MAX_SEQS``; whole sequences always do)."""
     tiles = [-(-n // CHUNK) for n in lengths]
     longest, work = max(max(tiles), 1), sum(tiles) * heads
     candidates = {longest}
     for waves in range(1, FUSED_PIECE_WAVES + 1):
         candidates.add(min(longest, max(FUSED_PIECE_MIN_TILES, -(-work // (waves * sm_count)))))
-    scored = [(makespan_us(piece_items(lengths, heads, p), sm_count), -p) for p in candidates]
+    scored = [
+        (makespan_us(piece_items(lengths, heads, p), sm_count), -p)
+        for p in candidates
+        if p == longest or sum(piece_counts(tiles, p)) <= MAX_SEQS
+    ]
     return -min(scored)[1]
 
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cula_aot.layout import MAX_SEQS
 from cula_aot.ops import cp_plan
 from cula_aot.specs import PIECE_WARMUP_TILES
 
@@ -58,6 +59,17 @@ def test_best_piece_fills_the_machine():
     )
     # Enough chains to fill the machine already: no cut (H16 8x2048: 128 chains of 128 tiles).
     assert cp_plan.fused_piece_tiles([2048] * 8, 16, 132) == 128
+
+
+def test_pieces_stay_on_the_grids_z_axis():
+    """65 500 one-tile sequences and a long one: the cut the model scores best (96 tiles) puts
+    65 605 pieces on the grid's z axis, more than ``MAX_SEQS``, so a coarser one is taken."""
+    lengths = [16] * 65500 + [16 * 10000]
+    tiles = [-(-n // 16) for n in lengths]
+    piece = cp_plan.fused_piece_tiles(lengths, 1, 132)
+    assert sum(cp_plan.piece_counts(tiles, 96)) > MAX_SEQS >= sum(cp_plan.piece_counts(tiles, piece))
+    best = cp_plan.makespan_us(cp_plan.piece_items(lengths, 1, 96), 132)
+    assert best < cp_plan.makespan_us(cp_plan.piece_items(lengths, 1, piece), 132)
 
 
 @settings(max_examples=60, deadline=None)
