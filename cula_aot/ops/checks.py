@@ -11,15 +11,13 @@ from ..layout import FLAG_BETA_PROBABILITY, FLAG_QK_AS_GIVEN, MAX_SEQS, D
 DEFAULT_SCALE = D**-0.5
 STATE_LAYOUTS = ("vk", "kv")
 STATE_DTYPES = (torch.float32, torch.bfloat16)
+INT32_MAX = 2**31 - 1
 
 
 def check_num_seqs(num_seqs: int, what: str) -> None:
     """The sequences of one call fit the grid (every kernel puts them on its z axis)."""
     if num_seqs > MAX_SEQS:
         fail(f"{what} has {num_seqs} sequences; one call runs at most {MAX_SEQS}: split the batch into calls")
-
-
-INT32_MAX = 2**31 - 1
 
 
 def check_dtype_shape(name, t, dtype, shape, device) -> None:

@@ -89,8 +89,9 @@ class LaunchPlans(SignaturePlans):
 class CheckedPlan:
     """A token-step plan's (decode's, the layer's) side of ``LaunchPlans``: per combination of a
     call's addresses and scalars, the per-call values its checks gave and, when the call gives
-    ``out``, the packed parameter buffer.  A plan sets ``out_shape``, ``flat``, ``num_seqs``,
-    ``template``, ``device`` and ``OUT`` (out's index among its per-call values)."""
+    ``out``, the packed parameter buffer, in its ``checked`` dict.  A plan sets ``checked``,
+    ``out_shape``, ``flat``, ``num_seqs``, ``template``, ``device`` and ``OUT`` (out's index among
+    its per-call values)."""
 
     OUT: int
 
@@ -104,13 +105,12 @@ class CheckedPlan:
         return checked
 
     def launch_checked(self, checked: tuple, out):
-        """Launch a checked call's (per-call values, parameter buffer), ``out`` allocated when
-        None.  Returns ``out`` as the caller shaped q (token-major input: token-major output)."""
+        """Launch a checked call's (per-call values, parameter buffer: None where the call
+        allocates ``out``), ``out`` allocated when None.  Returns ``out`` as the caller shaped q (token-major input: token-major output)."""
         values, packed = checked
         if out is None:
             out = torch.empty(self.out_shape, dtype=torch.bfloat16, device=self.device)
             values = (*values[: self.OUT], out.data_ptr(), *values[self.OUT + 1 :])
-            packed = None
         result = out.flatten(0, 1) if self.flat else out
         if self.num_seqs:
             if packed is None:
