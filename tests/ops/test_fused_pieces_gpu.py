@@ -1,7 +1,7 @@
 """The fused kernel over certified pieces (``intracard_cp="truncated"``) where its table and its
 hand-offs matter: CUDA-graph replays (the ready flags are zeroed by a memset node each time, so a
 replay's waits never see an earlier replay's flags), state pools (fp32 and bf16, both layouts,
-padding slots, an empty sequence), the softplus gate, and a long hand-off chain (every piece of a
+padding slots), the softplus gate, and a long hand-off chain (every piece of a
 mixed-decay sequence waits for the one before it).  Float64 and the serial path are the
 references; ``test_pieces_gpu.py`` covers the decay regimes."""
 
@@ -42,6 +42,7 @@ def test_graph_replays_equal_the_eager_call(regime):
     heads, lengths = 3, [5000, 1200]
     static = _inputs(lengths, heads, regime)
     cu = cu_seqlens_of(lengths, "cuda")
+    cu_cpu = cu.cpu()  # a copy to the host cannot be captured
     s0 = _states(2, heads)
     out = torch.empty_like(static["v"])
     final = torch.empty(2, heads, 128, 128, device="cuda")
@@ -54,7 +55,7 @@ def test_graph_replays_equal_the_eager_call(regime):
             lower_bound=static["lower_bound"],
             initial_state=s0,
             cu_seqlens=cu,
-            cu_seqlens_cpu=cu.cpu(),
+            cu_seqlens_cpu=cu_cpu,
             out=out,
             final_state=final,
             intracard_cp="truncated",
@@ -82,11 +83,13 @@ def test_graph_replays_equal_the_eager_call(regime):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 pool", "bf16 pool"])
 @pytest.mark.parametrize("layout", ["vk", "kv"])
 @pytest.mark.parametrize("regime", ["standard", "mixed"])
-def test_pools_padding_and_an_empty_sequence(dtype, layout, regime):
-    heads, lengths = 2, [4100, 0, 2000, 33]
+def test_pools_and_padding(dtype, layout, regime):
+    """Pool slots in both layouts and dtypes, one padded sequence.  (An empty sequence never reaches
+    this kernel: the pieces are planned from host lengths, which refuse it up front.)"""
+    heads, lengths = 2, [4100, 2000, 33]
     x = _inputs(lengths, heads, regime)
     cu = cu_seqlens_of(lengths, "cuda")
-    slots = torch.tensor([5, 1, -1, 3], dtype=torch.int32, device="cuda")  # slot -1: padding
+    slots = torch.tensor([5, -1, 3], dtype=torch.int32, device="cuda")  # slot -1: padding
     pool = (0.1 * torch.randn(7, heads, 128, 128, device="cuda")).to(dtype)
     results = {}
     for path in ("truncated", False):
@@ -112,15 +115,13 @@ def test_pools_padding_and_an_empty_sequence(dtype, layout, regime):
     # Every output written; the padded sequence starts from zero and writes no state, so the slots
     # no sequence names are untouched.
     assert torch.isfinite(o).all()
-    assert torch.equal(written[[0, 2, 4, 6]], pool.float()[[0, 2, 4, 6]])
-    s0 = pool.float()[[5, 1, 3, 3]]
-    s0[2] = 0.0
+    assert torch.equal(written[[0, 1, 2, 4, 6]], pool.float()[[0, 1, 2, 4, 6]])
+    s0 = pool.float()[[5, 3, 3]]
+    s0[1] = 0.0
     ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o, ref_o) <= BOUND
-    assert reference.rel_rmse(written[[5, 1, 3]], ref_s[[0, 1, 3]]) <= BOUND
+    assert reference.rel_rmse(written[[5, 3]], ref_s[[0, 2]]) <= BOUND
     assert reference.rel_rmse(o, o_serial) <= 5e-3 and reference.rel_rmse(written, written_serial) <= 5e-3
-    # The empty sequence's final state is its initial state.
-    assert torch.allclose(written[1], pool.float()[1], atol=1e-2 if dtype == torch.bfloat16 else 0)
 
 
 @pytest.mark.parametrize("regime", ["standard", "mixed"])
@@ -162,7 +163,9 @@ def test_one_long_memory_channel_hands_its_head_off_exactly():
     cu = cu_seqlens_of(lengths, "cuda")
     s0 = _states(1, heads)
     o, s = prefill_kv(x, s0, cu, "truncated")
-    o_serial, s_serial = prefill_kv(x, s0, cu, False)
+    # The serial fused kernel does the same arithmetic per tile (K1 + K2, which the serial path
+    # would pick at two heads, differs from it by bf16 rounding, ~7e-5).
+    o_serial, s_serial = prefill_kv(x, s0, cu, False, fused=True)
     ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o[:, :, 1], o_serial[:, :, 1]) <= 1e-5
     assert reference.rel_rmse(s[:, 1], s_serial[:, 1]) <= 1e-5
