@@ -23,10 +23,14 @@ Per row, CUDA-graph replays with the L2 evicted before each (``timing.ColdReplay
   their records instead of the pool's state;
 * ``fla_graph_us``: fla's decode of the same layer as vLLM calls it: three
   ``causal_conv1d_update`` on per-request caches (T > 1: ``causal_conv1d`` from the caches as
-  initial states, each cache then written back), ``fused_recurrent_kda_fwd`` with the state read
-  from and written to the pool in place through ``ssm_state_indices`` (T = 1: ``[N]``, the pool's
-  slots; T > 1: vLLM's speculative contract, ``[N, T]`` slots of a pool of N·T states, one state
-  written per token, ``num_accepted_tokens`` 1), then ``FusedRMSNormGated``.  (fla's public
+  initial states, each cache then written back), ``fused_recurrent_kda_fwd``, then
+  ``FusedRMSNormGated``.  T = 1: the state read from and written to the pool in place through
+  ``[N]`` ``ssm_state_indices``, the pool's slots.  T > 1: its ``[N, T]`` index path (vLLM's
+  speculative contract, a state written per token) failed with cudaErrorInvalidAddressSpace at
+  the first graph replay on an H100 (2026-12-08, fla-core 0.6.0; an illegal address on an H200
+  before), so it runs its plain path: the first N states in, each request's final state out (one
+  state read and one written, fewer bytes than the T states vLLM's contract writes: this favours
+  fla).  (fla's public
   ``fused_recurrent_kda`` drops ``ssm_state_indices`` and ``inplace_final_state``: it reads the
   first N states and writes none.)  fla's convolution caches are dense per request (no slot
   gather), which only favours it.  A failure is recorded in ``fla_error`` and the row goes on;
@@ -185,14 +189,13 @@ def fla_call(x):
     norm = FusedRMSNormGated(D, activation="sigmoid", eps=1e-5).to("cuda", torch.bfloat16)
     a_log, dt_bias = x["A_log"], x["dt_bias"].flatten()
     if tokens == 1:
-        pool, state_args = x["pool"], dict(ssm_state_indices=x["slots"])
+        pool, state_args = x["pool"], dict(ssm_state_indices=x["slots"], inplace_final_state=True)
     else:
-        # vLLM's speculative contract: a state slot per draft token, the first read back.
-        pool = torch.zeros(n * tokens, *x["pool"].shape[1:], device="cuda", dtype=x["pool"].dtype)
+        # Its [N, T] index path (vLLM's speculative contract) fails under graph replay on Hopper
+        # (module docstring), so its plain path: the first N states in, each final state out.
+        pool = x["pool"][:n]
         state_args = dict(
-            ssm_state_indices=torch.arange(n * tokens, device="cuda", dtype=torch.int32).view(n, tokens),
-            num_accepted_tokens=torch.ones(n, device="cuda", dtype=torch.int32),
-            cu_seqlens=torch.arange(n + 1, device="cuda") * tokens,
+            cu_seqlens=torch.arange(n + 1, device="cuda") * tokens, inplace_final_state=False, output_final_state=True
         )
 
     def convolve(t, cache, weight):
@@ -219,7 +222,6 @@ def fla_call(x):
             A_log=a_log,
             dt_bias=dt_bias,
             initial_state=pool,
-            inplace_final_state=True,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
