@@ -214,3 +214,26 @@ def test_the_fused_pieces_rule_over_its_real_table(regime):
     else:
         assert not certified.any()
         assert rel_rmse(o_p, o) <= 1e-13 and rel_rmse(final_p, final) <= 1e-13
+
+
+def test_a_dropped_long_memory_hand_off_is_far_outside_rounding():
+    """What the GPU test of one long-memory channel separates: on the runtime's table, head 1
+    with one channel that keeps its memory certifies no piece; were its pieces to start from zero
+    anyway (every bound forced under the threshold), its output would be off by far more than
+    the 1e-4 that test allows between kernels."""
+    from cula_aot.layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE
+    from cula_aot.ops import cp_plan, prefill_plans
+    from cula_aot.specs import PIECE_WARMUP_TILES, TILE_BOUND_MARGIN_LOG2
+
+    lengths, heads = [2048], 2
+    x = regime_inputs("standard", lengths, heads)
+    x["dt_bias"][1, 77] = LONG_MEMORY
+    rows = prefill_plans._fused_piece_rows(
+        cp_plan.fused_pieces(cp_plan.sequences(1, 0, [0, 2048]), 8), FLAG_INITIAL_STATE, FLAG_FINAL_STATE
+    )
+    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
+    table = dict(**{n: x[n] for n in keep}, rows=rows, warmup_tiles=PIECE_WARMUP_TILES)
+    o, final, certified = reference.kda_piece_table(**table, margin_log2=TILE_BOUND_MARGIN_LOG2)
+    o_drop, final_drop, _ = reference.kda_piece_table(**table, margin_log2=-1e6)
+    assert not certified[:, 1].any()
+    assert rel_rmse(o_drop[:, :, 1], o[:, :, 1]) >= 1e-2 and rel_rmse(final_drop[:, 1], final[:, 1]) >= 1e-2

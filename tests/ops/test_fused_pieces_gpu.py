@@ -155,20 +155,21 @@ def test_softplus_gate(regime):
 def test_one_long_memory_channel_hands_its_head_off_exactly():
     """Inside and just outside the certified region, on the kernel: standard decay, but one key
     channel of head 1 keeps its memory.  Head 1's pieces cannot certify and take their
-    predecessors' exact states: equal to the serial path to rounding (dropping that channel's
-    state would cost ~1e-2).  Head 0's pieces certify: within float64's bound."""
+    predecessors' exact states: equal to the serial path to rounding (dropping head 1's state at
+    every piece costs ~0.5 rel-RMSE: ``reference.kda_piece_table`` with every piece certified).
+    Head 0's pieces certify: within float64's bound."""
     heads, lengths = 2, [8192]
     x = _inputs(lengths, heads, "standard")
     x["dt_bias"][1, 77] = LONG_MEMORY
     cu = cu_seqlens_of(lengths, "cuda")
     s0 = _states(1, heads)
     o, s = prefill_kv(x, s0, cu, "truncated")
-    # The serial fused kernel does the same arithmetic per tile (K1 + K2, which the serial path
-    # would pick at two heads, differs from it by bf16 rounding, ~7e-5).
+    # The serial fused kernel does the same arithmetic per tile; K1 + K2, which the serial path
+    # picks at two heads, differs from the pieces by bf16 rounding (6.8e-5 on an H100).
     o_serial, s_serial = prefill_kv(x, s0, cu, False, fused=True)
     ref_o, ref_s = float64_prefill(x, s0, cu)
-    assert reference.rel_rmse(o[:, :, 1], o_serial[:, :, 1]) <= 1e-5
-    assert reference.rel_rmse(s[:, 1], s_serial[:, 1]) <= 1e-5
+    assert reference.rel_rmse(o[:, :, 1], o_serial[:, :, 1]) <= 1e-4
+    assert reference.rel_rmse(s[:, 1], s_serial[:, 1]) <= 1e-4
     assert reference.rel_rmse(o[:, :, 0], ref_o[:, :, 0]) <= BOUND and reference.rel_rmse(s[:, 0], ref_s[:, 0]) <= BOUND
     assert reference.rel_rmse(o, ref_o) <= BOUND and reference.rel_rmse(s, ref_s) <= BOUND
 
