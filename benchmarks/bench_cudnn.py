@@ -142,16 +142,19 @@ def draw_inputs(heads, lengths, regime, device, seed=0) -> dict:
 
 
 # -- the two implementations -------------------------------------------------------------------
-def ours_runner(x, intracard_cp="auto"):
+def ours_runner(x, intracard_cp="auto", fused=None):
     """A no-argument call of ``cula_aot.kda_prefill`` on ``x`` returning ``(o [1, T, H, V], final
     [N, H, V, K])``; fresh outputs per call, as a caller gets them.  ``intracard_cp``: "auto", or
-    "truncated" (``--truncated``: the certified-truncation pieces)."""
+    "truncated" (``--truncated``: the certified-truncation pieces); ``fused`` False: the path
+    override that keeps "truncated" off the fused kernel (the walking path)."""
     import cula_aot
+    from cula_aot.ops.prefill import prefill
 
     single = len(x["lengths"]) == 1
+    entry, override = (cula_aot.kda_prefill, {}) if fused is None else (prefill, {"fused": fused})
 
     def run():
-        return cula_aot.kda_prefill(
+        return entry(
             x["q"],
             x["k"],
             x["v"],
@@ -167,6 +170,7 @@ def ours_runner(x, intracard_cp="auto"):
             cu_seqlens=None if single else x["cu"],
             cu_seqlens_cpu=None if single else x["cu_cpu"],
             intracard_cp=intracard_cp,
+            **override,
         )
 
     return run

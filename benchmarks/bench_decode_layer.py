@@ -23,10 +23,14 @@ Per row, CUDA-graph replays with the L2 evicted before each (``timing.ColdReplay
   their records instead of the pool's state;
 * ``fla_graph_us``: fla's decode of the same layer as vLLM calls it: three
   ``causal_conv1d_update`` on per-request caches (T > 1: ``causal_conv1d`` from the caches as
-  initial states, each cache then written back), ``fused_recurrent_kda_fwd`` with the state read
-  from and written to the pool in place through ``ssm_state_indices`` (T = 1: ``[N]``, the pool's
-  slots; T > 1: vLLM's speculative contract, ``[N, T]`` slots of a pool of N·T states, one state
-  written per token, ``num_accepted_tokens`` 1), then ``FusedRMSNormGated``.  (fla's public
+  initial states, each cache then written back), ``fused_recurrent_kda_fwd``, then
+  ``FusedRMSNormGated``.  T = 1: the state read from and written to the pool in place through
+  ``[N]`` ``ssm_state_indices``, the pool's slots.  T > 1: its ``[N, T]`` index path (vLLM's
+  speculative contract, a state written per token) failed with cudaErrorInvalidAddressSpace at
+  the first graph replay on an H100 (2026-12-08, fla-core 0.6.0; an illegal address on an H200
+  before), so it runs its plain path: the first N states in, each request's final state out (one
+  state read and one written, fewer bytes than the T states vLLM's contract writes: this favours
+  fla).  (fla's public
   ``fused_recurrent_kda`` drops ``ssm_state_indices`` and ``inplace_final_state``: it reads the
   first N states and writes none.)  fla's convolution caches are dense per request (no slot
   gather), which only favours it.  A failure is recorded in ``fla_error`` and the row goes on;
@@ -37,6 +41,9 @@ Per row, CUDA-graph replays with the L2 evicted before each (``timing.ColdReplay
   read and written, q, k, v, g, z in and o out, β and the slot, the conv and norm weights, A_log,
   dt_bias) and ``copy_bw_fraction`` = bytes / ``ours_graph_us`` / this run's device-to-device copy
   rate (``peers.copy_bandwidth``, read + write).
+
+With ``--variants``, ``variant`` (the one ``pick_layer_variant`` takes) and ``variant_graph_us``
+(graph µs with each built ``"v_blockxitems"`` forced): the data its thresholds come from.
 
 ``meta`` holds the copy rate, the launch floor of this harness (a graph replaying a one-element
 fill) and, per pool dtype, a verify record's bytes per token and head against a full state's
@@ -56,7 +63,8 @@ import torch
 import cula_aot
 from benchmarks import peers
 from benchmarks.timing import ColdReplay, capture_graph
-from cula_aot.specs import DRAFT_ROWS
+from cula_aot.ops.decode_layer import decode_layer
+from cula_aot.specs import LAYER_VARIANTS, pick_layer_variant
 
 D = 128
 W = 4
@@ -103,9 +111,9 @@ def layer_bytes(n, tokens, heads, pool_dtype) -> int:
 
 
 def record_vs_state(pool_dtype) -> dict:
-    """A verify record per token and head (``drafts``: DRAFT_ROWS × 128 fp32) against the full
-    state an intermediate-state verify writes per token and head."""
-    record = DRAFT_ROWS * D * 4
+    """A verify record per token and head (one token's and head's rows of ``draft_buffers``)
+    against the full state an intermediate-state verify writes per token and head."""
+    record = cula_aot.draft_buffers(1, 1).records[0, 0, 0, 0].nbytes
     state = D * D * torch.empty((), dtype=pool_dtype).element_size()
     return {"record_bytes": record, "state_bytes": state, "state_over_record": state / record}
 
@@ -129,6 +137,12 @@ def _layer_args(x) -> dict:
 def layer_call(x):
     inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
     return lambda: cula_aot.kda_decode_layer(*inputs, **_layer_args(x), **_step_args(x))
+
+
+def variant_call(x, variant):
+    """The layer with its (v_block, items) forced (``ops.decode_layer.decode_layer``'s override)."""
+    inputs = [x[name] for name in ("q", "k", "v", "g", "beta")]
+    return lambda: decode_layer(*inputs, **_layer_args(x), **_step_args(x), variant=variant)
 
 
 def verify_call(x):
@@ -175,14 +189,13 @@ def fla_call(x):
     norm = FusedRMSNormGated(D, activation="sigmoid", eps=1e-5).to("cuda", torch.bfloat16)
     a_log, dt_bias = x["A_log"], x["dt_bias"].flatten()
     if tokens == 1:
-        pool, state_args = x["pool"], dict(ssm_state_indices=x["slots"])
+        pool, state_args = x["pool"], dict(ssm_state_indices=x["slots"], inplace_final_state=True)
     else:
-        # vLLM's speculative contract: a state slot per draft token, the first read back.
-        pool = torch.zeros(n * tokens, *x["pool"].shape[1:], device="cuda", dtype=x["pool"].dtype)
+        # Its [N, T] index path (vLLM's speculative contract) fails under graph replay on Hopper
+        # (module docstring), so its plain path: the first N states in, each final state out.
+        pool = x["pool"][:n]
         state_args = dict(
-            ssm_state_indices=torch.arange(n * tokens, device="cuda", dtype=torch.int32).view(n, tokens),
-            num_accepted_tokens=torch.ones(n, device="cuda", dtype=torch.int32),
-            cu_seqlens=torch.arange(n + 1, device="cuda") * tokens,
+            cu_seqlens=torch.arange(n + 1, device="cuda") * tokens, inplace_final_state=False, output_final_state=True
         )
 
     def convolve(t, cache, weight):
@@ -209,7 +222,6 @@ def fla_call(x):
             A_log=a_log,
             dt_bias=dt_bias,
             initial_state=pool,
-            inplace_final_state=True,
             use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True,
@@ -272,6 +284,12 @@ class Bench:
         row["ours_graph_us"] = self.graph_us(layer_call, x)
         row["copy_bw_fraction"] = row["bytes"] / (row["ours_graph_us"] * 1e-6) / self.meta["copy_bandwidth"]
         row["step_graph_us"] = self.graph_us(step_call, x)
+        if self.args.variants:
+            row["variant"] = "x".join(map(str, pick_layer_variant(n, heads, tokens, pool_dtype == torch.bfloat16)))
+            row["variant_graph_us"] = {
+                f"{v_block}x{items}": self.graph_us(lambda x, v=(v_block, items): variant_call(x, v), x)
+                for v_block, items in LAYER_VARIANTS
+            }
         if tokens > 1:
             row["verify_graph_us"] = self.graph_us(verify_call, x)
         row["ours_eager_host_us"] = host_us(layer_call(x))
@@ -358,6 +376,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help="5 warm-up / 30 timed replays instead of 25 / 100")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new row after this many seconds")
     ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time every built (v_block, items) of the layer")
     return ap.parse_args(argv)
 
 

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Where an unbounded gate pays: CUPTI durations (torch.profiler, median of 20 calls) of the fused
-kernel and of K1 + K2 under each gate and decay regime, so the cost of split tiles
-(``prepare_tile.unbounded_operands``) shows apart from the softplus itself:
+kernel and of K1 + K2 under each gate and decay regime, so what fast decay costs (phase C,
+``prepare_tile.unbounded_operands``) shows apart from the softplus itself:
 
     python3 -m benchmarks.gate_regimes [--tag NAME] [--set all|safe|unbounded]
 
 Regimes of the softplus gate's A_log on the benchmark inputs (``bench_prefill.make_inputs``):
-"std" (log U(1, 16): ~43% of a warp's tiles split), "A0" (e^A_log = 1: no tile splits) and
-"A16" (e^A_log = 16 on every head: most split); "precomputed" takes the standard inputs'
-softplus log-decay.  Initial and final state, serial path.
+"std" (log U(1, 16): the fast heads put many tokens at the gate's floor, 2^-14), "A0"
+(e^A_log = 1: none at the floor) and "A16" (e^A_log = 16 on every head: about half at it);
+"precomputed" takes the standard inputs' softplus log-decay.  Initial and final state, serial
+path.
 """
 
 import argparse

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
-OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
+OUTCOME = re.compile(r"^(FAILED|ERROR|PASSED) (.+)$", re.MULTILINE)
 SUMMARY = re.compile(r"^=*\s*((?:\d+ \w|no tests).*?) in [\d.]+s", re.MULTILINE)
 
 
@@ -40,9 +40,18 @@ def shards(node_ids: list, count: int) -> list:
     return [s for s in out if s]
 
 
-def failed_ids(log: str) -> list:
-    """The node ids pytest's ``-rfE`` summary lists as FAILED or ERROR, in order, once each."""
-    return list(dict.fromkeys(m.group(2) for m in OUTCOME.finditer(log)))
+def listed_ids(log: str, known: list, outcomes=("FAILED", "ERROR")) -> list:
+    """The node ids pytest's short summary lists with one of ``outcomes``, in order, once each.
+    An id may hold spaces (a parameter's id), so a line names the longest of ``known`` it starts
+    with, followed by the end of the line or " - " and a message; else its first word."""
+    found = []
+    for m in OUTCOME.finditer(log):
+        if m.group(1) not in outcomes:
+            continue
+        rest = m.group(2)
+        named = [k for k in known if rest == k or rest.startswith(k + " - ")]
+        found.append(max(named, key=len) if named else rest.split()[0])
+    return list(dict.fromkeys(found))
 
 
 def summary_line(log: str) -> str:
@@ -103,7 +112,7 @@ def main(argv=None):
     for i in range(len(parts)):
         log = (out / f"shard_{i}.log").read_text()
         print(f"shard {i} ({len(parts[i])} tests): {summary_line(log)}", flush=True)
-        failures += failed_ids(log)
+        failures += listed_ids(log, parts[i])
     complete = all(proc.returncode in (0, 1) for proc, _ in runs)
     if not complete:
         print("gpu_suite: a shard was killed or crashed; its unrun tests are not retried", flush=True)
@@ -111,11 +120,12 @@ def main(argv=None):
         print(f"gpu_suite: done in {time.time() - start:.0f} s", flush=True)
         return 0 if complete else 1
     print(f"gpu_suite: {len(failures)} failed in a shard; running them alone", flush=True)
-    rerun = subprocess.run([*PYTEST, "-q", "-rfEs", *failures], capture_output=True, text=True, check=False, cwd=root)
+    rerun = subprocess.run([*PYTEST, "-q", "-rA", *failures], capture_output=True, text=True, check=False, cwd=root)
     (out / "rerun.log").write_text(rerun.stdout + rerun.stderr)
-    still = set(failed_ids(rerun.stdout))
+    # Only a test pytest reports as passed passed alone: one it could not find or run did not.
+    passed = set(listed_ids(rerun.stdout, failures, ("PASSED",)))
     for node in failures:
-        print(f"  {'FAILED alone' if node in still else 'passed alone (failed beside other shards)'}: {node}")
+        print(f"  {'passed alone (failed beside other shards)' if node in passed else 'FAILED alone'}: {node}")
     print(f"rerun: {summary_line(rerun.stdout)}; done in {time.time() - start:.0f} s", flush=True)
     return 0 if complete and rerun.returncode == 0 else 1
 

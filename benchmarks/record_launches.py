@@ -129,6 +129,13 @@ class Tables:
 
 
 pp.SEGMENT_TABLES = Tables()
+if hasattr(pp, "_zero_words"):
+
+    def zero_words(address, count, stream):
+        if not HOST_US:
+            LAUNCHES.append({"memset": label(address), "words": count})
+
+    pp._zero_words = zero_words
 from cula_aot.ops import workspace  # noqa: E402
 
 
@@ -178,6 +185,7 @@ def prefill_case(
     cp=False,
     fwd=False,
     fused_heads=False,
+    fused=None,
     seed=0,
 ):
     x = standard_inputs(B, T, H, seed=seed, gate=gate)
@@ -220,6 +228,10 @@ def prefill_case(
     if not fwd:
         kw["state_layout"] = layout
         kw["intracard_cp"] = (2 if cp is True else cp) if cp else False  # cp: True (s = 2) or "truncated"
+        if fused is not None:  # a path override: the internal entry's
+            from cula_aot.ops.prefill import prefill
+
+            return lambda: prefill(q, k, v, g, beta, fused=fused, **kw)
         return lambda: cula_aot.kda_prefill(q, k, v, g, beta, **kw)
     names = ("scale", "out", "A_log", "dt_bias", "lower_bound", "initial_state", "final_state", "cu_seqlens")
     positional = [kw.pop(name, None) for name in names]
@@ -312,7 +324,14 @@ def run_cases():
     case("checkpoints fixed fused", prefill_case(2, 1024, 64, ckpt=True))
     case("cp varlen", prefill_case(1, 4096, 4, lengths=[1024, 3072], cp=True))
     case("cp fixed ckpt", prefill_case(1, 4096, 4, cp=True, ckpt=True))
-    case("pieces varlen pool", prefill_case(1, 2048, 4, lengths=[1500, 548], pool_dtype=torch.float32, cp="truncated"))
+    case(
+        "pieces varlen pool",
+        prefill_case(1, 2048, 4, lengths=[1500, 548], pool_dtype=torch.float32, cp="truncated", fused=False),
+    )
+    case(
+        "fused pieces varlen pool",
+        prefill_case(1, 4096, 4, lengths=[3000, 1096], pool_dtype=torch.float32, cp="truncated"),
+    )
     case("fwd pool", prefill_case(1, 120, 4, lengths=[7, 33, 80], pool_dtype=torch.float32, fwd=True))
     case("k1 alone softplus", k1_case([40, 60], "softplus", False))
     case("k1 alone safe conventions", k1_case([100], "safe", True))

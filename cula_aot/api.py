@@ -61,8 +61,8 @@ def kda_prefill(
     * "precomputed": g is γ itself (the natural log-decay, ≤ 0; larger values count as 0), bf16
       or fp32; A_log, dt_bias and lower_bound must be None.
 
-    Every pair of tokens of a 16-token tile gets its decay to fp32 accuracy however fast the
-    gate decays (a decay below 2^-256 per token counts as 2^-256: fp32 has forgotten either way).
+    The unbounded gates' decay per token is floored at 2^-14 (≈ 6e-5, below bf16's resolution):
+    a token that decays faster keeps that much of the state it should drop.
 
     Varlen: ``cu_seqlens`` int32/int64 ``[N + 1]`` with B = 1.  Nothing is read back to the host
     on the serial path: with only a device ``cu_seqlens`` its values are trusted
@@ -87,10 +87,12 @@ def kda_prefill(
     (serial), True (CP with the planner's split, at least 2) or an int ``s_split`` (cut each
     sequence into at most that many tile-aligned segments); CP plans on the host, so varlen CP
     needs ``cu_seqlens_cpu`` (or ``check_seqlens="host"``), whose values are then always checked.
-    "truncated": pieces that start from a zero state where the gates prove the dropped state
-    attenuated below 2^-20, from their sequence's start elsewhere (docs/DESIGN.md, Certified
-    truncation): faster than "auto" on few-head prompts whose heads forget within a few tiles,
-    several times slower where a head keeps a long memory; host lengths as for CP, no checkpoints.
+    "truncated": each sequence cut into pieces that fill the machine, run by the fused kernel; a
+    piece starts two tiles early from a zero state and goes on from there where the gates prove
+    the dropped state attenuated below 2^-20, else from the exact end state of the piece before
+    it (docs/DESIGN.md, Certified truncation): for few-head prompts whose heads forget within a
+    few tiles; where a head keeps a long memory the pieces run one after another.  Host lengths
+    as for CP, no checkpoints.
 
     ``status``: an optional one-element int32 tensor on the device, owned (and zeroed) by the
     caller: the kernels OR ``cula_aot.STATUS_CU_SEQLENS_MALFORMED`` (an entry outside [0, T], a
@@ -308,7 +310,9 @@ def kda_decode_layer(
     with ``verify=False`` they are committed like any decode step.  So a serving step stays one
     launch and the pool one state per request.  Zero ``drafts.marks[slot]`` when a slot is given
     to a new request; commit a pending draft (any call on the slot) before another kernel reads
-    the slot's state.
+    the slot's state, with the layer parameters it was drafted with (conv weights and bias,
+    ``A_log``, ``dt_bias``, ``lower_bound``, gate and conventions): the commit recomputes the
+    draft's keys and decays from its recorded inputs.
 
     Returns ``out`` (bf16 like q; allocated when not given).  Every rule is checked before
     anything is written (``KDAInputError`` names the argument)."""

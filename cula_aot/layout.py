@@ -48,6 +48,8 @@ FLAG_QK_AS_GIVEN = 8192
 # (else 0): see ``checkpoint_schedule``.
 FLAG_BF16_CHECKPOINT = 16384
 FLAG_CHECKPOINT_OFFSETS = 32768
+# A fused-pieces row whose end state a later row may take: it publishes it (``SEG_PREDECESSOR``).
+FLAG_SUCCESSOR = 65536
 
 # Device values the kernels bound instead of trusting (a serving process must survive a bad
 # scheduler value): every ``cu_seqlens`` entry is clamped into [0, T] and each sequence's end
@@ -67,6 +69,11 @@ STATUS_DRAFT_OUT_OF_RANGE = 8
     range(8)
 )
 SEGMENT_FIELDS = 8  # 32 bytes
+# The fused pieces kernel's rows are segment rows, but it has no K1 workspace: its tile-slot field
+# holds the row of the piece before it in its sequence (-1 for a sequence's first), whose
+# published end state it takes when its own warm-up does not certify.  The rows with a successor
+# (``FLAG_SUCCESSOR``) come first, so their published states and ready flags are the first rows'.
+SEG_PREDECESSOR = SEG_FIRST_SLOT
 
 # The per-slot workspaces: element dtype and bytes per (tile, head) slot.
 WORKSPACE_DTYPES = {"qd": "bf16", "kd": "bf16", "kr": "bf16", "gt": "f32", "inv": "bf16", "mqk": "bf16", "b": "f32"}

@@ -54,7 +54,16 @@ import torch
 
 from .gates import DEFAULT_GATE, bounded, log_decay
 
-from .layout import CHUNK
+from .layout import (
+    CHUNK,
+    FLAG_FINAL_STATE,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_PREDECESSOR,
+    SEG_SEQ,
+    SEG_SEQ_OFFSET,
+    SEG_TOKENS,
+)
 from .specs import TRUNCATION_LOG2  # a piece's warm-up attenuates the state it drops by 2^-20
 
 __all__ = [
@@ -372,16 +381,44 @@ def kda_chunked(
         s = gt[..., None] * s + kr.transpose(-1, -2) @ U
         S[seqs] = _round(s, torch.float32) if recipe else s
 
-    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
-    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    o = _untiled(o_tiles, lay, B * T)
     return bf16(o).view(B, T, H, Vd), S
+
+
+def _tile_x(tiles) -> torch.Tensor:
+    """``X = INV·diag(b)·kd`` per tile [n_tiles, H, 16, K]: the tile map is diag(gtot) − krᵀ·X."""
+    return tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
 
 
 def tile_transition(tiles) -> torch.Tensor:
     """Each tile's map of the state it receives, ``A = diag(gtot) − krᵀ·INV·diag(b)·kd``, as
     ``[n_tiles, H, K, K]`` (the tile recurrence with V = 0: ``S ← A·S``)."""
-    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
-    return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ x
+    return torch.diag_embed(tiles["gt"]) - tiles["kr"].transpose(-1, -2) @ _tile_x(tiles)
+
+
+def _tile_step(tiles, vt, j: int, h: int, s):
+    """Tile ``j`` of head ``h`` from state ``s`` [K, V], float64: (its output [16, V], the state
+    after it), the tile recurrence of :func:`kda_chunked` without its roundings."""
+    u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+    return tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u, tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+
+
+def _untiled(o_tiles, lay, tokens: int):
+    """Tile outputs ``[n_tiles, H, 16, V]`` back on the flat token axis ``[tokens, H, V]``."""
+    o = torch.zeros(tokens, *o_tiles.shape[1:2], o_tiles.shape[-1], dtype=torch.float64, device=o_tiles.device)
+    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    return o
+
+
+def tile_frobenius_bound(tiles) -> torch.Tensor:
+    """log2 ‖A‖_F of each tile map (:func:`tile_decay_bound`'s Frobenius part), ``[n_tiles, H]``."""
+    gt, kr, x = tiles["gt"], tiles["kr"], _tile_x(tiles)
+    frobenius_sq = (
+        (gt * gt).sum(-1)
+        - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
+        + ((kr @ kr.transpose(-1, -2)) * (x @ x.transpose(-1, -2))).sum((-1, -2))
+    )
+    return 0.5 * torch.log2(frobenius_sq.clamp(min=torch.finfo(torch.float64).tiny))
 
 
 def tile_decay_bound(tiles) -> torch.Tensor:
@@ -398,14 +435,7 @@ def tile_decay_bound(tiles) -> torch.Tensor:
     Spectral norms multiply sub-multiplicatively, so the sum of these over consecutive tiles
     bounds log2 ‖M‖₂ of their product M: the factor by which a state dropped before them can
     still reach the state after them."""
-    gt, kr = tiles["gt"], tiles["kr"]
-    x = tiles["inv"] @ (tiles["b"][..., None] * tiles["kd"])
-    frobenius_sq = (
-        (gt * gt).sum(-1)
-        - 2.0 * (gt * (kr * x).sum(-2)).sum(-1)
-        + ((kr @ kr.transpose(-1, -2)) * (x @ x.transpose(-1, -2))).sum((-1, -2))
-    )
-    frobenius = 0.5 * torch.log2(frobenius_sq.clamp(min=torch.finfo(torch.float64).tiny))
+    frobenius = tile_frobenius_bound(tiles)
     kn = tiles["kn"]
     mixing = (1.0 - tiles["b"] * (kn * kn).sum(-1)).abs().clamp(min=1.0)
     tokens = (tiles["gamma"].amax(-1) / math.log(2.0) + torch.log2(mixing)).sum(-1)
@@ -466,17 +496,77 @@ def kda_pieces(
                 walked[h] = w
                 s = torch.zeros_like(S0[n, h]) if w else carried[h]
                 for j in range(first + c0 - w, first + c1):
-                    u = tiles["inv"][j, h] @ (tiles["b"][j, h, :, None] * (vt[j, h] - tiles["kd"][j, h] @ s))
+                    o_j, s = _tile_step(tiles, vt, j, h, s)
                     if j >= first + c0:
-                        o_tiles[j, h] = tiles["qd"][j, h] @ s + tiles["mqk"][j, h] @ u
-                    s = tiles["gt"][j, h, :, None] * s + tiles["kr"][j, h].T @ u
+                        o_tiles[j, h] = o_j
                 carried[h] = s
                 if c1 == count:
                     final[n, h] = s
             warmups.append(walked)
-    o = torch.zeros(B * T, H, Vd, dtype=torch.float64, device=q.device)
-    o[lay.token[lay.valid]] = o_tiles.transpose(1, 2)[lay.valid]
+    o = _untiled(o_tiles, lay, B * T)
     return o.view(B, T, H, Vd), final, torch.stack(warmups) if warmups else torch.zeros(0, H, dtype=torch.int64)
+
+
+def kda_piece_table(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    A_log,
+    dt_bias,
+    lower_bound,
+    rows,
+    warmup_tiles,
+    margin_log2=0.0,
+    scale=None,
+    initial_state=None,
+    cu_seqlens=None,
+    gate_kind=DEFAULT_GATE,
+    beta_sigmoid=True,
+    qk_l2norm=True,
+):
+    """The fused pieces' rule over their table, float64 -> ``(o, final_state [N, H, K, V],
+    certified [rows, H] (bool))``.  ``rows``: segment rows in launch order (``layout.SEG_*``, the
+    predecessor's row in ``SEG_PREDECESSOR``).  A row whose piece starts at tile c0 of its
+    sequence runs w = min(warmup_tiles, c0) tiles before it without output: from the sequence's
+    initial state where w = c0 (exact); else from zero, kept where the tiles' Frobenius bounds
+    (:func:`tile_frobenius_bound`, plus ``margin_log2`` each, as the kernel adds) sum to ≤
+    ``TRUNCATION_LOG2`` (certified), replaced at c0 by the predecessor's end state otherwise.  A
+    row with the final-state flag writes its sequence's final state."""
+    B, T, H, K = q.shape
+    Vd = v.shape[-1]
+    gates = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate_kind=gate_kind)
+    conventions = dict(scale=scale, beta_sigmoid=beta_sigmoid, qk_l2norm=qk_l2norm)
+    tiles, lay, vt = _tiled(q, k, v, g, beta, cu_seqlens, **gates, **conventions)
+    bounds = tile_frobenius_bound(tiles) + margin_log2
+    N = len(lay.lengths)
+    S0 = _initial_state(initial_state, N, H, K, Vd, q.device)
+    final = S0.clone()
+    o_tiles = torch.zeros_like(vt)
+    ends, certified = {}, torch.zeros(len(rows), H, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        n, own_first = row[SEG_SEQ], lay.tile_first[row[SEG_SEQ]]
+        c0 = row[SEG_SEQ_OFFSET] // CHUNK
+        assert row[SEG_FIRST_TOKEN] == int(lay.starts[n]) + row[SEG_SEQ_OFFSET]
+        c1 = -(-(row[SEG_SEQ_OFFSET] + row[SEG_TOKENS]) // CHUNK)
+        w = min(warmup_tiles, c0)
+        for h in range(H):
+            s = S0[n, h].clone() if w == c0 else torch.zeros_like(S0[n, h])
+            for j in range(own_first + c0 - w, own_first + c1):
+                if j == own_first + c0 and w < c0:
+                    certified[r, h] = bool(bounds[j - w : j, h].sum() <= TRUNCATION_LOG2)
+                    if not certified[r, h]:
+                        s = ends[(row[SEG_PREDECESSOR], h)].clone()
+                o_j, s = _tile_step(tiles, vt, j, h, s)
+                if j >= own_first + c0:
+                    o_tiles[j, h] = o_j
+            ends[(r, h)] = s
+            if row[SEG_FLAGS] & FLAG_FINAL_STATE:
+                final[n, h] = s
+    o = _untiled(o_tiles, lay, B * T)
+    return o.view(B, T, H, Vd), final, certified
 
 
 def kda_recurrent(

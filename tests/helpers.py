@@ -6,6 +6,7 @@ import torch
 import cula_aot
 from cula_aot import reference
 from cula_aot.layout import CHUNK, varlen_slot_base
+from cula_aot.ops.prefill import prefill
 from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
 __all__ = [
@@ -58,7 +59,7 @@ def float64_prefill(inputs, s0, cu):
     )
 
 
-def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk"):
+def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk", fused=None):
     """``kda_prefill`` of ``standard_inputs`` from initial states ``s0`` ([N, H, K, V], or None)
     in ``layout``, outputs and final states poisoned with NaN first; (o, final state [N, H, K, V]),
     each checked finite (every element written)."""
@@ -66,7 +67,9 @@ def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk"):
     out = torch.full_like(inputs["v"], float("nan"))
     n = inputs["q"].shape[0] if cu is None else cu.numel() - 1
     final = torch.full((n, inputs["q"].shape[2], 128, 128), float("nan"), device="cuda")
-    o, fs = cula_aot.kda_prefill(
+    # ``fused`` (a path override) is the internal entry's; the public one picks for itself.
+    entry = cula_aot.kda_prefill if fused is None else prefill
+    o, fs = entry(
         inputs["q"],
         inputs["k"],
         inputs["v"],
@@ -82,6 +85,7 @@ def prefill_kv(inputs, s0, cu, intracard_cp, layout="vk"):
         out=out,
         final_state=final,
         intracard_cp=intracard_cp,
+        **({} if fused is None else {"fused": fused}),
     )
     torch.cuda.synchronize()
     assert torch.isfinite(o).all() and torch.isfinite(fs).all(), f"intracard_cp={intracard_cp!r}: unwritten output"

@@ -26,16 +26,21 @@ def test_shards_are_contiguous_and_balanced(gs):
     assert gs.shards(ids, 1) == [ids]
 
 
-def test_failed_ids_and_summary_from_pytest_output(gs):
+def test_listed_ids_and_summary_from_pytest_output(gs):
     log = "x\nFAILED a.py::t[1] - assert\nERROR b.py::u\nFAILED a.py::t[1]\n==== 1 failed, 2 passed in 0.5s ====\n"
-    assert gs.failed_ids(log) == ["a.py::t[1]", "b.py::u"]
+    assert gs.listed_ids(log, ["a.py::t[1]", "b.py::u"]) == ["a.py::t[1]", "b.py::u"]
+    # A parameter id with a space, with and without a message; PASSED lines on request.
+    spaced = ["a.py::t[x-fp32 pool]", "a.py::t[x-fp32 pool-2]"]
+    lines = "FAILED a.py::t[x-fp32 pool] - KDAInputError: no\nPASSED a.py::t[x-fp32 pool-2]\n"
+    assert gs.listed_ids(lines, spaced) == [spaced[0]]
+    assert gs.listed_ids(lines, spaced, ("PASSED",)) == [spaced[1]]
     assert gs.summary_line(log) == "1 failed, 2 passed"
     assert gs.summary_line("3 skipped in 1.2s\n") == "3 skipped"
 
 
 def write_suite(folder: Path, always_failing: bool):
     """Seven passing tests, one that fails on its first run only (as a test that breaks beside
-    other processes would), and optionally one that always fails."""
+    other processes would), and optionally one that always fails (its id holds a space)."""
     body = f"""
         import pytest
         from pathlib import Path
@@ -53,7 +58,8 @@ def write_suite(folder: Path, always_failing: bool):
     """
     if always_failing:
         body += """
-        def test_always_fails():
+        @pytest.mark.parametrize("pool", ["fp32 pool"])
+        def test_always_fails(pool):
             assert False
         """
     (folder / "test_suite.py").write_text(textwrap.dedent(body))
@@ -68,7 +74,7 @@ def test_a_failure_is_rerun_alone_and_decides_the_status(gs, tmp_path, capsys, a
     printed = capsys.readouterr().out
     assert f"{9 if always_failing else 8} tests in 3 shards" in printed
     assert "passed alone (failed beside other shards): test_suite.py::test_fails_first_time" in printed
-    assert ("FAILED alone: test_suite.py::test_always_fails" in printed) == always_failing
+    assert ("FAILED alone: test_suite.py::test_always_fails[fp32 pool]" in printed) == always_failing
     assert status == (1 if always_failing else 0)
     logs = {p.name for p in (tmp_path / "logs").iterdir()}
     assert logs == {"rerun.log", "shard_0.log", "shard_1.log", "shard_2.log"}

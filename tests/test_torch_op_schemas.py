@@ -174,7 +174,7 @@ def test_layer_schema_declares_its_mutations(ops):
     norm = torch.ones(128).bfloat16()
     layer_args = (qd, qd, qd, qd, bd, a, dt, -5.0, weight, conv, qd, norm, pool, idx)
     torch.library.opcheck(ops.kda_decode_layer.default, layer_args)
-    records = torch.zeros(6, 2, 8, H, 6, 128)
+    records = torch.zeros(6, 2, 8, H, 6, 128, dtype=torch.bfloat16)
     marks = torch.zeros(6, H, dtype=torch.int32)
     drafts = {"draft_records": records, "draft_marks": marks, "num_accepted": idx.abs(), "verify": True}
     torch.library.opcheck(ops.kda_decode_layer.default, layer_args, drafts)

@@ -23,6 +23,11 @@ _KERNELS = {
         fused_prefill.FusedPrefill.kernel,
         lambda spec: fused_prefill.smem_bytes(spec.stages, spec.producers),
     ),
+    "fused_pieces": (
+        fused_prefill.FusedPieces,
+        fused_prefill.FusedPieces.kernel,
+        lambda spec: fused_prefill.pieces_smem_bytes(spec.stages, spec.producers),
+    ),
     "cp_merge": (cp_merge.CpMerge, cp_merge.CpMerge.kernel, lambda spec: cp_merge.smem_bytes(spec.v_block)),
     "tile_bound": (tile_bound.TileBound, tile_bound.TileBound.kernel, lambda spec: tile_bound.SMEM_BYTES),
     "kda_decode": (
@@ -38,7 +43,7 @@ _KERNELS = {
     "kda_decode_layer": (
         decode_layer.KdaDecodeLayer,
         decode_layer.KdaDecodeLayer.kernel,
-        lambda spec: layer_smem_bytes(spec.v_block, spec.items, spec.bf16_state),
+        lambda spec: layer_smem_bytes(spec.v_block, spec.items, spec.bf16_state, drafts=True),
     ),
 }
 

@@ -11,8 +11,9 @@ every dot product of every token is one of the *initial* state S_0 plus a T×T t
     o_t = scale·(P_qd,t + Σ_{s<t} (ki_s·qd_t)·u_s + (k̂_t·q̂_t)·u_t)  so   o = scale·(P_qd + (v − P_kd)·Z)
     S_T = S_0·diag(A_{T−1}) + Σ_t u_t·(ki_t⊙A_{T−1})ᵀ                (a rank-T update, tensor cores)
 
-Under an unbounded gate ("softplus", "precomputed": the ``gate`` codegen argument) A_t may fall
-below fp32's range, where ki_t is not finite, so nothing is deferred: the same products are
+Under an unbounded gate ("softplus", "precomputed": the ``gate`` codegen argument) A_t may reach
+2^-112 over 8 tokens at the gate's floor, where ki_t = k̂_t/A_t would sit within 2^14 of fp32's
+largest value, so nothing is deferred: the same products are
 formed from their factors, each a decay over a range of tokens (≤ 1): kd_t = k̂_t⊙A_t,
 ki_s·kd_t = Σ k̂_s⊙k̂_t⊙Π_{s<r≤t} α_r, ki_t⊙A_{T−1} = k̂_t⊙Π_{t<r<T} α_r.
 
@@ -198,7 +199,7 @@ def _build_p_operands(
 
 def _later_decay(s_alpha: cute.Tensor, first, at, num_tokens) -> list:
     """Π α_r over the tokens first < r < T at 8 keys from ``at``: each factor ≤ 1, so the product
-    underflows only where it is below fp32's range."""
+    stays normal (≥ 2^-98 over 7 tokens at the gate's floor)."""
     product = [cutlass.Float32(1.0)] * 8
     for r in range(1, TOKENS):
         alpha = smem_run(s_alpha, r * D + at, 8)
@@ -210,8 +211,8 @@ def _later_decay(s_alpha: cute.Tensor, first, at, num_tokens) -> list:
 @cute.jit
 def _prefix_decay(s_alpha: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n_threads: cutlass.Constexpr[int]):
     """The unbounded gates' prologue: A_t = α_0·…·α_t per key into ``s_decay``, α, k̂ and q̂ kept
-    (their products are formed where they are used: a product of per-token decays may fall
-    below fp32's range, where the deferred k̂/A_t of ``token_step.defer_decay`` is not finite)."""
+    (their products are formed where they are used: a product of per-token decays may reach
+    2^-112, where the deferred k̂/A_t of ``token_step.defer_decay`` would be near fp32's limit)."""
     for i in cutlass.range_constexpr(D // n_threads):
         position = tid + i * n_threads
         decay = cutlass.Float32(1.0)

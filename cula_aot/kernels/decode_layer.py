@@ -32,9 +32,8 @@ from ..layout import STATUS_DRAFT_OUT_OF_RANGE
 from ..specs.decode_layer import (
     CONV_STATE_TAPS,
     CONV_WIDTH,
-    DRAFT_ALPHA,
     DRAFT_BANKS,
-    DRAFT_KHAT,
+    DRAFT_G,
     DRAFT_ROWS,
     DRAFT_TOKENS,
     DRAFT_U,
@@ -79,6 +78,7 @@ from .token_step import (
     defer_decay,
     direct_decay,
     f32x8,
+    smem_run,
     token_offset,
     token_prepare,
 )
@@ -149,7 +149,7 @@ def conv8(x: cute.Pointer, x_at, x_token_stride, state: cute.Pointer, state_at, 
                 )
         else:
             if p < CONV_STATE_TAPS + accepted:
-                window.store(f32x8(records, record_at + cutlass.Int64(p - CONV_STATE_TAPS) * draft_token_stride()))
+                window.store(bf16_row8(records, record_at + cutlass.Int64(p - CONV_STATE_TAPS) * draft_token_stride()))
             else:
                 window.store(bf16_row8(x, x_at + cutlass.Int64(p - CONV_STATE_TAPS - accepted) * x_token_stride))
         for e in cutlass.range_constexpr(8):
@@ -161,30 +161,39 @@ def conv8(x: cute.Pointer, x_at, x_token_stride, state: cute.Pointer, state_at, 
 
 
 def draft_offset(slot, bank, t, head, row):
-    """Element offset of row ``row`` (``specs.DRAFT_*``) of token ``t`` and head ``head`` in bank
-    ``bank`` of slot ``slot``'s draft records ``[slots, banks, tokens, H, rows, 128]``."""
+    """Element (bf16) offset of row ``row`` (``specs.DRAFT_*``) of token ``t`` and head ``head`` in
+    bank ``bank`` of slot ``slot``'s draft records ``[slots, banks, tokens, H, rows, 128]``."""
     at = (cutlass.Int64(slot) * DRAFT_BANKS + bank) * DRAFT_TOKENS + t
     return ((at * grid_heads() + head) * DRAFT_ROWS + row) * D
 
 
 def draft_token_stride():
-    """Elements between one token's draft records and the next's."""
+    """Elements (bf16) between one token's draft records and the next's."""
     return cutlass.Int64(grid_heads()) * (DRAFT_ROWS * D)
 
 
-def _replay_token(tile, state: cute.Tensor, records: cute.Pointer, at, j, row0):
-    """One committed draft token on this thread's 64 state values: S ← S·diag(α) + u k̂ᵀ with α, k̂
-    at its keys and u at its rows ``row0 ..`` read from the record at ``at``."""
-    khat = [cute.make_tensor(records + (at + tile.key(j, ki)), cute.make_layout(1))[0] for ki in range(tile.kt)]
-    alpha = [
-        cute.make_tensor(records + (at + DRAFT_ALPHA * D + tile.key(j, ki)), cute.make_layout(1))[0]
-        for ki in range(tile.kt)
-    ]
-    u = [cute.make_tensor(records + (at + DRAFT_U * D + row0 + vi), cute.make_layout(1))[0] for vi in range(tile.vt)]
-    for vi in range(tile.vt):
-        for ki in range(tile.kt):
-            value = state[vi * tile.kt + ki]
-            state[vi * tile.kt + ki] = value * alpha[ki] + u[vi] * khat[ki]
+def draft_updates(records: cute.Pointer, slot, bank, head):
+    """(The records as fp32, the fp32 offset of token 0's u row of head ``head`` in a bank): u of
+    token t lies ``t · draft_token_stride() // 2`` fp32 further.  (The base pointer is recast, not
+    an offset one: that kept 60 more registers live in the token loop.)"""
+    return cute.recast_ptr(records, dtype=cutlass.Float32), draft_offset(slot, bank, 0, head, DRAFT_U) // 2
+
+
+def _replay_token(tile, state: cute.Tensor, s_khat: cute.Tensor, s_alpha: cute.Tensor, updates, d, j, row0):
+    """Committed draft token ``d`` on this thread's 64 state values: S ← S·diag(α) + u k̂ᵀ with α
+    and k̂ at its keys from the commit's replay arrays and u at its rows ``row0 ..`` from the
+    record (``updates``: ``draft_updates``)."""
+    records, u0 = updates
+    u_at = u0 + cutlass.Int64(d) * (draft_token_stride() // 2) + row0
+    u = [cute.make_tensor(records + (u_at + vi), cute.make_layout(1))[0] for vi in range(tile.vt)]
+    for ki0, count in tile.key_chunks():
+        at = d * D + tile.key_pos(j, ki0)
+        khats = smem_run(s_khat, at, count)
+        alphas = smem_run(s_alpha, at, count)
+        for c in range(count):
+            for vi in range(tile.vt):
+                value = state[vi * tile.kt + ki0 + c]
+                state[vi * tile.kt + ki0 + c] = value * alphas[c] + u[vi] * khats[c]
 
 
 @cute.jit
@@ -215,7 +224,7 @@ class KdaDecodeLayer(DecodeKernel):
         self.gate = Gate(gate)
         self.tile = _tile(kv_layout, bf16_state)
         self.threads = threads(v_block)
-        self.smem_bytes = layer_smem_bytes(v_block, items, bf16_state)
+        self.smem_bytes = layer_smem_bytes(v_block, items, bf16_state, drafts=True)
         self.rows = items * v_block
         self.ctas = D // self.rows  # the cluster: the V blocks of one (request, head)
 
@@ -228,6 +237,8 @@ class KdaDecodeLayer(DecodeKernel):
             block=[self.threads, 1, 1],
             smem=self.smem_bytes,
             stream=stream,
+            min_blocks_per_mp=6,
+            preferred_smem_carveout=100,
             **({"cluster": [self.ctas, 1, 1]} if self.ctas > 1 else {}),
         )
 
@@ -281,6 +292,34 @@ class KdaDecodeLayer(DecodeKernel):
             cute.make_tensor(tensors.step.a_log + head, cute.make_layout(1))[0],
         )
 
+    def replay_token_loads(self, tensors, geometry, conv, d, head, hl, conv_at, draft, flags):
+        """``token_prepare``'s inputs for token ``d`` of the pending draft being committed: k
+        convolved over the committed conv state and the recorded inputs, g from the record,
+        dt_bias and A_log as in decode (q and β are not needed: only k̂ and α are kept)."""
+        col = hl * 8
+        channel = head * D + col
+        slot, bank, accepted = draft
+        vk = conv8(
+            tensors.step.k,
+            cutlass.Int64(0),  # the window ends in the record: no input token is read
+            geometry.k_stride_t,
+            tensors.conv_state_k,
+            conv_at + cutlass.Int64(channel) * conv.channel_stride,
+            (tensors.draft_records, draft_offset(slot, bank, 0, head, DRAFT_X + 1) + col, accepted),
+            *conv_params8(tensors.conv_weight_k, tensors.conv_bias_k, channel, flags),
+            d - accepted,
+            conv,
+            flags,
+        )
+        return (
+            None,
+            vk.load(),
+            bf16_row8(tensors.draft_records, draft_offset(slot, bank, d, head, DRAFT_G) + col),
+            f32x8(tensors.step.dt_bias, head * D + col),
+            None,
+            cute.make_tensor(tensors.step.a_log + head, cute.make_layout(1))[0],
+        )
+
     @cute.kernel
     def kda_decode_layer(
         self,
@@ -311,6 +350,11 @@ class KdaDecodeLayer(DecodeKernel):
             smem, v_block, items, self.bf16_state, num_tokens
         )
         item_stage = _item_stage_bytes(v_block, self.bf16_state)
+        # A commit's k̂ and α of the accepted tokens, behind this T's arrays (``DRAFT_REPLAY_BYTES``:
+        # a launch with drafts asks for them).
+        replay = cute.recast_ptr(s_o.iterator + cute.assume(num_tokens * rows, divby=32), dtype=cutlass.Float32)
+        s_replay_khat = cute.make_tensor(replay, cute.make_layout(DRAFT_TOKENS * D))
+        s_replay_alpha = cute.make_tensor(replay + DRAFT_TOKENS * D, cute.make_layout(DRAFT_TOKENS * D))
 
         slot = self.slot(tensors, geometry, seq)
         chunks, rounds, io_col, hl, half_id, n_half = token_io(tid, v_block, items)
@@ -348,17 +392,6 @@ class KdaDecodeLayer(DecodeKernel):
             new_bank = cutlass.select_(mark > 0, 1 - old_bank, cutlass.Int32(0))
             pool_head = head_state(self.tile, tensors, geometry, slot, head_elems)
             state = cute.make_rmem_tensor(cute.make_layout(VALUES), cutlass.Float32)
-            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
-
-            # The RMSNorm's weight and output-gate rows of this thread's output chunks.
-            norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
-            gates_in = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
-            for r in cutlass.range_constexpr(rounds):
-                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
-                z_at = token_offset(n64, conv.out_gate_stride_n, conv.out_gate_stride_t, io_tc, head) + v0 + io_col
-                z_row = bf16_row8(tensors.out_gate, z_at)
-                for e in cutlass.range_constexpr(8):
-                    gates_in[8 * r + e] = z_row[e]
 
             # ---- prologue: q̃, k̃ by the convolution, then q̂, k̂, α, k̂·q̂, b per token; ṽ staged --
             for base in cutlass.range(0, num_tokens, n_half, unroll=1):
@@ -368,6 +401,25 @@ class KdaDecodeLayer(DecodeKernel):
                 )
                 token_prepare(
                     self.tile, inputs, s_alpha, s_khat, s_qhat, s_kq, s_b, t, hl, scalars.lower_bound, flags, gate
+                )
+            for base in cutlass.range(0, accepted, n_half, unroll=1):
+                d = cutlass.min(base + half_id, accepted - 1)
+                inputs = self.replay_token_loads(
+                    tensors, geometry, conv, d, head, hl, conv_at, (slot, old_bank, accepted), flags
+                )
+                token_prepare(
+                    self.tile,
+                    inputs,
+                    s_replay_alpha,
+                    s_replay_khat,
+                    None,
+                    None,
+                    None,
+                    d,
+                    hl,
+                    scalars.lower_bound,
+                    flags,
+                    gate,
                 )
             v_channel = head * D + v0 + io_col
             v_params = conv_params8(tensors.conv_weight_v, tensors.conv_bias_v, v_channel, flags)
@@ -397,42 +449,40 @@ class KdaDecodeLayer(DecodeKernel):
                 # This CTA has read the old q / k conv state: its peers may overwrite it.
                 cute.arch.cluster_arrive()
             cute.arch.sync_threads()
-            if verify:  # this CTA's keys of the draft's k̂ and α, before the decay rewrites them
+            if verify:  # this CTA's keys of the draft's raw g (its decays are computed again at commit)
                 for e in cutlass.range(tid, num_tokens * rows, n_threads, unroll=1):
                     t = e // rows
                     key = v0 + e % rows
-                    position = t * D + self.tile.pos_of_key(key)
-                    at = draft_offset(slot, new_bank, t, head, DRAFT_KHAT) + key
-                    cute.make_tensor(tensors.draft_records + at, cute.make_layout(1))[0] = s_khat[position]
-                    cute.make_tensor(tensors.draft_records + (at + DRAFT_ALPHA * D), cute.make_layout(1))[0] = s_alpha[
-                        position
-                    ]
-                cute.arch.sync_threads()  # other threads' decay rewrites these positions in place
+                    g_at = token_offset(n64, geometry.g_stride_n, geometry.g_stride_t, t, head) + key
+                    at = draft_offset(slot, new_bank, t, head, DRAFT_G) + key
+                    cute.make_tensor(tensors.draft_records + at, cute.make_layout(1))[0] = cute.make_tensor(
+                        tensors.step.g + g_at, cute.make_layout(1)
+                    )[0]
             if cutlass.const_expr(gate.defers_decay):
                 defer_decay(s_alpha, s_khat, s_qhat, s_decay, num_tokens, tid, n_threads)
             else:
                 direct_decay(s_alpha, s_khat, s_decay, num_tokens, tid, n_threads)
             cute.arch.sync_threads()
 
+            # The state after the prologue: loaded before it, its 64 registers stayed live through
+            # the convolutions and capped the CTAs per SM (240-255 registers: 4 CTAs).
+            first_item(self.tile, state, s_stage, pool_head, lane_off, v_block, items, tid)
             for item in cutlass.range_constexpr(items):
                 item_off = lane_off + self.tile.row_offset(item * v_block)
                 if cutlass.const_expr(item > 0):
                     next_item(self.tile, state, s_stage, item_stage, pool_head, lane_off, v_block, item, items, tid)
                 if accepted > 0:  # commit the pending draft's accepted tokens, then (a draft) keep them
                     row0 = v0 + item * v_block + row_local
-                    for t in cutlass.range(accepted, unroll=1):
-                        at = draft_offset(slot, old_bank, t, head, DRAFT_KHAT)
-                        _replay_token(self.tile, state, tensors.draft_records, at, j, row0)
+                    updates = draft_updates(tensors.draft_records, slot, old_bank, head)
+                    for d in cutlass.range(accepted, unroll=1):
+                        _replay_token(self.tile, state, s_replay_khat, s_replay_alpha, updates, d, j, row0)
                     if verify:
                         _store_state(state, pool_head, self.tile, item_off, s_decay, 0, j, True)
                 step = (self.tile, state, s_alpha, s_khat, s_qhat, s_kq, s_b, s_v, s_o)
                 decay = _step_decay(gate, s_decay)
                 if verify:  # the draft: its u recorded, the pool keeps the committed state
-                    u_record = (
-                        tensors.draft_records,
-                        draft_offset(slot, new_bank, 0, head, DRAFT_U) + v0,
-                        draft_token_stride(),
-                    )
+                    records, u0 = draft_updates(tensors.draft_records, slot, new_bank, head)
+                    u_record = (records, u0 + v0, draft_token_stride() // 2)
                     for t in cutlass.range(num_tokens, unroll=1):
                         row = item * v_block + row_local
                         _token_step(*step, t, group, j, row, scalars.scale, rows, decay, u_record)
@@ -444,6 +494,17 @@ class KdaDecodeLayer(DecodeKernel):
                         state, pool_head, self.tile, item_off, s_decay, num_tokens - 1, j, not gate.defers_decay
                     )
             cute.arch.sync_threads()
+
+            # The RMSNorm's weight and output-gate rows of this thread's output chunks, loaded only
+            # now: live from the start they held 8 + 8·rounds registers through the token loop.
+            norm_w = load8(tensors.norm_weight, v0 + io_col, (flags & LAYER_FLAG_NORM_WEIGHT_F32) != 0)
+            gates_in = cute.make_rmem_tensor(cute.make_layout(8 * rounds), cutlass.Float32)
+            for r in cutlass.range_constexpr(rounds):
+                io_tc = cutlass.min(_io_token(tid, chunks, n_threads, r), num_tokens - 1)
+                z_at = token_offset(n64, conv.out_gate_stride_n, conv.out_gate_stride_t, io_tc, head) + v0 + io_col
+                z_row = bf16_row8(tensors.out_gate, z_at)
+                for e in cutlass.range_constexpr(8):
+                    gates_in[8 * r + e] = z_row[e]
 
             # ---- RMSNorm: Σ o² of this CTA's rows per token (a warp per token) ----------------
             for t in cutlass.range(warp, num_tokens, n_threads // 32, unroll=1):
@@ -545,7 +606,7 @@ class KdaDecodeLayer(DecodeKernel):
                                 record = tensors.draft_records + (
                                     history_at + cutlass.Int64(p - CONV_STATE_TAPS) * draft_token_stride()
                                 )
-                                taps[i] = cute.make_tensor(record, cute.make_layout(1))[0]
+                                taps[i] = cute.make_tensor(record, cute.make_layout(1))[0].to(cutlass.Float32)
                             else:
                                 x_elem = x + (x_at + cutlass.Int64(p - CONV_STATE_TAPS - accepted) * stride_t)
                                 taps[i] = cute.make_tensor(x_elem, cute.make_layout(1))[0].to(cutlass.Float32)
@@ -556,6 +617,6 @@ class KdaDecodeLayer(DecodeKernel):
                         for t in cutlass.range(num_tokens, unroll=1):
                             value = cute.make_tensor(x + (x_at + cutlass.Int64(t) * stride_t), cute.make_layout(1))[0]
                             record = tensors.draft_records + (draft_at + cutlass.Int64(t) * draft_token_stride())
-                            cute.make_tensor(record, cute.make_layout(1))[0] = value.to(cutlass.Float32)
+                            cute.make_tensor(record, cute.make_layout(1))[0] = value
 
     kernel = kda_decode_layer

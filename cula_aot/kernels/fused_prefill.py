@@ -50,12 +50,28 @@ import cutlass
 import cutlass.cute as cute
 
 from ..layout import (
+    FLAG_STATUS,
+    FLAG_SUCCESSOR,
     FLAG_VARLEN,
     IMAGE_BYTES,
+    SEG_FINAL_INDEX,
+    SEG_FIRST_TOKEN,
+    SEG_FLAGS,
+    SEG_INIT_INDEX,
+    SEG_PREDECESSOR,
+    SEG_SEQ_OFFSET,
+    SEG_TOKENS,
+    SEGMENT_FIELDS,
 )
-from ..specs import FUSED_CONSUMER_REGISTERS, FUSED_PRODUCER_REGISTERS, fused_threads
-from .common import CHUNK, D, sigmoid, varlen_sequence
-from .params import Checkpoints, PoolBounds, StateStrides
+from ..specs import (
+    FUSED_CONSUMER_REGISTERS,
+    FUSED_PRODUCER_REGISTERS,
+    PIECE_WARMUP_TILES,
+    TRUNCATION_LOG2,
+    fused_threads,
+)
+from .common import CHUNK, D, grid_heads, sigmoid, varlen_sequence
+from .params import Checkpoints, PieceTables, PoolBounds, StateStrides
 from .gate import Gate
 from .prepare_tile import (
     TokenTileKernel,
@@ -98,13 +114,16 @@ from .tile_chain import (
 )
 from .warp_mma import (
     accumulators_as_a,
+    ld_global_cg_v4_f32,
     ld_shared_v4,
     ldmatrix_x4,
     mma_bf16_m16n8k16,
     pack_bf16x2,
     st_global_v4,
+    st_global_v4_f32,
     stmatrix_x4_trans,
 )
+from .tile_bound import RecordImages, frobenius_log2
 from .warpgroup_mma import smem_descriptor, wgmma_fence, wgmma_wait
 
 WARP = 32
@@ -136,6 +155,28 @@ for _part, _bytes in STAGE_PART_BYTES.items():  # the parts back to back, in thi
     STAGE_BYTES += _bytes
 assert all(o % STAGE_ALIGN == 0 for o in (STAGE_BYTES, *STAGE_PART_OFFSETS.values()))
 STAGE_K_STEP_UNITS = 2 * STAGE_KEY_GROUP_BYTES // 16  # a wgmma k-step: 16 keys, two key groups
+
+
+def _stage_lane_offset(lane):
+    """Byte offset of this lane's ldmatrix row in a stage image's keys 0-15: matrix m = lane // 8
+    is (token block m // 2, key group m % 2), row lane % 8 of it."""
+    return ((lane // 8) % 2) * STAGE_KEY_GROUP_BYTES + (lane // 16) * STAGE_TOKEN_HALF_BYTES + (lane % 8) * 16
+
+
+def _stage_trans_lane_offset(lane):
+    """The same for ``ldmatrix.trans``: matrix m = lane // 8 is (key group m // 2, token block m % 2)."""
+    return (lane // 16) * STAGE_KEY_GROUP_BYTES + ((lane // 8) % 2) * STAGE_TOKEN_HALF_BYTES + (lane % 8) * 16
+
+
+# A stage's images for the tile bound (``tile_bound.frobenius_log2``).
+STAGE_IMAGES = RecordImages(
+    STAGE_PART_OFFSETS["kd"],
+    STAGE_PART_OFFSETS["kr"],
+    STAGE_PART_OFFSETS["inv"],
+    2 * STAGE_KEY_GROUP_BYTES,
+    _stage_lane_offset,
+    _stage_trans_lane_offset,
+)
 
 
 def stage_image_offset(row, col):
@@ -179,6 +220,11 @@ def smem_bytes(stages: int, producers: int) -> int:
     )
 
 
+def pieces_smem_bytes(stages: int, producers: int) -> int:
+    """``smem_bytes`` and the fused pieces' certification word."""
+    return smem_bytes(stages, producers) + 16
+
+
 INPUT_ELEMS = 2 * 3 * CHUNK * D  # two load buffers of q, k, g tiles
 
 
@@ -197,6 +243,7 @@ class _ConsumerContext:
     """What one tile of the consumers' chain reads: geometry, stages, barriers, fragments and the
     state (trace-time values)."""
 
+    bound_warp: object  # the consumer warp that forms the warm-up tiles' bounds (fused pieces)
     empty: object
     full: object
     head: object
@@ -215,10 +262,11 @@ class _ConsumerContext:
 
 
 @cute.jit
-def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
+def _consumer_tile(ctx, tile, stage, ahead_stage, phase, warm_up=False):
     """Tile ``tile`` of a consumer warp's chain from stage ``stage`` (barrier phase ``phase``),
     staging v of the tile stages − 1 ahead into ``ahead_stage``; ``ctx``: the warp's chain
-    context (``_ConsumerContext``)."""
+    context (``_ConsumerContext``).  A ``warm_up`` tile (fused pieces) writes no output, and the
+    bound warp returns log2 of its map's bound (``tile_bound.frobenius_log2``)."""
     stage_base = stage_pointer(ctx.s_stages, stage, STAGE_BYTES)
     ahead = tile + (ctx.stages - 1)
     stage_v_rows(
@@ -243,10 +291,13 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     kd_b = smem_descriptor(base + STAGE_PART_OFFSETS["kd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
     wgmma_fence()
     ks_acc = wgmma_state_products([cutlass.Float32(0.0)] * 8, a_steps, kd_b, STAGE_K_STEP_UNITS)
-    qs_acc = [cutlass.Float32(0.0)] * 8
-    qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
-    qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, STAGE_K_STEP_UNITS)
-    ks_acc = wgmma_wait(1, ks_acc)
+    if cutlass.const_expr(warm_up):
+        ks_acc = wgmma_wait(0, ks_acc)
+    else:
+        qs_acc = [cutlass.Float32(0.0)] * 8
+        qd_b = smem_descriptor(base + STAGE_PART_OFFSETS["qd"], STAGE_KEY_GROUP_BYTES, STAGE_TOKEN_HALF_BYTES)
+        qs_acc = wgmma_state_products(qs_acc, a_steps, qd_b, STAGE_K_STEP_UNITS)
+        ks_acc = wgmma_wait(1, ks_acc)
 
     # -- Wᵀ = (Vᵀ − Sᵀkdᵀ)·diag(b), Uᵀ = Wᵀ·INVᵀ ---------------------------------------
     w = tile_w(v_regs, b_rows, ks_acc, ctx.t)
@@ -258,27 +309,89 @@ def _consumer_tile(ctx, tile, stage, ahead_stage, phase):
     )
 
     # -- Oᵀ = Sᵀqdᵀ + Uᵀ·Mqkᵀ, out through the warp's v slot ----------------------------
-    qs_acc = wgmma_wait(1, qs_acc)
-    b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + ctx.square_lane)
-    o_pairs = []
-    for n in cutlass.range_constexpr(2):
-        d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n : 2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
-        o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
-    o_slot = ctx.staging.slot(stage)
-    stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
-    cute.arch.sync_warp()
-    words = ld_shared_v4(o_slot + ctx.lane * 16)
-    out_row, out_half = v_chunk(ctx.lane)
-    if out_row < rows_valid:
-        at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(
-            ctx.head * D + ctx.warp_col0 + out_half * 8
-        )
-        st_global_v4((ctx.out + at).toint(), words)
+    if cutlass.const_expr(not warm_up):
+        qs_acc = wgmma_wait(1, qs_acc)
+        b_mqk = ldmatrix_x4(base + STAGE_PART_OFFSETS["mqk"] + ctx.square_lane)
+        o_pairs = []
+        for n in cutlass.range_constexpr(2):
+            d_o = mma_bf16_m16n8k16(a_u, b_mqk[2 * n : 2 * n + 2], [qs_acc[4 * n + c] for c in range(4)])
+            o_pairs += [pack_bf16x2(d_o[0], d_o[1]), pack_bf16x2(d_o[2], d_o[3])]
+        o_slot = ctx.staging.slot(stage)
+        stmatrix_x4_trans(o_slot + ctx.square_lane, o_pairs)
+        cute.arch.sync_warp()
+        words = ld_shared_v4(o_slot + ctx.lane * 16)
+        out_row, out_half = v_chunk(ctx.lane)
+        if out_row < rows_valid:
+            at = (token0 + cutlass.Int64(out_row)) * ctx.out_stride + cutlass.Int64(
+                ctx.head * D + ctx.warp_col0 + out_half * 8
+            )
+            st_global_v4((ctx.out + at).toint(), words)
     updated = wgmma_wait(0, updated)
     for i in cutlass.range_constexpr(4 * N_TILES):
         ctx.state[i] = updated[i]
-    # The update has read the stage's kr: the producer may refill it.
+    bound = cutlass.Float32(0.0)
+    if cutlass.const_expr(warm_up):
+        if ctx.bound_warp:
+            bound = frobenius_log2(base, b_rows, gt, ctx.lane, STAGE_IMAGES)
+    # The update has read the stage's kr (and the bound its images): the producer may refill it.
     cute.arch.mbarrier_arrive(ctx.empty + stage)
+    return bound if warm_up else None
+
+
+def _consumer_sync(producers: int):
+    """Named barrier 1 + producers over the two consumer warpgroups."""
+    cute.arch.barrier(barrier_id=1 + producers, number_of_threads=CONSUMER_WARPS * WARP)
+
+
+def _ready_flag(pieces: PieceTables, item):
+    """Item ``item``'s ready flag (after the H ticket counters)."""
+    return pieces.ready + grid_heads() + item
+
+
+def _carry_address(pieces: PieceTables, item, consumer, chunk: int):
+    """Global address of 16-byte chunk ``chunk`` of consumer thread ``consumer``'s state values in
+    item ``item``'s published end state (thread-fastest, so each chunk's stores coalesce)."""
+    at = cutlass.Int64(item) * cutlass.Int64(D * D) + cutlass.Int64((chunk * CONSUMER_WARPS * WARP + consumer) * 4)
+    return (pieces.carries + at).toint()
+
+
+@cute.jit
+def _publish_carry(state: cute.Tensor, pieces: PieceTables, item, consumer, producers: int):
+    """Item ``item``'s end state out for its successor, then its ready flag: the barrier orders
+    every consumer thread's stores before consumer 0's GPU-scope fence and release, which is
+    cumulative over them (one fence, not one per thread)."""
+    for chunk in cutlass.range_constexpr(4 * N_TILES // 4):
+        st_global_v4_f32(_carry_address(pieces, item, consumer, chunk), [state[4 * chunk + c] for c in range(4)])
+    _consumer_sync(producers)
+    if consumer == 0:
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.store(_ready_flag(pieces, item), cutlass.Int32(1), sem="release", scope="gpu")
+
+
+@cute.jit
+def _unless_certified_take_carry(
+    state: cute.Tensor, bound, decision, pieces: PieceTables, predecessor, consumer, producers: int
+):
+    """The consumers' start after a warm-up from zero: kept where the warm-up tiles' bounds
+    (``bound``, their log2 sum, on the bound warp) certify that the dropped state reaches the
+    piece's first tile attenuated by ≤ 2^TRUNCATION_LOG2; else replaced by item
+    ``predecessor``'s published end state, the exact state there, once its flag is set (it took
+    an earlier ticket, so it is running or done).  A NaN bound never certifies."""
+    if consumer == 0:
+        cute.make_tensor(decision, cute.make_layout(1))[0] = cutlass.select_(
+            bound <= cutlass.Float32(TRUNCATION_LOG2), 1, 0
+        )
+    _consumer_sync(producers)
+    if cute.make_tensor(decision, cute.make_layout(1))[0] == 0:
+        if consumer == 0:
+            seen = cutlass.Int32(0)
+            while seen == 0:
+                seen = cute.arch.load(_ready_flag(pieces, predecessor), cutlass.Int32, sem="acquire", scope="gpu")
+        _consumer_sync(producers)
+        for chunk in cutlass.range_constexpr(4 * N_TILES // 4):
+            values = ld_global_cg_v4_f32(_carry_address(pieces, predecessor, consumer, chunk))
+            for c in cutlass.range_constexpr(4):
+                state[4 * chunk + c] = values[c]
 
 
 @cute.jit
@@ -341,6 +454,65 @@ class FusedPrefill(TokenTileKernel):
         checkpoint: Checkpoints,
         token_coords: cute.Tensor,
     ):
+        self._run(
+            tma_q,
+            tma_k,
+            tma_g,
+            beta,
+            a_log,
+            dt_bias,
+            v,
+            out,
+            initial_state,
+            final_state,
+            cu_seqlens,
+            state_indices,
+            seq_len,
+            num_seqs,
+            beta_row_stride,
+            v_row_stride,
+            out_row_stride,
+            init,
+            final,
+            flags,
+            scale,
+            lower_bound,
+            bounds,
+            checkpoint,
+            token_coords,
+            None,
+        )
+
+    @cute.jit
+    def _run(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_g: cute.CopyAtom,
+        beta: cute.Pointer,
+        a_log: cute.Pointer,
+        dt_bias: cute.Pointer,
+        v: cute.Pointer,
+        out: cute.Pointer,
+        initial_state: cute.Pointer,
+        final_state: cute.Pointer,
+        cu_seqlens: cute.Pointer,
+        state_indices: cute.Pointer,
+        seq_len: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        beta_row_stride: cutlass.Int32,
+        v_row_stride: cutlass.Int32,
+        out_row_stride: cutlass.Int32,
+        init: StateStrides,
+        final: StateStrides,
+        flags: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        bounds: PoolBounds,
+        checkpoint: Checkpoints,
+        token_coords: cute.Tensor,
+        pieces,
+    ):
         tid, _, _ = cute.arch.thread_idx()
         gate = Gate(self.gate)  # asked, not compared by name (kernels/gate.py)
         _, head, seq = cute.arch.block_idx()
@@ -360,13 +532,36 @@ class FusedPrefill(TokenTileKernel):
         all_parts = smem.allocate_tensor(cutlass.Float32, cute.make_layout(self.producers * PRODUCT_PARTIALS), 16)
 
         # ---- this work item: first token, length (as K2's serial path) ------------------------
-        seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
-        length = seq_len
-        malformed = cutlass.Boolean(False)
-        if (flags & FLAG_VARLEN) != 0:
-            scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
-            seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, self.threads, seq_len)
-            seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
+        if cutlass.const_expr(pieces is None):
+            seq_start = cutlass.Int64(seq) * cutlass.Int64(seq_len)
+            length = seq_len
+            malformed = cutlass.Boolean(False)
+            if (flags & FLAG_VARLEN) != 0:
+                scratch = cute.recast_ptr(s_stages.iterator, dtype=cutlass.Int32)
+                seq = longest_first(cu_seqlens, num_seqs, seq, flags, scratch, tid, self.threads, seq_len)
+                seq_start, _first_slot, length, malformed = varlen_sequence(cu_seqlens, num_seqs, seq, seq_len)
+        else:
+            # The row by ticket, one counter per head: the head's rows in the table's order
+            # whatever order the CTAs start in, so a row waited on (an earlier one of the same head)
+            # has started: it is running or done.  The head stays the grid's (no register to hold).
+            s_item = smem.allocate_array(cutlass.Int32, 4)  # [0]: the ticket, [1]: the certificate
+            if tid == 0:
+                cute.make_tensor(s_item, cute.make_layout(1))[0] = cute.arch.atomic_add(
+                    pieces.ready + head, cutlass.Int32(1), sem="relaxed", scope="gpu"
+                )
+            cute.arch.sync_threads()
+            num_heads = grid_heads()
+            seq = cute.make_tensor(s_item, cute.make_layout(1))[0]
+            # Piece row ``seq``: its own tokens after ``warm`` tiles of its sequence that it runs
+            # without output, from a zero state, or from the sequence's initial state where they
+            # reach its start (exact).
+            row = cute.make_tensor(pieces.segments + seq * SEGMENT_FIELDS, cute.make_layout(SEGMENT_FIELDS))
+            c0 = row[SEG_SEQ_OFFSET] // CHUNK
+            warm = cutlass.min(c0, PIECE_WARMUP_TILES)
+            seq_start = cutlass.Int64(row[SEG_FIRST_TOKEN] - warm * CHUNK)
+            length = row[SEG_TOKENS] + warm * CHUNK
+            malformed = cutlass.Boolean(False)
+            flags = row[SEG_FLAGS] | (flags & FLAG_STATUS)  # the row's, and the launch's status bit
         num_tiles = (length + (CHUNK - 1)) // CHUNK
 
         if tid == 0:
@@ -437,7 +632,7 @@ class FusedPrefill(TokenTileKernel):
                 qhat, khat, gamma = normalised_and_gates(
                     vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate
                 )
-                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
+                cum, total, gtot = gate_cumsum(gamma, has_source, lane)  # safe: kr uses 2^G[15], not G[15]
                 if lane < 4:
                     vector(_stage_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -447,7 +642,7 @@ class FusedPrefill(TokenTileKernel):
 
                 # ---- phase C (K1): L and Mqk, split over keys by warp ---------------------------
                 decayed_partials(
-                    qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
+                    qhat, khat, cum, total, gtot, scale, store_images, s_part, pw, lane, gate, kr_from_kinv=True
                 )
                 b = cutlass.Float32(0.0)
                 if pw == inverse_warp:
@@ -474,9 +669,14 @@ class FusedPrefill(TokenTileKernel):
             v_col = warp_col0 + g
             init_index = seq
             final_index = seq
+            if cutlass.const_expr(pieces is not None):
+                init_index = row[SEG_INIT_INDEX]
+                final_index = row[SEG_FINAL_INDEX]
             init_index, read_init, final_index, write_final, bad_slot = state_slots(
                 state_indices, flags, init_index, bounds.init_slots, final_index, bounds.final_slots
             )
+            if cutlass.const_expr(pieces is not None):
+                read_init = cutlass.select_(warm == c0, read_init, 0)  # only an exact start reads it
             checkpoint_tile = cutlass.Int32(-1)
             checkpoint_misaligned = cutlass.Boolean(False)
             if cutlass.const_expr(self.checkpointing):
@@ -499,7 +699,11 @@ class FusedPrefill(TokenTileKernel):
                 cute.arch.cp_async_commit_group()
             square_lane = square_lane_offset(lane)
             out_stride = cutlass.Int64(out_row_stride)
+            bound_warp = cw == 0
+            if cutlass.const_expr(pieces is not None):
+                bound_warp = bound_warp & (warm < c0)  # an exact start needs no certificate
             ctx = _ConsumerContext(
+                bound_warp=bound_warp,
                 empty=empty,
                 full=full,
                 head=head,
@@ -546,6 +750,33 @@ class FusedPrefill(TokenTileKernel):
                         checkpoint_tile = checkpoint_tile + checkpoint.every // CHUNK
                         checkpoint_column = checkpoint_column + 1
                     run_start = run_end
+            elif cutlass.const_expr(pieces is not None):
+                # The warm-up, then the piece's own tiles from the warm-up's state where its bounds
+                # certify it, else from its predecessor's published end state.
+                bound = cutlass.Float32(0.0)
+                for tile in cutlass.range(warm, unroll=1):
+                    bound = bound + _consumer_tile(
+                        ctx,
+                        tile,
+                        tile % self.stages,
+                        (tile + (self.stages - 1)) % self.stages,
+                        (tile // self.stages) % 2,
+                        warm_up=True,
+                    )
+                consumer = tid - WARPS * WARP * self.producers
+                if warm < c0:
+                    predecessor = row[SEG_PREDECESSOR] * num_heads + head
+                    _unless_certified_take_carry(
+                        state, bound, s_item + 1, pieces, predecessor, consumer, self.producers
+                    )
+                for tile in cutlass.range(warm, num_tiles, unroll=1):
+                    _consumer_tile(
+                        ctx,
+                        tile,
+                        tile % self.stages,
+                        (tile + (self.stages - 1)) % self.stages,
+                        (tile // self.stages) % 2,
+                    )
             else:
                 for tile in cutlass.range(num_tiles, unroll=1):
                     _consumer_tile(
@@ -567,5 +798,90 @@ class FusedPrefill(TokenTileKernel):
                     v_col,
                     flags,
                 )
+            if cutlass.const_expr(pieces is not None):
+                if (flags & FLAG_SUCCESSOR) != 0:
+                    _publish_carry(state, pieces, seq * num_heads + head, consumer, self.producers)
 
     kernel = fused_prefill
+
+
+class FusedPieces(FusedPrefill):
+    """The fused prefill over certified pieces (``specs.FusedPiecesSpec``): ``FusedPrefill``'s
+    roles over the rows of a piece table, one CTA per (row, head) item (docs/DESIGN.md, Certified
+    truncation).  A piece runs ``PIECE_WARMUP_TILES`` tiles of its sequence before its own from a
+    zero state, no output, while the bound warp (consumer warp 0) forms each warm-up tile's bound
+    from the stage the producers wrote; certified, the piece goes on from there, else it waits for
+    its predecessor's published end state.  Every piece with a successor publishes its
+    end state and sets its ready flag.  Rows carry absolute tokens (fixed and varlen alike); a CTA
+    takes its row by ticket (an atomic counter per head), in the table's order, where a
+    predecessor comes first: a row waited on has started, so it is running or done.  No
+    checkpoint writes."""
+
+    def __init__(self, stages: int, producers: int, gate: str, checkpointing: bool):
+        assert not checkpointing, "the fused pieces kernel writes no checkpoints"
+        super().__init__(stages, producers, gate, checkpointing)
+
+    @property
+    def smem_bytes(self) -> int:
+        return pieces_smem_bytes(self.stages, self.producers)
+
+    @cute.kernel
+    def fused_pieces(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_g: cute.CopyAtom,
+        beta: cute.Pointer,
+        a_log: cute.Pointer,
+        dt_bias: cute.Pointer,
+        v: cute.Pointer,
+        out: cute.Pointer,
+        initial_state: cute.Pointer,
+        final_state: cute.Pointer,
+        cu_seqlens: cute.Pointer,
+        state_indices: cute.Pointer,
+        seq_len: cutlass.Int32,
+        num_seqs: cutlass.Int32,
+        beta_row_stride: cutlass.Int32,
+        v_row_stride: cutlass.Int32,
+        out_row_stride: cutlass.Int32,
+        init: StateStrides,
+        final: StateStrides,
+        flags: cutlass.Int32,
+        scale: cutlass.Float32,
+        lower_bound: cutlass.Float32,
+        bounds: PoolBounds,
+        checkpoint: Checkpoints,
+        pieces: PieceTables,
+        token_coords: cute.Tensor,
+    ):
+        self._run(
+            tma_q,
+            tma_k,
+            tma_g,
+            beta,
+            a_log,
+            dt_bias,
+            v,
+            out,
+            initial_state,
+            final_state,
+            cu_seqlens,
+            state_indices,
+            seq_len,
+            num_seqs,
+            beta_row_stride,
+            v_row_stride,
+            out_row_stride,
+            init,
+            final,
+            flags,
+            scale,
+            lower_bound,
+            bounds,
+            checkpoint,
+            token_coords,
+            pieces,
+        )
+
+    kernel = fused_pieces

@@ -4,15 +4,15 @@ What it computes (docs/CONTRACT.md §2, §3), for one tile of one sequence and o
 
 * ``γ`` per key dim by the variant's ``gate``: "safe" ``lower_bound · σ(exp(A_log) · (g + dt_bias))``,
   "softplus" ``−exp(A_log) · softplus(g + dt_bias)``, "precomputed" ``min(g, 0)`` (the unbounded
-  gates floored at 2^-256 per token); ``G`` its inclusive cumsum over the tile's rows,
+  gates floored at 2^-14 per token); ``G`` its inclusive cumsum over the tile's rows,
   ``gtot = exp(G[15])``;
 * ``q̂, k̂`` = L2-normalised q, k rounded to bf16 (q, k as given under ``FLAG_QK_AS_GIVEN``),
   ``b = σ(β)`` (β itself under ``FLAG_BETA_PROBABILITY``);
 * ``qd = q̂·e^G·scale``, ``kd = k̂·e^G``, ``kinv = k̂·e^-G``, ``kr = k̂·e^(G[15]-G)`` (stored bf16);
 * ``L = strict_lower(diag(b)·kd·kinvᵀ)``, ``Mqk = lower_incl(qd·kinvᵀ)`` on tensor cores with tf32
   operands rounded from the fp32 values (more precise than the recipe's bf16 operands; under an
-  unbounded gate each pair's decay factored around a reference that keeps both factors finite,
-  ``prepare_tile.unbounded_operands``), and
+  unbounded gate each pair's decay as two factors around G[15]/2, both ≤ 2^112 by the gate's
+  floor, ``prepare_tile.unbounded_operands``), and
   ``INV = (I+L)^-1 = (I-L)(I+L²)(I+L⁴)(I+L⁸)`` (L is nilpotent: exact) with the recipe's fp16
   operands and fp32 accumulation, in one warp's registers (``register_inverse``).
 
@@ -277,7 +277,7 @@ class K1Prepare(TokenTileKernel):
                 qhat, khat, gamma = normalised_and_gates(
                     vq, vk, vg, valid, s_norm, my_rows, gate_scale, gate_bias, gamma_scale, gate, qk_as_given
                 )
-                cum, total, gtot, mid = gate_cumsum(gamma, has_source, lane)
+                cum, total, gtot = gate_cumsum(gamma, has_source, lane)
                 if lane < 4:
                     vector(record_part(record, "gt", cutlass.Float32), col0, LANE_COLS).store(gtot.load())
 
@@ -287,7 +287,7 @@ class K1Prepare(TokenTileKernel):
 
                 # The bf16 images go to the workspaces; L and Mqk take the fp32 values as tf32 operands.
                 # ---- phase C: L and Mqk, split over keys by warp ------------------------------------
-                decayed_partials(qhat, khat, cum, total, gtot, mid, scale, store_images, s_part, warp, lane, gate)
+                decayed_partials(qhat, khat, cum, total, gtot, scale, store_images, s_part, warp, lane, gate)
                 b = cutlass.Float32(0.0)
                 if warp == 0:
                     b = cutlass.Float32(

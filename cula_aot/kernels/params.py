@@ -22,6 +22,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..specs.abi import CHECKPOINT_PARAMS, TOKEN_SCALARS, bound_params, state_params
+from ..specs.fused_prefill import PIECE_PARAMS
 from ..specs.decode import DECODE_GEOMETRY, DECODE_TENSORS, STEP_TENSORS
 from ..specs.decode_layer import LAYER_CONV_GEOMETRY, LAYER_TENSORS
 
@@ -118,6 +119,16 @@ class Checkpoints(NamedTuple):
     columns: cutlass.Int32
     slots: cutlass.Int32
     strides: StateStrides
+
+
+@param_group(lambda name: PIECE_PARAMS)
+class PieceTables(NamedTuple):
+    """The fused pieces kernel's tables (``specs.PIECE_PARAMS``): the piece rows, one ready flag
+    per (row, head) item and the items' published end states."""
+
+    segments: cute.Pointer
+    ready: cute.Pointer
+    carries: cute.Pointer
 
 
 @param_group(lambda name: TOKEN_SCALARS)

@@ -20,7 +20,7 @@ from .common import (
     make_token_tma,
     vector,
 )
-from .gate import Gate
+from .gate import UNBOUNDED_GAMMA_FLOOR, Gate
 from .params import grouped
 from .warp_mma import f32_bits, mma_f16_m16n8k16, mma_tf32_m16n8k8, movmatrix_trans, pack_bf16x2, pack_f16x2, tf32_ready
 
@@ -181,11 +181,10 @@ def normalised_and_gates(
 @cute.jit
 def gate_cumsum(gamma: list, has_source: list, lane):
     """G for rows g (a scan over the column's 8 lanes) and g + 8 (the same scan plus the first 8
-    rows' total, held by lane 28 + t), G[15] with 2^G[15] (gt) and G[7]: (cum, total, gtot, mid)."""
+    rows' total, held by lane 28 + t), G[15] with 2^G[15] (gt): (cum, total, gtot)."""
     cum = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
     total = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     gtot = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-    mid = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
     totals_lane = last_row_lane(lane)
     for j in cutlass.range_constexpr(LANE_COLS):
         upper = row_scan(gamma[0][j], has_source)
@@ -196,8 +195,7 @@ def gate_cumsum(gamma: list, has_source: list, lane):
         cum[1][j] = upper_total + lower
         total[j] = upper_total + lower_total
         gtot[j] = exp2_fast(total[j])
-        mid[j] = upper_total
-    return cum, total, gtot, mid
+    return cum, total, gtot
 
 
 def decayed_operands(
@@ -245,7 +243,6 @@ def decayed_partials(
     cum: list,
     total: cute.Tensor,
     gtot: cute.Tensor,
-    mid: cute.Tensor,
     scale,
     store_images,
     s_part: cute.Tensor,
@@ -262,7 +259,7 @@ def decayed_partials(
         kd_bits, qd_bits, kinv_bits = decayed_operands(qhat, khat, cum, scale, total, gtot, store_images, kr_from_kinv)
         store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
     else:
-        unbounded_operands(qhat, khat, cum, mid, total, scale, store_images, s_part, warp, lane)
+        unbounded_operands(qhat, khat, cum, total, scale, store_images, s_part, warp, lane)
 
 
 @cute.jit
@@ -287,308 +284,50 @@ def store_product_partials(kd_bits: list, qd_bits: list, kinv_bits: list, s_part
         vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
 
 
-def block_pair_step(acc: cute.Tensor, i_kd: list, i_qd: list, j_kinv: list):
-    """``acc`` += one k-step of both products of one 8×8 block of pairs, stacked in one m16n8k8:
-    A's rows g and g + 8 are kd and qd of the lane's i row (``i_kd``, ``i_qd``: the tf32 bits of
-    its values at the step's keys t and t + 4), B's column g kinv of its j row (``j_kinv``), so
-    the result's c0, c1 are the block's L entries (kd·kinvᵀ) and c2, c3 its Mqk entries."""
-    d = mma_tf32_m16n8k8([i_kd[0], i_qd[0], i_kd[1], i_qd[1]], j_kinv, [acc[c] for c in range(4)])
-    for c in range(4):
-        acc[c] = d[c]
-
-
-def store_block_partials(upper: cute.Tensor, across: cute.Tensor, lower: cute.Tensor, s_part: cute.Tensor, warp, lane):
-    """The three blocks of pairs j ≤ i (``block_pair_step``: rows and columns 0–7, rows 8–15 ×
-    columns 0–7, rows and columns 8–15) as this warp's partials in ``store_product_partials``'
-    layout; the block above the diagonal (rows 0–7 × columns 8–15) is 0."""
-    zero = cutlass.Float32(0.0)
-    fragments = (
-        [upper[0], upper[1], across[0], across[1]],
-        [zero, zero, lower[0], lower[1]],
-        [upper[2], upper[3], across[2], across[3]],
-        [zero, zero, lower[2], lower[3]],
-    )
-    for f in range(4):
-        partial = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-        for c in range(4):
-            partial[c] = fragments[f][c]
-        vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial.load())
-
-
 # Unbounded gates (softplus, precomputed): 2^(G_i − G_j) of a pair j ≤ i of a tile is formed as
-# 2^(G_i − P)·2^(P − G_j) around a reference P.  A block of rows whose G spans at most BLOCK_RANGE
-# (log2 units) in every column of a warp takes P = the midpoint of that span (the whole tile: the
-# span from 0 to G[15]), so both factors stay ≤ 2^(BLOCK_RANGE / 2).  A warp whose tile does not
-# fit splits it until its blocks do: the pairs
-# across a split at row r (j < r ≤ i: the highest bit in which i and j differ) take P = G[r − 1],
-# both factors ≤ 1 (the split levels: row 8; 4, 12; 2, 6, 10, 14; odd rows).  Neither form can
-# overflow or drop a pair whose product is representable.
-BLOCK_RANGE = 248.0
-SPLIT_LEVELS = 4
-
-
-def split_reference_row(level: int, row):
-    """Level ``level`` (≥ 1) of the binary split: the row (within its half) whose G is the
-    reference of ``row``'s block pair, and whether ``row`` is on the block pair's upper side
-    (the i of a pair) rather than its lower one (the j)."""
-    size = 16 >> level
-    return (row // size) * size + size // 2 - 1, (row % size) >= size // 2
-
-
-def block_end_rows(size, g):
-    """First and last row (within a half) of the ``size``-row block (size ≤ 8) holding row g."""
-    first = (g // size) * size
-    return first, first + size - 1
-
-
-def block_span(cum: list, size, g, t, half: int, j: int):
-    """G at the first and the last row of the ``size``-row block holding the lane's row (half,
-    column j), from the lanes that hold them."""
-    first, last = block_end_rows(size, g)
-    return (
-        cute.arch.shuffle_sync(cum[half][j], offset=4 * first + t),
-        cute.arch.shuffle_sync(cum[half][j], offset=4 * last + t),
-    )
-
-
-@cute.jit
-def blocks_fit(cum: list, level: int, g, t):
-    """Whether every block of 16 >> ``level`` rows (``level`` ≥ 1: blocks within a half) spans at
-    most BLOCK_RANGE in each of the warp's columns (a warp vote)."""
-    fits = cutlass.Boolean(True)
-    for half in cutlass.range_constexpr(2):
-        for j in cutlass.range_constexpr(LANE_COLS):
-            top, bottom = block_span(cum, 16 >> level, g, t, half, j)
-            fits = fits & (top - bottom <= BLOCK_RANGE)
-    return cute.arch.vote_all_sync(fits)
-
-
-def split_level_operands(
-    qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, level: int, g, t, half: int, j: int
-):
-    """The tf32 operand bits (kd, qd, kinv) of the lane's element (half, j) at split level
-    ``level``: P = G[r − 1] of its block pair, the factor on the i side (A: kd, qd) or the j side
-    (B: kinv) and 0 on the other, so both factors are ≤ 1."""
-    zero = cutlass.Float32(0.0)
-    g_row = cum[half][j]
-    if level == 0:
-        # Split at row 8 (P = G[7]): the upper half holds the i of every pair.
-        if half == 1:
-            factor = exp2_fast(g_row - mid[j])
-            return (
-                f32_bits(tf32_ready(khat[half][j] * factor)),
-                f32_bits(tf32_ready(qhat[half][j] * factor * scale)),
-                f32_bits(zero),
-            )
-        factor = exp2_fast(mid[j] - g_row)
-        return f32_bits(zero), f32_bits(zero), f32_bits(tf32_ready(khat[half][j] * factor))
-    ref_row, is_i = split_reference_row(level, g)
-    ref = cute.arch.shuffle_sync(g_row, offset=4 * ref_row + t)
-    factor = exp2_fast(cutlass.Float32(cutlass.select_(is_i, g_row - ref, ref - g_row)))
-    return (
-        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, khat[half][j] * factor, zero)))),
-        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, qhat[half][j] * factor * scale, zero)))),
-        f32_bits(tf32_ready(cutlass.Float32(cutlass.select_(is_i, zero, khat[half][j] * factor)))),
-    )
-
-
-def block_operands(qhat: list, khat: list, cum: list, ref: list, scale, half: int, j: int):
-    """The tf32 operand bits (kd, qd, kinv) of the lane's element (half, j) around its block's
-    midpoint reference: factors ≤ 2^(BLOCK_RANGE / 2)."""
-    rise = exp2_fast(cum[half][j] - ref[half][j])
-    fall = exp2_fast(ref[half][j] - cum[half][j])
-    return (
-        f32_bits(tf32_ready(khat[half][j] * rise)),
-        f32_bits(tf32_ready(qhat[half][j] * rise * scale)),
-        f32_bits(tf32_ready(khat[half][j] * fall)),
-    )
-
-
-@cute.jit
-def add_masked_products(operands, n_tiles: int, keep, partial: list, lane):
-    """Adds to the warp's partials the products kd·kinvᵀ and qd·kinvᵀ over its 32 keys of the
-    operands ``operands(half, j)`` gives (their bits formed k-step by k-step, so that only one
-    step's values are live), masked to the entries (i, j) where ``keep(i, j)``."""
-    acc = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-    for f in cutlass.range_constexpr(4):
-        acc[f].fill(0.0)
-    for s in cutlass.range_constexpr(K_STEPS):
-        lo, hi = fragment_value(s, 0), fragment_value(s, 1)
-        step = [[operands(half, col) for col in (lo, hi)] for half in range(2)]  # [half][lo/hi] → (kd, qd, kinv)
-        for p in cutlass.range_constexpr(2):
-            a = [step[0][0][p], step[1][0][p], step[0][1][p], step[1][1][p]]
-            for n in cutlass.range_constexpr(n_tiles):
-                d = mma_tf32_m16n8k8(a, [step[n][0][2], step[n][1][2]], [acc[2 * p + n][c] for c in range(4)])
-                for c in cutlass.range_constexpr(4):
-                    acc[2 * p + n][c] = d[c]
-    for p in cutlass.range_constexpr(2):
-        for n in cutlass.range_constexpr(n_tiles):
-            for c in cutlass.range_constexpr(4):
-                i, col = fragment_entry(lane, n, c)
-                partial[2 * p + n][c] = partial[2 * p + n][c] + cutlass.Float32(
-                    cutlass.select_(keep(i, col), acc[2 * p + n][c], cutlass.Float32(0.0))
-                )
-
-
-@cute.jit
-def halves_partials(
-    qhat: list, khat: list, cum: list, mid: cute.Tensor, total: cute.Tensor, scale, s_part: cute.Tensor, warp, lane
-):
-    """Phase C at depth 1 (each half spans at most BLOCK_RANGE from its start, 0 or G[7], to its
-    end): each half's pairs around its midpoint (P = G[7]/2 above, (G[7] + G[15])/2 below), the
-    pairs across row 8 around P = G[7] (factors ≤ 1): three 8×8 blocks of stacked products
-    (``block_pair_step``), their operands formed k-step by k-step so that only one step's values
-    are live; 12 MMAs, no masks."""
-    upper, across, lower = (cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(3))
-    upper.fill(0.0)
-    across.fill(0.0)
-    lower.fill(0.0)
-    for s in cutlass.range_constexpr(K_STEPS):
-        # Per half, the tf32 bits at the step's keys t and t + 4 around the half's midpoint, and
-        # those across row 8: the j side above (k̂·2^(G[7] − G)), the i side below (·2^(G − G[7])).
-        kd, qd, kinv = ([[], []] for _ in range(3))
-        j_across, kd_across, qd_across = [], [], []
-        for j in (fragment_value(s, 0), fragment_value(s, 1)):
-            for half, ref in ((0, mid[j] * 0.5), (1, (mid[j] + total[j]) * 0.5)):
-                rise = exp2_fast(cum[half][j] - ref)
-                fall = exp2_fast(ref - cum[half][j])
-                kd[half].append(f32_bits(tf32_ready(khat[half][j] * rise)))
-                qd[half].append(f32_bits(tf32_ready(qhat[half][j] * rise * scale)))
-                kinv[half].append(f32_bits(tf32_ready(khat[half][j] * fall)))
-            j_across.append(f32_bits(tf32_ready(khat[0][j] * exp2_fast(mid[j] - cum[0][j]))))
-            factor = exp2_fast(cum[1][j] - mid[j])
-            kd_across.append(f32_bits(tf32_ready(khat[1][j] * factor)))
-            qd_across.append(f32_bits(tf32_ready(qhat[1][j] * factor * scale)))
-        block_pair_step(upper, kd[0], qd[0], kinv[0])
-        block_pair_step(lower, kd[1], qd[1], kinv[1])
-        block_pair_step(across, kd_across, qd_across, j_across)
-    store_block_partials(upper, across, lower, s_part, warp, lane)
-
-
-@cute.jit
-def split_partials(qhat: list, khat: list, cum: list, mid: cute.Tensor, scale, s_part: cute.Tensor, warp, lane):
-    """Phase C of an unbounded gate for a warp whose tile halves do not both fit BLOCK_RANGE (rare:
-    ``unbounded_operands`` takes depths 0 and 1): its partials of kd·kinvᵀ and qd·kinvᵀ (as
-    ``store_product_partials``; only the pairs j ≤ i are meaningful).  The warp finds the first
-    ``depth`` ≥ 2 at which its blocks of 16 >> depth rows fit BLOCK_RANGE, takes the blocks'
-    midpoint products (16 MMAs, masked to pairs within a block; blocks of one row at depth 4: the
-    diagonal, decay 1) and adds the split levels above them (8 MMAs for level 0, 16 for each
-    other)."""
-    t = lane % 4
-    g = lane // 4
-    depth = cutlass.Int32(2)
-    fits = blocks_fit(cum, 2, g, t)
-    for level in cutlass.range_constexpr(3, SPLIT_LEVELS):
-        if not fits:
-            depth = cutlass.Int32(level)
-            fits = blocks_fit(cum, level, g, t)
-    if not fits:
-        depth = cutlass.Int32(SPLIT_LEVELS)
-
-    # The blocks first (their references die before the split levels' products): P = the
-    # midpoint of each block's span, per column, from its first row to its last.
-    ref = [cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32) for _ in range(2)]
-    for half in cutlass.range_constexpr(2):
-        for j in cutlass.range_constexpr(LANE_COLS):
-            top, bottom = block_span(cum, 16 >> depth, g, t, half, j)
-            ref[half][j] = (top + bottom) * 0.5
-    partial = [cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32) for _ in range(4)]
-    for f in cutlass.range_constexpr(4):
-        partial[f].fill(0.0)
-    shift = 4 - depth
-    add_masked_products(
-        lambda half, j: block_operands(qhat, khat, cum, ref, scale, half, j),
-        2,
-        lambda i, col: (i >> shift) == (col >> shift),
-        partial,
-        lane,
-    )
-    for level in cutlass.range_constexpr(SPLIT_LEVELS):
-        if level < depth:
-            add_masked_products(
-                lambda half, j, level=level: split_level_operands(qhat, khat, cum, mid, scale, level, g, t, half, j),
-                2 if level > 0 else 1,
-                lambda i, col, level=level: (col < i) & (((i ^ col) >> (3 - level)) == 1),
-                partial,
-                lane,
-            )
-    for f in cutlass.range_constexpr(4):
-        vector(s_part.iterator, ((warp * 4 + f) * 32 + lane) * 4, 4).store(partial[f].load())
+# 2^(G_i − P)·2^(P − G_j) around P = G[15]/2, the midpoint of the tile's span [G[15], 0].  A span
+# of at most BLOCK_RANGE (log2 units) keeps both factors ≤ 2^(BLOCK_RANGE / 2) and c = 2^(G[15]/2)
+# ≥ 2^(−BLOCK_RANGE / 2) normal, so no factor overflows or flushes.  The gate's per-token floor
+# bounds every tile's span, in every column, by 16·14 = 224: no warp needs another form.
+BLOCK_RANGE = 224.0
+assert CHUNK * -UNBOUNDED_GAMMA_FLOOR <= BLOCK_RANGE
+# Unit-norm rows' operands, k̂·2^(±BLOCK_RANGE/2) and q̂·scale·2^(−BLOCK_RANGE/2) (components down
+# to ~2^-7 typical), then stay above fp32's smallest normal, 2^-126.
+assert BLOCK_RANGE / 2 + 7 < 126
 
 
 @cute.jit
 def unbounded_operands(
-    qhat: list,
-    khat: list,
-    cum: list,
-    mid: cute.Tensor,
-    total: cute.Tensor,
-    scale,
-    store_images,
-    s_part: cute.Tensor,
-    warp,
-    lane,
+    qhat: list, khat: list, cum: list, total: cute.Tensor, scale, store_images, s_part: cute.Tensor, warp, lane
 ):
     """Phases B and C of an unbounded gate: the decayed images, handed row by row to
     ``store_images(half, qd, kd, kr)`` (qd = q̂·2^G·scale, kd = k̂·2^G, kr = k̂·2^(G[15] − G)), and
-    this warp's partials of kd·kinvᵀ and qd·kinvᵀ.  Where the tile decays by at most 2^-BLOCK_RANGE
-    in every column of the warp (−G[15] ≤ BLOCK_RANGE: the common case), P = G[15]/2 serves every
-    pair and, with c = 2^(G[15]/2) ≥ 2^(−BLOCK_RANGE/2), one pair of exponentials per element
-    serves images and products alike: 2^G = 2^(G − P)·c, 2^(G[15] − G) = 2^(P − G)·c.  Otherwise
-    the images take their own exponentials and phase C splits the tile: at row 8 where each half
-    fits (``halves_partials``), deeper where one does not (``split_partials``)."""
-    fits = -total[0] <= BLOCK_RANGE
-    for j in cutlass.range_constexpr(1, LANE_COLS):
-        fits = fits & (-total[j] <= BLOCK_RANGE)
-    if cute.arch.vote_all_sync(fits):
-        c = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        for j in cutlass.range_constexpr(LANE_COLS):
-            c[j] = exp2_fast(total[j] * 0.5)
-        bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
-        kd_bits, qd_bits, kinv_bits = bits
-        for half in cutlass.range_constexpr(2):
-            qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-            for j in cutlass.range_constexpr(LANE_COLS):
-                rise = exp2_fast(cum[half][j] - total[j] * 0.5)
-                fall = exp2_fast(total[j] * 0.5 - cum[half][j])
-                q_rise = qhat[half][j] * rise * scale
-                k_rise = khat[half][j] * rise
-                k_fall = khat[half][j] * fall
-                qd[j] = q_rise * c[j]
-                kd[j] = k_rise * c[j]
-                kr[j] = k_fall * c[j]
-                kd_bits[half][j] = f32_bits(tf32_ready(k_rise))
-                qd_bits[half][j] = f32_bits(tf32_ready(q_rise))
-                kinv_bits[half][j] = f32_bits(tf32_ready(k_fall))
-            store_images(half, qd, kd, kr)
-        store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
-    else:
-        unbounded_images(qhat, khat, cum, total, scale, store_images)
-        halves_fit = (-mid[0] <= BLOCK_RANGE) & (mid[0] - total[0] <= BLOCK_RANGE)
-        for j in cutlass.range_constexpr(1, LANE_COLS):
-            halves_fit = halves_fit & (-mid[j] <= BLOCK_RANGE) & (mid[j] - total[j] <= BLOCK_RANGE)
-        if cute.arch.vote_all_sync(halves_fit):
-            halves_partials(qhat, khat, cum, mid, total, scale, s_part, warp, lane)
-        else:
-            split_partials(qhat, khat, cum, mid, scale, s_part, warp, lane)
-
-
-def unbounded_images(qhat: list, khat: list, cum: list, total: cute.Tensor, scale, store_images):
-    """Phase B's decayed images under an unbounded gate, row by row to ``store_images(half, qd,
-    kd, kr)``: qd = q̂·2^G·scale, kd = k̂·2^G and kr = k̂·2^(G[15] − G), each by its own ex2 (all
-    exponents ≤ 0: a product underflows only where the true value is below fp32's range)."""
-    for half in range(2):
+    this warp's partials of kd·kinvᵀ and qd·kinvᵀ around P = G[15]/2 (``BLOCK_RANGE``).  With
+    c = 2^(G[15]/2) one pair of exponentials per element serves images and products alike (the
+    safe gate's MUFU count): 2^G = 2^(G − P)·c, 2^(G[15] − G) = 2^(P − G)·c."""
+    c = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
+    for j in cutlass.range_constexpr(LANE_COLS):
+        c[j] = exp2_fast(total[j] * 0.5)
+    bits = [[cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Int32) for _ in range(2)] for _ in range(3)]
+    kd_bits, qd_bits, kinv_bits = bits
+    for half in cutlass.range_constexpr(2):
         qd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
         kd = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
         kr = cute.make_rmem_tensor(cute.make_layout(LANE_COLS), cutlass.Float32)
-        for j in range(LANE_COLS):
-            decay = exp2_fast(cum[half][j])
-            qd[j] = qhat[half][j] * decay * scale
-            kd[j] = khat[half][j] * decay
-            kr[j] = khat[half][j] * exp2_fast(total[j] - cum[half][j])
+        for j in cutlass.range_constexpr(LANE_COLS):
+            rise = exp2_fast(cum[half][j] - total[j] * 0.5)
+            fall = exp2_fast(total[j] * 0.5 - cum[half][j])
+            q_rise = qhat[half][j] * rise * scale
+            k_rise = khat[half][j] * rise
+            k_fall = khat[half][j] * fall
+            qd[j] = q_rise * c[j]
+            kd[j] = k_rise * c[j]
+            kr[j] = k_fall * c[j]
+            kd_bits[half][j] = f32_bits(tf32_ready(k_rise))
+            qd_bits[half][j] = f32_bits(tf32_ready(q_rise))
+            kinv_bits[half][j] = f32_bits(tf32_ready(k_fall))
         store_images(half, qd, kd, kr)
+    store_product_partials(kd_bits, qd_bits, kinv_bits, s_part, warp, lane)
 
 
 @cute.jit

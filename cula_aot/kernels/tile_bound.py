@@ -24,6 +24,7 @@ bounds, which no walk reads: a walk stays inside its sequence.
 """
 
 import math
+from typing import Callable, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -44,6 +45,31 @@ _COPY_CHUNKS = PRESCAN_RECORD_BYTES // 16
 
 assert PRESCAN_RECORD_BYTES % 16 == 0 and all(
     WORKSPACE_PART_OFFSETS[p] < PRESCAN_RECORD_BYTES for p in ("kd", "kr", "inv", "gt", "b")
+)
+
+
+class RecordImages(NamedTuple):
+    """Where a tile record's images lie (trace-time constants): the byte offsets of kd, kr and INV
+    from the record's base, the bytes from one 16-key block of an image to the next, and a lane's
+    ``ldmatrix`` row offset in key block 0 (``lane_offset``: token blocks × key blocks;
+    ``trans_lane_offset``: the transposed read)."""
+
+    kd: int
+    kr: int
+    inv: int
+    key_block_bytes: int
+    lane_offset: Callable
+    trans_lane_offset: Callable
+
+
+# K1's workspace record (K_INTER images).
+WORKSPACE_IMAGES = RecordImages(
+    WORKSPACE_PART_OFFSETS["kd"],
+    WORKSPACE_PART_OFFSETS["kr"],
+    WORKSPACE_PART_OFFSETS["inv"],
+    IMAGE_K_STEP_BYTES,
+    image_lane_offset,
+    image_trans_lane_offset,
 )
 
 
@@ -69,13 +95,13 @@ def kr_a_operand(kr_b: list) -> list:
 
 
 @cute.jit
-def frobenius_log2(base, b_rows: cute.Tensor, gt: cute.Tensor, lane):
-    """log2 of ``‖gtot‖ + ‖krᵀ·X‖_F`` plus ``MARGIN_LOG2`` for the record staged at 32-bit shared
-    address ``base`` (``b_rows``, ``gt``: its b and gt parts), computed by one warp; every lane
-    returns it."""
+def frobenius_log2(base, b_rows: cute.Tensor, gt: cute.Tensor, lane, images: RecordImages):
+    """log2 of ``‖gtot‖ + ‖krᵀ·X‖_F`` plus ``MARGIN_LOG2`` for the record at 32-bit shared address
+    ``base`` (its images where ``images`` says; ``b_rows``, ``gt``: its b and gt parts), computed
+    by one warp; every lane returns it."""
     t = lane % 4
-    trans_lane = image_trans_lane_offset(lane)
-    image_lane = image_lane_offset(lane)
+    trans_lane = images.trans_lane_offset(lane)
+    image_lane = images.lane_offset(lane)
     square_lane = square_lane_offset(lane)
     gram_x = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     gram_kr = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
@@ -83,16 +109,14 @@ def frobenius_log2(base, b_rows: cute.Tensor, gt: cute.Tensor, lane):
     gram_kr.fill(0.0)
     for block in cutlass.range_constexpr(KEY_BLOCKS):
         # Wᵀ = kdᵀ·diag(b) for keys 16·block .. + 15 (accumulator layout: key rows, token columns).
-        kd_pairs = ldmatrix_x4(
-            base + WORKSPACE_PART_OFFSETS["kd"] + block * IMAGE_K_STEP_BYTES + trans_lane, transpose=True
-        )
+        kd_pairs = ldmatrix_x4(base + images.kd + block * images.key_block_bytes + trans_lane, transpose=True)
         w = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
         for i in cutlass.range_constexpr(8):
             n_tile, half, column = i // 4, (i // 2) % 2, i % 2
             kd_value = bf16_as_f32(kd_pairs[w_register(n_tile, half)], column == 1)
             w[i] = kd_value * b_rows[8 * n_tile + 2 * t + column]
         # Xᵀ (keys × tokens) as an A fragment: four 8×8 blocks (keys 0-7 / 8-15 × tokens 0-7 / 8-15).
-        xt = tile_u(w, base, WORKSPACE_PART_OFFSETS["inv"], square_lane)
+        xt = tile_u(w, base, images.inv, square_lane)
         # Their transposes are X's blocks: A of X (tokens × keys) and B of Xᵀ (keys × tokens).
         a_x, b_x = x_operands(xt, movmatrix_trans)
         for n in cutlass.range_constexpr(2):
@@ -100,7 +124,7 @@ def frobenius_log2(base, b_rows: cute.Tensor, gt: cute.Tensor, lane):
             for c in cutlass.range_constexpr(4):
                 gram_x[4 * n + c] = d[c]
         # krᵀ's B fragments per token n-tile (keys × tokens); regrouped, kr's A fragment.
-        kr_b = ldmatrix_x4(base + WORKSPACE_PART_OFFSETS["kr"] + block * IMAGE_K_STEP_BYTES + image_lane)
+        kr_b = ldmatrix_x4(base + images.kr + block * images.key_block_bytes + image_lane)
         a_kr = kr_a_operand(kr_b)
         for n in cutlass.range_constexpr(2):
             d = mma_bf16_m16n8k16(a_kr, kr_b[2 * n : 2 * n + 2], [gram_kr[4 * n + c] for c in range(4)])
@@ -186,7 +210,7 @@ class TileBound:
             cute.arch.sync_warp()
             b_rows = cute.make_tensor(record_part(stage, "b", cutlass.Float32), cute.make_layout(CHUNK))
             gt = cute.make_tensor(record_part(stage, "gt", cutlass.Float32), cute.make_layout(D))
-            value = frobenius_log2(stage.toint(), b_rows, gt, lane)
+            value = frobenius_log2(stage.toint(), b_rows, gt, lane, WORKSPACE_IMAGES)
             if lane == 0:
                 cute.make_tensor(bounds + slot_index, cute.make_layout(1))[0] = value
 

@@ -131,16 +131,21 @@ def token_prepare(
     """q̂, k̂ (l2norm over the half-warp, or as given under ``FLAG_QK_AS_GIVEN``; rounded to bf16),
     α = e^γ (γ by ``gate``, as in K1), k̂·q̂ and b = σ(β) (β under ``FLAG_BETA_PROBABILITY``; bits of
     the kernel's ``flags``) of token ``t`` into shared memory, each key at its ``tile.pos_of_key`` position.  The half-warp's lanes hold bit-identical sums after the
-    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch."""
+    butterflies, so all of them store k̂·q̂ and b (same address, same value): no branch.  With q
+    and β None (a committed draft token: ``s_qhat``, ``s_kq`` and ``s_b`` None too) only k̂ and α,
+    by the same arithmetic."""
     vq, vk, vg, bias, beta_value, a_log_value = inputs
+    with_q = vq is not None
     col = hl * 8
     ssq = cutlass.Float32(0.0)
     ssk = cutlass.Float32(0.0)
     for e in range(8):
-        ssq = ssq + vq[e] * vq[e]
+        if with_q:
+            ssq = ssq + vq[e] * vq[e]
         ssk = ssk + vk[e] * vk[e]
     for b in range(4):
-        ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
+        if with_q:
+            ssq = ssq + cute.arch.shuffle_sync_bfly(ssq, offset=1 << b)
         ssk = ssk + cute.arch.shuffle_sync_bfly(ssk, offset=1 << b)
     qk_as_given = (flags & FLAG_QK_AS_GIVEN) != 0
     rq = cutlass.Float32(cutlass.select_(qk_as_given, cutlass.Float32(1.0), cute.math.rsqrt(ssq + 1e-6)))
@@ -151,15 +156,19 @@ def token_prepare(
     fa = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float32)
     kq = cutlass.Float32(0.0)
     for e in range(8):
-        fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
+        if with_q:
+            fq[e] = (vq[e] * rq).to(cutlass.BFloat16).to(cutlass.Float32)
         fk[e] = (vk[e] * rk).to(cutlass.BFloat16).to(cutlass.Float32)
-        kq = kq + fq[e] * fk[e]
+        if with_q:
+            kq = kq + fq[e] * fk[e]
         fa[e] = exp2_fast(gate.token_log2_gamma(vg[e], bias, e, decay_rate, lower_bound))
-    for b in range(4):
-        kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    if with_q:
+        for b in range(4):
+            kq = kq + cute.arch.shuffle_sync_bfly(kq, offset=1 << b)
+    arrays = ((s_qhat, fq), (s_khat, fk), (s_alpha, fa)) if with_q else ((s_khat, fk), (s_alpha, fa))
     for run in range(2):  # keys col + 4·run .. + 3
         at = t * D + tile.pos_of_key(col + 4 * run)
-        for dst, values in ((s_qhat, fq), (s_khat, fk), (s_alpha, fa)):
+        for dst, values in arrays:
             if tile.kv:  # consecutive keys lie 4 positions apart
                 for e in range(4):
                     dst[at + 4 * e] = values[4 * run + e]
@@ -168,8 +177,9 @@ def token_prepare(
                 for e in range(4):
                     run_values[e] = values[4 * run + e]
                 cute.make_tensor(dst.iterator + cute.assume(at, divby=4), cute.make_layout(4)).store(run_values.load())
-    s_kq[t] = kq
-    s_b[t] = beta_weight(beta_value, (flags & FLAG_BETA_PROBABILITY) != 0)
+    if with_q:
+        s_kq[t] = kq
+        s_b[t] = beta_weight(beta_value, (flags & FLAG_BETA_PROBABILITY) != 0)
 
 
 @cute.jit
@@ -206,8 +216,9 @@ def defer_decay(
 def direct_decay(
     s_alpha: cute.Tensor, s_khat: cute.Tensor, s_decay: cute.Tensor, num_tokens, tid, n_threads: cutlass.Constexpr[int]
 ):
-    """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may fall
-    below fp32's range, where k̂/A_t is not finite, so the state is decayed token by token
+    """The unbounded gates' form of ``defer_decay``: a product A_t of per-token decays may reach
+    2^-112 (8 tokens at the gate's floor), where k̂/A_t would be near fp32's limit, so the state
+    is decayed token by token
     (``s_decay`` = α_t, applied before each token's dot products) and updated with k̂ itself
     (``s_alpha`` ← k̂; ``s_khat`` and ``s_qhat`` stay k̂ and q̂)."""
     for i in cutlass.range_constexpr(D // n_threads):

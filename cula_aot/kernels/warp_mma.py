@@ -199,16 +199,25 @@ def stmatrix_x4_trans(smem_address, registers: list) -> None:
     _store_b32("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16", cutlass.Int32(smem_address), registers)
 
 
-def ld_shared_v4(smem_address) -> list:
-    """Four b32 words (16 bytes) from a 16-byte-aligned 32-bit shared address."""
+def _load_v4(instruction: str, address, element) -> list:
+    """``instruction {4 registers}, [address];`` as inline PTX: four b32 words (``element``
+    ``cutlass.Int32``) or fp32 values (``cutlass.Float32``) from a 32-bit shared (``Int32``) or
+    64-bit global (``Int64``) address."""
+    f32 = element is cutlass.Float32
+    ir_type = T.f32() if f32 else T.i32()
     result = llvm.inline_asm(
-        register_struct(4, T.i32()),
-        [cutlass.Int32(smem_address).ir_value()],
-        "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
-        "=r,=r,=r,=r,r",
+        register_struct(4, ir_type),
+        [address.ir_value()],
+        f"{instruction} {{$0,$1,$2,$3}}, [$4];",
+        ",".join(["=f" if f32 else "=r"] * 4 + ["l" if isinstance(address, cutlass.Int64) else "r"]),
         has_side_effects=True,
     )
-    return [cutlass.Int32(llvm.extractvalue(T.i32(), result, [i])) for i in range(4)]
+    return [element(llvm.extractvalue(ir_type, result, [i])) for i in range(4)]
+
+
+def ld_shared_v4(smem_address) -> list:
+    """Four b32 words (16 bytes) from a 16-byte-aligned 32-bit shared address."""
+    return _load_v4("ld.shared.v4.b32", cutlass.Int32(smem_address), cutlass.Int32)
 
 
 def ld_cluster_f32(cluster_address):
@@ -230,14 +239,29 @@ def st_global_v4(global_address, words: list) -> None:
     _store_b32("st.global.v4.b32", cutlass.Int64(global_address), words)
 
 
-def _store_b32(instruction: str, address, words: list) -> None:
+def st_global_v4_f32(global_address, values: list) -> None:
+    """Store four fp32 values (16 bytes) at a 16-byte-aligned global address."""
+    _store_b32("st.global.v4.f32", cutlass.Int64(global_address), values, cutlass.Float32)
+
+
+def ld_global_cg_v4_f32(global_address) -> list:
+    """Four fp32 values (16 bytes) from a 16-byte-aligned global address, cached in L2 only (another
+    SM may have written them during this kernel: L1 is not coherent)."""
+    return _load_v4("ld.global.cg.v4.f32", cutlass.Int64(global_address), cutlass.Float32)
+
+
+def _store_b32(instruction: str, address, words: list, element=cutlass.Int32) -> None:
     """``instruction [address], {words};`` as inline PTX, ``address`` a 32-bit shared (``Int32``)
-    or 64-bit global (``Int64``) address: the stores differ only in that and the opcode.  No
-    results, so ``has_side_effects`` keeps each store, in program order."""
+    or 64-bit global (``Int64``) address, the words b32 (``element`` ``cutlass.Int32``) or fp32
+    (``cutlass.Float32``): the stores differ only in those and the opcode.  No results, so
+    ``has_side_effects`` keeps each store, in program order."""
     llvm.inline_asm(
         None,
-        [address.ir_value(), *(cutlass.Int32(w).ir_value() for w in words)],
+        [address.ir_value(), *(element(w).ir_value() for w in words)],
         f"{instruction} [$0], {register_list(1, len(words))};",
-        ",".join(["l" if isinstance(address, cutlass.Int64) else "r"] + ["r"] * len(words)),
+        ",".join(
+            ["l" if isinstance(address, cutlass.Int64) else "r"]
+            + ["f" if element is cutlass.Float32 else "r"] * len(words)
+        ),
         has_side_effects=True,
     )

@@ -30,9 +30,10 @@ grid of others, against a benchmark run's forced splits.
 """
 
 import dataclasses
+import heapq
 
-from ..layout import CHUNK, fixed_total_slots, varlen_slot_base
-from ..specs import K2_CTAS_PER_SM
+from ..layout import CHUNK, MAX_SEQS, fixed_total_slots, varlen_slot_base
+from ..specs import K2_CTAS_PER_SM, PIECE_WARMUP_TILES
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SEGMENT_TILES = 8  # shorter segments cost more in pre_scan/merge than they save
@@ -66,17 +67,23 @@ def plan(seqs, s_split: int) -> list[list[Segment]]:
         raise ValueError(f"s_split must be >= 1, got {s_split}")
     out = []
     for seq, (first_token, length, first_slot) in enumerate(seqs):
-        tiles = -(-length // CHUNK)
-        parts = max(1, min(s_split, tiles // MIN_SEGMENT_TILES))
-        per = -(-tiles // parts)
-        segs, tile = [], 0
-        while tile < tiles:
-            n = min(per, tiles - tile)
-            tokens = min(n * CHUNK, length - tile * CHUNK)
-            segs.append(Segment(seq, first_token + tile * CHUNK, tokens, first_slot + tile))
-            tile += n
-        out.append(segs)
+        parts = max(1, min(s_split, -(-length // CHUNK) // MIN_SEGMENT_TILES))
+        out.append(_equal_cuts(seq, first_token, length, first_slot, parts))
     return out
+
+
+def _equal_cuts(seq: int, first_token: int, length: int, first_slot: int, parts: int) -> list[Segment]:
+    """Sequence ``seq`` cut into ``parts`` tile-aligned segments of ⌈tiles / parts⌉ tiles (fewer
+    where they run out; the last one's last tile partial); none for an empty sequence."""
+    tiles = -(-length // CHUNK)
+    per = -(-tiles // parts)
+    segs, tile = [], 0
+    while tile < tiles:
+        n = min(per, tiles - tile)
+        tokens = min(n * CHUNK, length - tile * CHUNK)
+        segs.append(Segment(seq, first_token + tile * CHUNK, tokens, first_slot + tile))
+        tile += n
+    return segs
 
 
 def cost(lengths, heads: int, sm_count: int, s_split: int, v_blocks: int) -> float:
@@ -119,3 +126,77 @@ def pieces_split(num_seqs: int, heads: int, sm_count: int, v_blocks: int) -> int
     """Pieces per chain for ``intracard_cp="truncated"`` (at least 2; ``plan`` keeps each piece
     at ≥ MIN_SEGMENT_TILES tiles)."""
     return max(2, PIECE_WAVES * K2_CTAS_PER_SM * sm_count // (v_blocks * heads * max(num_seqs, 1)))
+
+
+# The fused pieces (``intracard_cp="truncated"`` on the fused kernel): every sequence cut into
+# equal pieces of about ``fused_piece_tiles`` tiles, each (piece, head) one CTA of the fused
+# kernel.  The piece length is the one whose items, dealt in launch order onto one CTA per SM,
+# finish first at the fused kernel's rates: a tile per FUSED_TILE_US and FUSED_ITEM_US per item
+# (PERFORMANCE.md, K1 alone and the fused kernel's timeline).  Candidates: the whole sequence,
+# and the lengths that make 1 .. FUSED_PIECE_WAVES waves of items.
+FUSED_TILE_US = 1.45
+FUSED_ITEM_US = 9.0
+FUSED_PIECE_MIN_TILES = 8
+FUSED_PIECE_WAVES = 8
+
+
+def piece_counts(tiles: list[int], piece: int) -> list[int]:
+    """Pieces per sequence (tile counts ``tiles``) for pieces of at most ``piece`` tiles."""
+    return [max(1, -(-t // piece)) for t in tiles]
+
+
+def piece_order(counts: list[int]) -> list[tuple[int, int]]:
+    """The fused pieces' launch order of (sequence, piece index), sequence s cut into counts[s]:
+    the pieces with a successor first, then each sequence's last; piece index first within each
+    (a predecessor always comes before its successor)."""
+    pieces = [(n, s) for s, count in enumerate(counts) for n in range(count)]
+    order = sorted(pieces, key=lambda p: (p[0] + 1 == counts[p[1]], p[0], p[1]))
+    return [(s, n) for n, s in order]
+
+
+def piece_items(lengths, heads: int, piece: int, warmup: int = PIECE_WARMUP_TILES) -> list[int]:
+    """The tiles each (piece, head) item runs, warm-up included, in the fused pieces' launch order
+    (``piece_order``)."""
+    tiles = [-(-n // CHUNK) for n in lengths]
+    counts = piece_counts(tiles, piece)
+    sizes = [-(-t // count) for t, count in zip(tiles, counts)]
+    runs = []
+    for s, n in piece_order(counts):
+        own = min(sizes[s], tiles[s] - n * sizes[s])
+        runs += [own + min(warmup, n * sizes[s])] * heads
+    return runs
+
+
+def makespan_us(items, sms: int, tile_us: float = FUSED_TILE_US, item_us: float = FUSED_ITEM_US) -> float:
+    """When ``items`` (tiles each), dealt in order to whichever of ``sms`` SMs frees first, finish."""
+    finish = [0.0] * sms
+    for tiles in items:
+        heapq.heapreplace(finish, finish[0] + item_us + tiles * tile_us)
+    return max(finish)
+
+
+def fused_piece_tiles(lengths, heads: int, sm_count: int) -> int:
+    """The piece length (tiles) the makespan model prefers, the longer of equals, among those that
+    keep the pieces on the grid's z axis (``MAX_SEQS``; whole sequences always do)."""
+    tiles = [-(-n // CHUNK) for n in lengths]
+    longest, work = max(max(tiles), 1), sum(tiles) * heads
+    candidates = {longest}
+    for waves in range(1, FUSED_PIECE_WAVES + 1):
+        candidates.add(min(longest, max(FUSED_PIECE_MIN_TILES, -(-work // (waves * sm_count)))))
+    scored = [
+        (makespan_us(piece_items(lengths, heads, p), sm_count), -p)
+        for p in candidates
+        if p == longest or sum(piece_counts(tiles, p)) <= MAX_SEQS
+    ]
+    return -min(scored)[1]
+
+
+def fused_pieces(seqs, piece_tiles: int) -> list[list[Segment]]:
+    """Every sequence (``sequences``) cut into equal tile-aligned pieces of at most
+    ``piece_tiles`` tiles (the last may be shorter, its last tile partial); an empty sequence is
+    one empty piece (it still writes its final state)."""
+    return [
+        _equal_cuts(seq, first_token, length, first_slot, -(-length // CHUNK // piece_tiles) or 1)
+        or [Segment(seq, first_token, 0, first_slot)]
+        for seq, (first_token, length, first_slot) in enumerate(seqs)
+    ]

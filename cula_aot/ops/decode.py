@@ -260,10 +260,11 @@ def geometry(num_seqs: int, tokens: int, heads: int, pool, out, inputs) -> dict:
     return static
 
 
-def launch_template(kernel, spec, static: dict, tokens: int, per_call: tuple, whose: str):
-    """``kernel``'s launch template for calls of ``tokens`` tokens, checked to take the per-call
-    parameters in ``per_call`` order (the order its plan's ``run`` supplies them)."""
-    template = kernel.template(static, smem_bytes=spec.launch_smem_bytes(tokens))
+def launch_template(kernel, static: dict, smem_bytes: int, per_call: tuple, whose: str):
+    """``kernel``'s launch template with ``smem_bytes`` of dynamic shared memory (what the call's
+    T uses), checked to take the per-call parameters in ``per_call`` order (the order its plan's
+    ``run`` supplies them)."""
+    template = kernel.template(static, smem_bytes=smem_bytes)
     if template.per_call != per_call:
         raise ArtifactError(
             f"{kernel.name} takes the per-call parameters {template.per_call}, not {whose} {per_call}: "
@@ -315,7 +316,7 @@ class _DecodePlan(CheckedPlan):
             | x.conventions
         )
         static["heads"] = heads
-        self.template = launch_template(kernel, spec, static, tokens, _PER_CALL, "decode's")
+        self.template = launch_template(kernel, static, spec.launch_smem_bytes(tokens), _PER_CALL, "decode's")
         self.num_seqs = num_seqs
         # β and the slot indices are passed as a 16-byte aligned base and an element offset from
         # it; their element sizes are the signature's.

@@ -190,7 +190,7 @@ def check_speculation(call: DecodeLayerCall, num_seqs: int, heads: int, device):
         fail("drafts must be cula_aot.draft_buffers(slots, heads, device) (records, marks)")
     drafts = Drafts(*parts)
     slots = call.step.state_pool.shape[0]
-    checks.check_contiguous("drafts.records", drafts.records, torch.float32, draft_shape(slots, heads), device)
+    checks.check_contiguous("drafts.records", drafts.records, torch.bfloat16, draft_shape(slots, heads), device)
     _check_base("drafts.records", drafts.records)
     checks.check_contiguous("drafts.marks", drafts.marks, torch.int32, (slots, heads), device)
     if s.num_accepted is None:
@@ -289,7 +289,9 @@ class _LayerPlan(CheckedPlan):
             "flags": flags,
             "heads": heads,
         }
-        self.template = decode.launch_template(kernel, spec, static, tokens, _PER_CALL, "the layer's")
+        self.template = decode.launch_template(
+            kernel, static, spec.launch_smem_bytes(tokens, drafts=self.has_drafts), _PER_CALL, "the layer's"
+        )
         self.num_seqs = num_seqs
         conv = call.conv
         self.state_recipe = _three(conv.state, views.states)

@@ -53,12 +53,25 @@ def _cached_split(lengths: tuple, heads: int, sms: int) -> int:
     return cp_plan.auto_split(lengths, heads, sms, D // K2_SEGMENTED_V_BLOCK)
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_piece_tiles(lengths: tuple, heads: int, sms: int) -> int:
+    return cp_plan.fused_piece_tiles(lengths, heads, sms)
+
+
+def fused_piece_plan(c: Checked, device) -> list:
+    """The fused pieces of a validated call's sequences (``cp_plan.fused_pieces``)."""
+    seqs = cp_plan.sequences(c.batch, c.seq_len, c.host_cu)
+    lengths = tuple(length for _, length, _ in seqs)
+    return cp_plan.fused_pieces(seqs, _cached_piece_tiles(lengths, c.heads, prepare.sm_count(device)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Path:
     """Which path a validated call takes (``choose_path``) and that path's options."""
 
-    # "serial" (K1 then K2), "fused" (one kernel), "cp" (K1, pre_scan, merge, segmented K2) or
-    # "pieces" (K1, tile bounds, segmented K2 walking them: ``intracard_cp="truncated"``)
+    # "serial" (K1 then K2), "fused" (one kernel), "cp" (K1, pre_scan, merge, segmented K2),
+    # "fused_pieces" (the fused kernel over certified pieces: ``intracard_cp="truncated"``) or
+    # "pieces" (K1, tile bounds, segmented K2 walking them: the same without the fused kernel)
     kind: str
     split: int | None  # the s_split a later call of this signature takes; None: planned from its host lengths
     # Serial paths: None when the fused choice is the signature's alone; else whether these host
@@ -84,7 +97,9 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
        batch's from its shape); True is that but at least 2.
     2. s > 1: host lengths not checked yet are checked now (a CP table is built from them), and
        ``cp_plan.plan`` cuts the sequences into at most s segments: "cp" when some sequence has
-       more than one; else a serial path (nothing long enough to split).
+       more than one; else a serial path (nothing long enough to split).  Under "truncated":
+       "fused_pieces" (``fused_piece_plan``) unless ``fused`` is False or the call's conventions
+       are not the fused kernel's, then "pieces".
     3. Serial paths (``fused`` and ``v_block`` apply to these only): "fused" when ``fused`` is
        True, or it is None, ``v_block`` is None and ``specs.auto_fused`` picks it (from shapes,
        with a fixed-length batch's lower tile threshold for a varlen one whose host lengths all
@@ -118,17 +133,19 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
         if intracard_cp == "truncated":
             if c.checkpoints.every:
                 fail("intracard_cp='truncated' writes no prefix checkpoints: pass intracard_cp='auto' or False")
-            return Path("pieces", None if varlen else s_split, s_split=s_split, segments=segments)
+            if conventions and fused:
+                _refuse_fused_conventions()
+            split = None if varlen else s_split
+            if fused is not False and not conventions:
+                return Path("fused_pieces", split, s_split=s_split, segments=fused_piece_plan(c, device))
+            return Path("pieces", split, s_split=s_split, segments=segments)
         if not all(len(s) == 1 for s in segments):
             return Path("cp", None if varlen else s_split, s_split=s_split, segments=segments, reached=reached)
         # Nothing long enough to split: the serial path is the same work, faster.
     # The serial decision is the signature's alone unless CP was planned from host lengths.
     split = 1 if intracard_cp is False or c.host_cu is None or not varlen else None
     if conventions and fused:
-        fail(
-            "the fused kernel runs beta as logits and q, k normalised in the kernel only "
-            "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False"
-        )
+        _refuse_fused_conventions()
     lengths_uniform = None
     if fused is None:
         fused = False
@@ -150,6 +167,13 @@ def choose_path(call: PrefillCall, c: Checked, device) -> Path:
         v_block = auto_v_block(c.heads, c.num_seqs, prepare.sm_count(device))
     return Path(
         "serial", split, v_block=v_block, lengths_uniform=lengths_uniform, reached=reached, checkpoint_reach=reach
+    )
+
+
+def _refuse_fused_conventions():
+    fail(
+        "the fused kernel runs beta as logits and q, k normalised in the kernel only "
+        "(beta_sigmoid=True, qk_l2norm=True): pass fused=None or False"
     )
 
 

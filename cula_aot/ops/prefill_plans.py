@@ -1,7 +1,8 @@
 """The prefill's launch plans, one per call signature: the serial path (K1 then K2, ``_SerialPlan``),
 the fused kernel (``_FusedPlan``), the intracard-CP chain (K1, pre_scan, merge, segmented K2,
-``_CPPlan``) and the certified-truncation pieces (K1, tile bounds, segmented K2 walking them,
-``_PiecesPlan``), with what they launch: the kernels' launch templates and static values, the K2 /
+``_CPPlan``) and the certified-truncation pieces (the fused kernel over a piece table,
+``_FusedPiecesPlan``; or K1, tile bounds, segmented K2 walking them, ``_PiecesPlan``), with what
+they launch: the kernels' launch templates and static values, the K2 /
 merge flag bits, the CP segment tables, and each call's checks, allocations and launches.
 """
 
@@ -23,16 +24,20 @@ from ..layout import (
     FLAG_STATUS,
     FLAG_VARLEN,
     FLAG_ZERO_V,
+    FLAG_SUCCESSOR,
+    SEG_PREDECESSOR,
     SEGMENT_FIELDS,
     WORKSPACE_RECORD_BYTES,
     D,
 )
+from ..runtime.driver import zero_words as _zero_words
 from ..runtime.loader import raw_stream as _raw_stream
 from ..specs import (
     WORKSPACE_POINTERS,
     K1Spec,
     MergeSpec,
     TileBoundSpec,
+    fused_pieces_spec,
     fused_spec,
     k1_grid,
     merge_v_block,
@@ -45,7 +50,7 @@ from .call import PrefillCall
 from .checks import check_scalars, fail, host_cu_seqlens
 from .paths import Path
 from .prefill_checks import NO_CHECKPOINTS, Checked, CheckpointPlan, check_addresses
-from . import prepare
+from . import cp_plan, prepare
 from .prepare import input_geometry, plan_slots
 from .workspace import ARENA, SEGMENT_TABLES
 
@@ -149,6 +154,8 @@ def make_plan(call: PrefillCall, c: Checked, path: Path, loader, device):
     checkpointing = c.checkpoints.every > 0
     if path.kind == "fused":
         return _FusedPlan(call, c, path, loader.get(device, fused_spec(call.inputs.gate.name, checkpointing)), device)
+    if path.kind == "fused_pieces":
+        return _FusedPiecesPlan(call, c, path, loader.get(device, fused_pieces_spec(call.inputs.gate.name)), device)
     k1 = loader.get(device, K1Spec(varlen=varlen, gate=call.inputs.gate.name))
     if path.kind == "cp":
         return _CPPlan(call, c, path, loader, k1, device)
@@ -496,35 +503,55 @@ def _piece_rows(segments, init_flags: int, final_flags: int) -> list:
     return rows
 
 
-class _PiecesPlan(_Plan):
+class _PieceTablePlan(_Plan):
+    """What both certified-truncation plans share: one piece row per piece (``_rows``), tabled once
+    per signature, lengths and split, the host cu_seqlens after the rows (at a multiple of 16
+    bytes) for K1 where it runs."""
+
+    serial = False
+    kind = ""
+
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, k1, device):
+        super().__init__(call, c, path, k1, device)
+        self.segments, self.s_split, self.host_cu = path.segments, path.s_split, c.host_cu
+        self.n_rows = sum(len(seq) for seq in self.segments)
+        self.cu_at = 16 * -(-4 * SEGMENT_FIELDS * self.n_rows // 16)
+        # The pieces themselves, not the split: the fused pieces' lengths turn on H as well.
+        self.table_key = (
+            self.kind,
+            device.index,
+            c.batch,
+            c.seq_len,
+            None if c.host_cu is None else tuple(c.host_cu),
+            tuple(seg.num_tokens for seq in self.segments for seg in seq),
+            self.init_flags,
+            self.final_flags,
+        )
+
+    def _table_values(self) -> list[int]:
+        values = [v for row in self._rows(self.segments, self.init_flags, self.final_flags) for v in row]
+        if self.host_cu is not None:
+            values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
+        return values
+
+
+class _PiecesPlan(_PieceTablePlan):
     """Certified-truncation pieces (``intracard_cp="truncated"``) for one call signature, one set of
     lengths and one split: K1, the tile bounds (``kernels/tile_bound.py``, written after the H·total_slots
     records in the stream's arena), then the walk variant of the segmented K2 over one row per
     piece, which starts a piece from zero where the bounds before it certify and from its
     sequence's start elsewhere (docs/DESIGN.md, Certified truncation)."""
 
-    serial = False
+    kind = "pieces"
+    _rows = staticmethod(_piece_rows)
 
     def __init__(self, call: PrefillCall, c: Checked, path: Path, loader, k1, device):
         super().__init__(call, c, path, k1, device)
-        self.segments, self.s_split, self.host_cu = path.segments, path.s_split, c.host_cu
-        heads, total_slots = c.heads, self.geometry["total_slots"]
-        n_rows = sum(len(seq) for seq in self.segments)
+        heads, total_slots, n_rows = c.heads, self.geometry["total_slots"], self.n_rows
         walk_k2 = loader.get(
             device, segmented_k2_spec(segmented_v_block(heads, n_rows, prepare.sm_count(device)), walk=True)
         )
         bound = loader.get(device, TileBoundSpec())
-        self.table_key = (
-            "pieces",
-            device.index,
-            c.batch,
-            c.seq_len,
-            None if c.host_cu is None else tuple(c.host_cu),
-            self.s_split,
-            self.init_flags,
-            self.final_flags,
-        )
-        self.cu_at = 16 * -(-4 * SEGMENT_FIELDS * n_rows // 16)
         self.bound = bound.template({"total_slots": total_slots, "heads": heads, **tile_bound_grid(total_slots)})
         stride_k, stride_v = (1, D) if self.state_layout == "vk" else (D, 1)
         self.recurrence = walk_k2.template(
@@ -547,12 +574,6 @@ class _PiecesPlan(_Plan):
             dependent=DEPENDENT_LAUNCH,
         )
 
-    def _table_values(self) -> list[int]:
-        values = [v for row in _piece_rows(self.segments, self.init_flags, self.final_flags) for v in row]
-        if self.host_cu is not None:
-            values += [0] * (self.cu_at // 4 - len(values)) + list(self.host_cu)
-        return values
-
     def run(self, call: PrefillCall, host_cu=None):
         device = self.device
         torch_stream = torch.cuda.current_stream(device)
@@ -564,4 +585,64 @@ class _PiecesPlan(_Plan):
         self.k1.launch(k1_values, stream)
         self.bound.launch({**values, "bounds": values["workspace"] + self.slots * WORKSPACE_RECORD_BYTES}, stream)
         self.recurrence.launch({**values, "segments": rows}, stream)
+        return out, final_state
+
+
+def _fused_piece_rows(segments, init_flags: int, final_flags: int) -> list:
+    """One fused-pieces row per piece, as ``_piece_rows`` but in ``cp_plan.piece_order`` (a
+    predecessor's items take their tickets before its successor's; the pieces with a successor,
+    ``FLAG_SUCCESSOR``, first), each naming its predecessor's row (``layout.SEG_PREDECESSOR``;
+    -1: none)."""
+    order = cp_plan.piece_order([len(seq_pieces) for seq_pieces in segments])
+    row_of = {piece: r for r, piece in enumerate(order)}
+    rows = []
+    for s, n in order:
+        seq_pieces = segments[s]
+        seg, last = seq_pieces[n], n + 1 == len(seq_pieces)
+        flags = init_flags | (final_flags if last else FLAG_SUCCESSOR)
+        row = _segment_row(seg, seq_pieces[0].first_token, seg.seq, seg.seq, flags)
+        row[SEG_PREDECESSOR] = row_of[(s, n - 1)] if n else -1
+        rows.append(row)
+    return rows
+
+
+class _FusedPiecesPlan(_PieceTablePlan):
+    """The fused kernel over certified pieces (``intracard_cp="truncated"``,
+    ``kernels/fused_prefill.FusedPieces``) for one call signature, one set of lengths and one
+    split: one launch over a piece table, after zeroing the ticket counters and the ready flags.
+    Those and the published end states (fp32, 64 KB per item of a piece with a successor) live in
+    the stream's arena."""
+
+    kind = "fused_pieces"
+    _rows = staticmethod(_fused_piece_rows)
+
+    def __init__(self, call: PrefillCall, c: Checked, path: Path, kernel, device):
+        super().__init__(call, c, path, None, device)
+        # A ticket counter per head, then the ready flags of the items of the rows with a
+        # successor (the first rows).
+        self.publishing = sum(len(seq) - 1 for seq in self.segments) * c.heads
+        self.control_words = c.heads + self.publishing
+        self.ready_bytes = 256 * -(-4 * self.control_words // 256)
+        chain = _serial_chain_values(c, self.state_layout, self.init_flags, self.final_flags, self.status_flag, 0)
+        chain["flags"] = self.status_flag  # the rows carry the state flags
+        self.kernel = kernel.template(
+            {
+                **self.geometry,
+                **input_geometry(c.batch, c.seq_len, c.heads, c.strides),
+                **chain,
+                "num_rows": self.n_rows,
+            }
+        )
+
+    def run(self, call: PrefillCall, host_cu=None):
+        device = self.device
+        torch_stream = torch.cuda.current_stream(device)
+        stream = torch_stream.cuda_stream
+        exchange = ARENA.buffer(device, self.ready_bytes + self.publishing * D * D * 4, stream).data_ptr()
+        out, final_state, _cu32, values = self._begin(stream, call, host_cu)
+        rows, values = _tabled(self, values, torch_stream, "intracard_cp='truncated'")
+        _zero_words(exchange, self.control_words, stream)
+        self.kernel.launch(
+            {**values, "segments": rows, "ready": exchange, "carries": exchange + self.ready_bytes}, stream
+        )
         return out, final_state

@@ -6,6 +6,10 @@ A call's workspaces are its slots' records (``layout.WORKSPACE_RECORD_BYTES`` ea
 allocates no device memory; typed per-part views (strided: one row per slot) serve tests and
 tools.  Views are valid until the next call on the same stream
 (calls on one stream run in order, so reuse there is safe; other streams get other arenas).
+A buffer grows (is replaced) only for a call larger than any before on its stream: graphs
+captured before read the old one, so a replacement during a capture keeps it alive, and a
+graph user warms up with the largest call on the capture stream before capturing any graph
+(a larger eager call after a capture would free what that graph reads).
 """
 
 import threading
@@ -32,6 +36,9 @@ class WorkspaceArena:
         # pointer); dropped when a buffer grows.
         self._views: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         self._pointers: dict[tuple[int, int, int], tuple] = {}
+        # Buffers replaced while a CUDA graph was being captured on their stream: graphs captured
+        # before may still address them, so they are never freed.
+        self._retired: list[torch.Tensor] = []
 
     def buffer(self, device: torch.device, nbytes: int, stream: int) -> torch.Tensor:
         """The raw buffer of ``stream`` (a raw ``cudaStream_t``), at least ``nbytes``."""
@@ -39,6 +46,8 @@ class WorkspaceArena:
         with self._lock:
             buf = self._buffers.get(key)
             if buf is None or buf.numel() < nbytes:
+                if buf is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    self._retired.append(buf)
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._buffers[key] = buf
                 self._views = {k: v for k, v in self._views.items() if k[:2] != key}

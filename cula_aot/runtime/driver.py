@@ -19,3 +19,9 @@ def check(result, what: str):
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
+
+
+def zero_words(address: int, count: int, stream: int) -> None:
+    """Zero ``count`` 32-bit words at device ``address``, in order on ``stream`` (a raw
+    ``cudaStream_t``; capturable)."""
+    check(cu.cuMemsetD32Async(address, 0, count, stream), "cuMemsetD32Async")

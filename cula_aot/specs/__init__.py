@@ -68,6 +68,11 @@ from .fused_prefill import (  # noqa: F401
     FUSED_CONSUMER_REGISTERS,
     fused_threads,
     FusedSpec,
+    FusedPiecesSpec,
+    FUSED_PIECES_PARAMS,
+    PIECE_PARAMS,
+    PIECE_WARMUP_TILES,
+    fused_pieces_spec,
     FUSED_MIN_WAVES,
     FUSED_MIN_MEAN_TILES,
     FUSED_UNIFORM_MIN_MEAN_TILES,
@@ -126,6 +131,7 @@ from .decode import (  # noqa: F401
 from .decode_layer import (  # noqa: F401
     CONV_WIDTH,
     DRAFT_BANKS,
+    DRAFT_REPLAY_BYTES,
     DRAFT_ROWS,
     DRAFT_TOKENS,
     LAYER_FLAG_CONV_BIAS,
@@ -156,6 +162,7 @@ def default_specs() -> list[KernelSpec]:
         # The checkpoint twins of the variants the runtime launches.
         specs.extend(serial_k2_spec(varlen, vb, checkpointing=True) for vb in K2_V_BLOCKS)
     specs.extend(fused_spec(gate, checkpointing) for gate in GATES for checkpointing in (False, True))
+    specs.extend(fused_pieces_spec(gate) for gate in GATES)
     # Intracard CP: segment tables carry absolute tokens and slots, so one variant serves fixed
     # and varlen input.
     specs.extend(segmented_k2_spec(vb, prescan) for prescan in (True, False) for vb in K2_SEGMENTED_V_BLOCKS)

@@ -32,14 +32,20 @@ LAYER_FLAG_VERIFY = 1 << 21  # this call's tokens are a draft: recorded, not com
 
 # Speculative drafts.  Per slot, two banks of records (the draft of the last verify call, and the
 # one being written: no CTA overwrites what another may still read), each ``DRAFT_TOKENS`` tokens
-# × H heads × ``DRAFT_ROWS`` fp32 rows of 128: k̂, α (the token's decay), u (the delta-rule update,
-# per V row) and the raw q, k, v inputs (the conv state's history).  A mark per slot and head says
-# which bank holds a pending draft and how many tokens it has (``draft_mark``; 0: none).  A draft
-# of T tokens with a accepted rebuilds the state after them as S ← S·diag(α_t) + u_t k̂_tᵀ, t < a.
+# × H heads × ``DRAFT_ROWS`` bf16 rows of 128 (1.5 KB a token and head): the raw q, k, v inputs
+# (the conv state's history), the raw gate input g, and u (the delta-rule update per V row, fp32
+# over the last two rows).  A mark per slot and head says which bank holds a pending draft and how
+# many tokens it has (``draft_mark``; 0: none).  A draft of T tokens with a accepted rebuilds the
+# state after them as S ← S·diag(α_t) + u_t k̂_tᵀ, t < a, where k̂_t (the convolution of the
+# recorded inputs over the committed conv state) and α_t (the gate of the recorded g) are computed
+# again, bit for bit as the draft computed them: its inputs are exact in bf16.
 DRAFT_BANKS = 2
 DRAFT_TOKENS = 8
 DRAFT_ROWS = 6
-DRAFT_KHAT, DRAFT_ALPHA, DRAFT_U, DRAFT_X = 0, 1, 2, 3  # DRAFT_X + 0, 1, 2: q, k, v
+DRAFT_X, DRAFT_G, DRAFT_U = 0, 3, 4  # DRAFT_X + 0, 1, 2: q, k, v; DRAFT_U: 128 fp32 over rows 4, 5
+# A commit's k̂ and α of the accepted tokens, in shared memory behind the per-token arrays: a
+# launch with drafts asks for these bytes more.
+DRAFT_REPLAY_BYTES = 2 * DRAFT_TOKENS * 128 * 4
 
 
 def draft_mark(bank, tokens):
@@ -64,9 +70,9 @@ LAYER_TENSORS = (
     *(pointer(f"conv_weight_{x}", "u8") for x in "qkv"),
     *(pointer(f"conv_bias_{x}", "u8") for x in "qkv"),
     pointer("norm_weight", "u8"),
-    # Draft records [slots, DRAFT_BANKS, DRAFT_TOKENS, H, DRAFT_ROWS, 128] fp32, the marks
+    # Draft records [slots, DRAFT_BANKS, DRAFT_TOKENS, H, DRAFT_ROWS, 128] bf16, the marks
     # [slots, H] and the accepted draft tokens per request [N] (int32, read one by one).
-    pointer("draft_records", "f32"),
+    pointer("draft_records", "bf16"),
     pointer("draft_marks", "i32", address_align=4),
     pointer("num_accepted", "i32", address_align=4),
 )
@@ -87,12 +93,12 @@ LAYER_PARAMS = (
 NORM_SUM_BYTES = 64  # the per-token RMSNorm partial sums (8 fp32), with alignment slack
 
 
-def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None) -> int:
-    """Dynamic shared memory of a layer CTA: the decode kernel's (``decode_smem_bytes``) and the
-    RMSNorm's per-token sums."""
-    if tokens is None:
-        return decode_smem_bytes(v_block, items, bf16_state) + NORM_SUM_BYTES
-    return decode_smem_bytes(v_block, items, bf16_state, tokens) + NORM_SUM_BYTES
+def layer_smem_bytes(v_block: int, items: int, bf16_state: bool, tokens: int | None = None, *, drafts: bool) -> int:
+    """Dynamic shared memory of a layer CTA: the decode kernel's (``decode_smem_bytes``), the
+    RMSNorm's per-token sums and, with ``drafts``, a commit's replay arrays; without ``tokens``,
+    the most any launch asks for."""
+    token_bytes = decode_smem_bytes(v_block, items, bf16_state, *(() if tokens is None else (tokens,)))
+    return token_bytes + NORM_SUM_BYTES + (DRAFT_REPLAY_BYTES if drafts else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +112,8 @@ class DecodeLayerSpec(TokenStepSpec):
     def cluster(self) -> tuple:
         return (self.ctas_per_head, 1, 1)
 
-    def launch_smem_bytes(self, tokens: int) -> int:
-        return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens)
+    def launch_smem_bytes(self, tokens: int, *, drafts: bool) -> int:
+        return layer_smem_bytes(self.v_block, self.items, self.bf16_state, tokens, drafts=drafts)
 
 
 def decode_layer_specs() -> list[KernelSpec]:

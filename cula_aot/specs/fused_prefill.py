@@ -29,6 +29,16 @@ FUSED_PARAMS = (
     *bound_params("init", "final"),
     *CHECKPOINT_PARAMS,
 )
+# The fused pieces kernel's tables (``kernels/fused_prefill.py``, ``FusedPieces``): its rows
+# (``layout.SEG_*``); a ticket counter per head, then one ready flag per (row, head) item of the
+# rows with a successor (the first rows), zeroed before each launch; those items' published end
+# states (fp32, 128·128 each, in the consumer threads' register order).
+PIECE_PARAMS = (pointer("segments", "i32"), pointer("ready", "i32"), pointer("carries", "f32"))
+FUSED_PIECES_PARAMS = (*FUSED_PARAMS, *PIECE_PARAMS)
+# The tiles a piece runs from a zero state before its own; their bounds must sum to
+# ≤ TRUNCATION_LOG2 (two tiles do for ~97% of standard-regime positions: docs/DESIGN.md,
+# Certified truncation), else the piece takes its predecessor's end state.
+PIECE_WARMUP_TILES = 2
 # Two producer warpgroups (tiles dealt round robin) and four record stages: one producer per
 # CTA was 3–12% slower on every row (PERFORMANCE.md, Fused prefill).
 FUSED_PRODUCERS = 2
@@ -98,3 +108,19 @@ def auto_fused(heads: int, num_seqs: int, total_tokens: int, sm_count: int, unif
     return (waves >= FUSED_MIN_WAVES and mean_tiles >= min_tiles) or (
         waves >= FUSED_LONG_MIN_WAVES and mean_tiles >= FUSED_LONG_MIN_MEAN_TILES
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedPiecesSpec(FusedSpec):
+    """The fused prefill over certified pieces: one CTA per (piece row, head) of a table, each
+    piece warmed up from zero over ``PIECE_WARMUP_TILES`` tiles, or started from its
+    predecessor's published end state where their bounds do not certify."""
+
+    kernel: ClassVar[str] = "fused_pieces"
+    params: ClassVar[tuple] = FUSED_PIECES_PARAMS
+    grid: ClassVar[tuple] = (1, "heads", "num_rows")
+
+
+def fused_pieces_spec(gate: str = DEFAULT_GATE) -> FusedPiecesSpec:
+    """The fused pieces kernel for ``gate`` (no checkpoint writes)."""
+    return FusedPiecesSpec(gate=gate)

@@ -225,19 +225,28 @@ def _reference_step(x, rows, state, conv, weights, biases, norm_weight, gate_arg
 
 
 @pytest.mark.parametrize("regime", ["standard", "slow"])
-@pytest.mark.parametrize("pool_dtype,layout", [(torch.float32, "vk"), (torch.bfloat16, "kv")])
-def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layout):
+@pytest.mark.parametrize(
+    "pool_dtype,layout,conv_dtype",
+    [
+        (torch.float32, "vk", torch.bfloat16),
+        (torch.bfloat16, "kv", torch.bfloat16),
+        (torch.float32, "kv", torch.float32),
+    ],
+)
+def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layout, conv_dtype):
     """32 verify calls of 1..8 draft tokens, each committing a random prefix (0..T) of the one
     before, against a float64 run that never speculates (it applies only the accepted tokens):
     every verify output, the committed recurrent and conv states after every call, and a last
-    plain call that commits and advances.  One request is padding throughout."""
+    plain call that commits and advances.  One request is padding throughout.  An fp32 conv
+    state starts from values bf16 cannot hold: the commit recomputes k̂ from the committed taps,
+    which must be carried exactly."""
     seed = fresh_seed()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cpu = torch.Generator().manual_seed(seed)
     n, heads, slots = 5, 4, 9
     channels = heads * D
     pool = (0.1 * torch.randn(slots, heads, D, D, generator=gen, device="cuda")).to(pool_dtype)
-    conv_pool = torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(torch.bfloat16)
+    conv_pool = torch.randn(slots, 3 * channels, W - 1, generator=gen, device="cuda").to(conv_dtype)
     weight = (0.5 * torch.randn(3 * channels, W, generator=gen, device="cuda")).to(torch.bfloat16)
     conv_bias = (0.1 * torch.randn(3 * channels, generator=gen, device="cuda")).to(torch.bfloat16)
     norm_weight = (1 + 0.1 * torch.randn(D, generator=gen, device="cuda")).to(torch.bfloat16)
@@ -291,7 +300,7 @@ def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layo
         )
         torch.cuda.synchronize()
         ref_y, ref_s, ref_conv = _reference_step(x, rows, state, conv, weights, biases, norm_weight.double(), gate_args)
-        report = f"speculative {regime} {pool_dtype} {layout} step {step} T={tokens} seed={seed}"
+        report = f"speculative {regime} {pool_dtype} {layout} conv {conv_dtype} step {step} T={tokens} seed={seed}"
         err_o = reference.rel_rmse(out[rows], ref_y)
         assert err_o <= BOUND, f"{report}: o rel-RMSE {err_o:.2e}"
         assert bool((out[2] == 0).all()), f"{report}: the padding row's outputs are not zero"
@@ -299,7 +308,7 @@ def test_speculative_verify_commits_the_accepted_prefix(regime, pool_dtype, layo
         want_state = ref_s if last else state
         err_s = reference.rel_rmse(got_state, want_state)
         assert err_s <= BOUND, f"{report}: committed state rel-RMSE {err_s:.2e}"
-        want_conv = torch.cat(ref_conv if last else conv, 1).to(torch.bfloat16)
+        want_conv = torch.cat(ref_conv if last else conv, 1).to(conv_dtype)
         assert torch.equal(conv_pool[owned], want_conv), f"{report}: the committed conv state differs"
         if not last:  # every head of every request marks its draft: bank and length
             marks = drafts.marks[owned]

@@ -131,7 +131,7 @@ def test_a_draft_call_reaches_the_device_check():
     for verify in (False, True):
         with pytest.raises(KDAInputError, match="CUDA"):
             _call(drafts=drafts, num_accepted=accepted, verify=verify)
-    out = drafts.records.view(torch.bfloat16).view(-1)[: N * T * H * D].view(N, T, H, D)
+    out = drafts.records.view(-1)[: N * T * H * D].view(N, T, H, D)
     with pytest.raises(KDAInputError, match="out must not alias drafts.records"):
         _call(drafts=drafts, num_accepted=accepted, out=out)
 

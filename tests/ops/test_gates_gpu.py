@@ -1,12 +1,12 @@
 """The unbounded gates ("softplus", fla's and Kimi Linear's, and "precomputed") on the GPU, in
 every path — K1 then K2, the fused kernel, intracard CP, decode — against the float64 reference.
 
-Inputs (``testing.standard_inputs``): standard (A_log = log U(1, 16): tiles span ~20–400 log2
-units, so warps take both the whole-tile form and the split form of
-``prepare_tile.unbounded_operands``), slow decay (the state lives for thousands of tokens:
+Inputs (``testing.standard_inputs``): standard (A_log = log U(1, 16): tiles would span ~20–400
+log2 units; the gate's floor, 2^-14 per token, caps them at 224, the most
+``prepare_tile.unbounded_operands`` takes), slow decay (the state lives for thousands of tokens:
 carries show) and extreme (softplus arguments up to +30 with e^A_log = 16 beside channels that do
-not decay at all in the same tile: only the deepest splits keep every pair).  Outputs and states
-are poisoned with NaN first; the bound is 5e-3.
+not decay at all in the same tile: a third of the entries at the floor).  The reference's gates
+have no floor.  Outputs and states are poisoned with NaN first; the bound is 5e-3.
 """
 
 import pytest
@@ -177,7 +177,7 @@ def test_decode(gate, kind, tokens, pool, layout, inter):
 @pytest.mark.parametrize("gate", GATES)
 def test_chunk_decode_kernel(gate, kind, tokens, variant):
     """The tensor-core chunk kernel itself (each built CTA shape, forced) on a bf16 "vk" pool: its
-    unbounded form has no deferred k̂/A_t, so a key that decays by e^-480 per token stays finite."""
+    unbounded form has no deferred k̂/A_t, so keys at the gate's floor stay finite."""
     n, heads = 3, 4
     x = _inputs(n, tokens, heads, gate, kind)
     s0 = _states(n, heads).to(torch.bfloat16)

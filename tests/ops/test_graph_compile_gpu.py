@@ -243,4 +243,6 @@ def test_layer_op_under_opcheck_and_compile():
     compiled = torch.compile(lambda *a: torch.ops.cula_aot.kda_decode_layer(*a, **options) * 1, fullgraph=True)
     o = compiled(*op_args(pool, conv))
     assert torch.equal(o, o_eager) and torch.equal(pool, eager_pool) and torch.equal(conv, eager_conv)
-    assert torch.equal(drafts.records, eager_drafts.records) and torch.equal(drafts.marks, eager_drafts.marks)
+    # bitwise: the fp32 u rows seen as bf16 pairs hold NaN patterns, which torch.equal calls unequal
+    assert torch.equal(drafts.records.view(torch.int16), eager_drafts.records.view(torch.int16))
+    assert torch.equal(drafts.marks, eager_drafts.marks)

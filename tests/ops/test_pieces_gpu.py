@@ -1,8 +1,10 @@
-"""Certified-truncation pieces (``intracard_cp="truncated"``: K1, tile bounds, the walking segmented
-K2) against float64 and the serial path, in every decay regime: standard decay certifies within a
-few tiles (pieces start from zero), slow decay on the long sequences only, the mixed regime (and a
-head with one long-memory channel) never, so those pieces run from their sequence's start and must
-be exact."""
+"""Certified-truncation pieces (``intracard_cp="truncated"``) on both paths, the fused kernel over a
+piece table and (``fused=False``) K1, tile bounds and the walking segmented K2, against float64 and
+the serial path in every decay regime.  Standard decay certifies within a few tiles (pieces start
+from zero); slow decay never within the fused pieces' two warm-up tiles and on the walking path on
+the long sequences only; the mixed regime (and a head with one long-memory channel) never, so
+those pieces take their predecessor's end state (fused) or run from their sequence's start
+(walking) and must be exact."""
 
 import pytest
 import torch
@@ -19,9 +21,10 @@ LONG_MEMORY = -12.0
 CASES = [("varlen", [4096, 1, 63, 1100, 129], 4), ("fixed", (2, 4100), 3), ("varlen", [16384], 2)]
 
 
+@pytest.mark.parametrize("fused", [None, False], ids=["fused pieces", "walking K2"])
 @pytest.mark.parametrize("regime", ["standard", "mixed", "slow", "one long-memory channel"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_pieces_match_float64_and_the_serial_path(case, regime):
+def test_pieces_match_float64_and_the_serial_path(case, regime, fused):
     kind, shape, heads = CASES[case]
     batch, total = (1, sum(shape)) if kind == "varlen" else shape
     x = standard_inputs(batch, total, heads, device="cuda", seed=fresh_seed(), slow_decay=regime == "slow")
@@ -34,7 +37,7 @@ def test_pieces_match_float64_and_the_serial_path(case, regime):
     gen = torch.Generator(device="cpu").manual_seed(fresh_seed())
     s0 = (0.1 * torch.randn(n, heads, 128, 128, generator=gen)).cuda()
     layout = ("vk", "kv")[case % 2]
-    o, s = prefill_kv(x, s0, cu, "truncated", layout)
+    o, s = prefill_kv(x, s0, cu, "truncated", layout, fused=fused)
     o_serial, s_serial = prefill_kv(x, s0, cu, False, layout)
     ref_o, ref_s = float64_prefill(x, s0, cu)
     assert reference.rel_rmse(o, ref_o) <= BOUND and reference.rel_rmse(s, ref_s) <= BOUND

@@ -33,6 +33,7 @@ from tests.helpers import cu_seqlens_of, standard_inputs
 class _Recorder:
     def __init__(self):
         self.launches = []
+        self.zeroed = []  # (address, 32-bit words) of each device memset, in order
 
     def loader(self, manifest):
         recorder = self
@@ -64,6 +65,9 @@ def recorder(monkeypatch, manifest_path):
     monkeypatch.setattr(prefill_module, "default_loader", lambda: loader)
     monkeypatch.setattr(prefill_checks, "check_device", lambda device: None)
     monkeypatch.setattr(prefill_plans, "_raw_stream", lambda device: 0)
+    monkeypatch.setattr(
+        prefill_plans, "_zero_words", lambda address, count, stream: rec.zeroed.append((address, count))
+    )
     monkeypatch.setattr(prepare, "sm_count", lambda device: 132)
     monkeypatch.setattr(plan_cache, "PLANS", plan_cache.PlanCache())
     # TMA descriptors: a recognisable encoding of (address, dims, strides) instead of the driver's.
@@ -78,8 +82,10 @@ def recorder(monkeypatch, manifest_path):
 
 
 def _call(x, **kw):
+    """``kda_prefill``, or with the path overrides (``fused``, ``v_block``) the internal entry."""
     kw.setdefault("lower_bound", x["lower_bound"])
-    return cula_aot.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], **kw)
+    entry = prefill_module.prefill if "fused" in kw or "v_block" in kw else cula_aot.kda_prefill
+    return entry(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"], **kw)
 
 
 def test_repeated_signature_reuses_one_plan_with_per_call_pointers(recorder):
@@ -748,7 +754,7 @@ def test_a_fixed_length_batch_shorter_than_the_period_runs_the_plain_kernel(reco
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["varlen", "fixed"])
-def test_truncated_pieces_launch_k1_the_bounds_and_the_walking_k2(recorder, tables, fixed):
+def test_truncated_pieces_without_the_fused_kernel_launch_k1_the_bounds_and_the_walking_k2(recorder, tables, fixed):
     heads = 4
     x = standard_inputs(1, 8192 if fixed else 4096, heads, seed=13)
     out, final = torch.empty_like(x["v"]), torch.zeros(1 if fixed else 2, heads, 128, 128)
@@ -756,7 +762,7 @@ def test_truncated_pieces_launch_k1_the_bounds_and_the_walking_k2(recorder, tabl
     cu = None if fixed else cu_seqlens_of(_SPLIT)
     lengths = {} if fixed else {"cu_seqlens": cu, "cu_seqlens_cpu": cu.clone()}
     for _ in range(2):  # the second call reuses the plan and its table
-        _call(x, out=out, initial_state=init, final_state=final, intracard_cp="truncated", **lengths)
+        _call(x, out=out, initial_state=init, final_state=final, intracard_cp="truncated", fused=False, **lengths)
     assert len(recorder.launches) == 6 and len(tables.entries) == 1
     (k1, k1_values, _), (bound, bound_values, bound_grid), (k2, k2_values, k2_grid) = (
         recorder.values(i) for i in range(3)
@@ -794,3 +800,74 @@ def test_truncated_pieces_refuse_checkpoints(recorder, tables):
             checkpoint_pool=pool,
             checkpoint_indices=torch.zeros(1, 4, dtype=torch.int32),
         )
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["varlen", "fixed"])
+def test_truncated_pieces_zero_the_ready_flags_then_launch_the_fused_pieces(recorder, tables, fixed):
+    heads = 4
+    x = standard_inputs(1, 8192 if fixed else 4096, heads, seed=15)
+    out, final = torch.empty_like(x["v"]), torch.zeros(1 if fixed else 2, heads, 128, 128)
+    init = torch.zeros_like(final)
+    cu = None if fixed else cu_seqlens_of(_SPLIT)
+    lengths = {} if fixed else {"cu_seqlens": cu, "cu_seqlens_cpu": cu.clone()}
+    for _ in range(2):  # the second call reuses the plan and its table
+        _call(x, out=out, initial_state=init, final_state=final, intracard_cp="truncated", **lengths)
+    assert len(recorder.launches) == 2 and len(tables.entries) == 1 and len(recorder.zeroed) == 2
+    kernel, values, grid = recorder.values(0)
+    assert kernel.name.startswith("fused_pieces") and recorder.launches[0][3] is False
+    host_cu = [0, 8192] if fixed else [0, *_SPLIT[:1], 4096]
+    seqs = cp_plan.sequences(1, 8192 if fixed else 4096, None if fixed else host_cu)
+    piece = cp_plan.fused_piece_tiles([n for _, n, _ in seqs], heads, 132)
+    pieces = cp_plan.fused_pieces(seqs, piece)
+    rows = prefill_plans._fused_piece_rows(pieces, FLAG_INITIAL_STATE, FLAG_FINAL_STATE)
+    table = next(iter(tables.entries.values()))
+    assert table.tolist()[: len(rows) * len(rows[0])] == [v for row in rows for v in row]
+    assert values["segments"] == table.data_ptr() and grid == (1, heads, len(rows))
+    # The ticket counters (one per head) and the ready flags of the items of rows with a successor
+    # are zeroed before the launch; those items' end states follow.
+    successors = [bool(row[layout.SEG_FLAGS] & layout.FLAG_SUCCESSOR) for row in rows]
+    control = heads + sum(successors) * heads
+    assert recorder.zeroed[0] == (values["ready"], control)
+    gap = values["carries"] - values["ready"]
+    assert gap >= 4 * control and gap % 256 == 0
+    assert values["initial_state"] == init.data_ptr() and values["final_state"] == final.data_ptr()
+    assert values["flags"] == 0  # the rows carry the state flags
+    # The rows with a successor first (their exchange slots are the first), and every row's
+    # predecessor before it: the piece before it in the same sequence.
+    assert successors == sorted(successors, reverse=True) and sum(successors) == len(rows) - len(pieces)
+    for r, row in enumerate(rows):
+        before = row[layout.SEG_PREDECESSOR]
+        if row[layout.SEG_SEQ_OFFSET] == 0:
+            assert before == -1
+        else:
+            assert 0 <= before < r and successors[before] and rows[before][layout.SEG_SEQ] == row[layout.SEG_SEQ]
+            assert rows[before][layout.SEG_SEQ_OFFSET] + rows[before][layout.SEG_TOKENS] == row[layout.SEG_SEQ_OFFSET]
+    assert all(row[layout.SEG_FLAGS] & FLAG_INITIAL_STATE for row in rows)
+    finals = [bool(row[layout.SEG_FLAGS] & FLAG_FINAL_STATE) for row in rows]
+    assert sum(finals) == len(pieces) and all(f != s for f, s in zip(finals, successors))
+
+
+def test_truncated_pieces_with_the_fused_kernel_refuse_other_conventions(recorder, tables):
+    x = standard_inputs(1, 4096, 2, seed=16)
+    with pytest.raises(KDAInputError, match="fused kernel runs beta as logits"):
+        _call(x, intracard_cp="truncated", fused=True, beta_sigmoid=False)
+
+
+def test_fused_pieces_of_other_head_counts_get_their_own_tables(recorder, tables):
+    # The same lengths at H64 and H96 cut into different pieces (the planner weighs H) under the
+    # same walking split (2): each call must launch over its own rows, not a table cached for the
+    # other.
+    cu = cu_seqlens_of(_SPLIT)
+    grids = []
+    assert cp_plan.pieces_split(2, 64, 132, 4) == cp_plan.pieces_split(2, 96, 132, 4)
+    for heads in (64, 96):
+        x = standard_inputs(1, 4096, heads, seed=17)
+        _call(x, cu_seqlens=cu, cu_seqlens_cpu=cu.clone(), output_final_state=True, intracard_cp="truncated")
+        kernel, values, grid = recorder.values(len(recorder.launches) - 1)
+        seqs = cp_plan.sequences(1, 4096, cu.tolist())
+        pieces = cp_plan.fused_pieces(seqs, cp_plan.fused_piece_tiles([n for _, n, _ in seqs], heads, 132))
+        rows = prefill_plans._fused_piece_rows(pieces, 0, FLAG_FINAL_STATE)
+        table = next(t for t in tables.entries.values() if t.data_ptr() == values["segments"])
+        assert table.tolist()[: len(rows) * len(rows[0])] == [v for row in rows for v in row]
+        grids.append(grid)
+    assert len(tables.entries) == 2 and grids[0][2] != grids[1][2]

@@ -40,3 +40,20 @@ def test_arena_reuses_views_per_stream_and_drops_them_when_it_grows():
     grown = arena.carve(cpu, 4096, stream=1)
     assert arena.carve(cpu, 8, stream=1) is not first  # views of the old buffer are gone
     assert arena.carve(cpu, 8, stream=1)["qd"].data_ptr() == grown["qd"].data_ptr()
+
+
+def test_a_buffer_replaced_during_a_capture_stays_alive(monkeypatch):
+    """Graphs captured before a larger call still address the old buffer: growth under capture
+    keeps it (never freed), eager growth lets it go."""
+    arena, capturing = WorkspaceArena(), [False]
+    cuda = torch.device("cuda", 0)
+    # A stand-in allocator: the arena's logic, not device memory, is under test.
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    first = arena.buffer(cuda, 256, stream=1)
+    second = arena.buffer(cuda, 512, stream=1)
+    assert arena._retired == [] and first is not second
+    capturing[0] = True
+    assert arena.buffer(cuda, 512, stream=1) is second
+    assert arena.buffer(cuda, 1024, stream=1).numel() == 1024
+    assert len(arena._retired) == 1 and arena._retired[0] is second

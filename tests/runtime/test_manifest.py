@@ -11,6 +11,7 @@ from cula_aot.specs import (
     DecodeLayerSpec,
     DecodeSpec,
     FusedSpec,
+    FusedPiecesSpec,
     K1Spec,
     K2Spec,
     MergeSpec,
@@ -21,7 +22,17 @@ from cula_aot.specs import (
 
 SPEC_CLASSES = {
     cls.kernel: cls
-    for cls in (K1Spec, K2Spec, FusedSpec, MergeSpec, TileBoundSpec, DecodeSpec, DecodeChunkSpec, DecodeLayerSpec)
+    for cls in (
+        K1Spec,
+        K2Spec,
+        FusedSpec,
+        FusedPiecesSpec,
+        MergeSpec,
+        TileBoundSpec,
+        DecodeSpec,
+        DecodeChunkSpec,
+        DecodeLayerSpec,
+    )
 }
 
 
@@ -57,7 +68,7 @@ def test_every_artifact_exists_matches_sha256_and_abi(manifest, manifest_path):
         check_cubin_abi(name, data, record["entry"], record["params"], record["param_bytes"], record["block"])
         descriptors = [p for p in record["params"] if p["kind"] == "tma_descriptor"]
         assert [p["recipe"]["source"] for p in descriptors] == (
-            ["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill") else []
+            ["q", "k", "g"] if spec.kernel in ("k1_prepare", "fused_prefill", "fused_pieces") else []
         )
         assert all(p["offset"] % 16 == 0 and p["size"] == 128 for p in descriptors)
         assert record["grid"] == list(spec.grid) and record["dynamic_smem_bytes"] <= 227 * 1024
@@ -94,3 +105,19 @@ def test_decode_launches_ask_for_what_their_token_count_uses(manifest):
         sizes = [spec.launch_smem_bytes(t) for t in range(1, DECODE_MAX_TOKENS + 1)]
         assert sizes == sorted(set(sizes)), name
         assert sizes[-1] == record["dynamic_smem_bytes"], name
+
+
+def test_layer_launches_ask_for_their_tokens_and_the_commit_replay(manifest):
+    """The fused layer's launches: the per-token arrays of T, and with drafts the commit's replay
+    arrays behind them (``DRAFT_REPLAY_BYTES``); 8 tokens with drafts is the built maximum."""
+    from cula_aot.specs import DECODE_MAX_TOKENS, DRAFT_REPLAY_BYTES, DecodeLayerSpec
+
+    layers = [(name, r) for name, r in manifest["kernels"].items() if r["kernel"] == "kda_decode_layer"]
+    assert layers
+    for name, record in layers:
+        spec = DecodeLayerSpec(**record["args"])
+        plain = [spec.launch_smem_bytes(t, drafts=False) for t in range(1, DECODE_MAX_TOKENS + 1)]
+        drafts = [spec.launch_smem_bytes(t, drafts=True) for t in range(1, DECODE_MAX_TOKENS + 1)]
+        assert plain == sorted(set(plain)), name
+        assert [d - p for d, p in zip(drafts, plain)] == [DRAFT_REPLAY_BYTES] * DECODE_MAX_TOKENS, name
+        assert drafts[-1] == record["dynamic_smem_bytes"], name
