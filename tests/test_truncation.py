@@ -83,12 +83,14 @@ def test_tile_decay_bound_is_sound(regime, gate, conventions):
 
 def test_tile_decay_bound_certifies_standard_decay_in_two_or_three_tiles():
     """The premise of short warm-ups: under standard decay the bounds of two consecutive tiles
-    (a 32-token warm-up) already sum to ≤ 2^-20 almost everywhere, three nearly always (the
-    Frobenius part: a tile's token-by-token part alone is rarely below 1)."""
+    (a 32-token warm-up) sum to ≤ 2^-20 at most positions, three nearly everywhere (the
+    Frobenius part: a tile's token-by-token part alone is rarely below 1).  Over 40 seeds of this
+    draw two tiles certified ≥ 92.8% of positions (median 96.8%; a fresh seed drew 87.7%), three
+    ≥ 99.8%; a broken bound gives none or all."""
     x = regime_inputs("standard", [4096], 4)
     bounds = reference.tile_decay_bound(tiles_of(x))
     two, three = bounds[1:] + bounds[:-1], bounds[2:] + bounds[1:-1] + bounds[:-2]
-    assert (two <= TRUNCATION_LOG2).double().mean() >= 0.9
+    assert (two <= TRUNCATION_LOG2).double().mean() >= 0.8
     assert (three <= TRUNCATION_LOG2).double().mean() >= 0.98
 
 
