@@ -24,23 +24,24 @@ from cula_aot.specs import TILE_BOUND_MARGIN_LOG2
 
 
 def tile_bounds(x):
-    """The kernel's per-tile bound (log2 ‖A‖_F plus its margin), ``[tiles, H]``, and the layout."""
-    tiles, lay, _ = reference._tiled(
-        x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_cpu"],
-        A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=x["lower_bound"], gate_kind="safe",
-        scale=None, beta_sigmoid=True, qk_l2norm=True,
+    """The kernel's per-tile bound (log2 ‖A‖_F plus its margin), ``[tiles, H]``, and each
+    sequence's first tile (its tiles follow the sequences in order)."""
+    tiles = reference.prepare_tiles(
+        x["q"], x["k"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+        lower_bound=x["lower_bound"], cu_seqlens=x["cu_cpu"], gate_kind="safe",
     )  # fmt: skip
-    return reference.tile_frobenius_bound(tiles) + TILE_BOUND_MARGIN_LOG2, lay
+    counts = [-(-n // reference.CHUNK) for n in x["lengths"]]
+    return reference.tile_frobenius_bound(tiles) + TILE_BOUND_MARGIN_LOG2, [sum(counts[:n]) for n in range(len(counts))]
 
 
-def makespan_with_waits(rows, bounds, lay, heads: int, warmup: int, sms: int) -> float:
+def makespan_with_waits(rows, bounds, tile_first: list, heads: int, warmup: int, sms: int) -> float:
     """µs until the last (row, head) item ends, items dealt in ticket order to whichever of ``sms``
     SMs frees first (one CTA each, ``cp_plan``'s rates); an item whose ``warmup`` tiles' bounds
     sum above ``TRUNCATION_LOG2`` starts its own tiles when its predecessor has ended."""
     free = [0.0] * sms
     ends, last = {}, 0.0
     for r, row in enumerate(rows):
-        first = lay.tile_first[row[SEG_SEQ]]
+        first = tile_first[row[SEG_SEQ]]
         c0 = row[SEG_SEQ_OFFSET] // reference.CHUNK
         c1 = -(-(row[SEG_SEQ_OFFSET] + row[SEG_TOKENS]) // reference.CHUNK)
         w = min(warmup, c0)
@@ -61,12 +62,12 @@ def measured(path: str, sms: int):
     for row in json.loads(Path(path).read_text())["rows"]:
         heads = row["H"]
         x = draw_inputs(heads, row["lengths"], "standard", "cpu")
-        bounds, lay = tile_bounds(x)
+        bounds, tile_first = tile_bounds(x)
         seqs = cp_plan.sequences(1, 0, x["cu_cpu"].tolist())
         for run in row["fused_pieces"]:
             pieces = cp_plan.fused_pieces(seqs, run["piece_tiles"])
             table = prefill_plans._fused_piece_rows(pieces, FLAG_INITIAL_STATE, FLAG_FINAL_STATE)
-            spans = [makespan_with_waits(table, b, lay, heads, w, sms) for b, w in
+            spans = [makespan_with_waits(table, b, tile_first, heads, w, sms) for b, w in
                      ((bounds, 2), (bounds, 3), (bounds - 1e9, 2))]  # fmt: skip
             kernel = run["kernels_us"].get("fused_pieces")
             cells = " | ".join(f"{s:.0f}" for s in spans)

@@ -1,8 +1,6 @@
 """benchmarks/pieces_model.py's replay of the fused pieces with the kernel's waits: an item whose
 warm-up does not certify starts its own tiles when its predecessor ends (CPU only)."""
 
-import types
-
 import pytest
 import torch
 
@@ -19,14 +17,14 @@ def table(tiles: int, piece: int):
 
 @pytest.mark.parametrize("warmup", [2, 3])
 def test_certified_pieces_run_side_by_side_and_uncertified_ones_in_a_chain(warmup):
-    rows, lay = table(64, 16), types.SimpleNamespace(tile_first=[0])
+    rows, first = table(64, 16), [0]
     item, tile = cp_plan.FUSED_ITEM_US, cp_plan.FUSED_TILE_US
-    certified = pm.makespan_with_waits(rows, torch.full((64, 1), -100.0), lay, 1, warmup, sms=8)
+    certified = pm.makespan_with_waits(rows, torch.full((64, 1), -100.0), first, 1, warmup, sms=8)
     assert certified == pytest.approx(item + (warmup + 16) * tile)
-    waiting = pm.makespan_with_waits(rows, torch.zeros(64, 1), lay, 1, warmup, sms=8)
+    waiting = pm.makespan_with_waits(rows, torch.zeros(64, 1), first, 1, warmup, sms=8)
     assert waiting == pytest.approx(item + 64 * tile)
     # One uncertified piece (the third) waits for the second, which certified.
     bounds = torch.full((64, 1), -100.0)
     bounds[32 - warmup : 32] = 0.0
-    one = pm.makespan_with_waits(rows, bounds, lay, 1, warmup, sms=8)
+    one = pm.makespan_with_waits(rows, bounds, first, 1, warmup, sms=8)
     assert one == pytest.approx(item + (warmup + 16) * tile + 16 * tile)
