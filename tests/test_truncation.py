@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from cula_aot import reference
+from cula_aot.layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE, SEG_SEQ_OFFSET
+from cula_aot.ops import cp_plan, prefill_plans
 from cula_aot.reference import CHUNK, TRUNCATION_LOG2, rel_rmse
+from cula_aot.specs import PIECE_WARMUP_TILES, TILE_BOUND_MARGIN_LOG2
 from cula_aot.testing import cu_seqlens_of, fresh_seed, standard_inputs
 
 REGIMES = ("standard", "mixed", "slow")
+# The inputs the float64 references take from a ``regime_inputs`` draw.
+REFERENCE_ARGS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
 LONG_MEMORY = -12.0  # dt_bias of a channel that keeps its memory (|γ| < 1e-4 a token)
 
 
@@ -95,15 +100,30 @@ def test_tile_decay_bound_certifies_standard_decay_in_two_or_three_tiles():
 
 
 def serial(x):
-    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
-    return reference.kda_chunked(**{n: x[n] for n in keep}, gate_kind=x.get("gate", "safe"))
+    return reference.kda_chunked(**{n: x[n] for n in REFERENCE_ARGS}, gate_kind=x.get("gate", "safe"))
 
 
 def pieces(x, piece_tiles, max_warmup=None):
-    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
     return reference.kda_pieces(
-        **{n: x[n] for n in keep}, gate_kind=x.get("gate", "safe"), piece_tiles=piece_tiles, max_warmup=max_warmup
+        **{n: x[n] for n in REFERENCE_ARGS},
+        gate_kind=x.get("gate", "safe"),
+        piece_tiles=piece_tiles,
+        max_warmup=max_warmup,
     )
+
+
+def runtime_piece_table(x, piece_tiles, margin_log2=TILE_BOUND_MARGIN_LOG2):
+    """The fused pieces' rule (``kda_piece_table``) over the table the runtime builds for ``x``'s
+    sequences (``cp_plan.fused_pieces``, ``prefill_plans._fused_piece_rows``) -> (rows, (o,
+    final_state, certified))."""
+    seqs = cp_plan.sequences(1, 0, x["cu_seqlens"].tolist())
+    rows = prefill_plans._fused_piece_rows(
+        cp_plan.fused_pieces(seqs, piece_tiles), FLAG_INITIAL_STATE, FLAG_FINAL_STATE
+    )
+    table = reference.kda_piece_table(
+        **{n: x[n] for n in REFERENCE_ARGS}, rows=rows, warmup_tiles=PIECE_WARMUP_TILES, margin_log2=margin_log2
+    )
+    return rows, table
 
 
 def piece_starts(lengths, piece_tiles):
@@ -189,21 +209,8 @@ def test_the_fused_pieces_rule_over_its_real_table(regime):
     ended before it is needed; standard decay certifies (nearly) every piece after the two
     warm-up tiles and stays within the truncation bound; mixed and slow decay certify none within
     two tiles, so every piece takes its predecessor's end state and the result is the serial one."""
-    from cula_aot.layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE, SEG_SEQ_OFFSET
-    from cula_aot.ops import cp_plan, prefill_plans
-    from cula_aot.specs import PIECE_WARMUP_TILES, TILE_BOUND_MARGIN_LOG2
-
-    lengths, heads = [1100, 17, 300, 0], 2
-    x = regime_inputs(regime, lengths, heads)
-    seqs = cp_plan.sequences(1, 0, [0, 1100, 1117, 1417, 1417])
-    rows = prefill_plans._fused_piece_rows(cp_plan.fused_pieces(seqs, 8), FLAG_INITIAL_STATE, FLAG_FINAL_STATE)
-    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
-    o_p, final_p, certified = reference.kda_piece_table(
-        **{n: x[n] for n in keep},
-        rows=rows,
-        warmup_tiles=PIECE_WARMUP_TILES,
-        margin_log2=TILE_BOUND_MARGIN_LOG2,
-    )
+    x = regime_inputs(regime, [1100, 17, 300, 0], 2)
+    rows, (o_p, final_p, certified) = runtime_piece_table(x, 8)
     o, final = serial(x)
     # The rows whose warm-up starts from zero (the others reach their sequence's start: exact).
     later = torch.tensor([row[SEG_SEQ_OFFSET] // CHUNK > PIECE_WARMUP_TILES for row in rows])
@@ -223,19 +230,9 @@ def test_a_dropped_long_memory_hand_off_is_far_outside_rounding():
     with one channel that keeps its memory certifies no piece; were its pieces to start from zero
     anyway (every bound forced under the threshold), its output would be off by far more than
     the 1e-4 that test allows between kernels."""
-    from cula_aot.layout import FLAG_FINAL_STATE, FLAG_INITIAL_STATE
-    from cula_aot.ops import cp_plan, prefill_plans
-    from cula_aot.specs import PIECE_WARMUP_TILES, TILE_BOUND_MARGIN_LOG2
-
-    lengths, heads = [2048], 2
-    x = regime_inputs("standard", lengths, heads)
+    x = regime_inputs("standard", [2048], 2)
     x["dt_bias"][1, 77] = LONG_MEMORY
-    rows = prefill_plans._fused_piece_rows(
-        cp_plan.fused_pieces(cp_plan.sequences(1, 0, [0, 2048]), 8), FLAG_INITIAL_STATE, FLAG_FINAL_STATE
-    )
-    keep = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "lower_bound", "initial_state", "cu_seqlens")
-    table = dict(**{n: x[n] for n in keep}, rows=rows, warmup_tiles=PIECE_WARMUP_TILES)
-    o, final, certified = reference.kda_piece_table(**table, margin_log2=TILE_BOUND_MARGIN_LOG2)
-    o_drop, final_drop, _ = reference.kda_piece_table(**table, margin_log2=-1e6)
+    _, (o, final, certified) = runtime_piece_table(x, 8)
+    _, (o_drop, final_drop, _) = runtime_piece_table(x, 8, margin_log2=-1e6)
     assert not certified[:, 1].any()
     assert rel_rmse(o_drop[:, :, 1], o[:, :, 1]) >= 1e-2 and rel_rmse(final_drop[:, 1], final[:, 1]) >= 1e-2
